@@ -1,0 +1,92 @@
+"""The scheduler's end of the executor channel: a ZeroMQ ROUTER on ipc://.
+
+Executors connect DEALER sockets and introduce themselves with ``Hello``.
+The link only moves typed messages; what they mean is the loop's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from protos import wire
+from protos.continuum.v1 import executor_pb2 as pb
+
+log = structlog.get_logger("scheduler.link")
+
+
+class ExecutorLink:
+    """Receives executor messages on a background task and hands them to callbacks.
+
+    ``on_hello(identity, hello)`` and ``on_result(result)`` run on the event
+    loop; ``last_seen`` is the monotonic time of the latest message from the
+    current peer.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        on_hello: Callable[[bytes, pb.Hello], None],
+        on_result: Callable[[pb.StepResult], None],
+    ) -> None:
+        self.address = address
+        self._on_hello = on_hello
+        self._on_result = on_result
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a gone peer fail loudly
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._task: asyncio.Task | None = None
+        self.peer: bytes | None = None
+        self.last_seen = 0.0
+
+    def start(self) -> None:
+        self._sock.bind(self.address)
+        self._task = asyncio.get_running_loop().create_task(self._reader())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def send_plan(self, plan: pb.BatchPlan) -> bool:
+        """Sends a plan to the current peer; False if it is unreachable."""
+        return self._send(wire.encode_to_executor("plan", plan))
+
+    def send_heartbeat(self, incarnation: str, last_step_id: int) -> bool:
+        hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), last_step_id=last_step_id)
+        return self._send(wire.encode_to_executor("heartbeat", hb))
+
+    def _send(self, frame: bytes) -> bool:
+        if self.peer is None:
+            return False
+        try:
+            self._sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("executor unreachable", error=str(exc))
+            return False
+        return True
+
+    async def _reader(self) -> None:
+        while True:
+            identity, frame = await self._sock.recv_multipart()
+            try:
+                kind, msg = wire.decode_from_executor(frame)
+            except wire.WireError as exc:
+                log.error("dropped executor frame", error=str(exc))
+                continue
+            if kind == "hello":
+                self.peer = identity
+                self.last_seen = time.monotonic()
+                self._on_hello(identity, msg)
+            elif identity == self.peer:
+                self.last_seen = time.monotonic()
+                if kind == "result":
+                    self._on_result(msg)
