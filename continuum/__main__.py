@@ -1,0 +1,3 @@
+from continuum.cli import main
+
+main()

@@ -1,0 +1,64 @@
+"""The ``continuum`` command: ``serve`` a model, ``generate`` from a running server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DEFAULT_PORT = 50051
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start gateway, scheduler and executor")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face Llama-family directory "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client gRPC port")
+    p.add_argument("--scheduler-port", type=int, default=50061, help="internal scheduler port")
+    p.add_argument("--ipc", default=None, help="executor channel (default: a temp ipc:// path)")
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV pool size (CPU)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream an answer from a running server")
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_PORT}", help="gateway host:port")
+    p.add_argument("--system", default=None, help="system message (default: the model's)")
+    p.add_argument("--raw", action="store_true", help="send the prompt without chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            from continuum.supervisor import ServeError, Supervisor
+
+            try:
+                sys.exit(Supervisor(args).run())
+            except ServeError as exc:
+                print(f"continuum: {exc}", file=sys.stderr)
+                sys.exit(2)
+        from continuum.client import generate
+
+        sys.exit(generate(args))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Child processes that never outlive their parent."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGTERM to the child when the supervisor dies,
+    # even by SIGKILL, so no orphan keeps a port or the GPU.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def spawn(module: str, args: list[str], **kwargs) -> subprocess.Popen:
+    """Starts ``python -m module args`` as a child bound to this process's life."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args], preexec_fn=_die_with_parent, **kwargs
+    )
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM everyone, wait up to ``grace_s``, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,150 @@
+"""``continuum serve``: start the executor, scheduler and gateway and keep them up.
+
+Start order: resolve the model (converting a GGUF once), then the scheduler
+(it binds the ipc channel), the executor (connects and says Hello) and the
+gateway. A dead executor is restarted (the scheduler resumes its sequences by
+recompute); a dead scheduler or gateway stops the whole server with a clear
+message. SIGINT/SIGTERM stop all three cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+
+from continuum.procs import port_is_free, spawn, stop_all
+from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+MAX_EXECUTOR_RESTARTS = 5
+
+
+class ServeError(Exception):
+    """Ends ``serve`` with one line on stderr and exit code 2."""
+
+
+def resolve_model(path: str | None) -> str:
+    """The HF-format dir for ``path`` (None: bundled); converts a GGUF once."""
+    args = [path] if path else []
+    proc = spawn("executor_svc.model_files", args, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise ServeError("cannot load the model (see the message above)")
+    return out.strip().splitlines()[-1]
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workdir = tempfile.mkdtemp(prefix="continuum-")
+        self.ipc = args.ipc or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stop = False
+
+    def run(self) -> int:
+        a = self.args
+        for port in (a.port, a.scheduler_port):
+            if not port_is_free(a.host, port):
+                raise ServeError(f"port {port} on {a.host} is already in use; pass "
+                                 f"{'--port' if port == a.port else '--scheduler-port'}")
+        started = time.monotonic()
+        self.model_dir = resolve_model(a.model)
+        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
+        signal.signal(signal.SIGINT, lambda *_: self._request_stop())
+        try:
+            self._start("scheduler")
+            self._start("executor")
+            self._start("gateway")
+            self._wait_ready(started)
+            return self._watch()
+        finally:
+            stop_all([self.procs[n] for n in ("gateway", "scheduler", "executor")
+                      if n in self.procs])
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _request_stop(self) -> None:
+        self._stop = True
+
+    def _argv(self, name: str) -> list[str]:
+        a = self.args
+        sched_addr = f"{a.host}:{a.scheduler_port}"
+        if name == "scheduler":
+            return ["--ipc", self.ipc, "--host", a.host, "--port", str(a.scheduler_port),
+                    "--max-num-seqs", str(a.max_num_seqs),
+                    "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                    "--chunk-size", str(a.chunk_size)]
+        if name == "executor":
+            argv = ["--model", self.model_dir, "--ipc", self.ipc,
+                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]
+            return argv + (["--threads", str(a.threads)] if a.threads else [])
+        return ["--model-dir", self.model_dir, "--scheduler", sched_addr,
+                "--host", a.host, "--port", str(a.port)]
+
+    def _start(self, name: str) -> None:
+        module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
+                  "gateway": "gateway"}[name]
+        self.procs[name] = spawn(module, self._argv(name))
+
+    def _dead(self) -> str | None:
+        return next((n for n, p in self.procs.items() if p.poll() is not None), None)
+
+    def _wait_ready(self, started: float) -> None:
+        """Returns once the scheduler has an executor and the gateway answers."""
+        addr = f"{self.args.host}:{self.args.scheduler_port}"
+        with grpc.insecure_channel(addr) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            while not self._stop:
+                dead = self._dead()
+                if dead:
+                    code = self.procs[dead].returncode
+                    raise ServeError(f"the {dead} exited with code {code} while starting "
+                                     "(see its message above)")
+                try:
+                    if stub.Stats(scheduler_pb2.StatsRequest(), timeout=1).executor_ready:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        if not self._stop:
+            self._wait_gateway()
+            print(f"continuum: serving {os.path.basename(self.model_dir)} on "
+                  f"{self.args.host}:{self.args.port} (gRPC), ready in "
+                  f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+            print("ready", flush=True)
+
+    def _wait_gateway(self) -> None:
+        with grpc.insecure_channel(f"{self.args.host}:{self.args.port}") as ch:
+            ready = grpc.channel_ready_future(ch)
+            while not self._stop:
+                try:
+                    ready.result(timeout=0.5)
+                    return
+                except grpc.FutureTimeoutError:
+                    if self.procs["gateway"].poll() is not None:
+                        raise ServeError("the gateway exited while starting "
+                                         "(see its message above)") from None
+
+    def _watch(self) -> int:
+        restarts = 0
+        while not self._stop:
+            time.sleep(0.2)
+            dead = self._dead()
+            if dead is None:
+                continue
+            code = self.procs[dead].returncode
+            if dead == "executor" and restarts < MAX_EXECUTOR_RESTARTS:
+                restarts += 1
+                print(f"continuum: executor exited with code {code}; restarting "
+                      f"({restarts}/{MAX_EXECUTOR_RESTARTS})", file=sys.stderr, flush=True)
+                self._start("executor")
+                continue
+            print(f"continuum: the {dead} exited with code {code}; stopping", file=sys.stderr)
+            return 1
+        return 0

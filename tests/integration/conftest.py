@@ -1,0 +1,99 @@
+"""Start the real three-process server (``continuum serve``) on free loopback ports."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+READY_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (to prove nothing was orphaned)."""
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@dataclasses.dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    scheduler_port: int
+    ipc: str
+    stderr_lines: list[str]
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def generation_stub(self, channel: grpc.Channel):
+        return generation_pb2_grpc.GenerationStub(channel)
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        with grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}") as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
+
+
+def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Server:
+    port, sched_port = free_port(), free_port()
+    ipc = f"ipc://{tmp}/executor.sock"
+    cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model_dir),
+           "--port", str(port), "--scheduler-port", str(sched_port), "--ipc", ipc,
+           "--kv-cache-bytes", str(96 << 20), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    ready = threading.Event()
+    threading.Thread(target=lambda: ready.set() if proc.stdout.readline() else None,
+                     daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("server did not become ready:\n" + "".join(lines[-40:]))
+    return Server(proc, port, sched_port, ipc, lines)
+
+
+def stop_server(server: Server) -> int:
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        return server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    srv = start_server(tmp_path_factory.mktemp("serve"), model_dir)
+    yield srv
+    code = stop_server(srv)
+    assert code == 0, "".join(srv.stderr_lines[-30:])
+    time.sleep(0.5)
+    assert processes_mentioning(srv.ipc) == [], "a child process outlived `continuum serve`"

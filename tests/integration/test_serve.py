@@ -1,0 +1,96 @@
+"""The real stack: `continuum serve` (gateway → scheduler → executor) on loopback."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from protos.continuum.v1 import generation_pb2 as gen
+from protos.continuum.v1 import sampling_pb2
+
+pytestmark = pytest.mark.integration
+
+
+def chat(question: str, max_tokens: int = 48, **sampling) -> gen.GenerateRequest:
+    req = gen.GenerateRequest(max_tokens=max_tokens)
+    req.chat.messages.add(role="user", content=question)
+    req.sampling.temperature = sampling.pop("temperature", 0.0)
+    for key, value in sampling.items():
+        setattr(req.sampling, key, value)
+    return req
+
+
+def collect(server, request: gen.GenerateRequest) -> list[gen.GenerateResponse]:
+    with grpc.insecure_channel(server.addr) as ch:
+        return list(server.generation_stub(ch).Generate(request, timeout=300))
+
+
+def wait_until_idle(server, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = server.stats()
+        idle = stats.num_running == 0 and stats.num_waiting == 0
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_capital_of_france_streams_paris_with_usage(server):
+    responses = collect(server, chat("What is the capital of France?"))
+    text = "".join(r.text for r in responses)
+    assert "Paris" in text
+    assert len(responses) > 2, "the answer must arrive in several stream messages"
+    last = responses[-1]
+    assert last.finish_reason == sampling_pb2.FINISH_REASON_STOP
+    ids = [t for r in responses for t in r.token_ids]
+    assert last.usage.completion_tokens == len(ids)
+    assert last.usage.prompt_tokens > 10  # the chat template's system prompt is in it
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    assert all(r.finish_reason == sampling_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+
+
+def test_eight_concurrent_requests_complete_and_free_every_block(server):
+    questions = [f"Count from {i} to {i + 5}." for i in range(8)]
+    lengths = [8 + 3 * i for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(collect, server, chat(q, max_tokens=n, ignore_eos=True))
+            for q, n in zip(questions, lengths, strict=True)
+        ]
+        results = [f.result() for f in futures]
+    for responses, n in zip(results, lengths, strict=True):
+        usage = responses[-1].usage
+        assert usage.completion_tokens == n == sum(len(r.token_ids) for r in responses)
+        assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    stats = wait_until_idle(server)
+    assert stats.num_total_blocks > 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_client_cancel_aborts_upstream_and_frees_blocks(server):
+    with grpc.insecure_channel(server.addr) as ch:
+        call = server.generation_stub(ch).Generate(
+            chat("Write a long story about a dragon.", max_tokens=400, ignore_eos=True),
+            timeout=300)
+        first = next(call)
+        assert first.token_ids
+        assert server.stats().num_running == 1
+        call.cancel()
+    stats = wait_until_idle(server)
+    assert stats.num_running == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_generate_cli_streams_the_answer(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "continuum", "generate", "What is the capital of France?",
+         "--addr", server.addr],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout

@@ -1,0 +1,46 @@
+"""`continuum serve` fails with one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "continuum", "serve", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_missing_model_path_is_one_clear_error(tmp_path):
+    out = serve("--model", str(tmp_path / "nope"), "--port", str(free_port()),
+                "--scheduler-port", str(free_port()))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert str(tmp_path / "nope") in out.stderr
+
+
+def test_malformed_model_file_is_one_clear_error(tmp_path):
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"this is not a gguf file")
+    out = serve("--model", str(bogus), "--port", str(free_port()),
+                "--scheduler-port", str(free_port()))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+
+
+def test_port_in_use_is_one_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = serve("--port", str(port), "--scheduler-port", str(free_port()))
+    assert out.returncode == 2
+    assert f"port {port}" in out.stderr and "already in use" in out.stderr
+    assert "Traceback" not in out.stderr
