@@ -35,8 +35,11 @@ class BlockManager:
         return self._tables.get(seq_id, [])
 
     def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks ``seq_id`` lacks to hold ``num_tokens`` positions."""
-        return max(0, self.blocks_needed(num_tokens) - len(self.block_table(seq_id)))
+        """Blocks ``seq_id`` lacks to hold ``num_tokens`` positions (hot: once per
+        sequence per step, so no helper calls)."""
+        table = self._tables.get(seq_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        return need if need > 0 else 0
 
     def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
         """True if ``seq_id`` can hold ``num_tokens`` positions, leaving ``reserve`` free."""
@@ -45,6 +48,8 @@ class BlockManager:
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
         """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns the new ids."""
         need = self.num_new_blocks(seq_id, num_tokens)
+        if need == 0:
+            return []
         assert need <= len(self._free), "grow() without can_grow()"
         new = [self._free.popleft() for _ in range(need)]
         self._tables.setdefault(seq_id, []).extend(new)

@@ -31,13 +31,13 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step."""
 
     request: Request
     num_tokens: int  # tokens computed this step, from num_computed_tokens before the step
-    new_block_ids: tuple[int, ...]
+    new_block_ids: list[int]
     is_new: bool  # the executor holds no state for it: send it in full
     samples: bool  # this step brings num_computed_tokens up to num_tokens
 
@@ -58,7 +58,7 @@ class SchedulerOutput:
         return not self.scheduled and not self.finished_seq_ids
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class RequestEvent:
     """Something a client must hear: new tokens and/or the end of its stream."""
 
@@ -209,8 +209,8 @@ class Scheduler:
         if is_new:
             self._in_executor.add(req.seq_id)
         req.num_computed_tokens += n
-        samples = req.num_computed_tokens == req.num_tokens
-        return ScheduledSeq(req, n, tuple(new_blocks), is_new, samples)
+        samples = req.num_computed_tokens == len(req.token_ids)
+        return ScheduledSeq(req, n, new_blocks, is_new, samples)
 
     # -- results ---------------------------------------------------------------
 
