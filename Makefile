@@ -35,7 +35,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(VENV)/bin/continuum bench $(ARGS)
+	$(PY) -m benchmarks.bench_plan
+	@echo 'end-to-end: start "make run", then  -m benchmarks.bench_serve'
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info
