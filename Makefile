@@ -36,7 +36,7 @@ lint: setup
 
 bench: setup
 	$(PY) -m benchmarks.bench_plan
-	@echo 'end-to-end: start "make run", then  -m benchmarks.bench_serve'
+	@echo 'end-to-end: start "make run", then $(PY) -m benchmarks.bench_serve'
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info
