@@ -1,0 +1,109 @@
+"""`python -m gateway --model-dir DIR --scheduler HOST:PORT`: run one gateway.
+
+Startup failures a user can fix (port in use, no tokenizer.json, bad flag)
+end with one line on stderr and exit code 2, never a traceback. SIGTERM or
+SIGINT drains: health goes NOT_SERVING, new calls are refused, in-flight calls
+get the grace period, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import signal
+import sys
+
+import structlog
+
+from gateway.config import ConfigError, GatewayConfig
+from gateway.log_setup import configure_logging
+from gateway.server import BindError, start_gateway
+from gateway.tokenizer import ModelFilesError, Tokenizer
+
+EXIT_USAGE = 2
+
+
+def parse_args(argv: list[str] | None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model-dir",
+        required=True,
+        type=pathlib.Path,
+        help="Hugging Face-format model directory (tokenizer.json, config.json)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        required=True,
+        metavar="HOST:PORT",
+        help="address of the scheduler replica to submit requests to",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any)")
+    parser.add_argument(
+        "--model-name",
+        default="",
+        help="model name clients may send (default: the model dir's name)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context limit (default: config.json max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=5.0,
+        help="seconds in-flight calls may run on after SIGTERM",
+    )
+    args = parser.parse_args(argv)
+    return GatewayConfig(
+        model_dir=args.model_dir,
+        scheduler_address=args.scheduler,
+        host=args.host,
+        port=args.port,
+        model_name=args.model_name,
+        max_model_len=args.max_model_len,
+        grace_period_s=args.grace_period,
+    )
+
+
+async def serve(config: GatewayConfig, tokenizer: Tokenizer) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # Installed before binding, so a signal during startup still drains cleanly.
+        loop.add_signal_handler(signum, stop.set)
+    gateway = await start_gateway(config, tokenizer)
+    log = structlog.get_logger("gateway")
+    log.info(
+        "gateway serving",
+        host=config.host,
+        port=gateway.port,
+        model=config.model_name,
+        scheduler=config.scheduler_address,
+        max_model_len=tokenizer.info.max_model_len,
+    )
+    await stop.wait()
+    log.info("draining", grace_period_s=config.grace_period_s)
+    await gateway.stop(config.grace_period_s)
+    log.info("gateway stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+        tokenizer = Tokenizer.from_dir(config.model_dir, max_model_len=config.max_model_len)
+        configure_logging()
+        asyncio.run(serve(config, tokenizer))
+    except (ConfigError, ModelFilesError, BindError) as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

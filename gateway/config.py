@@ -1,0 +1,41 @@
+"""The gateway's one frozen config, built by `__main__` and validated once."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which flag to change."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: pathlib.Path
+    # host:port of the scheduler replica that Generate requests are submitted to.
+    scheduler_address: str
+    host: str = "127.0.0.1"
+    # 0 picks a free port (tests); the bound port is logged.
+    port: int = 50051
+    # Name clients may put in GenerateRequest.model; defaults to the model dir's name.
+    model_name: str = ""
+    # Overrides config.json's max_position_embeddings when set.
+    max_model_len: int | None = None
+    # How long in-flight calls may continue after SIGTERM before they are cut.
+    grace_period_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            object.__setattr__(self, "model_name", self.model_dir.resolve().name)
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port} is not a TCP port (0..65535)")
+        host, sep, port = self.scheduler_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(
+                f"--scheduler {self.scheduler_address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"--grace-period must be >= 0, got {self.grace_period_s}")

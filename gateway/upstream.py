@@ -1,0 +1,64 @@
+"""The gateway's side of the internal Scheduler API: channel setup and error mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"
+
+# Fail fast while the scheduler is down (no wait_for_ready: the client gets
+# UNAVAILABLE at once), but reconnect within about a second once it is back:
+# gRPC's default backoff grows to two minutes, which would keep a gateway
+# started before its scheduler refusing work long after the scheduler is up.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+# Codes whose upstream details are meaningful to the client as they are.
+_PASS_THROUGH = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ClientStatus:
+    """The status to end the client's call with after an upstream failure."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+
+def _retry_after(exc: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
+    metadata = exc.trailing_metadata() or ()
+    return tuple((key, value) for key, value in metadata if key == RETRY_AFTER_KEY)
+
+
+def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
+    """Maps an upstream Submit failure to what the client should see."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        message = details or "the server is overloaded; retry later"
+        return ClientStatus(code, message, _retry_after(exc))
+    if code in _PASS_THROUGH:
+        return ClientStatus(code, details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ClientStatus(code, "the deadline passed before generation finished")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ClientStatus(code, f"no scheduler replica reachable at {address} ({details})")
+    # CANCELLED (the scheduler shut down under us), UNIMPLEMENTED (not a
+    # scheduler at that address) and the rest: the replica cannot serve, retry.
+    return ClientStatus(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the scheduler at {address} failed the request ({code.name}: {details})",
+    )

@@ -1,0 +1,239 @@
+"""Validation of client requests: the edge where bad input becomes a status code.
+
+Every check produces a `RequestError` whose message tells the caller what to
+change; nothing a client sends may surface as INTERNAL. Cheap field checks run
+before tokenization so that a malformed request costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from gateway.chat_template import ChatTemplateError
+from gateway.tokenizer import Tokenizer
+from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_TENANT_CHARS = 128
+MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TENANT = "default"
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+PRIORITY_TIERS = {
+    generation_pb2.PRIORITY_PREMIUM: 0,
+    generation_pb2.PRIORITY_UNSPECIFIED: 1,
+    generation_pb2.PRIORITY_STANDARD: 1,
+    generation_pb2.PRIORITY_BEST_EFFORT: 2,
+}
+
+
+class RequestError(Exception):
+    """A request the gateway refuses; `code` is the gRPC status to return."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """Bytes that are not a GenerateRequest (e.g. a string field with invalid UTF-8)."""
+
+    reason: str
+
+
+def parse_request(data: bytes) -> generation_pb2.GenerateRequest | UndecodableRequest:
+    """The servicer's request deserializer: never raises, so bad bytes can become
+    INVALID_ARGUMENT in the handler instead of grpc's UNKNOWN."""
+    try:
+        return generation_pb2.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return UndecodableRequest(str(exc))
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed every check, resolved to what the scheduler needs."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: sampling_pb2.SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    tenant: str
+    priority_tier: int
+
+    def to_submit(self) -> scheduler_pb2.SubmitRequest:
+        return scheduler_pb2.SubmitRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+            tenant=self.tenant,
+            priority_tier=self.priority_tier,
+        )
+
+
+def _check_identifier(value: str, field: str, max_chars: int) -> None:
+    if len(value) > max_chars:
+        raise RequestError(f"{field} is {len(value)} characters long; the limit is {max_chars}")
+    bad = next((c for c in value if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise RequestError(f"{field} must be printable ASCII; it contains {bad!r}")
+
+
+def _check_range(field: str, value: float, low: float, high: float, closed_low: bool) -> None:
+    above_low = value >= low if closed_low else value > low
+    if not (math.isfinite(value) and above_low and value <= high):
+        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}]"
+        raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}")
+
+
+def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    for index, token_id in enumerate(ids):
+        if token_id >= vocab_size:
+            raise RequestError(
+                f"{field}[{index}] = {token_id} is not a token id: the model's vocabulary "
+                f"has {vocab_size} tokens (ids 0..{vocab_size - 1})"
+            )
+
+
+def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> None:
+    temperature = sampling.temperature
+    if sampling.HasField("temperature") and not (math.isfinite(temperature) and temperature >= 0):
+        raise RequestError(
+            f"sampling.temperature must be a finite number >= 0 (0 means greedy), "
+            f"got {temperature:g}"
+        )
+    if sampling.HasField("top_p"):
+        _check_range("top_p", sampling.top_p, 0.0, 1.0, closed_low=False)
+    _check_range("min_p", sampling.min_p, 0.0, 1.0, closed_low=True)
+    if sampling.HasField("repetition_penalty"):
+        penalty = sampling.repetition_penalty
+        if not (math.isfinite(penalty) and penalty > 0):
+            raise RequestError(f"sampling.repetition_penalty must be > 0, got {penalty:g}")
+    _check_range("presence_penalty", sampling.presence_penalty, -2.0, 2.0, closed_low=True)
+    _check_range("frequency_penalty", sampling.frequency_penalty, -2.0, 2.0, closed_low=True)
+    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
+        raise RequestError(
+            f"sampling.logprobs asks for {sampling.logprobs} alternatives; at most {MAX_LOGPROBS}"
+        )
+    _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size)
+
+
+def check_stop_strings(stop: Sequence[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS}")
+    for index, text in enumerate(stop):
+        if not text:
+            raise RequestError(f"stop[{index}] is empty; remove it or give a non-empty string")
+        size = len(text.encode("utf-8"))
+        if size > MAX_STOP_STRING_BYTES:
+            raise RequestError(
+                f"stop[{index}] is {size} bytes long; each stop string is at most "
+                f"{MAX_STOP_STRING_BYTES} bytes"
+            )
+
+
+def _chat_messages(chat: generation_pb2.ChatInput) -> list[dict[str, str]]:
+    if not chat.messages:
+        raise RequestError("chat has no messages; send at least one")
+    for index, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            raise RequestError(
+                f"chat.messages[{index}].role is {message.role!r}; "
+                f"use one of {', '.join(sorted(CHAT_ROLES))}"
+            )
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+    """Resolves the request's input (prompt, chat or token ids) to prompt token ids."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise RequestError("no input: set exactly one of prompt, chat or token_ids")
+    if kind == "prompt":
+        if not request.prompt:
+            raise RequestError("prompt is empty")
+        ids = tokenizer.encode(request.prompt)
+    elif kind == "chat":
+        try:
+            ids = tokenizer.encode_chat(_chat_messages(request.chat))
+        except ChatTemplateError as exc:
+            raise RequestError(f"the model's chat template rejected the messages: {exc}") from exc
+    else:
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise RequestError("token_ids is empty")
+        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size)
+    if not ids:
+        raise RequestError(f"the {kind} tokenizes to zero tokens")
+    return ids
+
+
+def resolve_max_tokens(requested: int, num_prompt_tokens: int, max_model_len: int) -> int:
+    """Applies the default (up to 256, within the context) and checks the context limit."""
+    max_tokens = requested or max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the length of the prompt or of max_tokens."
+        )
+    return max_tokens
+
+
+def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) -> None:
+    """Checks everything that needs no tokenizer."""
+    _check_identifier(request.request_id, "request_id", MAX_REQUEST_ID_CHARS)
+    _check_identifier(request.tenant, "tenant", MAX_TENANT_CHARS)
+    if request.model and request.model != served_model:
+        raise RequestError(
+            f"model {request.model!r} is not served here; this gateway serves {served_model!r} "
+            "(or leave model empty)",
+            grpc.StatusCode.NOT_FOUND,
+        )
+    if request.priority not in PRIORITY_TIERS:
+        raise RequestError(f"priority {request.priority} is not a known Priority value")
+    check_stop_strings(request.stop)
+
+
+def validate(
+    request: generation_pb2.GenerateRequest | UndecodableRequest,
+    tokenizer: Tokenizer,
+    served_model: str,
+) -> ValidatedRequest:
+    """Checks a client request and resolves it for `Scheduler.Submit`; raises RequestError."""
+    if isinstance(request, UndecodableRequest):
+        raise RequestError(
+            f"the request is not a valid GenerateRequest ({request.reason}); "
+            "string fields must be UTF-8"
+        )
+    _check_envelope(request, served_model)
+    check_sampling(request.sampling, tokenizer.info.vocab_size)
+    ids = prompt_token_ids(request, tokenizer)
+    max_tokens = resolve_max_tokens(request.max_tokens, len(ids), tokenizer.info.max_model_len)
+    if request.sampling.min_tokens > max_tokens:
+        raise RequestError(
+            f"sampling.min_tokens ({request.sampling.min_tokens}) must be <= max_tokens "
+            f"({max_tokens})"
+        )
+    return ValidatedRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=tuple(ids),
+        sampling=request.sampling,
+        max_tokens=max_tokens,
+        stop=tuple(request.stop),
+        tenant=request.tenant or DEFAULT_TENANT,
+        priority_tier=PRIORITY_TIERS[request.priority],
+    )

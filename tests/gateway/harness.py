@@ -1,0 +1,107 @@
+"""A real grpc.aio gateway on loopback, and a scripted fake scheduler behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import socket
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.server import start_gateway
+from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+MODEL_NAME = "smollm2"
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound and released; good enough on loopback)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(coro, timeout_s: float = 30.0):
+    """Runs one async scenario; a hang fails the test instead of stalling the suite."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+@dataclass
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    """Streams `events` (one per `delay_s`), or fails with `error` after them.
+
+    Records what was submitted, the timeout it was given and whether the
+    gateway cancelled the call.
+    """
+
+    events: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
+    delay_s: float = 0.0
+    error: tuple[grpc.StatusCode, str, tuple] | None = None
+    submitted: list[scheduler_pb2.SubmitRequest] = field(default_factory=list)
+    time_remaining: list[float | None] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    completed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Submit(self, request, context):
+        self.submitted.append(request)
+        self.time_remaining.append(context.time_remaining())
+        try:
+            for event in self.events:
+                await asyncio.sleep(self.delay_s)
+                yield event
+            if self.error is not None:
+                code, details, trailing = self.error
+                await context.abort(code, details, trailing)
+            self.completed.set()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def fake_scheduler(scheduler: FakeScheduler):
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def gateway(tokenizer, scheduler_address: str, **config):
+    """Yields (running gateway, channel to it)."""
+    settings = GatewayConfig(
+        model_dir=pathlib.Path("unused"),
+        scheduler_address=scheduler_address,
+        port=0,
+        model_name=MODEL_NAME,
+        **config,
+    )
+    running = await start_gateway(settings, tokenizer)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield running, channel
+    finally:
+        await channel.close()
+        await running.stop(0)
+
+
+def generation_stub(channel) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+async def collect(call) -> list:
+    return [response async for response in call]
+
+
+@contextlib.asynccontextmanager
+async def gateway_with_fake(tokenizer, scheduler: FakeScheduler):
+    """A gateway in front of `scheduler`; yields (running gateway, channel to it)."""
+    async with fake_scheduler(scheduler) as address, gateway(tokenizer, address) as pair:
+        yield pair

@@ -1,0 +1,201 @@
+"""Bad requests get INVALID_ARGUMENT / NOT_FOUND with an actionable message, before any
+upstream call, through a real gateway whose scheduler address has nothing listening."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from protos.continuum.v1 import generation_pb2, sampling_pb2
+
+from .harness import MODEL_NAME, collect, free_port, gateway, generation_stub, run
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+GenerateRequest = generation_pb2.GenerateRequest
+SamplingParams = sampling_pb2.SamplingParams
+
+
+def _chat(*turns):
+    return generation_pb2.ChatInput(
+        messages=[generation_pb2.ChatMessage(role=r, content=c) for r, c in turns]
+    )
+
+
+BAD_REQUESTS = {
+    "no input": (GenerateRequest(), INVALID, "set exactly one of prompt, chat or token_ids"),
+    "empty prompt": (GenerateRequest(prompt=""), INVALID, "prompt is empty"),
+    "empty chat": (GenerateRequest(chat=generation_pb2.ChatInput()), INVALID, "no messages"),
+    "bad role": (GenerateRequest(chat=_chat(("robot", "hi"))), INVALID, "use one of assistant"),
+    "empty token ids": (
+        GenerateRequest(token_ids=generation_pb2.TokenIds()),
+        INVALID,
+        "token_ids is empty",
+    ),
+    "token id out of vocab": (
+        GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1, 2, 49152])),
+        INVALID,
+        "token_ids.ids[2] = 49152 is not a token id: the model's vocabulary has 49152",
+    ),
+    "unknown model": (
+        GenerateRequest(prompt="hi", model="gpt-4"),
+        grpc.StatusCode.NOT_FOUND,
+        "model 'gpt-4' is not served here; this gateway serves 'smollm2'",
+    ),
+    "context overflow": (
+        GenerateRequest(prompt="hi", max_tokens=9000),
+        INVALID,
+        "This model's maximum context length is 8192 tokens. However, you requested 9001 "
+        "tokens (1 in the prompt, 9000 for the completion).",
+    ),
+    "prompt fills context": (
+        GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5] * 8192)),
+        INVALID,
+        "you requested 8193 tokens (8192 in the prompt, 1 for the completion)",
+    ),
+    "negative temperature": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(temperature=-0.5)),
+        INVALID,
+        "sampling.temperature must be a finite number >= 0 (0 means greedy), got -0.5",
+    ),
+    "nan temperature": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(temperature=float("nan"))),
+        INVALID,
+        "sampling.temperature must be a finite number",
+    ),
+    "top_p zero": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(top_p=0.0)),
+        INVALID,
+        "sampling.top_p must be in (0, 1], got 0",
+    ),
+    "top_p above one": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(top_p=1.5)),
+        INVALID,
+        "sampling.top_p must be in (0, 1], got 1.5",
+    ),
+    "min_p above one": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(min_p=2.0)),
+        INVALID,
+        "sampling.min_p must be in [0, 1], got 2",
+    ),
+    "zero repetition penalty": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(repetition_penalty=0.0)),
+        INVALID,
+        "sampling.repetition_penalty must be > 0, got 0",
+    ),
+    "presence penalty": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(presence_penalty=2.5)),
+        INVALID,
+        "sampling.presence_penalty must be in [-2, 2], got 2.5",
+    ),
+    "frequency penalty": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(frequency_penalty=-3)),
+        INVALID,
+        "sampling.frequency_penalty must be in [-2, 2], got -3",
+    ),
+    "too many logprobs": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(logprobs=21)),
+        INVALID,
+        "sampling.logprobs asks for 21 alternatives; at most 20",
+    ),
+    "stop token id out of vocab": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(stop_token_ids=[2, 60000])),
+        INVALID,
+        "sampling.stop_token_ids[1] = 60000 is not a token id",
+    ),
+    "min_tokens above max_tokens": (
+        GenerateRequest(prompt="hi", max_tokens=4, sampling=SamplingParams(min_tokens=5)),
+        INVALID,
+        "sampling.min_tokens (5) must be <= max_tokens (4)",
+    ),
+    "too many stop strings": (
+        GenerateRequest(prompt="hi", stop=[f"s{i}" for i in range(17)]),
+        INVALID,
+        "17 stop strings given; at most 16",
+    ),
+    "long stop string": (
+        GenerateRequest(prompt="hi", stop=["ok", "é" * 129]),
+        INVALID,
+        "stop[1] is 258 bytes long; each stop string is at most 256 bytes",
+    ),
+    "empty stop string": (
+        GenerateRequest(prompt="hi", stop=[""]),
+        INVALID,
+        "stop[0] is empty",
+    ),
+    "long request id": (
+        GenerateRequest(prompt="hi", request_id="x" * 129),
+        INVALID,
+        "request_id is 129 characters long; the limit is 128",
+    ),
+    "unprintable request id": (
+        GenerateRequest(prompt="hi", request_id="abc\n"),
+        INVALID,
+        "request_id must be printable ASCII; it contains '\\n'",
+    ),
+    "unknown priority": (
+        GenerateRequest(prompt="hi", priority=7),
+        INVALID,
+        "priority 7 is not a known Priority value",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def unreachable_scheduler() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+def test_bad_request_is_rejected_with_a_helpful_message(tokenizer, unreachable_scheduler, case):
+    request, code, message = BAD_REQUESTS[case]
+
+    async def scenario():
+        async with gateway(tokenizer, unreachable_scheduler) as (_, channel):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(generation_stub(channel).Generate(request, timeout=10))
+            return info.value
+
+    error = run(scenario())
+    # UNAVAILABLE here would mean the request got past validation to the (absent) scheduler.
+    assert error.code() == code, error.details()
+    assert message in error.details()
+
+
+def test_valid_request_to_unreachable_scheduler_is_unavailable_quickly(
+    tokenizer, unreachable_scheduler
+):
+    async def scenario():
+        async with gateway(tokenizer, unreachable_scheduler) as (_, channel):
+            stub = generation_stub(channel)
+            errors = []
+            for request in (
+                GenerateRequest(prompt="hi", model=MODEL_NAME),
+                GenerateRequest(chat=_chat(("user", "What is the capital of France?"))),
+            ):
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await collect(stub.Generate(request, timeout=20))
+                errors.append((info.value, time.monotonic() - started))
+            return errors
+
+    for error, elapsed in run(scenario()):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"no scheduler replica reachable at {unreachable_scheduler}" in error.details()
+        assert elapsed < 5.0
+
+
+def test_undecodable_request_is_invalid_argument(tokenizer, unreachable_scheduler):
+    raw = b"\x12\x02\xff\xfe"  # field 2 (prompt), 2 bytes that are not UTF-8
+
+    async def scenario():
+        async with gateway(tokenizer, unreachable_scheduler) as (_, channel):
+            generate = channel.unary_stream("/continuum.v1.Generation/Generate")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(generate(raw, timeout=10))
+            return info.value
+
+    error = run(scenario())
+    assert error.code() == INVALID
+    assert "string fields must be UTF-8" in error.details()
