@@ -40,6 +40,14 @@ def resolve_model(path: str | None) -> str:
     return out.strip().splitlines()[-1]
 
 
+def served_name(path: str | None) -> str:
+    """The model name clients see: the source file's or directory's name."""
+    if not path:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(path))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
 class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -56,6 +64,7 @@ class Supervisor:
                                  f"{'--port' if port == a.port else '--scheduler-port'}")
         started = time.monotonic()
         self.model_dir = resolve_model(a.model)
+        self.model_name = served_name(a.model)
         signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
         signal.signal(signal.SIGINT, lambda *_: self._request_stop())
         try:
@@ -81,10 +90,11 @@ class Supervisor:
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                     "--chunk-size", str(a.chunk_size)]
         if name == "executor":
-            argv = ["--model", self.model_dir, "--ipc", self.ipc,
+            argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]
             return argv + (["--threads", str(a.threads)] if a.threads else [])
-        return ["--model-dir", self.model_dir, "--scheduler", sched_addr,
+        return ["--model-dir", self.model_dir, "--model-name", self.model_name,
+                "--scheduler", sched_addr,
                 "--host", a.host, "--port", str(a.port)]
 
     def _start(self, name: str) -> None:
@@ -114,7 +124,7 @@ class Supervisor:
                 time.sleep(0.2)
         if not self._stop:
             self._wait_gateway()
-            print(f"continuum: serving {os.path.basename(self.model_dir)} on "
+            print(f"continuum: serving {self.model_name} on "
                   f"{self.args.host}:{self.args.port} (gRPC), ready in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
             print("ready", flush=True)

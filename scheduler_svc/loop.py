@@ -103,6 +103,8 @@ class EngineLoop:
             prefill_tokens_per_s=round(hello.prefill_tokens_per_s),
         )
         self._pending_hello = hello
+        # Acknowledge, so the executor stops re-sending its Hello.
+        self.link.send_heartbeat(hello.incarnation, 0)
         if self._result is not None and not self._result.done():
             self._result.set_result(None)  # the old incarnation's step will never answer
         self._wake.set()
