@@ -1,0 +1,113 @@
+"""The KV cache tensors: a device pool of fixed-size blocks, plus an optional host (swap) pool.
+
+Layout of each pool: ``[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]``, so a
+block's K and V for every layer move with one indexed copy. The executor never decides which
+block holds what: block ids and slots come from the scheduler's plan, checked by the runner
+before they reach this module.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one token's KV across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    @property
+    def token_bytes(self) -> int:
+        # K and V, every layer, every KV head.
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def block_bytes(self) -> int:
+        return self.token_bytes * self.block_size
+
+    def num_blocks(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.block_bytes)
+
+
+class KVCache:
+    """Owns the pools; writes this step's K/V into the slots the plan assigned.
+
+    Pools start zeroed: attention may read (and mask out) never-written slots of a partly
+    filled block, and masked garbage would still poison the output if it were NaN.
+    """
+
+    def __init__(
+        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0, device="cpu"
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget too small: one block of {spec.block_size} tokens needs "
+                f"{spec.block_bytes} bytes"
+            )
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.host_pool = torch.zeros((*shape[:2], num_host_blocks, *shape[3:]), dtype=spec.dtype)
+
+    def key_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
+        return self.device_pool[layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
+        return self.device_pool[layer, 1]
+
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64, slot = block_id * block_size + offset
+    ) -> None:
+        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
+        # A contiguous pool's [num_blocks, block_size] prefix flattens to slots.
+        self.device_pool[layer, 0].view(-1, hkv, dim).index_copy_(0, slot_mapping, k)
+        self.device_pool[layer, 1].view(-1, hkv, dim).index_copy_(0, slot_mapping, v)
+
+    def swap(
+        self, out_src: list[int], out_dst: list[int], in_src: list[int], in_dst: list[int]
+    ) -> None:
+        """One step's swaps: device ``out_src[i]`` -> host ``out_dst[i]`` and host
+        ``in_src[i]`` -> device ``in_dst[i]``. Every read happens before any write, so a block
+        one direction frees may be reused by the other in the same step."""
+        device = self.device_pool.device
+        # Indexing with a list copies: these are snapshots, safe from the writes below.
+        outgoing = self.device_pool[:, :, out_src].cpu() if out_src else None
+        incoming = self.host_pool[:, :, in_src].to(device) if in_src else None
+        if outgoing is not None:
+            self.host_pool[:, :, out_dst] = outgoing
+        if incoming is not None:
+            self.device_pool[:, :, torch.tensor(in_dst, device=device)] = incoming
+
+    def copy(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Device-to-device block copies, pairwise (copy-on-write)."""
+        if src_blocks:
+            device = self.device_pool.device
+            src = torch.tensor(src_blocks, device=device)
+            dst = torch.tensor(dst_blocks, device=device)
+            self.device_pool[:, :, dst] = self.device_pool[:, :, src]
+
+    def measure_copy_bytes_per_s(self, max_blocks: int = 16) -> float:
+        """Device -> host copy bandwidth for the preemption cost model (a few ms)."""
+        n = min(max_blocks, self.num_blocks)
+        blocks = self.device_pool[:, :, :n]
+        dst = torch.empty(blocks.shape, dtype=blocks.dtype)
+        dst.copy_(blocks)  # warm the pages
+        start = time.perf_counter()
+        dst.copy_(blocks)
+        elapsed = time.perf_counter() - start
+        return n * self.spec.block_bytes / max(elapsed, 1e-9)

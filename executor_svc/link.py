@@ -1,0 +1,131 @@
+"""The executor's end of the scheduler channel, and the loop that serves it.
+
+A zmq DEALER connects to the scheduler's ROUTER (ipc://). Each frame is one ExecutorMessage /
+SchedulerMessage (protos/wire.py). The loop is the only owner of the Runner: it answers a
+plan with its StepResult and a heartbeat with a heartbeat, in arrival order.
+
+Introductions: Hello goes out every time the connection is (re)established — zmq reconnects
+by itself when the scheduler restarts, and the new scheduler knows nobody — and again if the
+first one got no answer within ``hello_retry_s``, or a scheduler heartbeat names another
+incarnation. The scheduler treats every Hello as an empty executor, so sending one also
+drops this executor's sequence state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from executor_svc.runner import Runner
+from protos import wire
+from protos.continuum.v1 import executor_pb2 as pb
+
+log = logging.getLogger("executor.link")
+CONNECTED = "connected"  # what recv() returns when the connection is (re)established
+
+
+class SchedulerLink:
+    """Blocking DEALER socket (one frame per message) plus a monitor for (re)connections."""
+
+    def __init__(self, address: str, linger_ms: int = 200) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sock.connect(address)
+
+    def send(self, kind: str, msg) -> None:
+        self._sock.send(wire.encode_to_scheduler(kind, msg))
+
+    def recv(self, timeout_ms: int) -> bytes | str | None:
+        """The next payload, CONNECTED after a (re)connection, or None after ``timeout_ms``."""
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._monitor in ready:
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                return CONNECTED
+        if self._sock in ready:
+            # A ROUTER peer may prepend an empty delimiter; the payload is the last frame.
+            return self._sock.recv_multipart()[-1]
+        return None
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close()
+        self._ctx.term()
+
+
+class ServeLoop:
+    """Receives plans and heartbeats until ``should_stop()``; polls so signals are prompt."""
+
+    def __init__(
+        self,
+        link: SchedulerLink,
+        runner: Runner,
+        hello: pb.Hello,
+        should_stop: Callable[[], bool],
+        hello_retry_s: float = 2.0,
+        poll_ms: int = 100,
+    ) -> None:
+        self.link, self.runner, self.hello = link, runner, hello
+        self.should_stop = should_stop
+        self.hello_retry_s = hello_retry_s
+        self.poll_ms = poll_ms
+        self._answered = False  # anything received since the last Hello
+        self._retried = False
+        self._last_hello = 0.0
+
+    def run(self) -> None:
+        while not self.should_stop():
+            frame = self.link.recv(self.poll_ms)
+            if frame == CONNECTED:
+                self._send_hello("connected")
+            elif frame is None:
+                if self._last_hello and not self._answered and not self._retried \
+                        and self._since_hello() >= self.hello_retry_s:
+                    self._retried = True
+                    self._send_hello("no answer yet")
+            else:
+                self._receive(frame)
+
+    def _receive(self, frame: bytes) -> None:
+        try:
+            kind, msg = wire.decode_from_scheduler(frame)
+        except wire.WireError as exc:
+            log.warning("dropped frame: %s", exc)
+            return
+        self._answered = True
+        self.handle(kind, msg)
+
+    def handle(self, kind: str, msg) -> None:
+        if kind == "plan":
+            result = self.runner.execute(msg)
+            self.link.send("result", result)
+            log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.seq_ids),
+                      result.step_ms)
+        elif kind == "heartbeat":
+            if msg.incarnation != self.hello.incarnation and self._since_hello() >= 1.0:
+                self._send_hello(f"scheduler knows incarnation {msg.incarnation!r}")
+            self.link.send("heartbeat", pb.Heartbeat(
+                incarnation=self.hello.incarnation,
+                sent_at=time.time(),
+                last_step_id=self.runner.last_step_id,
+            ))
+
+    def _since_hello(self) -> float:
+        return time.monotonic() - self._last_hello
+
+    def _send_hello(self, why: str) -> None:
+        self.runner.reset()
+        self.link.send("hello", self.hello)
+        self._last_hello = time.monotonic()
+        self._answered = False
+        log.info("hello sent (%s), incarnation %s", why, self.hello.incarnation)

@@ -1,0 +1,171 @@
+"""Executing BatchPlans: the executor's persistent batch state and one step of work.
+
+``Runner.execute(plan)`` checks the plan (executor_svc/plan_check.py), drops finished
+sequences, adds new ones, applies deltas to cached ones, runs the block copies, one forward
+pass over the flattened batch, and samples for every sequence whose computed tokens reach
+its known tokens. A refused plan changes nothing; a failed forward drops every sequence
+(the scheduler resends them in full after any error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from executor_svc.batch import SequenceState, StepInputs, build_inputs
+from executor_svc.kv_cache import KVCache
+from executor_svc.model import LlamaModel
+from executor_svc.plan_check import PlanError, PlanLimits, check_plan
+from executor_svc.sampler import SampleOutput, Sampler, SampleRow, SamplingConfig, random_seed
+from kernels.attention import AttentionBackend
+from protos.continuum.v1 import executor_pb2 as pb
+
+log = logging.getLogger("executor.runner")
+
+
+class Runner:
+    """Owns the per-sequence state of one executor incarnation; single-threaded."""
+
+    def __init__(
+        self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.sampler = Sampler(model.config.eos_token_ids)
+        self.limits = PlanLimits(
+            incarnation=incarnation,
+            num_blocks=kv.num_blocks,
+            num_host_blocks=kv.num_host_blocks,
+            block_size=kv.spec.block_size,
+            max_model_len=model.config.max_position_embeddings,
+            vocab_size=model.config.vocab_size,
+        )
+        self.seqs: dict[int, SequenceState] = {}
+        self.last_step_id = 0  # of the last plan executed (for heartbeats)
+
+    def reset(self) -> None:
+        """Forgets every sequence: the scheduler treats a (re-)introduced executor as empty."""
+        self.seqs.clear()
+
+    def execute(self, plan: pb.BatchPlan) -> pb.StepResult:
+        start = time.perf_counter()
+        result = pb.StepResult(incarnation=plan.incarnation, step_id=plan.step_id)
+        try:
+            check_plan(plan, self.limits, self.seqs)
+        except PlanError as exc:
+            log.warning("plan %d refused: %s", plan.step_id, exc)
+            result.error_code, result.error_message = exc.code, str(exc)
+            return result
+        self.last_step_id = plan.step_id
+        scheduled = self._apply(plan)
+        try:
+            self._copy_blocks(plan)
+            if scheduled:
+                self._run(scheduled, result)
+        except Exception as exc:  # any failure here is a resync, never a crash
+            log.exception("step %d failed; dropping all %d sequences", plan.step_id,
+                          len(self.seqs))
+            self.seqs.clear()
+            result = pb.StepResult(
+                incarnation=plan.incarnation, step_id=plan.step_id,
+                error_code=pb.STEP_ERROR_CODE_INTERNAL, error_message=f"forward failed: {exc}",
+            )
+        result.step_ms = (time.perf_counter() - start) * 1e3
+        return result
+
+    def _apply(self, plan: pb.BatchPlan) -> list[tuple[SequenceState, int]]:
+        """Mutates state to the plan; returns (sequence, tokens to compute) with n >= 1."""
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)  # idempotent: a repeat or unknown id is fine
+        scheduled = []
+        for new in plan.new_seqs:
+            # A seq_id still held is replaced: resends after an error are authoritative.
+            seq = _new_state(new)
+            self.seqs[new.seq_id] = seq
+            scheduled.append((seq, new.num_scheduled_tokens))
+        offset = 0
+        for seq_id, n, num_new in zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens,
+                                      plan.cached_num_new_blocks, strict=True):
+            seq = self.seqs[seq_id]
+            seq.block_table.extend(plan.cached_new_block_ids[offset : offset + num_new])
+            offset += num_new
+            scheduled.append((seq, n))
+        return [(seq, n) for seq, n in scheduled if n > 0]
+
+    def _copy_blocks(self, plan: pb.BatchPlan) -> None:
+        # Before the forward: this step may write into blocks just swapped out or copied
+        # from. Copy-on-write runs last, so it may read a block swapped in this step.
+        self.kv.swap(list(plan.swap_out_src), list(plan.swap_out_dst),
+                     list(plan.swap_in_src), list(plan.swap_in_dst))
+        self.kv.copy(list(plan.copy_src), list(plan.copy_dst))
+
+    def _run(self, scheduled: list[tuple[SequenceState, int]], result: pb.StepResult) -> None:
+        device = self.model.embed.device
+        inputs = build_inputs(scheduled, self.kv.spec.block_size, device)
+        start = time.perf_counter()
+        logits = self.forward(inputs)
+        result.forward_ms = (time.perf_counter() - start) * 1e3
+        for seq, n in scheduled:
+            seq.num_computed += n
+        if not inputs.sampling_seqs:
+            return
+        rows = [
+            SampleRow(s.sampling, s.seed, s.num_tokens, s.token_ids, s.num_prompt_tokens)
+            for s in inputs.sampling_seqs
+        ]
+        out = self.sampler.sample(logits, rows)
+        for seq, token in zip(inputs.sampling_seqs, out.token_ids, strict=True):
+            seq.token_ids.append(token)
+        _fill_result(result, [s.seq_id for s in inputs.sampling_seqs], out)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:  # [S, V]
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.meta,
+            self.backend, self.kv, inputs.sample_rows,
+        )
+
+
+def _new_state(new: pb.NewSequence) -> SequenceState:
+    sampling = SamplingConfig.from_proto(new.sampling)
+    return SequenceState(
+        seq_id=new.seq_id,
+        token_ids=list(new.token_ids),
+        num_computed=new.num_computed_tokens,
+        block_table=list(new.block_ids),
+        sampling=sampling,
+        num_prompt_tokens=new.num_prompt_tokens,
+        seed=sampling.seed if sampling.seed is not None else random_seed(),
+    )
+
+
+def _fill_result(result: pb.StepResult, seq_ids: list[int], out: SampleOutput) -> None:
+    result.seq_ids.extend(seq_ids)
+    result.token_ids.extend(out.token_ids)
+    if out.logprobs:  # only when some sequence asked
+        result.logprobs.extend(out.logprobs)
+        result.top_n.extend(len(ids) for ids in out.top_ids)
+        for ids, values in zip(out.top_ids, out.top_logprobs, strict=True):
+            result.top_token_ids.extend(ids)
+            result.top_logprobs.extend(values)
+
+
+def measure_prefill_tokens_per_s(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> float:
+    """Times one ``num_tokens`` prefill, after a tiny warm-up, writing into blocks 0..; call
+    it before any sequence exists (it overwrites their K/V)."""
+    block_size = kv.spec.block_size
+    num_tokens = max(1, min(num_tokens, kv.num_blocks * block_size))
+    _prefill_once(model, kv, backend, min(8, block_size, num_tokens))
+    start = time.perf_counter()
+    _prefill_once(model, kv, backend, num_tokens)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def _prefill_once(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> None:
+    blocks = list(range(-(-num_tokens // kv.spec.block_size)))
+    seq = SequenceState(0, [0] * num_tokens, 0, blocks, SamplingConfig(), num_tokens, 0)
+    inputs = build_inputs([(seq, num_tokens)], kv.spec.block_size, model.embed.device)
+    model.forward(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.meta,
+                  backend, kv, inputs.sample_rows)

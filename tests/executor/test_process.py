@@ -1,0 +1,103 @@
+"""The executor process over a real zmq ipc socket, with the test as the scheduler."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from protos import wire
+from protos.continuum.v1 import executor_pb2 as pb
+from protos.continuum.v1 import sampling_pb2
+
+TIMEOUT_MS = 60_000
+
+
+def start_executor(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.Popen([sys.executable, "-m", "executor_svc", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class FakeScheduler:
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.peer = b""
+
+    def recv(self):
+        assert self.sock.poll(TIMEOUT_MS), "executor sent nothing"
+        self.peer, frame = self.sock.recv_multipart()
+        return wire.decode_from_executor(frame)
+
+    def send(self, kind: str, msg) -> None:
+        self.sock.send_multipart([self.peer, wire.encode_to_executor(kind, msg)])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def executor(model_dir, tmp_path):
+    address = f"ipc://{tmp_path}/executor.sock"
+    scheduler = FakeScheduler(address)
+    proc = start_executor("--model", str(model_dir), "--ipc", address, "--kv-cache-bytes",
+                          "8MiB", "--warmup-tokens", "16", "--threads", "2")
+    yield proc, scheduler, address
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+    scheduler.close()
+
+
+def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
+    proc, scheduler, address = executor
+    kind, hello = scheduler.recv()
+    assert kind == "hello"
+    assert (hello.schema_version, hello.block_size, hello.tp_size) == (wire.SCHEMA_VERSION, 16, 1)
+    assert hello.num_device_blocks == (8 << 20) // (46080 * 16)
+    assert list(hello.eos_token_ids) == [2] and hello.vocab_size == 49152
+    assert hello.prefill_tokens_per_s > 0 and hello.pid == proc.pid and hello.incarnation
+
+    plan = pb.BatchPlan(incarnation=hello.incarnation, step_id=1)
+    plan.new_seqs.add(seq_id=3, token_ids=[1, 9690, 198, 2683], num_scheduled_tokens=4,
+                      block_ids=[5], num_prompt_tokens=4,
+                      sampling=sampling_pb2.SamplingParams(temperature=0.0))
+    scheduler.send("plan", plan)
+    kind, result = scheduler.recv()
+    assert kind == "result" and result.error_code == 0
+    assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (1, [3], 1)
+
+    scheduler.sock.send_multipart([scheduler.peer, b"\x00garbage"])  # logged and dropped
+    decode = pb.BatchPlan(incarnation=hello.incarnation, step_id=2, cached_seq_ids=[3],
+                          cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0])
+    scheduler.send("plan", decode)
+    kind, result = scheduler.recv()
+    assert kind == "result" and list(result.seq_ids) == [3] and result.forward_ms > 0
+
+    scheduler.send("heartbeat", pb.Heartbeat(incarnation=hello.incarnation))
+    kind, beat = scheduler.recv()
+    assert kind == "heartbeat" and beat.incarnation == hello.incarnation
+    assert beat.last_step_id == 2
+
+    # The scheduler restarts: the executor reconnects and introduces itself again.
+    scheduler.close()
+    scheduler.__init__(address)
+    kind, again = scheduler.recv()
+    assert kind == "hello" and again.incarnation == hello.incarnation
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
+def test_bad_model_path_exits_2_with_one_line(tmp_path):
+    proc = start_executor("--model", str(tmp_path / "nope"), "--ipc", f"ipc://{tmp_path}/x.sock")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert stderr.strip().count("\n") == 0 and "does not exist" in stderr
