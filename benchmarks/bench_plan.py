@@ -18,15 +18,20 @@ from scheduler_svc.plan import build_plan
 
 def make_running(num_seqs: int) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs * 64),
-                          chunk_size=512, watermark_blocks=0)
+                          chunk_size=512, watermark=0.0)
     sched = Scheduler(cfg)
     sched.attach_executor(ModelInfo(16, num_seqs * 64, 8192, 49152, frozenset({2})))
     for i in range(num_seqs):
         sched.add_request(Request(f"r{i}", i + 1, list(range(100, 100 + 40 + i % 16)), 40 + i % 16,
                                   max_tokens=10_000, ignore_eos=True))
     out = sched.schedule()  # prefill everyone
-    sched.update(out, {s.request.seq_id: 7 for s in out.scheduled})
+    sched.update(out, *sampled(out))
     return sched
+
+
+def sampled(out):
+    reqs = [r for r, _, _ in out.scheduled() if r.num_computed_tokens == r.num_tokens]
+    return [r.seq_id for r in reqs], [7] * len(reqs)
 
 
 def bench(num_seqs: int, steps: int = 300) -> dict[str, float]:
@@ -40,8 +45,9 @@ def bench(num_seqs: int, steps: int = 300) -> dict[str, float]:
         t2 = time.perf_counter()
         kind, decoded = wire.decode_from_scheduler(wire.encode_to_executor("plan", plan))
         _ = list(decoded.cached_seq_ids)
+        ids, toks = sampled(out)
         t3 = time.perf_counter()
-        sched.update(out, {s.request.seq_id: 7 for s in out.scheduled})
+        sched.update(out, ids, toks)
         t4 = time.perf_counter()
         t_sched += (t1 - t0) + (t4 - t3)
         t_build += t2 - t1

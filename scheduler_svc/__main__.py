@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -31,13 +32,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ipc", required=True, help="executor channel, e.g. ipc:///tmp/continuum.sock")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50061, help="gRPC port for gateways")
-    d = SchedulerConfig()
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--chunk-size", type=int, default=d.chunk_size)
-    p.add_argument("--max-num-waiting", type=int, default=d.max_num_waiting)
-    p.add_argument("--watermark-blocks", type=int, default=d.watermark_blocks)
+    add_config_flags(p)
     return p.parse_args(argv)
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per SchedulerConfig field (--max-num-seqs, --policy, ...)."""
+    for field in dataclasses.fields(SchedulerConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in ("bool", bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(field.type)]
+            p.add_argument(flag, type=kind, default=field.default)
+
+
+def config_from(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(**{f.name: getattr(args, f.name)
+                              for f in dataclasses.fields(SchedulerConfig)})
 
 
 def configure_logging() -> None:
@@ -90,13 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging()
     try:
-        config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            chunk_size=args.chunk_size,
-            max_num_waiting=args.max_num_waiting,
-            watermark_blocks=args.watermark_blocks,
-        )
+        config = config_from(args)
     except ConfigError as exc:
         fail(str(exc))
     asyncio.run(serve(args, config))

@@ -17,14 +17,15 @@ import structlog
 
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import (
+    CostModel,
+    Event,
     ModelInfo,
     Request,
-    RequestEvent,
     Scheduler,
     SchedulerConfig,
 )
 from scheduler_svc.link import ExecutorLink
-from scheduler_svc.plan import build_plan, sampled_tokens
+from scheduler_svc.plan import build_plan
 
 log = structlog.get_logger("scheduler.loop")
 
@@ -49,7 +50,7 @@ class EngineLoop:
         self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result)
         self.executor: ExecutorInfo | None = None
         self.num_steps = 0
-        self._streams: dict[str, asyncio.Queue[RequestEvent]] = {}
+        self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
@@ -72,11 +73,12 @@ class EngineLoop:
 
     # -- commands from RPC handlers ----------------------------------------------
 
-    def submit(self, req: Request) -> asyncio.Queue[RequestEvent]:
+    def submit(self, req: Request) -> asyncio.Queue[Event]:
+        """Queues ``req``; raises QueueFull when a queue cap is reached."""
         req.seq_id = next(self._seq_ids)
-        queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
-        self._streams[req.request_id] = queue
         self.core.add_request(req)
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._streams[req.request_id] = queue
         self._wake.set()
         return queue
 
@@ -124,6 +126,9 @@ class EngineLoop:
             max_model_len=hello.max_model_len,
             vocab_size=hello.vocab_size,
             eos_token_ids=frozenset(hello.eos_token_ids),
+            num_host_blocks=hello.num_host_blocks,
+            cost=CostModel(hello.prefill_tokens_per_s, hello.swap_bytes_per_s,
+                           hello.block_bytes),
         )
         self.core.attach_executor(model)
         self.executor = ExecutorInfo(hello.incarnation, hello.model_id, model)
@@ -170,7 +175,7 @@ class EngineLoop:
         self._slowest_recent_step = max(0.9 * self._slowest_recent_step,
                                         time.monotonic() - started)
         self.num_steps += 1
-        self._dispatch(self.core.update(out, sampled_tokens(result)))
+        self._dispatch(self.core.update(out, result.seq_ids, result.token_ids))
         return True
 
     def _step_deadline(self) -> float:
@@ -184,11 +189,13 @@ class EngineLoop:
         self.executor = None
         self.link.peer = None
 
-    def _dispatch(self, events: list[RequestEvent]) -> None:
+    def _dispatch(self, events: list[Event]) -> None:
+        streams = self._streams
         for ev in events:
-            queue = self._streams.get(ev.request.request_id)
+            req, _, reason = ev
+            queue = streams.get(req.request_id)
             if queue is None:
                 continue
             queue.put_nowait(ev)
-            if ev.finish_reason is not None:
-                del self._streams[ev.request.request_id]
+            if reason is not None:
+                del streams[req.request_id]

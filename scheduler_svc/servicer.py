@@ -12,7 +12,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.core import Request
+from scheduler_svc.core import QueueFull, Request
 from scheduler_svc.loop import EngineLoop
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
@@ -23,14 +23,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.loop = loop
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context):  # noqa: N802
-        await self._admit_or_abort(request, context)
-        queue = self.loop.submit(_to_request(request))
+        await self._check(request, context)
+        try:
+            queue = self.loop.submit(_to_request(request))
+        except QueueFull as exc:
+            retry_ms = int(exc.retry_after_s * 1000)
+            context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{exc}; retry after {exc.retry_after_s:.1f} s")
         finished = False
         try:
             first = True
             while not finished:
                 ev = await queue.get()
-                finished = ev.finish_reason is not None
+                finished = ev[2] is not None
                 yield _to_event(ev, first)
                 first = False
         finally:
@@ -43,21 +49,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Stats(self, request, context):  # noqa: N802
         return stats_of(self.loop)
 
-    async def _admit_or_abort(self, request: scheduler_pb2.SubmitRequest, context) -> None:
+    async def _check(self, request: scheduler_pb2.SubmitRequest, context) -> None:
         if self.loop.is_known(request.request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request id {request.request_id!r} is already in flight")
         problem = validate_submit(request, self.loop)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        core = self.loop.core
-        if len(core.waiting) >= core.config.max_num_waiting:
-            context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, "1000"),))
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the queue is full ({core.config.max_num_waiting} requests waiting); "
-                "retry after 1 s",
-            )
 
 
 def validate_submit(request: scheduler_pb2.SubmitRequest, loop: EngineLoop) -> str | None:
@@ -70,25 +68,11 @@ def validate_submit(request: scheduler_pb2.SubmitRequest, loop: EngineLoop) -> s
         return "max_tokens must be > 0"
     if loop.executor is None:
         return None  # limits are unknown until an executor registers; it waits
-    model = loop.executor.model
-    total = len(request.prompt_token_ids) + request.max_tokens
-    if total > model.max_model_len:
-        return (
-            f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
-            f"({request.max_tokens}) = {total} exceeds the model's context of "
-            f"{model.max_model_len} tokens"
-        )
-    bad = next((t for t in request.prompt_token_ids if t >= model.vocab_size), None)
+    vocab = loop.executor.model.vocab_size
+    bad = next((t for t in request.prompt_token_ids if t >= vocab), None)
     if bad is not None:
-        return f"token id {bad} is outside the vocabulary (size {model.vocab_size})"
-    bm = loop.core.block_manager
-    usable = bm.num_blocks - loop.core.config.watermark_blocks
-    if bm.blocks_needed(len(request.prompt_token_ids)) > usable:
-        return (
-            f"the prompt needs {bm.blocks_needed(len(request.prompt_token_ids))} KV blocks but "
-            f"the pool has {usable} usable; shorten the prompt or raise --kv-cache-bytes"
-        )
-    return None
+        return f"token id {bad} is outside the vocabulary (size {vocab})"
+    return loop.core.admission_problem(len(request.prompt_token_ids), request.max_tokens)
 
 
 def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
@@ -112,10 +96,10 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
 
 
 def _to_event(ev, first: bool) -> scheduler_pb2.TokenEvent:
-    req = ev.request
+    req, token, reason = ev
     out = scheduler_pb2.TokenEvent(
-        token_ids=ev.new_token_ids,
-        finish_reason=int(ev.finish_reason or 0),
+        token_ids=() if token is None else (token,),
+        finish_reason=int(reason or 0),
         num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=req.num_output_tokens,
     )

@@ -1,7 +1,23 @@
-"""Paged KV block pool: the only owner of block tables.
+"""Paged KV block pool with prefix caching: the only owner of block tables.
 
 Blocks are allocated as tokens are computed (never worst case up front) and
-freed the moment a sequence finishes, aborts or is preempted.
+released the moment a sequence finishes, aborts or is preempted.
+
+Prefix caching: once a block is full, it is keyed by a chain hash
+``hash((parent_hash, block_tokens))`` and registered. A new sequence whose
+prompt starts with the same full blocks shares them (ref-counted, read-only)
+and computes only the rest. A released block whose hash is registered stays
+cached; it is evicted least-recently-used only when the pool needs room.
+
+Every device block is in exactly one of three states:
+
+    ============  ==========  =========================================
+    state         ref_count   where
+    ============  ==========  =========================================
+    free          0           ``_free`` (no valid content)
+    cached-free   0           ``_evictable`` (LRU order) + ``_by_hash``
+    owned         >= 1        in ref_count tables (maybe also hashed)
+    ============  ==========  =========================================
 """
 
 from __future__ import annotations
@@ -10,57 +26,223 @@ import collections
 
 
 class BlockManager:
-    """Device KV blocks of one executor incarnation.
+    """Device KV blocks of one executor incarnation, plus a host (swap) pool.
 
-    Invariant: every block id in [0, num_blocks) is either in the free list or
-    in exactly one block table.
+    Predicate/action pairs: ``can_grow``/``grow``, ``num_cached_prefix``/
+    ``share_prefix``, ``can_swap_out``/``swap_out``, ``can_swap_in``/``swap_in``;
+    ``free`` releases. ``assert_invariants`` checks the state table above.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        assert num_blocks >= 0 and block_size > 0
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True) -> None:
+        assert num_blocks >= 0 and block_size > 0 and num_host_blocks >= 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: collections.deque[int] = collections.deque(range(num_blocks))
+        self.num_host_blocks = num_host_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # collision check
+        self._by_hash: dict[int, int] = {}
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._tables: dict[int, list[int]] = {}
+        self._chain: dict[int, list[int]] = {}  # seq → hashes of its registered blocks
+        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_tables: dict[int, list[int]] = {}
+        self._swapped_chain: dict[int, list[int]] = {}
+        self.num_cache_queries = 0  # prompt blocks looked up
+        self.num_cache_hits = 0  # of those, found cached
+
+    # -- accounting ------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take now (free + cached-free)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks owned by sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks that hold ``num_tokens`` positions."""
         return -(-num_tokens // self.block_size)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
 
+    def host_table(self, seq_id: int) -> list[int]:
+        return self._host_tables.get(seq_id, [])
+
     def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks ``seq_id`` lacks to hold ``num_tokens`` positions (hot: once per
-        sequence per step, so no helper calls)."""
+        """Blocks ``seq_id`` lacks to hold ``num_tokens`` positions (hot path)."""
         table = self._tables.get(seq_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
         return need if need > 0 else 0
 
+    # -- growing ----------------------------------------------------------------------
+
     def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
         """True if ``seq_id`` can hold ``num_tokens`` positions, leaving ``reserve`` free."""
-        return self.num_new_blocks(seq_id, num_tokens) + reserve <= len(self._free)
+        return self.num_new_blocks(seq_id, num_tokens) + reserve <= self.num_free_blocks
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns the new ids."""
+        """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns new ids."""
         need = self.num_new_blocks(seq_id, num_tokens)
         if need == 0:
             return []
-        assert need <= len(self._free), "grow() without can_grow()"
-        new = [self._free.popleft() for _ in range(need)]
-        self._tables.setdefault(seq_id, []).extend(new)
-        return new
+        assert need <= self.num_free_blocks, "grow() without can_grow()"
+        new = [self._take_block() for _ in range(need)]
+        table = self._tables.get(seq_id)
+        if table is None:
+            self._tables[seq_id] = new
+        else:
+            table.extend(new)
+        return list(new)
+
+    def _take_block(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the least recently used cached block
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash[block]]
+            self._hash[block] = self._tokens[block] = None
+        self._ref[block] = 1
+        return block
+
+    # -- prefix cache -----------------------------------------------------------------
+
+    def num_cached_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
+        """Cached blocks matching the longest full-block prefix of ``token_ids``.
+
+        Returns (block ids, the chain hash of the last). At least one token is
+        always left to compute, so the step that completes the prompt samples.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        hits: list[int] = []
+        parent = 0
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            chunk = tuple(token_ids[start:start + bs])
+            self.num_cache_queries += 1
+            block = self._by_hash.get(hash((parent, chunk)))
+            if block is None or self._tokens[block] != chunk:
+                break
+            self.num_cache_hits += 1
+            hits.append(block)
+            parent = self._hash[block]
+        return hits, parent
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached-free (sharing them takes them from the pool)."""
+        return sum(1 for b in blocks if self._ref[b] == 0)
+
+    def share_prefix(self, seq_id: int, blocks: list[int]) -> None:
+        """Starts ``seq_id``'s table with cached ``blocks`` (from num_cached_prefix)."""
+        assert seq_id not in self._tables, "share_prefix() on a sequence with blocks"
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+        self._tables[seq_id] = list(blocks)
+        self._chain[seq_id] = [self._hash[b] for b in blocks]
+
+    def register_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill."""
+        if not self.enable_prefix_caching:
+            return
+        chain = self._chain.setdefault(seq_id, [])
+        full = num_computed // self.block_size
+        if len(chain) >= full:
+            return
+        table = self._tables[seq_id]
+        bs = self.block_size
+        parent = chain[-1] if chain else 0
+        for i in range(len(chain), full):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = hash((parent, chunk))
+            chain.append(h)
+            parent = h
+            block = table[i]
+            if h not in self._by_hash and self._hash[block] is None:
+                self._by_hash[h] = block
+                self._hash[block], self._tokens[block] = h, chunk
+
+    # -- release ----------------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:
-        """Returns all of ``seq_id``'s blocks to the pool. Idempotent."""
-        self._free.extend(self._tables.pop(seq_id, ()))
+        """Releases ``seq_id``'s device and host blocks. Idempotent.
+
+        Released hashed blocks become cached-free; the tail of the table is
+        released first so LRU eviction takes a prefix's last blocks before its
+        first ones (the first are the likeliest to be shared again)."""
+        self._chain.pop(seq_id, None)
+        for block in reversed(self._tables.pop(seq_id, ())):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if self._hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
+        self._host_free.extend(self._host_tables.pop(seq_id, ()))
+        self._swapped_chain.pop(seq_id, None)
+
+    # -- swap ---------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return len(self.block_table(seq_id)) <= len(self._host_free)
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Moves ``seq_id``'s KV to host blocks; returns (device, host) copy pairs.
+
+        The device blocks are released (shared or hashed ones stay valid for
+        their other users or the cache: the copy happens before anyone writes)."""
+        table = self._tables[seq_id]
+        host = [self._host_free.pop() for _ in table]
+        pairs = list(zip(table, host, strict=True))
+        chain = self._chain.get(seq_id, [])
+        self.free(seq_id)
+        self._host_tables[seq_id] = host
+        self._swapped_chain[seq_id] = chain
+        return pairs
+
+    def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
+        return len(self.host_table(seq_id)) + reserve <= self.num_free_blocks
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Brings ``seq_id``'s KV back into fresh device blocks; returns (host, device)."""
+        host = self._host_tables.pop(seq_id)
+        device = [self._take_block() for _ in host]
+        self._tables[seq_id] = device
+        # The chain continues where it was, so later blocks hash under the right parent.
+        self._chain[seq_id] = self._swapped_chain.pop(seq_id)
+        self._host_free.extend(host)
+        return list(zip(host, device, strict=True))
+
+    # -- checks -------------------------------------------------------------------------
 
     def assert_invariants(self) -> None:
-        owned = [b for table in self._tables.values() for b in table]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert not set(owned) & set(self._free), "a block is both free and owned"
-        assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
+        owners = collections.Counter(b for t in self._tables.values() for b in t)
+        for block in range(self.num_blocks):
+            assert self._ref[block] == owners.get(block, 0), f"ref count of block {block}"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not (free & evictable) and not (free & owners.keys()), "free block owned"
+        assert not (evictable & owners.keys()), "cached-free block owned"
+        assert len(free) + len(evictable) + len(owners) == self.num_blocks, "blocks leaked"
+        for h, block in self._by_hash.items():
+            assert self._hash[block] == h, "hash index out of date"
+        assert all(self._hash[b] is not None for b in evictable), "unhashed block cached"
+        host_owned = [b for t in self._host_tables.values() for b in t]
+        assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"
+        assert len(host_owned) + len(self._host_free) == self.num_host_blocks, "host leak"

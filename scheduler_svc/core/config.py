@@ -1,8 +1,14 @@
-"""One frozen scheduler config, validated once where it is built."""
+"""One frozen scheduler config, validated once where it is built.
+
+Replaceable at run time between steps (``Scheduler.reconfigure``): every
+component reads the config object it is handed at the start of a step.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+
+POLICIES = ("chunked", "continuous", "static")
 
 
 class ConfigError(ValueError):
@@ -11,24 +17,48 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one iteration and of the queues.
+    """Limits of one iteration, of the queues, and the scheduling policy.
 
+    policy: "chunked" (default: long prompts prefill in chunks beside decodes),
+        "continuous" (a prompt prefills in as few steps as the budget allows,
+        no per-step chunk cap) or "static" (admit a batch, run it to completion).
     max_num_batched_tokens: tokens computed per step across all sequences.
     max_num_seqs: sequences running at once (each decodes one token a step).
     chunk_size: most prompt tokens one sequence computes in one step.
+    long_prefill_token_threshold: a prompt longer than this gets at most this
+        many tokens a step, so one long prompt cannot take the whole budget
+        (0: chunk_size alone caps it).
     max_num_waiting: requests that may queue before Submit is refused.
-    watermark_blocks: free blocks admission keeps in reserve for running
-        sequences' decodes, so admitting never forces an immediate preemption.
+    max_num_waiting_per_tenant: per-tenant share of that queue (0: no cap).
+    watermark: fraction of device blocks admission keeps free for running
+        sequences' decodes, so admitting does not force an immediate preemption.
+    aging_s: seconds of waiting that raise a request one priority tier; a
+        request of tier t is "starving" after (t + 1) × aging_s and then goes
+        before every request that is not (see docs in queue.py for the bound).
+    max_preemptions / preemption_window_s: a sequence preempted more than
+        max_preemptions times within the window is protected until it finishes.
+    enable_prefix_caching: share full KV blocks between identical prefixes.
     """
 
+    policy: str = "chunked"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     chunk_size: int = 512
+    long_prefill_token_threshold: int = 0
     max_num_waiting: int = 1024
-    watermark_blocks: int = 4
+    max_num_waiting_per_tenant: int = 0
+    watermark: float = 0.01
+    aging_s: float = 10.0
+    max_preemptions: int = 3
+    preemption_window_s: float = 60.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size", "max_num_waiting")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size",
+                  "max_num_waiting", "max_preemptions")
+        _non_negative(self, "long_prefill_token_threshold", "max_num_waiting_per_tenant")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -40,8 +70,10 @@ class SchedulerConfig:
                 f"chunk_size ({self.chunk_size}) must be <= max_num_batched_tokens "
                 f"({self.max_num_batched_tokens})"
             )
-        if self.watermark_blocks < 0:
-            raise ConfigError(f"watermark_blocks must be >= 0, got {self.watermark_blocks}")
+        if not 0.0 <= self.watermark < 0.5:
+            raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
+        if self.aging_s <= 0 or self.preemption_window_s <= 0:
+            raise ConfigError("aging_s and preemption_window_s must be > 0 seconds")
 
 
 def _positive(cfg: SchedulerConfig, *names: str) -> None:
@@ -49,3 +81,10 @@ def _positive(cfg: SchedulerConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative(cfg: SchedulerConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")

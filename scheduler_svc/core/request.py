@@ -10,9 +10,9 @@ from typing import Any
 class RequestStatus(enum.IntEnum):
     """Ordered: everything >= FINISHED is terminal."""
 
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING = 0  # never ran, or preempted by recompute (num_computed_tokens == 0)
+    RUNNING = 1  # holds device blocks; the executor holds its state
+    SWAPPED = 2  # its KV sits in host blocks
     FINISHED = 3
 
 
@@ -25,13 +25,13 @@ class FinishReason(enum.IntEnum):
     ERROR = 4
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """One generation request, owned by the scheduler.
 
     Progress model (DESIGN.md §2): ``num_computed_tokens`` catches up with
-    ``num_tokens``; prefill, chunked prefill, decode and recompute are the same
-    rule. ``num_computed_tokens <= num_tokens`` always holds.
+    ``len(token_ids)``; prefill, chunked prefill, decode and recompute are the
+    same rule. ``0 <= num_computed_tokens <= len(token_ids)`` always holds.
     """
 
     request_id: str
@@ -44,16 +44,23 @@ class Request:
     ignore_eos: bool = False
     min_tokens: int = 0
     tenant: str = "default"
-    priority_tier: int = 1
+    priority_tier: int = 1  # 0 premium, 1 standard, 2 best-effort
     arrival_time: float = 0.0
-    # Output tokens that were generated before this request was (re)submitted.
+    # Output tokens generated before this request was (re)submitted (a continuation).
     num_resumed_output_tokens: int = 0
 
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None
+    admit_seq: int = 0  # admission order (victims: most recently admitted first)
+    scheduled_step: int = -1  # last step that gave it tokens
     num_preemptions: int = 0
+    preempt_times: list[float] = dataclasses.field(default_factory=list)
+    protected: bool = False  # preempted too often: not chosen again until it finishes
+    # Filled at admission from the executor's model: what ends it.
+    stop_ids: frozenset[int] = frozenset()
+    length_limit: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -68,13 +75,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
 
-    def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
-        """Why the request must stop after its last token, or None."""
-        last = self.token_ids[-1]
-        produced = self.num_output_tokens + self.num_resumed_output_tokens
-        if produced >= self.min_tokens:
-            if last in self.stop_token_ids or (not self.ignore_eos and last in eos_token_ids):
-                return FinishReason.STOP
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+    def prepare(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Caches what ends this request, for the per-step check in ``finish_reason_for``."""
+        self.stop_ids = self.stop_token_ids | (frozenset() if self.ignore_eos else eos_token_ids)
+        self.length_limit = min(self.num_prompt_tokens + self.max_tokens, max_model_len)
+
+    def finish_reason_for(self, token: int) -> FinishReason | None:
+        """Why the request stops now that ``token`` was appended, or None."""
+        if token in self.stop_ids and (
+            not self.min_tokens
+            or self.num_output_tokens + self.num_resumed_output_tokens >= self.min_tokens
+        ):
+            return FinishReason.STOP
+        if len(self.token_ids) >= self.length_limit:
             return FinishReason.LENGTH
         return None

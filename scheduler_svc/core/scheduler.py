@@ -1,23 +1,47 @@
 """The iteration scheduler: one call to ``schedule()`` is one batch plan.
 
-Order of one iteration (DESIGN.md §3): running decodes first, then running
-partial prefills (chunked), then admission of waiting requests (FCFS here;
-priorities and tenant fairness arrive with the scheduler-core issue), all
-within ``max_num_batched_tokens`` and ``max_num_seqs``. A decode that cannot
-get a KV slot preempts the most recently admitted sequence that has not been
-scheduled yet (recompute), or itself when there is none.
+Order of one iteration (DESIGN.md §3):
+
+1. aborts and finishes that arrived since the last step were applied
+   already (``abort`` is immediate and idempotent);
+2. running decodes, in priority order, one token each — preempting the
+   lowest-priority unscheduled sequence (or itself) when no block is free;
+3. running partial prefills continue, each capped by the policy's chunk;
+4. resumed (preempted) sequences, then fresh admissions, in the waiting
+   queue's order (tier, aging, tenant fairness), while ``max_num_seqs``, the
+   token budget and the KV watermark allow; no admissions in a step that
+   had to preempt.
+
+The output is columnar (lists of ids and counts) because the per-step path
+is hot: at 256 running sequences the whole schedule + update must stay in
+the low hundreds of microseconds.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator, Sequence
 
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.policy import make_policy
+from scheduler_svc.core.preemption import CostModel, pick_victim, priority_key
+from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+
+# (request, new token or None, finish reason or None): what a client must hear.
+Event = tuple[Request, int | None, FinishReason | None]
+
+
+class QueueFull(Exception):
+    """Submit refused: a queue cap is reached. Retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,42 +53,37 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    num_host_blocks: int = 0
+    cost: CostModel = CostModel()
 
 
 @dataclasses.dataclass(slots=True)
-class ScheduledSeq:
-    """One sequence's share of a step."""
-
-    request: Request
-    num_tokens: int  # tokens computed this step, from num_computed_tokens before the step
-    new_block_ids: list[int]
-    is_new: bool  # the executor holds no state for it: send it in full
-    samples: bool  # this step brings num_computed_tokens up to num_tokens
-
-
-@dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    step_id: int
-    scheduled: tuple[ScheduledSeq, ...]
-    # Sequences the executor must drop before running this step.
-    finished_seq_ids: tuple[int, ...]
+    """One step's plan, columnar. ``new`` sequences travel in full."""
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    step_id: int
+    # (request, tokens scheduled this step) for sequences the executor lacks.
+    new: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
+    cached: list[Request] = dataclasses.field(default_factory=list)
+    cached_num_tokens: list[int] = dataclasses.field(default_factory=list)
+    cached_num_new_blocks: list[int] = dataclasses.field(default_factory=list)
+    cached_new_block_ids: list[int] = dataclasses.field(default_factory=list)
+    finished_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # device, host
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # host, device
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.finished_seq_ids
+        return not (self.new or self.cached or self.finished_seq_ids or self.swap_out)
 
-
-@dataclasses.dataclass(slots=True)
-class RequestEvent:
-    """Something a client must hear: new tokens and/or the end of its stream."""
-
-    request: Request
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
+    def scheduled(self) -> Iterator[tuple[Request, int, bool]]:
+        """(request, tokens this step, sent in full) for every scheduled sequence."""
+        for req, n in self.new:
+            yield req, n, True
+        yield from ((r, n, False) for r, n in zip(self.cached, self.cached_num_tokens,
+                                                   strict=True))
 
 
 class Scheduler:
@@ -73,196 +92,367 @@ class Scheduler:
     Not thread-safe by design: one loop owns it and calls it between steps.
     """
 
-    def __init__(
-        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.config = config
+    def __init__(self, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.model: ModelInfo | None = None
         self.block_manager: BlockManager | None = None
         self.requests: dict[str, Request] = {}
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order
-        self._in_executor: set[int] = set()  # seq ids the executor holds state for
+        self.running: list[Request] = []  # priority order: (tier, admission)
+        self._running_keys: list[tuple[int, int]] = []
+        self._by_seq: dict[int, Request] = {}  # running only
         self._to_drop: list[int] = []
-        self._pending_events: list[RequestEvent] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._events: list[Event] = []
         self._step_id = 0
-        self.num_preemptions = 0
+        self._admit_seq = 0
         self.num_finished = 0
+        self.num_preemptions = 0
+        self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
+        self.reconfigure(config)
+        self.waiting = WaitingQueue(config.aging_s)
 
-    # -- executor lifecycle ------------------------------------------------
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Replaces the config between steps (hot reload)."""
+        self.config = config
+        self.policy = make_policy(config)
+        if hasattr(self, "waiting"):
+            self.waiting.aging_s = config.aging_s
+
+    # -- executor lifecycle ------------------------------------------------------------
 
     def attach_executor(self, model: ModelInfo) -> None:
-        """A new executor incarnation: its KV cache is empty, so every running
-        sequence goes back to the front of the queue to be recomputed."""
-        self._preempt_all()
+        """A new executor incarnation: its KV cache is empty, so every running or
+        swapped sequence goes back to the queue to be recomputed."""
+        self._reset_kv()
         self.model = model
-        self.block_manager = BlockManager(model.num_blocks, model.block_size)
-        self._in_executor.clear()
-        self._to_drop.clear()
+        self.block_manager = BlockManager(model.num_blocks, model.block_size,
+                                          model.num_host_blocks,
+                                          self.config.enable_prefix_caching)
 
     def detach_executor(self) -> None:
-        """The executor is gone: nothing can run until ``attach_executor``."""
-        self._preempt_all()
+        """The executor is gone: nothing runs until ``attach_executor``."""
+        self._reset_kv()
         self.model = None
         self.block_manager = None
-        self._in_executor.clear()
-        self._to_drop.clear()
 
     def resync(self) -> None:
         """The executor refused a plan: drop everything it holds and recompute
         every running sequence from the authoritative token history."""
-        self._preempt_all()
+        for req in list(reversed(self.running)):
+            self._preempt(req, "resync", allow_swap=False)
 
-    def _preempt_all(self) -> None:
-        for req in reversed(list(self.running)):
-            self._preempt(req)
+    def _reset_kv(self) -> None:
+        for req in list(reversed(self.running)):
+            self._preempt(req, "executor_restart", allow_swap=False)
+        for req in list(self.waiting):
+            if req.status == RequestStatus.SWAPPED:
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        self._to_drop.clear()
+        self._swap_out.clear()
 
-    # -- requests ------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        """Queues ``req``; raises QueueFull when a cap is reached."""
         assert req.request_id not in self.requests, "duplicate request id"
+        cfg = self.config
+        if len(self.waiting) >= cfg.max_num_waiting:
+            raise QueueFull(f"the queue is full ({cfg.max_num_waiting} requests waiting)",
+                            self._retry_after())
+        cap = cfg.max_num_waiting_per_tenant
+        if cap and self.waiting.num_waiting(req.tenant) >= cap:
+            raise QueueFull(f"tenant {req.tenant!r} has {cap} requests waiting, its cap",
+                            self._retry_after())
         req.arrival_time = req.arrival_time or self.clock()
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.push(req)
 
-    def abort(self, request_id: str) -> RequestEvent | None:
+    def _retry_after(self) -> float:
+        # About one queue-turn: the queue drains max_num_seqs at a time.
+        return min(30.0, 1.0 + len(self.waiting) / self.config.max_num_seqs)
+
+    def admission_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never be served by the current executor, or None."""
+        if self.model is None:
+            return None
+        total = num_prompt_tokens + max_tokens
+        if total > self.model.max_model_len:
+            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                    f"{total} exceeds the model's context of {self.model.max_model_len} tokens")
+        bm = self.block_manager
+        usable = bm.num_blocks - self._watermark_blocks()
+        need = bm.blocks_needed(num_prompt_tokens)
+        if need > usable:
+            return (f"the prompt needs {need} KV blocks but the pool has {usable} usable; "
+                    "shorten the prompt or give the executor more KV memory")
+        return None
+
+    def abort(self, request_id: str) -> Event | None:
         """Aborts a request; idempotent (None when unknown or already done)."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
         if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
+            self._remove_running(req)
         else:
             self.waiting.remove(req)
         self._finish(req, FinishReason.ABORT)
-        return RequestEvent(req, (), FinishReason.ABORT)
+        return (req, None, FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_drop)
 
-    # -- one iteration ---------------------------------------------------------
+    # -- one iteration -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         assert self.block_manager is not None, "schedule() without an executor"
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        done: set[int] = set()
-        preempted = False
-        # Decodes (one token left to compute) before partial prefills.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for req in order:
-            if req.status != RequestStatus.RUNNING or budget == 0:
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.chunk_size)
-            if not self._make_room(req, n, done):
-                preempted = True
-                continue
-            scheduled.append(self._take(req, n))
-            done.add(req.seq_id)
-            budget -= n
-        if not preempted:
-            budget = self._admit(budget, scheduled)
         self._step_id += 1
-        drops, self._to_drop = tuple(self._to_drop), []
-        return SchedulerOutput(self._step_id, tuple(scheduled), drops)
+        out = SchedulerOutput(self._step_id)
+        budget = self.config.max_num_batched_tokens
+        num_running_at_start = len(self.running)
+        preempts_before = self.num_preemptions
+        budget, prefills = self._schedule_decodes(out, budget)
+        budget = self._schedule_prefills(out, budget, prefills)
+        if self.num_preemptions == preempts_before and \
+                self.policy.admission_open(num_running_at_start):
+            budget = self._admit(out, budget, prefills)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.finished_seq_ids, self._to_drop = self._to_drop, []
+        out.swap_out, self._swap_out = self._swap_out, []
+        return out
 
-    def _make_room(self, req: Request, n: int, done: set[int]) -> bool:
-        """Preempts until ``req`` can hold ``n`` more tokens; False if ``req``
-        itself had to go."""
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int):
+        """Step 2: one token for every running decode. Returns (budget, partial prefills)."""
         bm = self.block_manager
-        target = req.num_computed_tokens + n
-        while not bm.can_grow(req.seq_id, target):
-            victims = [r for r in self.running if r.seq_id not in done and r is not req]
-            if not victims:
-                if len(self.running) == 1:
-                    # Alone and the pool is full: the KV pool is its context limit.
-                    self.running.remove(req)
-                    self._finish(req, FinishReason.LENGTH)
-                    self._pending_events.append(RequestEvent(req, (), FinishReason.LENGTH))
-                else:
-                    self._preempt(req)
-                return False
-            self._preempt(victims[-1])
-        return True
+        bs = bm.block_size
+        step = self._step_id
+        served = self.waiting.served
+        prefills: list[Request] = []
+        ids, counts, nnew, new_ids = (out.cached, out.cached_num_tokens,
+                                      out.cached_num_new_blocks, out.cached_new_block_ids)
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            computed = req.num_computed_tokens
+            remaining = len(req.token_ids) - computed
+            if remaining != 1:
+                prefills.append(req)
+                continue
+            new = ()
+            if computed % bs == 0:  # the next token starts a new block
+                if not self._make_room(req, computed + 1):
+                    continue
+                new = bm.grow(req.seq_id, computed + 1)
+                new_ids.extend(new)
+            req.num_computed_tokens = computed + 1
+            if (computed + 1) % bs == 0:
+                bm.register_full_blocks(req.seq_id, req.token_ids, computed + 1)
+            req.scheduled_step = step
+            ids.append(req)
+            counts.append(1)
+            nnew.append(len(new))
+            served[req.tenant] += 1
+            budget -= 1
+        return budget, prefills
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
-        bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.config.chunk_size)
-            reserve = self.config.watermark_blocks if self.running else 0
-            if not bm.can_grow(req.seq_id, req.num_computed_tokens + n, reserve):
-                break  # FCFS: the head waits for blocks; nobody overtakes it
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
-            self.running.append(req)
-            scheduled.append(self._take(req, n))
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int,
+                           prefills: list[Request]) -> int:
+        """Step 3: running partial prefills continue, chunk-capped."""
+        cap = self.policy.prefill_cap(self.config)
+        for req in prefills:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
+            if n <= 0 or not self._make_room(req, req.num_computed_tokens + n):
+                continue
+            new = self._advance(req, n)
+            out.cached.append(req)
+            out.cached_num_tokens.append(n)
+            out.cached_num_new_blocks.append(len(new))
+            out.cached_new_block_ids.extend(new)
+            out.num_prefill_tokens += n
             budget -= n
         return budget
 
-    def _take(self, req: Request, n: int) -> ScheduledSeq:
-        new_blocks = self.block_manager.grow(req.seq_id, req.num_computed_tokens + n)
-        is_new = req.seq_id not in self._in_executor
-        if is_new:
-            self._in_executor.add(req.seq_id)
+    def _advance(self, req: Request, n: int) -> list[int]:
+        bm = self.block_manager
+        new = bm.grow(req.seq_id, req.num_computed_tokens + n)
         req.num_computed_tokens += n
-        samples = req.num_computed_tokens == len(req.token_ids)
-        return ScheduledSeq(req, n, new_blocks, is_new, samples)
+        bm.register_full_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+        req.scheduled_step = self._step_id
+        self.waiting.charge(req.tenant, n)
+        return new
 
-    # -- results ---------------------------------------------------------------
+    def _make_room(self, req: Request, num_tokens: int) -> bool:
+        """Preempts until ``req`` can hold ``num_tokens`` positions; False if
+        ``req`` itself was preempted (or cannot progress this step)."""
+        bm = self.block_manager
+        while not bm.can_grow(req.seq_id, num_tokens):
+            victim = pick_victim(self.running, req, self._step_id)
+            if victim is req:
+                if len(self.running) == 1:
+                    # Alone and the pool is full: the pool is its context limit.
+                    self._remove_running(req)
+                    self._finish(req, FinishReason.LENGTH)
+                    self._events.append((req, None, FinishReason.LENGTH))
+                else:
+                    self._preempt(req, "kv_full")
+                return False
+            self._preempt(victim, "kv_full")
+        return True
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[RequestEvent]:
+    def _admit(self, out: SchedulerOutput, budget: int, prefills: list[Request]) -> int:
+        """Steps 4–5: resumed, then fresh requests, in the waiting queue's order."""
+        bm = self.block_manager
+        cap = self.policy.prefill_cap(self.config)
+        reserve = self._watermark_blocks()
+        # Projected demand: blocks the running prefills will still take.
+        reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
+        now = self.clock()
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek(now)
+            if req is None:
+                break
+            if req.status == RequestStatus.SWAPPED:
+                n = self._swap_in(req, out, budget, cap, reserve)
+            else:
+                n = self._start(req, out, budget, cap, reserve)
+            if n == 0:
+                break  # the best request does not fit yet; nobody overtakes it
+            budget -= n
+        return budget
+
+    def _start(self, req: Request, out: SchedulerOutput, budget: int, cap: int,
+               reserve: int) -> int:
+        """Admits a fresh or recompute-preempted request; returns tokens scheduled."""
+        bm = self.block_manager
+        hits, _ = bm.num_cached_prefix(req.token_ids)
+        num_tokens = len(req.token_ids)
+        resumed = req.num_preemptions > 0
+        # Cached-free hits leave the free pool when shared.
+        need = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)
+        if need + reserve > bm.num_free_blocks:
+            return 0
+        self.waiting.remove(req)
+        bm.share_prefix(req.seq_id, hits)
+        req.num_computed_tokens = len(hits) * bm.block_size
+        if resumed:  # never resume partially: its whole context, or keep waiting
+            bm.grow(req.seq_id, num_tokens)
+        n = min(num_tokens - req.num_computed_tokens, budget, cap)
+        self._make_running(req)
+        self._advance(req, n)
+        out.new.append((req, n))
+        out.num_prefill_tokens += n
+        return n
+
+    def _swap_in(self, req: Request, out: SchedulerOutput, budget: int, cap: int,
+                 reserve: int) -> int:
+        bm = self.block_manager
+        remaining = len(req.token_ids) - req.num_computed_tokens
+        extra = bm.blocks_needed(len(req.token_ids)) - len(bm.host_table(req.seq_id))
+        if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
+            return 0
+        self.waiting.remove(req)
+        out.swap_in.extend(bm.swap_in(req.seq_id))
+        bm.grow(req.seq_id, len(req.token_ids))  # whole context, as for any resume
+        n = min(remaining, budget, cap)
+        self._make_running(req)
+        self._advance(req, n)
+        out.new.append((req, n))
+        return n
+
+    def _make_running(self, req: Request) -> None:
+        assert self.model is not None
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+            req.prepare(self.model.eos_token_ids, self.model.max_model_len)
+        self._admit_seq += 1
+        req.admit_seq = self._admit_seq
+        req.status = RequestStatus.RUNNING
+        key = priority_key(req)
+        i = bisect.bisect(self._running_keys, key)
+        self._running_keys.insert(i, key)
+        self.running.insert(i, req)
+        self._by_seq[req.seq_id] = req
+
+    def _watermark_blocks(self) -> int:
+        return int(self.config.watermark * self.block_manager.num_blocks)
+
+    # -- results -----------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, seq_ids: Sequence[int],
+               token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
-        events, self._pending_events = self._pending_events, []
-        model = self.model
-        for s in output.scheduled:
-            req = s.request
-            if req.status != RequestStatus.RUNNING or not s.samples:
-                continue  # aborted or preempted while the step ran, or mid-prefill
-            token = sampled.get(req.seq_id)
-            if token is None:
-                continue
-            req.token_ids.append(token)
-            reason = req.check_stop(model.eos_token_ids, model.max_model_len)
+        events, self._events = self._events, []
+        by_seq = self._by_seq
+        running = RequestStatus.RUNNING
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            req = by_seq.get(seq_id)
+            if req is None or req.status != running:
+                continue  # aborted or preempted while the step ran
+            tokens = req.token_ids
+            if req.num_computed_tokens != len(tokens):
+                continue  # a sample this step did not ask for (stale result)
+            tokens.append(token)
+            reason = req.finish_reason_for(token)
             if reason is not None:
-                self.running.remove(req)
+                self._remove_running(req)
                 self._finish(req, reason)
-            events.append(RequestEvent(req, (token,), reason))
+            events.append((req, token, reason))
         return events
 
-    def take_events(self) -> list[RequestEvent]:
+    def take_events(self) -> list[Event]:
         """Events produced outside ``update`` (e.g. a request finished by schedule)."""
-        events, self._pending_events = self._pending_events, []
+        events, self._events = self._events, []
         return events
 
-    # -- helpers ---------------------------------------------------------------
+    # -- transitions -------------------------------------------------------------------
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop its KV; it re-prefills prompt + output later."""
-        self.running.remove(req)
-        self._release(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+    def _preempt(self, req: Request, reason: str, allow_swap: bool = True) -> None:
+        """Swap (if cheaper and the host pool has room) or recompute."""
+        bm = self.block_manager
+        self._remove_running(req)
+        self._to_drop.append(req.seq_id)  # the executor drops its state either way
+        swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
+            req.num_computed_tokens, len(bm.block_table(req.seq_id))))
+        if swap:
+            self._swap_out.extend(bm.swap_out(req.seq_id))
+            req.status = RequestStatus.SWAPPED
+        else:
+            bm.free(req.seq_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+        now = self.clock()
         req.num_preemptions += 1
+        window = self.config.preemption_window_s
+        req.preempt_times = [t for t in req.preempt_times if now - t < window] + [now]
+        if len(req.preempt_times) >= self.config.max_preemptions:
+            req.protected = True
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions_by_reason[f"{reason}:{'swap' if swap else 'recompute'}"] += 1
+        self.waiting.push(req, front=True)
+
+    def _remove_running(self, req: Request) -> None:
+        i = bisect.bisect_left(self._running_keys, priority_key(req))
+        assert self.running[i] is req
+        del self.running[i]
+        del self._running_keys[i]
+        del self._by_seq[req.seq_id]
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self._release(req)
+        if self.block_manager is not None:
+            if req.status == RequestStatus.RUNNING:
+                self._to_drop.append(req.seq_id)
+            self.block_manager.free(req.seq_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
         self.num_finished += 1
 
-    def _release(self, req: Request) -> None:
-        if self.block_manager is not None:
-            self.block_manager.free(req.seq_id)
-        if req.seq_id in self._in_executor:
-            self._in_executor.discard(req.seq_id)
-            self._to_drop.append(req.seq_id)
+    # -- introspection -----------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         bm = self.block_manager
@@ -273,12 +463,20 @@ class Scheduler:
             "num_free_blocks": bm.num_free_blocks if bm else 0,
         }
 
-    def assert_invariants(self, outputs: Iterable[SchedulerOutput] = ()) -> None:
-        if self.block_manager is not None:
-            self.block_manager.assert_invariants()
-        for out in outputs:
+    def assert_invariants(self, out: SchedulerOutput | None = None) -> None:
+        bm = self.block_manager
+        if bm is not None:
+            bm.assert_invariants()
+        if out is not None:
             assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+            assert sum(n for _, n, _ in out.scheduled()) == out.num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
+        assert self._running_keys == sorted(self._running_keys)
+        assert set(self._by_seq.values()) == set(self.running)
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            assert 0 <= req.num_computed_tokens <= req.num_tokens
+            assert 0 <= req.num_computed_tokens <= len(req.token_ids)
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.SWAPPED)
+            assert req.status == RequestStatus.SWAPPED or req.num_computed_tokens == 0
+        assert len(self.requests) == len(self.running) + len(self.waiting)

@@ -1,0 +1,98 @@
+"""The waiting queue: tiers, aging, and fair sharing between tenants.
+
+Order of admission (best first), computed for the head of each
+(tier, tenant) FIFO:
+
+1. **Starving** requests — waited at least ``(tier + 1) × aging_s`` — in
+   arrival order, before everything else.
+2. Then by **effective tier** ``max(0, tier − ⌊waited / aging_s⌋)``;
+3. within a tier, **resumed** (preempted) requests before fresh ones;
+4. then the tenant that has been **served the fewest tokens** (a virtual
+   token counter: a tenant that starts waiting is lifted to the smallest
+   counter among waiting tenants, so idling banks no credit);
+5. then arrival time.
+
+Bound on waiting: a request of tier t is starving after (t + 1) × aging_s;
+from then on only starving requests that arrived before it can go ahead of
+it. With at most ``max_num_waiting`` requests queued, it waits at most
+(t + 1) × aging_s plus the time to admit the requests queued before it —
+however much higher-priority traffic keeps arriving.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from scheduler_svc.core.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Requests waiting for admission, fresh or preempted."""
+
+    def __init__(self, aging_s: float) -> None:
+        self.aging_s = aging_s
+        self._fifos: dict[tuple[int, str], collections.deque[Request]] = {}
+        self._per_tenant: collections.Counter[str] = collections.Counter()
+        self.served: dict[str, float] = {}  # tenant → tokens computed for it
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self):
+        for fifo in self._fifos.values():
+            yield from fifo
+
+    def num_waiting(self, tenant: str) -> int:
+        return self._per_tenant[tenant]
+
+    def push(self, req: Request, front: bool = False) -> None:
+        """Queues ``req``; ``front`` for a preempted request (it keeps its place)."""
+        if self._per_tenant[req.tenant] == 0:
+            waiting = [self.served.get(t, 0.0) for t, n in self._per_tenant.items() if n]
+            floor = min(waiting) if waiting else 0.0
+            self.served[req.tenant] = max(self.served.get(req.tenant, 0.0), floor)
+        key = (req.priority_tier, req.tenant)
+        fifo = self._fifos.get(key)
+        if fifo is None:
+            fifo = self._fifos[key] = collections.deque()
+        if front:
+            fifo.appendleft(req)
+        else:
+            fifo.append(req)
+        self._per_tenant[req.tenant] += 1
+        self._len += 1
+
+    def remove(self, req: Request) -> None:
+        key = (req.priority_tier, req.tenant)
+        fifo = self._fifos[key]
+        fifo.remove(req)
+        if not fifo:
+            del self._fifos[key]
+        self._per_tenant[req.tenant] -= 1
+        self._len -= 1
+
+    def peek(self, now: float) -> Request | None:
+        """The request to admit next, or None when empty."""
+        best, best_key = None, None
+        for fifo in self._fifos.values():
+            head = fifo[0]
+            key = self._order(head, now)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
+
+    def _order(self, req: Request, now: float) -> tuple:
+        waited = now - req.arrival_time
+        if waited >= (req.priority_tier + 1) * self.aging_s:
+            return (0, req.arrival_time)
+        effective = max(0, req.priority_tier - int(waited // self.aging_s))
+        fresh = req.status == RequestStatus.WAITING and req.num_preemptions == 0
+        return (1, effective, fresh, self.served.get(req.tenant, 0.0), req.arrival_time)
+
+    def charge(self, tenant: str, num_tokens: int) -> None:
+        """Counts tokens computed for ``tenant`` (the fairness currency)."""
+        self.served[tenant] = self.served.get(tenant, 0.0) + num_tokens
