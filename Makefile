@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test protos lint bench clean
+.PHONY: setup run test protos lint bench bench-scheduler clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -35,8 +35,12 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) -m benchmarks.bench_plan
+	$(PY) -m benchmarks.bench_scheduler
 	@echo 'end-to-end: start "make run", then $(PY) -m benchmarks.bench_serve'
+
+# Scheduler per-step cost (µs) at 64/256/1024 running sequences; prefix-cache hit rate.
+bench-scheduler: setup
+	$(PY) -m benchmarks.bench_scheduler
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info

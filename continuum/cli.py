@@ -22,6 +22,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
+                   help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
 
 

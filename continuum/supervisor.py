@@ -88,7 +88,7 @@ class Supervisor:
             return ["--ipc", self.ipc, "--host", a.host, "--port", str(a.scheduler_port),
                     "--max-num-seqs", str(a.max_num_seqs),
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                    "--chunk-size", str(a.chunk_size)]
+                    "--chunk-size", str(a.chunk_size), "--policy", a.policy]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]

@@ -65,7 +65,7 @@ def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Ser
     ipc = f"ipc://{tmp}/executor.sock"
     cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model_dir),
            "--port", str(port), "--scheduler-port", str(sched_port), "--ipc", ipc,
-           "--kv-cache-bytes", str(96 << 20), *extra]
+           *(extra or ("--kv-cache-bytes", str(96 << 20)))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
