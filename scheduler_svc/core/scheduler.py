@@ -101,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []  # priority order: (tier, admission)
         self._running_keys: list[tuple[int, int]] = []
         self._by_seq: dict[int, Request] = {}  # running only
+        self._running_per_tenant: collections.Counter[str] = collections.Counter()
         self._to_drop: list[int] = []
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
@@ -230,7 +231,6 @@ class Scheduler:
         """
         bs = self.block_manager.block_size
         step = self._step_id
-        served = self.waiting.served
         running_status = RequestStatus.RUNNING
         prefills: list[Request] = []
         decodes = out.cached
@@ -252,8 +252,8 @@ class Scheduler:
             req.num_computed_tokens = computed + 1
             req.scheduled_step = step
             decodes.append(req)
-            served[req.tenant] += 1
         k = len(decodes)
+        self._charge_decodes(prefills)
         out.cached_num_tokens.extend([1] * k)
         nnew = [0] * k
         for i, new in grew:
@@ -261,6 +261,19 @@ class Scheduler:
             out.cached_new_block_ids.extend(new)
         out.cached_num_new_blocks.extend(nnew)
         return budget - k, prefills
+
+    def _charge_decodes(self, prefills: list[Request]) -> None:
+        """Fairness accounting: one token per running decode, per tenant in
+        O(tenants) rather than a dict update per sequence (a decode that lost
+        its turn to preemption this step is still charged: an approximation
+        the virtual token counter tolerates)."""
+        per_tenant = self._running_per_tenant
+        if prefills:
+            per_tenant = per_tenant.copy()
+            per_tenant.subtract(r.tenant for r in prefills)
+        for tenant, count in per_tenant.items():
+            if count > 0:
+                self.waiting.charge(tenant, count)
 
     def _grow_decode(self, req: Request, computed: int) -> list[int] | None:
         """A block for a decode's next token (preempting if needed); None if it lost its turn."""
@@ -392,6 +405,7 @@ class Scheduler:
         self._running_keys.insert(i, key)
         self.running.insert(i, req)
         self._by_seq[req.seq_id] = req
+        self._running_per_tenant[req.tenant] += 1
 
     def _watermark_blocks(self) -> int:
         return int(self.config.watermark * self.block_manager.num_blocks)
@@ -402,11 +416,10 @@ class Scheduler:
                token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
-        by_seq = self._by_seq
-        running = RequestStatus.RUNNING
+        by_seq = self._by_seq  # running sequences only
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
             req = by_seq.get(seq_id)
-            if req is None or req.status is not running:
+            if req is None:
                 continue  # aborted or preempted while the step ran
             tokens = req.token_ids
             if req.num_computed_tokens != len(tokens):
@@ -459,6 +472,7 @@ class Scheduler:
         del self.running[i]
         del self._running_keys[i]
         del self._by_seq[req.seq_id]
+        self._running_per_tenant[req.tenant] -= 1
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.block_manager is not None:
