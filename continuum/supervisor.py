@@ -23,7 +23,9 @@ import grpc
 from continuum.procs import port_is_free, spawn, stop_all
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+# A crash loop (more restarts than this within the window) stops the server.
 MAX_EXECUTOR_RESTARTS = 5
+RESTART_WINDOW_S = 120.0
 
 
 class ServeError(Exception):
@@ -142,19 +144,41 @@ class Supervisor:
                                          "(see its message above)") from None
 
     def _watch(self) -> int:
-        restarts = 0
-        while not self._stop:
-            time.sleep(0.2)
-            dead = self._dead()
-            if dead is None:
-                continue
-            code = self.procs[dead].returncode
-            if dead == "executor" and restarts < MAX_EXECUTOR_RESTARTS:
-                restarts += 1
-                print(f"continuum: executor exited with code {code}; restarting "
-                      f"({restarts}/{MAX_EXECUTOR_RESTARTS})", file=sys.stderr, flush=True)
-                self._start("executor")
-                continue
-            print(f"continuum: the {dead} exited with code {code}; stopping", file=sys.stderr)
-            return 1
+        restarts: list[float] = []
+        addr = f"{self.args.host}:{self.args.scheduler_port}"
+        with grpc.insecure_channel(addr) as ch:
+            stub = scheduler_pb2_grpc.SchedulerStub(ch)
+            while not self._stop:
+                time.sleep(0.5)
+                self._kill_hung_executor(stub)
+                dead = self._dead()
+                if dead is None:
+                    continue
+                code = self.procs[dead].returncode
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if dead == "executor" and len(restarts) < MAX_EXECUTOR_RESTARTS:
+                    restarts.append(now)
+                    print(f"continuum: executor exited with code {code}; restarting "
+                          f"({len(restarts)} in the last {RESTART_WINDOW_S:.0f} s)",
+                          file=sys.stderr, flush=True)
+                    self._start("executor")
+                    continue
+                print(f"continuum: the {dead} exited with code {code}; stopping",
+                      file=sys.stderr)
+                return 1
         return 0
+
+    def _kill_hung_executor(self, stub) -> None:
+        """The scheduler declared our executor dead or hung while the process
+        lives (SIGSTOP, a deadlock): kill it so the restart path replaces it."""
+        try:
+            lost_pid = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2).last_lost_executor_pid
+        except grpc.RpcError:
+            return
+        proc = self.procs["executor"]
+        if lost_pid == proc.pid and proc.poll() is None:
+            print("continuum: the scheduler lost its executor but the process lives (hung); "
+                  "killing it", file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()

@@ -33,26 +33,33 @@ class ExecutorLink:
         address: str,
         on_hello: Callable[[bytes, pb.Hello], None],
         on_result: Callable[[pb.StepResult], None],
+        on_lost: Callable[[], None],
     ) -> None:
         self.address = address
         self._on_hello = on_hello
         self._on_result = on_result
+        self._on_lost = on_lost
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a gone peer fail loudly
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._task: asyncio.Task | None = None
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks: list[asyncio.Task] = []
         self.peer: bytes | None = None
+        self.peer_incarnation = ""
         self.last_seen = 0.0
 
     def start(self) -> None:
         self._sock.bind(self.address)
-        self._task = asyncio.get_running_loop().create_task(self._reader())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._reader()), loop.create_task(self._watch())]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -74,6 +81,18 @@ class ExecutorLink:
             return False
         return True
 
+    async def _watch(self) -> None:
+        """A peer disconnected: if it was the current executor, it is gone.
+
+        Disconnect events do not name the peer (and a replaced, hung executor
+        may disconnect later), so probe the current one: with ROUTER_MANDATORY
+        a send to an identity that is no longer connected fails at once."""
+        while True:
+            await self._monitor.recv_multipart()
+            if self.peer is not None and not self.send_heartbeat(self.peer_incarnation, 0):
+                self.peer = None
+                self._on_lost()
+
     async def _reader(self) -> None:
         while True:
             identity, frame = await self._sock.recv_multipart()
@@ -83,7 +102,7 @@ class ExecutorLink:
                 log.error("dropped executor frame", error=str(exc))
                 continue
             if kind == "hello":
-                self.peer = identity
+                self.peer, self.peer_incarnation = identity, msg.incarnation
                 self.last_seen = time.monotonic()
                 self._on_hello(identity, msg)
             elif identity == self.peer:

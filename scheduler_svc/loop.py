@@ -29,10 +29,15 @@ from scheduler_svc.plan import build_plan
 
 log = structlog.get_logger("scheduler.loop")
 
-# A step that takes longer than this (and than STEP_DEADLINE_FACTOR × the
-# slowest recent step) means the executor is gone or hung.
-STEP_DEADLINE_FLOOR_S = 60.0
-STEP_DEADLINE_FACTOR = 20.0
+# A step is late (the executor is hung) after STEP_DEADLINE_FLOOR_S plus
+# STEP_DEADLINE_FACTOR × its expected time: its tokens at the executor's
+# measured prefill rate, plus the recent decode step time.
+STEP_DEADLINE_FLOOR_S = 5.0
+STEP_DEADLINE_FACTOR = 4.0
+# Idle: a heartbeat every HEARTBEAT_S; no answer within HEARTBEAT_TIMEOUT_S
+# means the executor is hung.
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -40,6 +45,7 @@ class ExecutorInfo:
     incarnation: str
     model_id: str
     model: ModelInfo
+    pid: int
 
 
 class EngineLoop:
@@ -47,7 +53,8 @@ class EngineLoop:
 
     def __init__(self, config: SchedulerConfig, ipc_address: str) -> None:
         self.core = Scheduler(config)
-        self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result)
+        self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result,
+                                 self._on_lost)
         self.executor: ExecutorInfo | None = None
         self.num_steps = 0
         self._streams: dict[str, asyncio.Queue[Event]] = {}
@@ -56,20 +63,28 @@ class EngineLoop:
         self._pending_hello: pb.Hello | None = None
         self._result: asyncio.Future[pb.StepResult | None] | None = None
         self._expected_step = 0
-        self._slowest_recent_step = 0.0
-        self._task: asyncio.Task | None = None
+        self._recent_step_s = 0.0  # EMA of step wall time
+        self._stepping = False
+        self.num_executor_losses = 0
+        self.last_lost_executor_pid = 0
+        self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
         self.link.start()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run()), loop.create_task(self._heartbeats())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.link.close()
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_work()
 
     # -- commands from RPC handlers ----------------------------------------------
 
@@ -118,6 +133,30 @@ class EngineLoop:
         if fut is not None and not fut.done() and result.step_id == self._expected_step:
             fut.set_result(result)
 
+    def _on_lost(self) -> None:
+        """The link saw the executor's connection go."""
+        log.error("executor disconnected")
+        self._lose_executor()
+
+    def _lose_executor(self) -> None:
+        if self._result is not None and not self._result.done():
+            self._result.set_result(None)  # _step notices and detaches
+        elif self.executor is not None and self._pending_hello is None:
+            self._detach()
+
+    async def _heartbeats(self) -> None:
+        """While idle, probe the executor: a hung one stops answering."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            ex = self.executor
+            if ex is None or self._stepping:
+                continue
+            if time.monotonic() - self.link.last_seen > HEARTBEAT_TIMEOUT_S:
+                log.error("executor stopped answering heartbeats", incarnation=ex.incarnation)
+                self._lose_executor()
+            elif not self.link.send_heartbeat(ex.incarnation, self.num_steps):
+                self._lose_executor()
+
     def _attach_pending_executor(self) -> None:
         hello, self._pending_hello = self._pending_hello, None
         model = ModelInfo(
@@ -131,7 +170,7 @@ class EngineLoop:
                            hello.block_bytes),
         )
         self.core.attach_executor(model)
-        self.executor = ExecutorInfo(hello.incarnation, hello.model_id, model)
+        self.executor = ExecutorInfo(hello.incarnation, hello.model_id, model, hello.pid)
 
     # -- the step loop ------------------------------------------------------------
 
@@ -159,32 +198,45 @@ class EngineLoop:
         self._result = asyncio.get_running_loop().create_future()
         started = time.monotonic()
         result = None
-        if self.link.send_plan(plan):
-            try:
-                result = await asyncio.wait_for(self._result, self._step_deadline())
-            except TimeoutError:
-                log.error("executor step deadline passed", step_id=out.step_id)
+        self._stepping = True
+        try:
+            if self.link.send_plan(plan):
+                deadline = self._step_deadline(out.num_batched_tokens)
+                try:
+                    result = await asyncio.wait_for(self._result, deadline)
+                except TimeoutError:
+                    log.error("executor missed its step deadline", step_id=out.step_id,
+                              deadline_s=round(deadline, 1))
+        finally:
+            self._stepping = False
         if result is None:
-            self._executor_lost()
+            if self._pending_hello is None:
+                self._detach()
             return False
         if result.error_code:
             log.error("executor refused plan; resynchronizing", code=result.error_code,
                       message=result.error_message)
             self.core.resync()
             return True
-        self._slowest_recent_step = max(0.9 * self._slowest_recent_step,
-                                        time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        if out.num_prefill_tokens == 0:
+            self._recent_step_s = 0.8 * self._recent_step_s + 0.2 * elapsed
         self.num_steps += 1
         self._dispatch(self.core.update(out, result.seq_ids, result.token_ids))
         return True
 
-    def _step_deadline(self) -> float:
-        return max(STEP_DEADLINE_FLOOR_S, STEP_DEADLINE_FACTOR * self._slowest_recent_step)
+    def _step_deadline(self, num_tokens: int) -> float:
+        rate = self.executor.model.cost.prefill_tokens_per_s or 100.0
+        expected = num_tokens / rate + self._recent_step_s
+        return STEP_DEADLINE_FLOOR_S + STEP_DEADLINE_FACTOR * expected
 
-    def _executor_lost(self) -> None:
-        if self._pending_hello is not None:
-            return  # a new incarnation already said hello; it takes over
-        log.error("executor lost; running requests wait for a new executor")
+    def _detach(self) -> None:
+        """Drop the incarnation: free every device block; running requests wait
+        (for recompute) until a new executor says Hello."""
+        log.error("executor lost; running requests wait for a new executor",
+                  incarnation=self.executor.incarnation if self.executor else None)
+        self.num_executor_losses += 1
+        self.last_lost_executor_pid = self.executor.pid if self.executor else 0
         self.core.detach_executor()
         self.executor = None
         self.link.peer = None

@@ -121,5 +121,7 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         vocab_size=ex.model.vocab_size if ex else 0,
         num_finished=loop.core.num_finished,
         num_preemptions=loop.core.num_preemptions,
+        num_executor_losses=loop.num_executor_losses,
+        last_lost_executor_pid=loop.last_lost_executor_pid,
         **s,
     )
