@@ -21,9 +21,13 @@ def _die_with_parent() -> None:
 
 
 def spawn(module: str, args: list[str], **kwargs) -> subprocess.Popen:
-    """Starts ``python -m module args`` as a child bound to this process's life."""
+    """Starts ``python -m module args`` as a child bound to this process's life.
+
+    Each child gets its own session, so a terminal's Ctrl-C reaches only the
+    supervisor, which then stops the children in drain order."""
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args], preexec_fn=_die_with_parent, **kwargs
+        [sys.executable, "-m", module, *args], preexec_fn=_die_with_parent,
+        start_new_session=True, **kwargs
     )
 
 

@@ -67,8 +67,8 @@ class Supervisor:
         started = time.monotonic()
         self.model_dir = resolve_model(a.model)
         self.model_name = served_name(a.model)
-        signal.signal(signal.SIGTERM, lambda *_: self._request_stop())
-        signal.signal(signal.SIGINT, lambda *_: self._request_stop())
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         try:
             self._start("scheduler")
             self._start("executor")
@@ -76,12 +76,23 @@ class Supervisor:
             self._wait_ready(started)
             return self._watch()
         finally:
-            stop_all([self.procs[n] for n in ("gateway", "scheduler", "executor")
-                      if n in self.procs])
+            self._shutdown()
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def _request_stop(self) -> None:
+    def _on_signal(self, *_) -> None:
+        if self._stop:  # a second Ctrl-C: stop waiting for the drain
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
         self._stop = True
+
+    def _shutdown(self) -> None:
+        """Drain order: gateway and scheduler finish in-flight work (they still
+        need the executor for it), then the executor stops."""
+        grace = self.args.grace_period + 5
+        front = [self.procs[n] for n in ("gateway", "scheduler") if n in self.procs]
+        stop_all(front, grace_s=grace)
+        stop_all([self.procs["executor"]] if "executor" in self.procs else [], grace_s=10)
 
     def _argv(self, name: str) -> list[str]:
         a = self.args
@@ -90,14 +101,15 @@ class Supervisor:
             return ["--ipc", self.ipc, "--host", a.host, "--port", str(a.scheduler_port),
                     "--max-num-seqs", str(a.max_num_seqs),
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                    "--chunk-size", str(a.chunk_size), "--policy", a.policy]
+                    "--chunk-size", str(a.chunk_size), "--policy", a.policy,
+                    "--grace-period", str(a.grace_period)]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]
             return argv + (["--threads", str(a.threads)] if a.threads else [])
         return ["--model-dir", self.model_dir, "--model-name", self.model_name,
                 "--scheduler", sched_addr,
-                "--host", a.host, "--port", str(a.port)]
+                "--host", a.host, "--port", str(a.port), "--grace-period", str(a.grace_period)]
 
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import time
 
 import grpc
 import structlog
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ipc", required=True, help="executor channel, e.g. ipc:///tmp/continuum.sock")
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
     p.add_argument("--port", type=int, default=50061, help="gRPC port for gateways")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests may run on after SIGTERM")
     add_config_flags(p)
     return p.parse_args(argv)
 
@@ -84,18 +87,45 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
     except RuntimeError:
         fail(f"port {args.port} on {args.host} is already in use; pass --port")
     await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("scheduler listening", address=f"{args.host}:{args.port}", ipc=args.ipc)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    health_task = asyncio.get_running_loop().create_task(report_health(loop, health_servicer))
     await stop.wait()
-    log.info("scheduler stopping")
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    await drain(loop, server, health_servicer, args.grace_period)
+    health_task.cancel()
     await loop.stop()
+
+
+async def report_health(loop: EngineLoop, health_servicer) -> None:
+    """SERVING means progress is possible: NOT_SERVING while there is work
+    and no executor, and while draining."""
+    serving = None
+    while True:
+        now = not loop.draining and (loop.executor is not None or not loop.has_work)
+        if now != serving:
+            serving = now
+            status = (health_pb2.HealthCheckResponse.SERVING if now
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+        await asyncio.sleep(0.25)
+
+
+async def drain(loop: EngineLoop, server, health_servicer, grace_s: float) -> None:
+    """Refuse new work (UNAVAILABLE), let in-flight requests finish within the
+    grace period, then stop; whatever is left is aborted by the server stop."""
+    log.info("scheduler draining", in_flight=len(loop.core.requests), grace_s=grace_s)
+    loop.draining = True
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = time.monotonic() + grace_s
+    while loop.has_work and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1)
+    log.info("scheduler stopped", unfinished=len(loop.core.requests))
 
 
 def main(argv: list[str] | None = None) -> None:

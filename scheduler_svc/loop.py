@@ -65,6 +65,7 @@ class EngineLoop:
         self._expected_step = 0
         self._recent_step_s = 0.0  # EMA of step wall time
         self._stepping = False
+        self.draining = False  # set on SIGTERM: Submit is refused
         self.num_executor_losses = 0
         self.last_lost_executor_pid = 0
         self._tasks: list[asyncio.Task] = []

@@ -50,6 +50,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return stats_of(self.loop)
 
     async def _check(self, request: scheduler_pb2.SubmitRequest, context) -> None:
+        if self.loop.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this scheduler replica is shutting down; retry on another")
         if self.loop.is_known(request.request_id):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request id {request.request_id!r} is already in flight")
@@ -122,6 +125,7 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         num_finished=loop.core.num_finished,
         num_preemptions=loop.core.num_preemptions,
         num_executor_losses=loop.num_executor_losses,
+        draining=loop.draining,
         last_lost_executor_pid=loop.last_lost_executor_pid,
         **s,
     )
