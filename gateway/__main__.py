@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
     parser.add_argument(
         "--scheduler",
         required=True,
-        metavar="HOST:PORT",
-        help="address of the scheduler replica to submit requests to",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="scheduler replica(s); requests go to the least-loaded healthy one",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any)")

@@ -13,7 +13,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class GatewayConfig:
     model_dir: pathlib.Path
-    # host:port of the scheduler replica that Generate requests are submitted to.
+    # HOST:PORT of the scheduler replica(s), comma-separated; each request goes
+    # to the least-loaded healthy one and moves on if that one fails.
     scheduler_address: str
     host: str = "127.0.0.1"
     # 0 picks a free port (tests); the bound port is logged.
@@ -25,16 +26,21 @@ class GatewayConfig:
     # How long in-flight calls may continue after SIGTERM before they are cut.
     grace_period_s: float = 5.0
 
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        return [a.strip() for a in self.scheduler_address.split(",") if a.strip()]
+
     def __post_init__(self) -> None:
         if not self.model_name:
             object.__setattr__(self, "model_name", self.model_dir.resolve().name)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port (0..65535)")
-        host, sep, port = self.scheduler_address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(
-                f"--scheduler {self.scheduler_address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)"
-            )
+        for address in self.scheduler_addresses:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(
+                    f"--scheduler {address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)"
+                )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
         if self.grace_period_s < 0:

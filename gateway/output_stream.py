@@ -30,6 +30,7 @@ class OutputStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = StopStringMatcher(request.stop)
         self.num_generated_tokens = 0
+        self.token_ids: list[int] = []  # generated so far (a continuation resumes after them)
         self.finish_reason = _UNFINISHED
         # True when a stop string (not the model) ended the stream: upstream is still running.
         self.stopped_by_string = False
@@ -45,6 +46,7 @@ class OutputStream:
         texts: list[str] = []
         for index, token_id in enumerate(event.token_ids):
             response.token_ids.append(token_id)
+            self.token_ids.append(token_id)
             if index < len(event.logprobs):
                 response.logprobs.append(event.logprobs[index])
             self.num_generated_tokens += 1

@@ -22,8 +22,9 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.config import GatewayConfig
 from gateway.output_stream import OutputStream
+from gateway.replicas import Replica, ReplicaSet
 from gateway.tokenizer import Tokenizer
-from gateway.upstream import CHANNEL_OPTIONS, client_status
+from gateway.upstream import ClientStatus, client_status
 from gateway.validation import (
     RequestError,
     UndecodableRequest,
@@ -35,7 +36,7 @@ from protos.continuum.v1 import (
     generation_pb2,
     generation_pb2_grpc,
     sampling_pb2,
-    scheduler_pb2_grpc,
+    scheduler_pb2,
 )
 
 _log = structlog.get_logger("gateway")
@@ -55,20 +56,41 @@ def _upstream_timeout(context: grpc.aio.ServicerContext) -> float | None:
     return max(remaining, 0.0)
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Serves Generate for one model by relaying to one scheduler replica."""
+# Upstream failures that mean "this replica cannot go on", not "this request
+# is wrong": the request continues on another replica.
+_REPLICA_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        model_name: str,
-        scheduler_address: str,
-        channel: grpc.aio.Channel,
-    ):
+
+class _EndedEarly(Exception):
+    """The upstream stream ended without a finish reason (the replica went away)."""
+
+
+def continuation(request: ValidatedRequest, output: OutputStream) -> scheduler_pb2.SubmitRequest:
+    """What to submit so generation resumes right after the tokens already
+    streamed: prompt + those tokens, the remaining max_tokens. Seeded sampling
+    is keyed by position, so the continuation draws what the lost replica would."""
+    submit = request.to_submit()
+    done = output.token_ids
+    if done:
+        submit.prompt_token_ids.extend(done)
+        submit.max_tokens -= len(done)
+        submit.num_resumed_output_tokens = len(done)
+    return submit
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Serves Generate for one model by relaying to scheduler replicas."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, replicas: ReplicaSet):
         self._tokenizer = tokenizer
         self._model_name = model_name
-        self._scheduler_address = scheduler_address
-        self._scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        self._replicas = replicas
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         validated = await self._validate_or_abort(request, context)
@@ -106,36 +128,60 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         started = time.monotonic()
         output = OutputStream(request, self._tokenizer)
-        call = self._scheduler.Submit(request.to_submit(), timeout=_upstream_timeout(context))
-        try:
-            async for event in call:
-                await context.write(output.on_event(event))
-                if output.finished:
-                    break
-        except grpc.aio.AioRpcError as exc:
-            status = client_status(exc, self._scheduler_address)
-            log.warning("upstream failed", code=exc.code().name, details=exc.details())
-            await context.abort(status.code, status.message, status.trailing_metadata)
-        except asyncio.CancelledError:
-            # The client left, its deadline passed, or shutdown's grace ran out.
-            elapsed_s = round(time.monotonic() - started, 4)
-            log.info("call cancelled; cancelling upstream", elapsed_s=elapsed_s)
-            raise
-        finally:
-            # Idempotent after a normal finish; essential on every early exit.
-            call.cancel()
-        if not output.finished:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the scheduler at {self._scheduler_address} ended the stream without finishing",
-            )
+        tried: set[str] = set()
+        failure = ClientStatus(grpc.StatusCode.UNAVAILABLE,
+                               f"no scheduler replica at {self._replicas.addresses}")
+        while not output.finished:
+            replica = self._replicas.pick(tried)
+            if replica is None:  # every replica failed: say how the last one did
+                await context.abort(failure.code, failure.message, failure.trailing_metadata)
+            tried.add(replica.address)
+            submit = continuation(request, output)
+            if submit.max_tokens <= 0:  # the replica died between the last token and its end
+                await context.write(output.on_event(scheduler_pb2.TokenEvent(
+                    finish_reason=sampling_pb2.FINISH_REASON_LENGTH)))
+                break
+            try:
+                await self._stream(replica, submit, output, context)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _REPLICA_FAILURES:
+                    status = client_status(exc, replica.address)
+                    log.warning("upstream failed", code=exc.code().name, details=exc.details())
+                    await context.abort(status.code, status.message, status.trailing_metadata)
+                failure = client_status(exc, replica.address)
+                log.warning("replica failed; continuing elsewhere", replica=replica.address,
+                            code=exc.code().name, streamed=len(output.token_ids))
+            except _EndedEarly:
+                failure = ClientStatus(grpc.StatusCode.UNAVAILABLE, f"the scheduler at "
+                                       f"{replica.address} ended the stream without finishing")
+                log.warning("replica ended the stream early; continuing elsewhere",
+                            replica=replica.address, streamed=len(output.token_ids))
         log.info(
             "request finished",
             finish_reason=sampling_pb2.FinishReason.Name(output.finish_reason),
             stop_string=output.stopped_by_string,
             completion_tokens=output.num_generated_tokens,
+            replicas=len(tried),
             elapsed_s=round(time.monotonic() - started, 4),
         )
+
+    async def _stream(self, replica: Replica, submit: scheduler_pb2.SubmitRequest,
+                      output: OutputStream, context: grpc.aio.ServicerContext) -> None:
+        """Relays one upstream Submit stream; raises on failure."""
+        call = replica.stub.Submit(submit, timeout=_upstream_timeout(context))
+        try:
+            async for event in call:
+                await context.write(output.on_event(event))
+                if output.finished:
+                    return
+        except asyncio.CancelledError:
+            # The client left, its deadline passed, or shutdown's grace ran out.
+            _log.info("call cancelled; cancelling upstream", request_id=submit.request_id)
+            raise
+        finally:
+            # Idempotent after a normal finish; essential on every early exit.
+            call.cancel()
+        raise _EndedEarly
 
 
 def _probe_bind(host: str, port: int) -> None:
@@ -190,14 +236,14 @@ class RunningGateway:
 
     server: grpc.aio.Server
     health: health.aio.HealthServicer
-    channel: grpc.aio.Channel
+    replicas: ReplicaSet
     port: int
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
         # New calls are refused from here on; in-flight ones get grace_s to finish.
         await self.server.stop(grace_s)
-        await self.channel.close()
+        await self.replicas.close()
 
 
 async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer) -> RunningGateway:
@@ -206,8 +252,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer) -> RunningG
     # port that is already in use and silently share its traffic.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     port = _bind(server, config.host, config.port)
-    channel = grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS)
-    servicer = GenerationServicer(tokenizer, config.model_name, config.scheduler_address, channel)
+    replicas = ReplicaSet(config.scheduler_addresses)
+    servicer = GenerationServicer(tokenizer, config.model_name, replicas)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -215,6 +261,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer) -> RunningG
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     await server.start()
+    replicas.start()
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return RunningGateway(server, health_servicer, channel, port)
+    return RunningGateway(server, health_servicer, replicas, port)
