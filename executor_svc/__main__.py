@@ -4,11 +4,17 @@ Loads the model, sizes the KV cache from a byte budget, measures prefill through
 copy bandwidth (for the scheduler's preemption cost model), connects to the scheduler and
 serves plans until SIGTERM/SIGINT (exit 0). A model that cannot be served exits 2 with
 one line on stderr.
+
+``--tp-size N`` (N > 1): this process is rank 0. It spawns ranks 1..N-1 (the same command
+with ``--tp-rank``; executor_svc/tp_ranks.py), each loads its slice of the model
+(tp_shard.py) and its own KV pool, and rank 0 alone talks to the scheduler, passing every
+plan on (tp_serve.py). When any rank is lost, rank 0 exits 3 (EXIT_RANK_LOST).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -23,9 +29,13 @@ import zmq
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import SchedulerLink, ServeLoop
-from executor_svc.model import LlamaModel
+from executor_svc.model import LlamaModel, ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
 from executor_svc.runner import Runner, measure_prefill_tokens_per_s
+from executor_svc.tp_comm import TPComm
+from executor_svc.tp_ranks import WorkerRanks
+from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
+from executor_svc.tp_shard import load_sharded_model, shard_layout
 from kernels import BACKEND_NAMES, make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
@@ -41,14 +51,20 @@ class ExecutorConfig:
 
     model: str | None
     ipc: str
-    kv_cache_bytes: int
-    host_kv_cache_bytes: int
+    kv_cache_bytes: int  # per rank under tensor parallelism
+    host_kv_cache_bytes: int  # per rank
     block_size: int
     dtype: str
-    threads: int | None
+    threads: int | None  # per rank
     model_id: str | None
     warmup_tokens: int
     attention_backend: str
+    tp_size: int = 1
+    tp_timeout_s: float = 60.0
+    # Set by rank 0 on the command lines of ranks 1..N-1 only.
+    tp_rank: int = 0
+    tp_init_method: str | None = None
+    incarnation: str | None = None
 
 
 def parse_bytes(text: str) -> int:
@@ -74,46 +90,82 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
     p.add_argument("--warmup-tokens", type=int, default=128,
                    help="prefill length timed at start for the cost model")
     p.add_argument("--attention-backend", choices=BACKEND_NAMES, default="torch")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (processes); KV and thread flags are per rank")
+    p.add_argument("--tp-timeout-s", type=float, default=60.0,
+                   help="how long a rank waits in a collective before giving the group up")
+    for internal in ("--tp-rank", "--tp-init-method", "--incarnation"):  # rank 0 -> workers
+        p.add_argument(internal, type=int if internal == "--tp-rank" else str,
+                       default=0 if internal == "--tp-rank" else None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.block_size < 1 or (a.threads is not None and a.threads < 1) or a.warmup_tokens < 1:
         p.error("--block-size, --threads and --warmup-tokens must be positive")
+    if a.tp_size < 1 or a.tp_timeout_s <= 0:
+        p.error("--tp-size and --tp-timeout-s must be positive")
+    if not 0 <= a.tp_rank < a.tp_size or (a.tp_rank and not (a.tp_init_method and a.incarnation)):
+        p.error("--tp-rank is set by rank 0 for its workers only")
     if not a.ipc.startswith(("ipc://", "tcp://", "inproc://")):
         p.error(f"--ipc must be a zmq address such as ipc:///tmp/continuum.sock, got {a.ipc!r}")
     return ExecutorConfig(a.model or None, a.ipc, a.kv_cache_bytes, a.host_kv_cache_bytes,
                           a.block_size, a.dtype, a.threads, a.model_id, a.warmup_tokens,
-                          a.attention_backend)
+                          a.attention_backend, a.tp_size, a.tp_timeout_s, a.tp_rank,
+                          a.tp_init_method, a.incarnation)
 
 
-def build(config: ExecutorConfig, incarnation: str) -> tuple[Runner, pb.Hello]:
-    """Loads everything; raises ModelError / ValueError for what a user must fix."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
+def build(
+    config: ExecutorConfig, path, incarnation: str, tp_init_method: str | None = None
+) -> tuple[Runner, pb.Hello]:
+    """Loads everything; raises ModelError / ValueError for what a user must fix. Under
+    tensor parallelism every rank calls this (it joins the group and times a prefill, which
+    are collectives)."""
     start = time.perf_counter()
-    path = resolve_model(config.model)
     print(f"loading model from {path}", file=sys.stderr)
-    model = LlamaModel.load(path, dtype=DTYPES[config.dtype])
+    model, sampler, pool_kv_heads = _load(config, path)
     print(f"model loaded in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     c = model.config
-    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, DTYPES[config.dtype],
+    spec = KVCacheSpec(c.num_layers, model.num_kv_heads, c.head_dim, DTYPES[config.dtype],
                        config.block_size)
-    kv = KVCache(spec, spec.num_blocks(config.kv_cache_bytes),
-                 spec.num_blocks(config.host_kv_cache_bytes))
+    # Under tp every rank sizes its pool by the largest KV share, so a block id means the
+    # same on every rank; the byte budget is per rank.
+    sizing = dataclasses.replace(spec, num_kv_heads=pool_kv_heads)
+    kv = KVCache(spec, sizing.num_blocks(config.kv_cache_bytes),
+                 sizing.num_blocks(config.host_kv_cache_bytes))
     backend = make_backend(config.attention_backend)
+    if model.tp is not None:  # joined only now: the slowest rank's load must not time out
+        model.tp.connect(tp_init_method, config.tp_timeout_s, "cpu")
     prefill_tps = measure_prefill_tokens_per_s(model, kv, backend, config.warmup_tokens)
     hello = pb.Hello(
         schema_version=wire.SCHEMA_VERSION, incarnation=incarnation,
         model_id=config.model_id or path.name, dtype=config.dtype, block_size=config.block_size,
-        num_device_blocks=kv.num_blocks, num_host_blocks=kv.num_host_blocks, tp_size=1,
-        max_model_len=c.max_position_embeddings, vocab_size=c.vocab_size,
-        eos_token_ids=list(c.eos_token_ids), prefill_tokens_per_s=prefill_tps,
-        swap_bytes_per_s=kv.measure_copy_bytes_per_s(), block_bytes=spec.block_bytes,
-        pid=os.getpid(),
+        num_device_blocks=kv.num_blocks, num_host_blocks=kv.num_host_blocks,
+        tp_size=config.tp_size, max_model_len=c.max_position_embeddings,
+        vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids),
+        prefill_tokens_per_s=prefill_tps, swap_bytes_per_s=kv.measure_copy_bytes_per_s(),
+        # Per rank (ranks swap their shares in parallel): the cost model's bytes per block.
+        block_bytes=sizing.block_bytes, pid=os.getpid(),
     )
     log.info("ready in %.2f s: %s, %d blocks x %d tokens (%.0f MiB KV), prefill %.0f tokens/s, "
              "%d threads", time.perf_counter() - start, hello.model_id, kv.num_blocks,
              config.block_size, kv.num_blocks * spec.block_bytes / 2**20, prefill_tps,
              torch.get_num_threads())
-    return Runner(model, kv, backend, incarnation), hello
+    return Runner(model, kv, backend, incarnation, sampler=sampler), hello
+
+
+def _load(config: ExecutorConfig, path):
+    """(model, sampler or None for the default, KV heads that size the pool)."""
+    dtype = DTYPES[config.dtype]
+    if config.tp_size == 1:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        model = LlamaModel.load(path, dtype=dtype)
+        return model, None, model.num_kv_heads
+    # Ranks share the cores unless told otherwise.
+    torch.set_num_threads(config.threads or max(1, len(os.sched_getaffinity(0)) // config.tp_size))
+    model_config = ModelConfig.from_dir(path)
+    layout = shard_layout(model_config, config.tp_size, config.tp_rank)
+    comm = TPComm(layout)
+    model = load_sharded_model(path, model_config, dtype, "cpu", comm)
+    return model, make_sampler(model_config.eos_token_ids, comm), layout.max_kv_heads
 
 
 class _Stop:
@@ -130,14 +182,43 @@ class _Stop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = parse_args(args)
+    rank = f" rank{config.tp_rank}" if config.tp_size > 1 else ""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+                        format=f"%(asctime)s %(name)s{rank} %(levelname)s %(message)s")
+    if config.tp_rank:
+        return _worker_main(config)
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        runner, hello = build(config, uuid.uuid4().hex)
+        path = resolve_model(config.model)
+        if config.tp_size > 1:  # refuse an impossible split before starting anyone
+            shard_layout(ModelConfig.from_dir(path), config.tp_size, 0)
+    except (ModelError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    incarnation = uuid.uuid4().hex
+    if config.tp_size == 1:
+        return _serve(config, path, incarnation, stop)
+    workers = WorkerRanks(args, config.tp_size, incarnation, str(path))
+    code = 1
+    try:
+        code = _serve(config, path, incarnation, stop, workers.init_method)
+        return code
+    finally:
+        # Only a rank 0 that returned 0 has told the workers to STOP; otherwise kill them.
+        told = code == 0
+        if not workers.stop(told) and told:
+            log.warning("some tensor-parallel ranks did not exit cleanly")
+
+
+def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop,
+           tp_init_method: str | None = None) -> int:
+    """Rank 0 (or the only rank): build, connect, serve until stopped; the exit status."""
+    try:
+        runner, hello = build(config, path, incarnation, tp_init_method)
     except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -146,13 +227,45 @@ def main(argv: list[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         print(f"error: cannot connect to {config.ipc}: {exc}", file=sys.stderr)
         return 2
+    tp = runner.model.tp
+    if tp is None:
+        front, should_stop = runner, lambda: stop.requested
+    else:
+        front = TPRunner(runner, tp, keepalive_s=min(5.0, config.tp_timeout_s / 4))
+
+        def should_stop() -> bool:  # ServeLoop calls this every poll: the idle keepalive
+            front.keepalive()
+            return stop.requested
     stop.serving = True
     try:
-        ServeLoop(link, runner, hello, lambda: stop.requested).run()
+        ServeLoop(link, front, hello, should_stop).run()
+        if tp is not None:
+            front.stop()
+            tp.close()
+    except RankLost as exc:  # only raised under tp
+        log.error("%s; exiting %d", exc, EXIT_RANK_LOST)
+        return EXIT_RANK_LOST
     finally:
         link.close()
     log.info("stopped")
     return 0
+
+
+def _worker_main(config: ExecutorConfig) -> int:
+    """Ranks 1..N-1: no scheduler link; rank 0's commands until STOP."""
+    # Rank 0 stops the group; a terminal's Ctrl-C reaches every rank, so ignore it here.
+    # SIGTERM keeps its default, immediate death: it is also what PDEATHSIG sends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        runner, _ = build(config, resolve_model(config.model), config.incarnation,
+                          config.tp_init_method)
+    except (ModelError, ValueError) as exc:
+        print(f"error: rank {config.tp_rank}: {exc}", file=sys.stderr)
+        return 2
+    code = serve_worker(runner, runner.model.tp)
+    if code == 0:
+        runner.model.tp.close()
+    return code
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ gpt-fast style: weights as plain tensors, q/k/v fused into one matmul and gate/u
 another, shapes in comments. T = tokens this step (all sequences, concatenated), S = rows
 that sample. The math follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32,
 rotate-half RoPE) so greedy outputs match it token for token.
+
+Tensor parallelism (executor_svc/tp_shard.py, tp_comm.py): a rank holds a slice of the
+heads, of the FFN and of the vocabulary, and ``tp`` supplies the collectives that join the
+slices. With ``tp`` None (tp_size 1) the forward makes no collective call and no extra copy.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,9 @@ from safetensors.torch import load_file
 
 from executor_svc.kv_cache import KVCache
 from kernels.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from executor_svc.tp_comm import TPComm
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel:
-    """Weights + forward. Not an nn.Module: there is nothing to train or register."""
+    """Weights + forward. Not an nn.Module: there is nothing to train or register.
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device):
+    Under tensor parallelism ``weights`` holds this rank's slices (tp_shard.load_shard):
+    q/k/v, gate/up and the vocabulary rows of the embedding and LM head split by rows, o_proj
+    and down_proj by columns; ``num_heads``/``num_kv_heads`` are this rank's counts.
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device,
+        tp: TPComm | None = None,
+    ):
         self.config = config
         self.dtype = dtype
+        self.tp = tp
+        self.num_heads = len(tp.layout.q_heads) if tp else config.num_heads
+        self.num_kv_heads = len(tp.layout.kv_heads) if tp else config.num_kv_heads
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
@@ -164,14 +183,17 @@ class LlamaModel:
         kv: KVCache,
         sample_rows: torch.Tensor,  # [S] int64, rows whose next-token logits are needed
     ) -> torch.Tensor:  # [S, V] float32
-        x = self.embed[input_ids]  # [T, H]
+        # [T, H]; vocab-parallel: each rank looks up the ids in its slice, then all-reduce.
+        x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
         cos, sin = self._rope(positions)  # [T, 1, D] each
         prepared = backend.prepare(meta)
         for i, layer in enumerate(self.layers):
             x = layer.forward(self, x, cos, sin, i, slot_mapping, backend, prepared, kv)
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
         h = rms_norm(x[sample_rows], self.norm, self.config.rms_norm_eps)  # [S, H]
-        return linear(h, self.lm_head).float()  # [S, V]
+        logits = linear(h, self.lm_head).float()  # [S, V] ([S, V / tp] under tp)
+        # Under tp only rank 0 gets the whole [S, V] (it samples); the others keep their slice.
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
 
 @dataclass
@@ -199,18 +221,24 @@ class _Layer:
         )
 
     def forward(self, model: LlamaModel, x, cos, sin, i, slot_mapping, backend, prepared, kv):
-        c = model.config
+        # Hq, Hkv and I are this rank's shares under tp; x stays whole [T, H] on every rank.
+        c, hq, hkv, tp = model.config, model.num_heads, model.num_kv_heads, model.tp
         t = x.shape[0]
         h = rms_norm(x, self.attn_norm, c.rms_norm_eps)  # [T, H]
         qkv = linear(h, self.wqkv)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
-                             c.num_kv_heads * c.head_dim], dim=-1)
-        q = apply_rope(q.reshape(t, c.num_heads, c.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.reshape(t, c.num_kv_heads, c.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        q, k, v = qkv.split([hq * c.head_dim, hkv * c.head_dim, hkv * c.head_dim], dim=-1)
+        q = apply_rope(q.reshape(t, hq, c.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.reshape(t, hkv, c.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.reshape(t, hkv, c.head_dim)  # [T, Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
-        x = x + linear(o.reshape(t, -1), self.wo)  # [T, H]
+        attn = linear(o.reshape(t, -1), self.wo)  # [T, H]; a partial sum under tp
+        if tp is not None:
+            tp.all_reduce(attn)
+        x = x + attn
         h = rms_norm(x, self.ffn_norm, c.rms_norm_eps)
         gate, up = linear(h, self.w13).chunk(2, dim=-1)  # [T, I] each
-        return x + linear(F.silu(gate) * up, self.w2)  # [T, H]
+        ffn = linear(F.silu(gate) * up, self.w2)  # [T, H]; a partial sum under tp
+        if tp is not None:
+            tp.all_reduce(ffn)
+        return x + ffn

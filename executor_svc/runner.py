@@ -29,12 +29,13 @@ class Runner:
     """Owns the per-sequence state of one executor incarnation; single-threaded."""
 
     def __init__(
-        self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str
+        self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str,
+        sampler: Sampler | None = None,  # tensor parallelism swaps in its own (tp_serve.py)
     ) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
-        self.sampler = Sampler(model.config.eos_token_ids)
+        self.sampler = sampler or Sampler(model.config.eos_token_ids)
         self.limits = PlanLimits(
             incarnation=incarnation,
             num_blocks=kv.num_blocks,

@@ -1,0 +1,134 @@
+"""One rank's end of the tensor-parallel group: the collectives of the sharded forward, and
+the commands rank 0 sends the other ranks.
+
+Backend: gloo for CPU tensors; with the model on CUDA, NCCL for device tensors (one group,
+``cpu:gloo,cuda:nccl``) while commands and sampled tokens stay on gloo. Ranks join after
+loading their shards (a load may take minutes), with a generous join timeout; every
+collective after that has ``--tp-timeout-s``: when a rank hangs, the others' next collective
+raises instead of waiting forever, and when a rank dies it raises at once (gloo sees the
+connection close). Either way the group is unusable afterwards; callers treat it as fatal.
+
+Collectives pair up by call order, so every rank must make the same calls in the same order.
+That holds because all ranks run the same plans through the same code; the only
+rank-dependent branches are inside this class.
+"""
+
+from __future__ import annotations
+
+import datetime
+from enum import IntEnum
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from executor_svc.tp_shard import ShardLayout
+
+_JOIN_TIMEOUT_S = 1800.0  # a rank that dies meanwhile is caught sooner (tp_ranks.py)
+_HEADER = 4096  # bytes per command broadcast: kind, length, then the payload's first bytes
+_INLINE = _HEADER - 16  # a plan that fits (any decode-only plan of ~200 sequences) costs one
+
+
+class Command(IntEnum):
+    """What rank 0 asks the other ranks to do next."""
+
+    NOOP = 0  # keepalive: an idle rank waits in a collective, and collectives time out
+    PLAN = 1  # payload: a serialized BatchPlan to execute
+    RESET = 2  # forget every sequence (a Hello went out)
+    STOP = 3  # leave the group and exit 0
+
+
+class TPComm:
+    """This rank's collectives; usable once ``connect`` has returned on every rank."""
+
+    def __init__(self, layout: ShardLayout) -> None:
+        self.layout = layout
+        self.rank = layout.rank
+        self._group = None  # the process group every collective uses
+        self._header = torch.zeros(_HEADER, dtype=torch.uint8)
+
+    def connect(self, init_method: str, timeout_s: float, device) -> None:
+        """Joins the group: blocks until every rank has called it."""
+        backend = "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=self.rank, world_size=self.layout.tp_size,
+            timeout=datetime.timedelta(seconds=_JOIN_TIMEOUT_S),
+        )
+        self._group = dist.new_group(
+            list(range(self.layout.tp_size)), timeout=datetime.timedelta(seconds=timeout_s),
+            backend=backend,
+        )
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # The forward's collectives.
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sums ``x`` over the ranks, in place; every rank ends with the same bits."""
+        dist.all_reduce(x, group=self._group)
+
+    def embed(
+        self,
+        table: torch.Tensor,  # [V_r, H] this rank's vocabulary rows
+        ids: torch.Tensor,  # [T] int64, any id < V
+    ) -> torch.Tensor:  # [T, H]
+        # Exactly one rank owns each id; the others contribute zeros, so the sum is exact.
+        local = ids - self.layout.vocab.start
+        outside = (local < 0) | (local >= len(self.layout.vocab))
+        x = table[local.masked_fill(outside, 0)]
+        x.masked_fill_(outside[:, None], 0.0)
+        dist.all_reduce(x, group=self._group)
+        return x
+
+    def gather_logits(
+        self, logits: torch.Tensor  # [S, V_r] this rank's vocabulary slice
+    ) -> torch.Tensor:  # rank 0: [S, V]; other ranks: their own slice, unchanged
+        if logits.shape[0] == 0:  # same S on every rank: all skip together
+            return logits
+        short = self.layout.max_vocab - logits.shape[1]
+        padded = torch.nn.functional.pad(logits, (0, short)) if short else logits  # [S, max V_r]
+        if self.rank != 0:
+            dist.gather(padded, None, dst=0, group=self._group)
+            return logits
+        parts = [torch.empty_like(padded) for _ in range(self.layout.tp_size)]
+        dist.gather(padded, parts, dst=0, group=self._group)
+        return torch.cat(
+            [p[:, : len(v)] for p, v in zip(parts, self.layout.vocab_by_rank, strict=True)],
+            dim=1,
+        )
+
+    def broadcast_tokens(self, tokens: list[int] | None, n: int) -> list[int]:
+        """Rank 0's ``n`` sampled tokens, on every rank (the others pass None)."""
+        t = torch.tensor(tokens, dtype=torch.int64) if self.rank == 0 else torch.empty(
+            n, dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self._group)
+        return t.tolist()
+
+    # Rank 0's commands.
+
+    def send_command(self, command: Command, payload: bytes = b"") -> None:
+        """Rank 0 only: one broadcast, two when the payload exceeds the header's room."""
+        assert self.rank == 0
+        buf = self._header.numpy()
+        buf[:16].view(np.int64)[:] = (command, len(payload))
+        inline = min(len(payload), _INLINE)
+        buf[16 : 16 + inline] = np.frombuffer(payload, dtype=np.uint8, count=inline)
+        dist.broadcast(self._header, src=0, group=self._group)
+        if len(payload) > inline:
+            rest = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8, offset=inline).copy())
+            dist.broadcast(rest, src=0, group=self._group)
+
+    def receive_command(self) -> tuple[Command, bytes]:
+        """Other ranks: blocks for rank 0's next command (at most the group's timeout)."""
+        dist.broadcast(self._header, src=0, group=self._group)
+        buf = self._header.numpy()
+        command, size = (int(v) for v in buf[:16].view(np.int64))
+        inline = min(size, _INLINE)
+        payload = buf[16 : 16 + inline].tobytes()
+        if size > inline:
+            rest = torch.empty(size - inline, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self._group)
+            payload += rest.numpy().tobytes()
+        return Command(command), payload

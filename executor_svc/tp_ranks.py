@@ -1,0 +1,111 @@
+"""Rank 0's worker processes: started bound to its life, watched, stopped.
+
+Ranks 1..N-1 run ``python -m executor_svc <rank 0's arguments> --tp-rank R ...``: the same
+config, parsed by the same code. Each gets PR_SET_PDEATHSIG, so the kernel SIGTERMs it when
+rank 0 dies by any means, SIGKILL included: no orphan keeps memory or a device.
+
+A watcher thread polls the workers. One that exits non-zero (a worker exits 0 only on rank
+0's STOP) has broken the group: its peers would fail or time out in their next collective.
+So rank 0 kills the rest and exits EXIT_RANK_LOST from the thread at once, wherever its main
+thread is blocked (rendezvous, model load, the scheduler socket). The supervisor restarts
+the executor; the scheduler recomputes (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from executor_svc.tp_serve import EXIT_RANK_LOST
+
+log = logging.getLogger("executor.tp")
+_PR_SET_PDEATHSIG = 1
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)  # holds executor_svc/, protos/
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    # In the child between fork and exec. If the parent died before prctl took effect, the
+    # signal will never come: leave now.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_RANK_LOST)
+
+
+class WorkerRanks:
+    """Spawns ranks 1..tp_size-1 on construction; ``stop`` (always call it) reaps them."""
+
+    def __init__(self, argv: list[str], tp_size: int, incarnation: str, model_dir: str) -> None:
+        self._dir = tempfile.mkdtemp(prefix="continuum-tp-")
+        self.init_method = f"file://{self._dir}/rendezvous"
+        self._lock = threading.Lock()  # orders "stopping" against the watcher's exit
+        self._stopping = False
+        # argparse keeps the last --model: the workers load the directory rank 0 resolved
+        # (a GGUF is converted once, by rank 0).
+        extra = ["--model", model_dir, "--tp-init-method", self.init_method,
+                 "--incarnation", incarnation]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "executor_svc", *argv, *extra, "--tp-rank", str(rank)],
+                env=env, stdin=subprocess.DEVNULL,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            )
+            for rank in range(1, tp_size)
+        ]
+        self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is None or code == 0:  # 0: it obeyed rank 0's STOP
+                    continue
+                with self._lock:
+                    if self._stopping:
+                        return
+                    log.error("tensor-parallel rank %d exited with status %d; exiting %d so "
+                              "the executor restarts whole", rank, code, EXIT_RANK_LOST)
+                    self._kill()
+                    shutil.rmtree(self._dir, ignore_errors=True)
+                    os._exit(EXIT_RANK_LOST)
+            time.sleep(0.1)
+
+    def stop(self, told: bool, grace_s: float = 10.0) -> bool:
+        """Reaps the workers: ``told`` (STOP was broadcast) waits up to ``grace_s`` for them to
+        leave; otherwise (not serving yet, or the group broke) kills them at once: they hold
+        nothing worth saving, and a hung one may not heed SIGTERM. Kills what is left after
+        the grace. True when every worker exited 0."""
+        with self._lock:
+            self._stopping = True
+        if not told:
+            self._kill()
+        clean = True
+        for proc in self.procs:
+            try:
+                clean &= proc.wait(timeout=grace_s) == 0
+            except subprocess.TimeoutExpired:
+                clean = False
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return clean
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
