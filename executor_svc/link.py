@@ -118,6 +118,7 @@ class ServeLoop:
                 incarnation=self.hello.incarnation,
                 sent_at=time.time(),
                 last_step_id=self.runner.last_step_id,
+                num_sequences=len(self.runner.seqs),
             ))
 
     def _since_hello(self) -> float:

@@ -47,6 +47,7 @@ class ExecutorLink:
         self._tasks: list[asyncio.Task] = []
         self.peer: bytes | None = None
         self.peer_incarnation = ""
+        self.executor_num_sequences = 0
         self.last_seen = 0.0
 
     def start(self) -> None:
@@ -109,3 +110,5 @@ class ExecutorLink:
                 self.last_seen = time.monotonic()
                 if kind == "result":
                     self._on_result(msg)
+                elif kind == "heartbeat":
+                    self.executor_num_sequences = msg.num_sequences

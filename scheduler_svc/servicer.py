@@ -126,6 +126,7 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         num_preemptions=loop.core.num_preemptions,
         num_executor_losses=loop.num_executor_losses,
         draining=loop.draining,
+        executor_num_sequences=loop.link.executor_num_sequences,
         last_lost_executor_pid=loop.last_lost_executor_pid,
         **s,
     )
