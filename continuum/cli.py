@@ -25,6 +25,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")
