@@ -178,6 +178,15 @@ class BlockManager:
                 self._by_hash[h] = block
                 self._hash[block], self._tokens[block] = h, chunk
 
+    def forget_cached(self) -> None:
+        """Empties the prefix index (the executor may not hold what it claims):
+        cached-free blocks become free and no block is found by hash again."""
+        self._free.extend(reversed(self._evictable))
+        self._evictable.clear()
+        self._by_hash.clear()
+        self._hash = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks
+
     # -- release ----------------------------------------------------------------------
 
     def free(self, seq_id: int) -> None:

@@ -103,6 +103,7 @@ class Scheduler:
         self._by_seq: dict[int, Request] = {}  # running only
         self._running_per_tenant: collections.Counter[str] = collections.Counter()
         self._to_drop: list[int] = []
+        self._last_dropped: list[int] = []  # the last plan's drop list (for resync)
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
         self._step_id = 0
@@ -139,9 +140,20 @@ class Scheduler:
 
     def resync(self) -> None:
         """The executor refused a plan: drop everything it holds and recompute
-        every running sequence from the authoritative token history."""
+        every running sequence from the authoritative token history.
+
+        The refused plan wrote no KV and copied no block, yet building it
+        registered the blocks it was to fill in the prefix cache, sent its
+        swap-outs and its drop list: so the cache forgets every block, swapped
+        sequences are recomputed too, and the drop list is sent again."""
+        self._to_drop.extend(self._last_dropped)
         for req in list(reversed(self.running)):
             self._preempt(req, "resync", allow_swap=False)
+        for req in self.waiting:
+            if req.status == RequestStatus.SWAPPED:
+                self.block_manager.free(req.seq_id)
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        self.block_manager.forget_cached()
 
     def _reset_kv(self) -> None:
         for req in list(reversed(self.running)):
@@ -150,6 +162,7 @@ class Scheduler:
             if req.status == RequestStatus.SWAPPED:
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
         self._to_drop.clear()
+        self._last_dropped = []
         self._swap_out.clear()
 
     # -- requests ----------------------------------------------------------------------
@@ -220,6 +233,7 @@ class Scheduler:
             budget = self._admit(out, budget, prefills)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.finished_seq_ids, self._to_drop = self._to_drop, []
+        self._last_dropped = out.finished_seq_ids
         out.swap_out, self._swap_out = self._swap_out, []
         return out
 
@@ -344,10 +358,21 @@ class Scheduler:
             req = self.waiting.peek(now)
             if req is None:
                 break
+            if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
+                # Its context outgrew the pool while it ran (then it was preempted, or
+                # the executor restarted): it can never resume in full, and nobody may
+                # overtake it. The pool is its context limit, as for one running alone.
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.LENGTH)
+                self._events.append((req, None, FinishReason.LENGTH))
+                continue
+            # With nothing running the watermark protects no decode: a resumed context
+            # that outgrew the pool minus the watermark comes back once the pool drains.
+            keep = reserve if self.running else 0
             if req.status == RequestStatus.SWAPPED:
-                n = self._swap_in(req, out, budget, cap, reserve)
+                n = self._swap_in(req, out, budget, cap, keep)
             else:
-                n = self._start(req, out, budget, cap, reserve)
+                n = self._start(req, out, budget, cap, keep)
             if n == 0:
                 break  # the best request does not fit yet; nobody overtakes it
             budget -= n
