@@ -16,8 +16,13 @@ Three independent oracles watch it:
 * the **client's view**: every event is recorded; at the end each request's delivered tokens are
   ``token_ids[num_prompt_tokens:]``, equal to what an uninterrupted run would produce, with
   exactly one finishing event;
-* per-step **contract checks**: budgets, decode-first, victim choice and protection, no
-  admission in a step that preempts, aging order and the head-of-line bound of queue.py.
+* per-step **contract checks**: budgets and chunk caps, decode-first, no partial resume,
+  victim choice and protection (``pick_victim`` is wrapped while a machine runs), no admission
+  in a step that preempts, resumed before fresh, aging order and the wait bound of queue.py.
+
+The plain tests at the end pin the two bugs the machine found in the core (a resync that
+trusted what a refused plan never wrote; a requeued context larger than the usable pool that
+blocked the queue forever).
 """
 
 from __future__ import annotations
@@ -267,9 +272,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             tr = self.tracks[rid]
             assert tr.req.protected == tr.expect_protected, f"{rid}: protection is wrong"
             if cfg.preemption_window_s > 1e6:
-                # With an unbounded window a sequence is preempted at most max_preemptions
-                # times by choice; after that only when every candidate is protected (checked
-                # per step in _check_victims), or by an executor restart / resync.
+                # The bound that holds. No constant slack over max_preemptions does: once
+                # protected, a sequence is preempted again whenever every candidate is
+                # protected too (max_preemptions=1 and one restart protect every running
+                # sequence at once), and that recurs while the others grow (hypothesis finds
+                # two such forced preemptions of one sequence). So: with an unbounded window,
+                # at most max_preemptions by choice; every further one either forced with
+                # every candidate protected (VictimSpy checks each) or an executor restart /
+                # resync, which preempt every running sequence.
                 assert tr.req.num_preemptions - tr.forced - tr.lifecycle <= cfg.max_preemptions
         return preempted
 
