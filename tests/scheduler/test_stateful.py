@@ -437,7 +437,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(n for n, _ in scheduled.values()) == out.num_batched_tokens
         for r, n, new in out.scheduled():
             assert r.status == RequestStatus.RUNNING
-            assert 1 <= n <= max(1, self.cap), "a prefill chunk over the policy's cap"
+            assert n >= 1 and n <= max(1, self.cap), "a prefill chunk over the policy's cap"
             assert r.num_computed_tokens <= r.num_tokens
             if not new:
                 assert r.request_id in {x.request_id for x in running_before}
