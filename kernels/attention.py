@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -48,16 +49,16 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         width = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(width, 1)), dtype=torch.int64)
+        table = np.zeros((len(block_tables), max(width, 1)), dtype=np.int64)
         for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        starts[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0)
+            table[i, : len(blocks)] = blocks
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        starts[1:] = np.cumsum(query_lens)
         return AttentionMetadata(
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
-            query_start=starts.to(device),
-            block_tables=table.to(device),
+            query_start=torch.from_numpy(starts).to(device),
+            block_tables=torch.from_numpy(table).to(device),
             block_size=block_size,
         )
 

@@ -19,7 +19,7 @@ from kernels.attention import AttentionBackend, AttentionMetadata, gather_contex
 
 
 @dataclass(frozen=True)
-class _Chunk:
+class ChunkPlan:
     """A multi-token query chunk of one sequence: rows [start, end) at positions
     [context_len - (end - start), context_len)."""
 
@@ -35,7 +35,7 @@ class _StepPlan:
     single_rows: torch.Tensor | None  # [Bs] row of each single-token sequence
     single_tables: torch.Tensor | None  # [Bs, nb] int64
     single_mask: torch.Tensor | None  # [Bs, 1, 1, nb * block_size] bool
-    chunks: tuple[_Chunk, ...]
+    chunks: tuple[ChunkPlan, ...]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -43,9 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> _StepPlan:
         singles = [i for i, n in enumerate(meta.query_lens) if n == 1]
-        chunks = tuple(
-            self._chunk(meta, i) for i, n in enumerate(meta.query_lens) if n > 1
-        )
+        chunks = tuple(plan_chunk(meta, i) for i, n in enumerate(meta.query_lens) if n > 1)
         if not singles:
             return _StepPlan(None, None, None, chunks)
         device = meta.block_tables.device
@@ -60,23 +58,12 @@ class TorchAttentionBackend(AttentionBackend):
             chunks=chunks,
         )
 
-    @staticmethod
-    def _chunk(meta: AttentionMetadata, i: int) -> _Chunk:
-        start = int(meta.query_start[i])
-        n, ctx = meta.query_lens[i], meta.context_lens[i]
-        mask = None
-        if ctx > n:  # a cached prefix: query j sits at position ctx - n + j
-            device = meta.block_tables.device
-            q_pos = torch.arange(ctx - n, ctx, device=device)
-            mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
-        return _Chunk(start, start + n, ctx, meta.block_tables[i], mask)
-
     def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
         out = torch.empty_like(q)  # [T, Hq, D]
         if prepared.single_rows is not None:
             out[prepared.single_rows] = self._singles(q, k_cache, v_cache, prepared, scale)
         for c in prepared.chunks:
-            out[c.start : c.end] = self._chunk_attention(q, k, v, k_cache, v_cache, c, scale)
+            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
         return out
 
     @staticmethod
@@ -89,26 +76,39 @@ class TorchAttentionBackend(AttentionBackend):
         )  # [Bs, Hq, 1, D]
         return o.squeeze(2)
 
-    @staticmethod
-    def _chunk_attention(q, k, v, k_cache, v_cache, c: _Chunk, scale: float) -> torch.Tensor:
-        qc = q[c.start : c.end].transpose(0, 1)  # [Hq, n, D]
-        if c.mask is None:  # whole context is this chunk: use the fresh K/V
-            kc, vc = k[c.start : c.end], v[c.start : c.end]  # [n, Hkv, D]
-        else:
-            kc = gather_context(k_cache, c.block_table, c.context_len)  # [ctx, Hkv, D]
-            vc = gather_context(v_cache, c.block_table, c.context_len)
-        # A leading batch dim of 1 matters: 4-D inputs take the CPU flash kernel, 3-D ones
-        # the math path (3x slower at 512 tokens).
-        o = F.scaled_dot_product_attention(
-            qc[None],
-            kc.transpose(0, 1)[None],
-            vc.transpose(0, 1)[None],
-            attn_mask=c.mask,
-            is_causal=c.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )[0]  # [Hq, n, D]
-        return o.transpose(0, 1)
+
+def plan_chunk(meta: AttentionMetadata, i: int) -> ChunkPlan:
+    """The attention plan of sequence ``i``'s multi-token chunk (shared by backends)."""
+    start = int(meta.query_start[i])
+    n, ctx = meta.query_lens[i], meta.context_lens[i]
+    mask = None
+    if ctx > n:  # a cached prefix: query j sits at position ctx - n + j
+        device = meta.block_tables.device
+        q_pos = torch.arange(ctx - n, ctx, device=device)
+        mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+    return ChunkPlan(start, start + n, ctx, meta.block_tables[i], mask)
+
+
+def chunk_attention(q, k, v, k_cache, v_cache, c: ChunkPlan, scale: float) -> torch.Tensor:
+    """[n, Hq, D]: one chunk's causal attention through SDPA."""
+    qc = q[c.start : c.end].transpose(0, 1)  # [Hq, n, D]
+    if c.mask is None:  # whole context is this chunk: use the fresh K/V
+        kc, vc = k[c.start : c.end], v[c.start : c.end]  # [n, Hkv, D]
+    else:
+        kc = gather_context(k_cache, c.block_table, c.context_len)  # [ctx, Hkv, D]
+        vc = gather_context(v_cache, c.block_table, c.context_len)
+    # A leading batch dim of 1 matters: 4-D inputs take the CPU flash kernel, 3-D ones
+    # the math path (3x slower at 512 tokens).
+    o = F.scaled_dot_product_attention(
+        qc[None],
+        kc.transpose(0, 1)[None],
+        vc.transpose(0, 1)[None],
+        attn_mask=c.mask,
+        is_causal=c.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )[0]  # [Hq, n, D]
+    return o.transpose(0, 1)
 
 
 def _gather_blocks(

@@ -16,8 +16,8 @@ import torch
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel
 from executor_svc.runner import Runner
+from kernels import make_backend
 from kernels.attention import AttentionBackend
-from kernels.torch_backend import TorchAttentionBackend
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -31,7 +31,7 @@ def make_runner(
     c = model.config
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, block_size)
     kv = KVCache(spec, num_blocks, num_host_blocks)
-    return Runner(model, kv, backend or TorchAttentionBackend(), INCARNATION)
+    return Runner(model, kv, backend or make_backend(), INCARNATION)  # the serving default
 
 
 def load_model(model_dir: pathlib.Path) -> LlamaModel:

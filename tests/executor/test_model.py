@@ -8,6 +8,7 @@ import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, ModelConfig, rope_inv_freq
+from kernels import make_backend
 from kernels.attention import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
 
@@ -45,7 +46,8 @@ def test_llama3_rope_frequencies_match_transformers(tiny_dir):
     torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq.float())
 
 
-def test_paged_forward_matches_transformers_logits(tiny_dir):
+@pytest.mark.parametrize("backend_name", ["torch", "numba"])
+def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name):
     path, hf = tiny_dir
     model = LlamaModel.load(path)
     assert model.lm_head is not model.embed
@@ -56,7 +58,7 @@ def test_paged_forward_matches_transformers_logits(tiny_dir):
         want = hf(ids[None]).logits[0]  # [150, V]
     # Prefill 149 tokens in two chunks, then one decode, through blocks in shuffled order.
     table = torch.randperm(48, generator=torch.Generator().manual_seed(2))[:38].tolist()
-    backend = TorchAttentionBackend()
+    backend = make_backend(backend_name)
     for start, end in [(0, 100), (100, 149), (149, 150)]:
         pos = torch.arange(start, end)
         slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in pos.tolist()])

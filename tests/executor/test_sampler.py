@@ -38,6 +38,16 @@ def test_greedy_is_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_maximum_and_a_nan_like_torch():
+    logits = logits_for(0, 1, 2)
+    logits[0, [7, 30]] = 100.0  # a tie: the first index wins
+    logits[1, 12] = float("nan")  # NaN compares as the maximum
+    logits[2] = float("-inf")
+    want = logits.argmax(-1).tolist()
+    out = Sampler(()).sample(logits, [row(SamplingConfig(temperature=0.0))] * 3)
+    assert out.token_ids == want == [7, 12, 0]
+
+
 def kept(probs, top_k=0, top_p=1.0, min_p=0.0) -> list[int]:
     out = filter_probs(probs[None], torch.tensor([top_k]), torch.tensor([top_p]),
                        torch.tensor([min_p]))

@@ -7,28 +7,54 @@ import random
 import pytest
 import torch
 
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
 from kernels.attention import AttentionMetadata
+from kernels.numba_backend import NumbaAttentionBackend
+from kernels.numba_kernels import paged_decode, paged_decode_serial
 from kernels.reference import ReferenceAttentionBackend
 from kernels.torch_backend import TorchAttentionBackend
 
+# fp32 kernels against the float64 reference: observed error is ~1e-6 (accumulation order).
+ATOL, RTOL = 1e-4, 1e-4
 
-def random_batch(seed: int, block_size: int, hq: int, hkv: int, dim: int, num_blocks: int = 64):
-    """Sequences with random cached prefixes and new-token counts (decodes, chunks, fresh
-    prompts), random non-contiguous block tables, and a cache holding every K/V."""
+
+def random_specs(seed: int, block_size: int) -> list[tuple[int, int]]:
+    """(query_len, context_len) per sequence: decodes, chunks after a cached prefix, fresh
+    prompts and one-token prompts, mixed in one step."""
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    query_lens, context_lens, tables = [], [], []
+    specs = []
     for kind in ["decode", "chunk", "fresh", "decode", "chunk", "decode", "one-token-prompt"]:
         n = {"decode": 1, "one-token-prompt": 1}.get(kind, rng.randint(2, 3 * block_size))
         prefix = 0 if kind in ("fresh", "one-token-prompt") else rng.randint(1, 3 * block_size)
-        query_lens.append(n)
-        context_lens.append(prefix + n)
-        tables.append([free.pop() for _ in range(-(-(prefix + n) // block_size))])
+        specs.append((n, prefix + n))
+    return specs
+
+
+def paged_batch(
+    seed: int, specs: list[tuple[int, int]], block_size: int, hq: int, hkv: int, dim: int,
+    spare_blocks: int = 8, poison: bool = False,
+):
+    """A step over ``specs`` with block tables drawn at random from a shuffled pool (holes,
+    out of order), and a cache holding every K/V. ``poison``: every slot no sequence owns,
+    including the tail of partly filled last blocks, holds NaN, so reading one shows."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tables = [-(-ctx // block_size) for _, ctx in specs]
+    num_blocks = sum(tables) + spare_blocks
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(nb)] for nb in tables]
+    query_lens, context_lens = [n for n, _ in specs], [ctx for _, ctx in specs]
     meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size)
     k_cache = torch.randn(num_blocks, block_size, hkv, dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, hkv, dim, generator=gen)
+    if poison:
+        owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for ctx, table in zip(context_lens, tables, strict=True):
+            for p in range(ctx):
+                owned[table[p // block_size], p % block_size] = True
+        k_cache[~owned] = float("nan")
+        v_cache[~owned] = float("nan")
     # This step's K/V are the cache entries at the new positions (the model writes them first).
     rows = [
         (table[p // block_size], p % block_size)
@@ -41,17 +67,109 @@ def random_batch(seed: int, block_size: int, hq: int, hkv: int, dim: int, num_bl
     return q, k, v, k_cache, v_cache, meta
 
 
+def run(backend, batch, scale):
+    q, k, v, k_cache, v_cache, meta = batch
+    return backend.forward(q, k, v, k_cache, v_cache, backend.prepare(meta), scale)
+
+
+@pytest.fixture(scope="module", params=["serial", "parallel"])
+def numba_backend(request) -> NumbaAttentionBackend:
+    """Both kernels: the one in the calling thread (small steps) and numba's threads."""
+    return NumbaAttentionBackend(kernel=request.param)
+
+
 @pytest.mark.parametrize(
     ("seed", "block_size", "hq", "hkv", "dim"),
     [(0, 16, 9, 3, 64), (1, 4, 9, 3, 64), (2, 8, 4, 4, 32), (3, 1, 8, 2, 16)],
 )
 def test_torch_backend_matches_reference(seed, block_size, hq, hkv, dim):
-    q, k, v, k_cache, v_cache, meta = random_batch(seed, block_size, hq, hkv, dim)
-    scale = dim**-0.5
-    ref_backend, torch_backend = ReferenceAttentionBackend(), TorchAttentionBackend()
-    want = ref_backend.forward(q, k, v, k_cache, v_cache, ref_backend.prepare(meta), scale)
-    got = torch_backend.forward(q, k, v, k_cache, v_cache, torch_backend.prepare(meta), scale)
+    batch = paged_batch(seed, random_specs(seed, block_size), block_size, hq, hkv, dim)
+    want = run(ReferenceAttentionBackend(), batch, dim**-0.5)
+    got = run(TorchAttentionBackend(), batch, dim**-0.5)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("seed", "block_size", "hq", "hkv", "dim"),
+    [(0, 16, 9, 3, 64), (1, 4, 9, 3, 64), (2, 8, 4, 4, 32), (3, 1, 8, 2, 16), (4, 16, 6, 6, 64)],
+)
+def test_numba_backend_matches_reference_on_mixed_steps(numba_backend, seed, block_size, hq,
+                                                        hkv, dim):
+    batch = paged_batch(seed, random_specs(seed, block_size), block_size, hq, hkv, dim,
+                        poison=True)
+    want = run(ReferenceAttentionBackend(), batch, dim**-0.5)
+    got = run(numba_backend, batch, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("block_size", "hq", "hkv"), [(16, 9, 3), (16, 4, 4), (5, 6, 2)])
+def test_numba_decodes_match_reference_at_context_lengths_1_to_600(numba_backend, block_size,
+                                                                   hq, hkv):
+    # Block edges (1, bs - 1, bs, bs + 1), long contexts, and a chunk riding along.
+    rng = random.Random(block_size * 100 + hq)
+    lengths = [1, 2, block_size - 1, block_size, block_size + 1, 511, 512, 513, 600]
+    lengths += [rng.randint(1, 600) for _ in range(6)]
+    specs = [(1, ctx) for ctx in lengths if ctx >= 1] + [(37, 300)]
+    batch = paged_batch(7, specs, block_size, hq, hkv, 64, poison=True)
+    want = run(ReferenceAttentionBackend(), batch, 0.125)
+    got = run(numba_backend, batch, 0.125)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_numba_backend_handles_large_scores_without_overflow(numba_backend):
+    # Scores in the thousands: the online softmax must rescale, not exponentiate raw scores.
+    batch = paged_batch(5, [(1, 200), (1, 33)], 16, 9, 3, 64)
+    q = batch[0] * 300
+    batch = (q, *batch[1:])
+    want = run(ReferenceAttentionBackend(), batch, 0.125)
+    got = run(numba_backend, batch, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_numba_backend_falls_back_to_torch_for_bfloat16(numba_backend):
+    q, k, v, k_cache, v_cache, meta = paged_batch(6, random_specs(6, 16), 16, 9, 3, 64)
+    batch = tuple(t.bfloat16() for t in (q, k, v, k_cache, v_cache)) + (meta,)
+    want = run(TorchAttentionBackend(), batch, 0.125)
+    got = run(numba_backend, batch, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
+def test_numba_kernels_are_compiled_at_construction():
+    backend = NumbaAttentionBackend()
+    assert backend.warm_up_s > 0
+    assert NumbaAttentionBackend.warm_up() < 1.0  # already compiled: plain calls
+
+
+def test_numba_backend_picks_threads_only_for_big_steps():
+    backend = NumbaAttentionBackend(warm_up=False)
+    small = AttentionMetadata.build([1, 1], [100, 200], [[0] * 7, [1] * 13], 16)
+    big = AttentionMetadata.build([1] * 16, [600] * 16, [[0] * 38] * 16, 16)
+    assert backend.prepare(small).kernel is paged_decode_serial
+    want = paged_decode if torch.get_num_threads() > 1 else paged_decode_serial
+    assert backend.prepare(big).kernel is want
+
+
+def test_numba_backend_leaves_torch_thread_count_alone():
+    # numba's pool shares torch's OpenMP runtime; starting it must not change --threads.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = NumbaAttentionBackend()
+        plan = backend.prepare(AttentionMetadata.build([1] * 16, [600] * 16, [[0] * 38] * 16, 16))
+        assert torch.get_num_threads() == 1
+        assert plan.kernel is paged_decode_serial  # one thread: no pool
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_make_backend_knows_every_name():
+    assert DEFAULT_BACKEND in BACKEND_NAMES
+    for name in BACKEND_NAMES:
+        assert make_backend(name).forward is not None
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("flash")
 
 
 def test_reference_is_causal_softmax_attention():

@@ -1,0 +1,302 @@
+"""Executor decode and prefill speed on the bundled model, against transformers and the roofline.
+
+In one process, on the same cores: (1) the machine's fp32 matmul GFLOP/s and streaming read
+bandwidth, (2) our Runner executing real BatchPlans (plan check, batch building, forward,
+sampling) for ``B`` sequences decoding at ``--context`` tokens, (3) transformers'
+``generate()`` decoding the same batch (static batch, fp32, greedy) from a cache already
+holding the context, (4) one 512-token prefill each, (5) where our step time goes at the
+breakdown batch. The KV of the context is not computed (it does not change the cost of a
+step), so a point takes seconds instead of a batch-sized prefill.
+
+    make bench-executor      # or: .venv/bin/python -m benchmarks.bench_executor [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import executor_svc.model as model_mod
+import executor_svc.runner as runner_mod
+from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
+from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.model import LlamaModel, linear
+from executor_svc.model_files import resolve_model
+from executor_svc.runner import Runner
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
+from protos.continuum.v1 import executor_pb2 as pb
+from protos.continuum.v1 import sampling_pb2
+
+INCARNATION = "bench"
+
+
+def load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def machine_ceilings(hidden: int, inter: int, clock) -> dict[str, float]:
+    """fp32 GFLOP/s of the model's own ``linear`` at 64 and 512 rows; read GB/s (sum)."""
+    w = torch.randn(inter, hidden)
+    out = {}
+    for rows in (64, 512):
+        x = torch.randn(rows, hidden)
+        seconds = best_seconds(lambda x=x: linear(x, w), clock, repeats=20)
+        out[f"gflops_{rows}"] = 2 * rows * hidden * inter / seconds / 1e9
+    big = torch.ones(64 << 20)  # 256 MiB
+    out["read_gbs"] = big.numel() * 4 / best_seconds(big.sum, clock, repeats=10) / 1e9
+    return out
+
+
+def model_flops_per_token(model: LlamaModel, context: int) -> float:
+    c = model.config
+    weights = sum(t.numel() for layer in model.layers for t in (layer.wqkv, layer.wo,
+                                                                layer.w13, layer.w2))
+    attention = 4 * c.num_heads * c.head_dim * context * c.num_layers  # QK^T and PV
+    return 2 * (weights + model.lm_head.numel()) + attention
+
+
+def step_bytes(model: LlamaModel, batch: int, context: int) -> float:
+    """Weights (tied embedding counted once: only the LM head reads it whole) + every KV."""
+    c = model.config
+    weights = sum(t.numel() for layer in model.layers for t in vars(layer).values())
+    weights += model.lm_head.numel() + model.norm.numel()
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * batch
+    return 4 * (weights + kv)
+
+
+class DecodeRun:
+    """``batch`` sequences at ``context`` tokens, decoding one token per step via plans."""
+
+    def __init__(self, model: LlamaModel, backend, batch: int, context: int, steps: int,
+                 clock=time.perf_counter):
+        c, bs = model.config, 16
+        self.clock = clock
+        self.blocks_per_seq = -(-(context + steps + 1) // bs)
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, bs)
+        kv = KVCache(spec, batch * self.blocks_per_seq)
+        self.runner = Runner(model, kv, backend, INCARNATION)
+        self.batch, self.context, self.step_id = batch, context, 0
+        self.vocab = c.vocab_size
+
+    def plan(self) -> pb.BatchPlan:
+        self.step_id += 1
+        plan = pb.BatchPlan(incarnation=INCARNATION, step_id=self.step_id)
+        if self.step_id > 1:  # decode deltas; every block was handed out up front
+            plan.cached_seq_ids.extend(range(self.batch))
+            plan.cached_num_scheduled_tokens.extend([1] * self.batch)
+            plan.cached_num_new_blocks.extend([0] * self.batch)
+            return plan
+        gen = torch.Generator().manual_seed(0)
+        greedy = sampling_pb2.SamplingParams(temperature=0.0)
+        for i in range(self.batch):  # arrives with context - 1 tokens cached, decodes the last
+            tokens = torch.randint(3, self.vocab, (self.context,), generator=gen).tolist()
+            blocks = range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq)
+            plan.new_seqs.add(seq_id=i, token_ids=tokens, num_computed_tokens=self.context - 1,
+                              num_scheduled_tokens=1, block_ids=blocks, sampling=greedy,
+                              num_prompt_tokens=self.context)
+        return plan
+
+    def step(self) -> float:
+        plan = self.plan()
+        start = self.clock()
+        result = self.runner.execute(plan)
+        elapsed = self.clock() - start
+        assert result.error_code == 0 and len(result.token_ids) == self.batch, result
+        return elapsed
+
+    def timed(self, warmup: int, steps: int) -> float:
+        """Median seconds per step after ``warmup`` steps."""
+        for _ in range(warmup):
+            self.step()
+        return statistics.median(self.step() for _ in range(steps))
+
+
+class Breakdown:
+    """Wall time per component, by wrapping the functions a step calls (instrumentation
+    only: the bench restores every wrapped attribute)."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, attr: str, name_of) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = self.clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name_of(*args)] += self.clock() - start
+
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+
+def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]:
+    """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
+    KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute."""
+    b, r = Breakdown(run.clock), run.runner
+    head = model.lm_head
+    b.wrap(runner_mod, "check_plan", lambda *a: "plan check + apply")
+    b.wrap(r, "_apply", lambda *a: "plan check + apply")
+    b.wrap(runner_mod, "build_inputs", lambda *a: "batch building")
+    b.wrap(model_mod, "linear", lambda x, w: "LM head" if w is head else "layer matmuls")
+    b.wrap(r.backend, "forward", lambda *a: "attention")
+    b.wrap(r.backend, "prepare", lambda *a: "attention")
+    b.wrap(r.kv, "write", lambda *a: "KV write")
+    b.wrap(r, "forward", lambda *a: "forward")
+    b.wrap(r.sampler, "sample", lambda *a: "sampling")
+    total = 0.0
+    try:
+        for _ in range(steps):
+            total += run.step()
+    finally:
+        b.restore()
+    ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
+    inner = sum(ms[k] for k in ("layer matmuls", "LM head", "attention", "KV write"))
+    ms["norms, rope, other ops"] = ms.pop("forward") - inner
+    ms["total"] = total * 1e3 / steps
+    ms["rest of execute"] = ms["total"] - ms["norms, rope, other ops"] - inner - sum(
+        ms[k] for k in ("plan check + apply", "batch building", "sampling"))
+    return ms
+
+
+def ours(model, backends: dict, args, clock) -> dict[tuple[str, int], float]:
+    """Seconds per decode step, per (backend, batch)."""
+    out = {}
+    for batch in args.batches:
+        for name, backend in backends.items():
+            run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock)
+            out[name, batch] = run.timed(args.warmup, args.steps)
+            print(f"  ours[{name}] batch {batch}: {out[name, batch] * 1e3:.1f} ms/step  "
+                  f"({load()})", flush=True)
+            del run
+            gc.collect()
+    return out
+
+
+def ours_prefill_tokens_per_s(model, backend, num_tokens: int, clock) -> float:
+    """One ``num_tokens`` prompt in one plan (chunk = whole prompt), best of two."""
+    def once():
+        run = DecodeRun(model, backend, 1, num_tokens, 0)
+        plan = pb.BatchPlan(incarnation=INCARNATION, step_id=1)
+        plan.new_seqs.add(seq_id=0, token_ids=[5] * num_tokens, num_scheduled_tokens=num_tokens,
+                          block_ids=range(run.blocks_per_seq), num_prompt_tokens=num_tokens,
+                          sampling=sampling_pb2.SamplingParams(temperature=0.0))
+        start = clock()
+        run.runner.execute(plan)
+        return clock() - start
+
+    return num_tokens / min(once() for _ in range(3))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[1, 8, 32, 64, 128])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per point")
+    p.add_argument("--backends", type=lambda s: s.split(","), default=[DEFAULT_BACKEND, "torch"],
+                   help=f"attention backends to time, first is the headline ({BACKEND_NAMES})")
+    p.add_argument("--breakdown-batch", type=int, default=64)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and numba) threads; default torch's (one per core)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this process's CPU time, not wall time: robust on a busy "
+                        "shared machine with --threads 1 (with more threads it counts spinning)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    torch.manual_seed(0)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
+                                                     "NUMBA_THREADING_LAYER") if k in os.environ)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{'CPU' if args.cpu_time else 'wall'} time, {env or 'default OpenMP env'}, {load()}",
+          flush=True)
+    path = resolve_model(None)
+    model = LlamaModel.load(path)
+    c = model.config
+    ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+    print(f"matmul fp32: {ceil['gflops_64']:.0f} GFLOP/s at 64x{c.hidden_size}x"
+          f"{c.intermediate_size}, {ceil['gflops_512']:.0f} at 512 rows; read bandwidth "
+          f"{ceil['read_gbs']:.1f} GB/s ({load()})", flush=True)
+    backends = {}
+    for name in args.backends:
+        start = time.perf_counter()
+        backends[name] = make_backend(name)
+        print(f"backend {name}: ready in {time.perf_counter() - start:.2f} s", flush=True)
+    headline = args.backends[0]
+    prefill = {"ours": ours_prefill_tokens_per_s(model, backends[headline], 512, clock)}
+    step_s = ours(model, backends, args, clock)
+
+    hf_s = {}
+    if not args.no_hf:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf.eval()
+        prefill["transformers"] = hf_prefill_tokens_per_s(hf, 512, clock)
+        for batch in args.batches:
+            hf_s[batch] = hf_decode_seconds(hf, batch, args.context, args.warmup, args.steps,
+                                            clock)
+            print(f"  transformers batch {batch}: {hf_s[batch] * 1e3:.1f} ms/step ({load()})",
+                  flush=True)
+            gc.collect()
+        del hf
+
+    report(model, ceil, args, step_s, hf_s, headline)
+    print("\nprefill, one 512-token prompt (tokens/s): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in prefill.items()))
+    if args.breakdown_batch:
+        run = DecodeRun(model, backends[headline], args.breakdown_batch, args.context,
+                        args.warmup + args.steps, clock)
+        run.timed(args.warmup, 1)
+        ms = breakdown(run, model, args.steps)
+        print(f"\nwhere a batch-{args.breakdown_batch} step goes ({headline}; ms/step, "
+              f"{load()}):")
+        for key, value in sorted(ms.items(), key=lambda kv: -kv[1]):
+            print(f"  {key:<24} {value:8.1f}  {value / ms['total']:6.1%}")
+
+
+def report(model, ceil, args, step_s, hf_s, headline: str) -> None:
+    flops = model_flops_per_token(model, args.context)
+    print(f"\ncontext {args.context}, {args.steps} timed steps after {args.warmup}; roofline: "
+          f"max({flops / 1e6:.0f} MFLOP/token / {ceil['gflops_512']:.0f} GFLOP/s, "
+          f"bytes / {ceil['read_gbs']:.1f} GB/s) ({load()})")
+    others = [name for name, _ in step_s if name != headline]
+    cols = "".join(f" {name + ' ms':>10}" for name in dict.fromkeys(others))
+    print(f"| batch | ours ms/step | ours tok/s |{cols} | HF ms/step | HF tok/s | vs HF "
+          f"| bound ms (flop/mem) | bound tok/s | of bound |")
+    for batch in args.batches:
+        ms = step_s[headline, batch] * 1e3
+        compute = batch * flops / (ceil["gflops_512"] * 1e9) * 1e3
+        memory = step_bytes(model, batch, args.context) / (ceil["read_gbs"] * 1e9) * 1e3
+        bound = max(compute, memory)
+        extra = "".join(f" {step_s[name, batch] * 1e3:>10.1f}" for name in dict.fromkeys(others))
+        hf_ms = hf_s.get(batch, float("nan")) * 1e3
+        print(f"| {batch} | {ms:.1f} | {batch / ms * 1e3:.0f} |{extra} | {hf_ms:.1f} "
+              f"| {batch / hf_ms * 1e3:.0f} | {hf_ms / ms:.2f}x | {bound:.0f} ({compute:.0f}/"
+              f"{memory:.0f}) | {batch / bound * 1e3:.0f} | {bound / ms:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

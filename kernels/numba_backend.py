@@ -1,0 +1,118 @@
+"""Attention that reads K/V blocks in place through a numba kernel (the CPU default).
+
+Single-token rows (decodes, 1-token chunks) go to ``kernels/numba_kernels.py``: one task
+per sequence walks its block table with an online softmax, so each K/V row is read from
+memory once per step and nothing is gathered (FACTS.md: the gather alone costs ~2x the
+attention). Multi-token chunks keep the torch path (SDPA's flash kernel is a matmul there,
+which beats a scalar loop). The constructor compiles the kernels (or loads them from
+numba's cache) so that cost lands at start-up, not on a request. Only float32 runs in the
+kernel; other dtypes (and non-contiguous pools) fall back to the torch backend.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numba
+import numpy as np
+import torch
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.numba_kernels import paged_decode, paged_decode_serial
+from kernels.torch_backend import TorchAttentionBackend, chunk_attention, plan_chunk
+
+# Below this many context tokens in a step's decode rows (~0.5 ms of kernel on one core),
+# the kernel runs in the calling thread: starting a parallel region costs more than it saves.
+PARALLEL_MIN_TOKENS = 4096
+
+
+@dataclass
+class _StepPlan:
+    meta: AttentionMetadata
+    rows: np.ndarray  # [Bs] int64, query row of each single-token sequence
+    tables: np.ndarray  # [Bs, nb] int64
+    context_lens: np.ndarray  # [Bs] int64
+    chunks: tuple  # torch_backend chunk plans, one per multi-token sequence
+    kernel: object  # paged_decode (threads) or paged_decode_serial (this thread)
+    torch_plan: object = field(default=None)  # built only if a non-fp32 step needs it
+
+
+class NumbaAttentionBackend(AttentionBackend):
+    """Decode rows through the numba kernels, chunks through SDPA; CPU tensors only."""
+
+    def __init__(self, kernel: str = "auto", warm_up: bool = True) -> None:
+        """``kernel``: "auto" (threads for big steps), "parallel" or "serial" (for tests)."""
+        if kernel not in ("auto", "parallel", "serial"):
+            raise ValueError(f"kernel must be auto, parallel or serial, not {kernel!r}")
+        self.kernel = kernel
+        self._torch = TorchAttentionBackend()
+        self.warm_up_s = self.warm_up() if warm_up else 0.0
+
+    @staticmethod
+    def warm_up() -> float:
+        """Compiles the kernels (or loads them from numba's cache); returns the seconds spent."""
+        start = time.perf_counter()
+        _match_torch_threads()
+        q = np.zeros((1, 1, 1), np.float32)
+        cache = np.zeros((1, 1, 1, 1), np.float32)
+        one = np.zeros(1, np.int64)
+        for kernel in (paged_decode, paged_decode_serial):
+            kernel(q, cache, cache, one, np.zeros((1, 1), np.int64), one + 1, 1.0,
+                   np.empty_like(q))
+        return time.perf_counter() - start
+
+    def prepare(self, meta: AttentionMetadata) -> _StepPlan:
+        if meta.block_tables.device.type != "cpu":
+            raise ValueError("the numba attention backend runs on CPU tensors only")
+        threads = _match_torch_threads()
+        singles = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        idx = np.asarray(singles, dtype=np.int64)
+        context_lens = np.asarray(meta.context_lens, dtype=np.int64)[idx]
+        parallel = self.kernel == "parallel" or (
+            self.kernel == "auto" and threads > 1 and context_lens.sum() >= PARALLEL_MIN_TOKENS)
+        return _StepPlan(
+            meta=meta,
+            rows=meta.query_start.numpy()[idx],
+            tables=np.ascontiguousarray(meta.block_tables.numpy()[idx]),
+            context_lens=context_lens,
+            chunks=tuple(plan_chunk(meta, i) for i, n in enumerate(meta.query_lens) if n > 1),
+            kernel=paged_decode if parallel else paged_decode_serial,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
+        if not _kernel_can_read(q, k_cache, v_cache):
+            if prepared.torch_plan is None:
+                prepared.torch_plan = self._torch.prepare(prepared.meta)
+            return self._torch.forward(q, k, v, k_cache, v_cache, prepared.torch_plan, scale)
+        q = q.contiguous()
+        out = torch.empty_like(q)  # [T, Hq, D]
+        if len(prepared.rows):
+            # Hand sequences to threads one at a time (setting it inside the kernel would
+            # stop numba from caching it).
+            chunk_size = numba.set_parallel_chunksize(1)
+            prepared.kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), prepared.rows,
+                            prepared.tables, prepared.context_lens, scale, out.numpy())
+            numba.set_parallel_chunksize(chunk_size)
+        for c in prepared.chunks:
+            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
+        return out
+
+
+def _match_torch_threads() -> int:
+    """numba launches as many threads as torch uses (--threads), never more."""
+    wanted = torch.get_num_threads()
+    threads = min(wanted, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    # The first call starts numba's pool, which sets the OpenMP thread count it shares with
+    # torch (kernels/numba_kernels.py) to numba's default: put torch's back.
+    if torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
+    return threads
+
+
+def _kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    # The kernels are compiled for float32 C-contiguous arrays (KVCache's pools are); any
+    # other layout would make numba compile a new specialization mid-request.
+    return all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_cache, v_cache)) and (
+        q.dtype == torch.float32)
