@@ -4,8 +4,8 @@ Steady state with N running sequences and a realistic mix: every request
 shares a 64-token system prompt (prefix cache), has its own 16–400-token
 prompt (chunked prefill) and 8–200 output tokens, so each step has decodes,
 prefill chunks, finishes and admissions; the KV pool is sized so that a few
-preemptions happen. Per step it times schedule(), build_plan() (core output
-→ protobuf), serializing the plan frame, and update() (applying the result);
+preemptions happen. Per step it times schedule(), build_plan_message() (core
+output → protobuf), serializing the plan frame, and update() (applying the result);
 the executor side (parsing the frame) is timed separately.
 
     make bench-scheduler      # or: .venv/bin/python -m benchmarks.bench_scheduler
@@ -21,7 +21,7 @@ import time
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import ModelInfo, QueueFull, Request, Scheduler, SchedulerConfig
-from scheduler_svc.plan import build_plan
+from scheduler_svc.plan import build_plan_message
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 
@@ -63,9 +63,9 @@ def bench(num_seqs: int, steps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        plan = build_plan(out, "inc", sched.block_manager)
+        plan = build_plan_message(out, "inc", sched.block_manager)
         t2 = time.perf_counter()
-        frame = wire.encode_to_executor("plan", plan)
+        frame = plan.SerializeToString()
         t3 = time.perf_counter()
         wire.decode_from_scheduler(frame)
         t4 = time.perf_counter()

@@ -64,9 +64,10 @@ class ExecutorLink:
         self._sock.close(linger=0)
         self._ctx.term()
 
-    def send_plan(self, plan: pb.BatchPlan) -> bool:
-        """Sends a plan to the current peer; False if it is unreachable."""
-        return self._send(wire.encode_to_executor("plan", plan))
+    def send_plan(self, msg: pb.SchedulerMessage) -> bool:
+        """Sends a plan frame (plan.build_plan_message) to the current peer; False if
+        it is unreachable."""
+        return self._send(msg.SerializeToString())
 
     def send_heartbeat(self, incarnation: str, last_step_id: int) -> bool:
         hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), last_step_id=last_step_id)

@@ -25,7 +25,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
 )
 from scheduler_svc.link import ExecutorLink
-from scheduler_svc.plan import build_plan
+from scheduler_svc.plan import build_plan_message
 
 log = structlog.get_logger("scheduler.loop")
 
@@ -194,7 +194,7 @@ class EngineLoop:
         self._dispatch(self.core.take_events())
         if out.is_empty:
             return False
-        plan = build_plan(out, self.executor.incarnation, self.core.block_manager)
+        plan = build_plan_message(out, self.executor.incarnation, self.core.block_manager)
         self._expected_step = out.step_id
         self._result = asyncio.get_running_loop().create_future()
         started = time.monotonic()

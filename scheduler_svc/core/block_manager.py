@@ -47,10 +47,12 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._tables: dict[int, list[int]] = {}
-        self._chain: dict[int, list[int]] = {}  # seq → hashes of its registered blocks
+        # seq → how many of its first blocks were considered for the index (registered,
+        # or shared from it); their hashes are the first entries of its ``hashes`` list.
+        self._num_registered: dict[int, int] = {}
         self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[int, list[int]] = {}
-        self._swapped_chain: dict[int, list[int]] = {}
+        self._swapped_registered: dict[int, int] = {}
         self.num_cache_queries = 0  # prompt blocks looked up
         self.num_cache_hits = 0  # of those, found cached
 
@@ -97,50 +99,92 @@ class BlockManager:
 
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
         """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns new ids."""
-        need = self.num_new_blocks(seq_id, num_tokens)
-        if need == 0:
+        table = self._tables.get(seq_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if need <= 0:
             return []
         assert need <= self.num_free_blocks, "grow() without can_grow()"
-        new = [self._take_block() for _ in range(need)]
-        table = self._tables.get(seq_id)
+        new = self._take_blocks(need)
         if table is None:
-            self._tables[seq_id] = new
+            self._tables[seq_id] = new[:]
         else:
             table.extend(new)
-        return list(new)
+        return new
 
-    def _take_block(self) -> int:
+    def append_block(self, seq_id: int) -> int:
+        """Appends one block to ``seq_id``'s table (a decode crossing into a new
+        block: the hot case of ``grow``); needs ``num_free_blocks > 0``."""
         if self._free:
             block = self._free.pop()
-        else:  # evict the least recently used cached block
-            block, _ = self._evictable.popitem(last=False)
+        else:
+            block = self._evictable.popitem(last=False)[0]
             del self._by_hash[self._hash[block]]
-            self._hash[block] = self._tokens[block] = None
+            self._hash[block] = None
         self._ref[block] = 1
+        self._tables[seq_id].append(block)
         return block
+
+    def _take_blocks(self, n: int) -> list[int]:
+        """``n`` blocks, free ones first (in ``pop()`` order), then LRU evictions."""
+        free = self._free
+        if n <= 0:
+            return []
+        if len(free) >= n:
+            new = free[-n:]
+            del free[-n:]
+            new.reverse()
+        else:
+            new = free[::-1]
+            free.clear()
+            evictable, by_hash, hashes = self._evictable, self._by_hash, self._hash
+            # An evicted block's stored tokens stay until it is registered again: only
+            # a block found through ``_by_hash`` has them compared.
+            for _ in range(n - len(new)):
+                block = evictable.popitem(last=False)[0]
+                del by_hash[hashes[block]]
+                hashes[block] = None
+                new.append(block)
+        ref = self._ref
+        for block in new:
+            ref[block] = 1
+        return new
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def num_cached_prefix(self, token_ids: list[int]) -> tuple[list[int], int]:
+    def num_cached_prefix(self, token_ids: list[int],
+                          hashes: list[int]) -> tuple[list[int], int]:
         """Cached blocks matching the longest full-block prefix of ``token_ids``.
 
-        Returns (block ids, the chain hash of the last). At least one token is
-        always left to compute, so the step that completes the prompt samples.
+        ``hashes`` is the sequence's hash cache (chain hashes of its first full
+        blocks); it is extended as far as the lookup goes. Returns (block ids,
+        the chain hash of the last). At least one token is always left to
+        compute, so the step that completes the prompt samples.
         """
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
+        by_hash, stored = self._by_hash, self._tokens
         hits: list[int] = []
         parent = 0
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            chunk = tuple(token_ids[start:start + bs])
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = None
+            if i < len(hashes):
+                h = hashes[i]
+            else:
+                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = hash((parent, chunk))
+                hashes.append(h)
             self.num_cache_queries += 1
-            block = self._by_hash.get(hash((parent, chunk)))
-            if block is None or self._tokens[block] != chunk:
+            block = by_hash.get(h)
+            if block is None:
+                break
+            if chunk is None:
+                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            if stored[block] != chunk:  # a hash collision: not the same tokens
                 break
             self.num_cache_hits += 1
             hits.append(block)
-            parent = self._hash[block]
+            parent = h
         return hits, parent
 
     def num_unreferenced(self, blocks: list[int]) -> int:
@@ -155,28 +199,39 @@ class BlockManager:
                 del self._evictable[block]
             self._ref[block] += 1
         self._tables[seq_id] = list(blocks)
-        self._chain[seq_id] = [self._hash[b] for b in blocks]
+        self._num_registered[seq_id] = len(blocks)
 
-    def register_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill."""
+    def register_full_blocks(self, seq_id: int, token_ids: list[int], hashes: list[int],
+                             num_computed: int) -> None:
+        """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill.
+
+        ``hashes`` is the sequence's hash cache: blocks hashed before (by a
+        prefix lookup, or before a preemption) are not hashed again."""
         if not self.enable_prefix_caching:
             return
-        chain = self._chain.setdefault(seq_id, [])
-        full = num_computed // self.block_size
-        if len(chain) >= full:
-            return
-        table = self._tables[seq_id]
         bs = self.block_size
-        parent = chain[-1] if chain else 0
-        for i in range(len(chain), full):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = hash((parent, chunk))
-            chain.append(h)
+        full = num_computed // bs
+        start = self._num_registered.get(seq_id, 0)
+        if start >= full:
+            return
+        self._num_registered[seq_id] = full
+        table = self._tables[seq_id]
+        by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
+        parent = hashes[start - 1] if start else 0
+        num_hashed = len(hashes)
+        for i in range(start, full):
+            if i < num_hashed:
+                h, chunk = hashes[i], None
+            else:
+                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = hash((parent, chunk))
+                hashes.append(h)
             parent = h
             block = table[i]
-            if h not in self._by_hash and self._hash[block] is None:
-                self._by_hash[h] = block
-                self._hash[block], self._tokens[block] = h, chunk
+            if h not in by_hash and block_hash[block] is None:
+                by_hash[h] = block
+                block_hash[block] = h
+                stored[block] = chunk or tuple(token_ids[i * bs:(i + 1) * bs])
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):
@@ -195,16 +250,23 @@ class BlockManager:
         Released hashed blocks become cached-free; the tail of the table is
         released first so LRU eviction takes a prefix's last blocks before its
         first ones (the first are the likeliest to be shared again)."""
-        self._chain.pop(seq_id, None)
-        for block in reversed(self._tables.pop(seq_id, ())):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self._hash[block] is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = None
-        self._host_free.extend(self._host_tables.pop(seq_id, ()))
-        self._swapped_chain.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
+        table = self._tables.pop(seq_id, None)
+        if table:
+            ref, block_hash = self._ref, self._hash
+            free, evictable = self._free, self._evictable
+            for block in reversed(table):
+                left = ref[block] - 1
+                ref[block] = left
+                if left == 0:
+                    if block_hash[block] is None:
+                        free.append(block)
+                    else:
+                        evictable[block] = None
+        host = self._host_tables.pop(seq_id, None)
+        if host:
+            self._host_free.extend(host)
+        self._swapped_registered.pop(seq_id, None)
 
     # -- swap ---------------------------------------------------------------------------
 
@@ -219,10 +281,10 @@ class BlockManager:
         table = self._tables[seq_id]
         host = [self._host_free.pop() for _ in table]
         pairs = list(zip(table, host, strict=True))
-        chain = self._chain.get(seq_id, [])
+        num_registered = self._num_registered.get(seq_id, 0)
         self.free(seq_id)
         self._host_tables[seq_id] = host
-        self._swapped_chain[seq_id] = chain
+        self._swapped_registered[seq_id] = num_registered
         return pairs
 
     def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
@@ -231,10 +293,10 @@ class BlockManager:
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Brings ``seq_id``'s KV back into fresh device blocks; returns (host, device)."""
         host = self._host_tables.pop(seq_id)
-        device = [self._take_block() for _ in host]
+        device = self._take_blocks(len(host))
         self._tables[seq_id] = device
-        # The chain continues where it was, so later blocks hash under the right parent.
-        self._chain[seq_id] = self._swapped_chain.pop(seq_id)
+        # Registration continues where it was (the swapped-in copies stay unindexed).
+        self._num_registered[seq_id] = self._swapped_registered.pop(seq_id)
         self._host_free.extend(host)
         return list(zip(host, device, strict=True))
 

@@ -78,20 +78,24 @@ class WaitingQueue:
     def peek(self, now: float) -> Request | None:
         """The request to admit next, or None when empty."""
         best, best_key = None, None
+        order = self._order
         for fifo in self._fifos.values():
             head = fifo[0]
-            key = self._order(head, now)
+            key = order(head, now)
             if best_key is None or key < best_key:
                 best, best_key = head, key
         return best
 
     def _order(self, req: Request, now: float) -> tuple:
-        waited = now - req.arrival_time
-        if waited >= (req.priority_tier + 1) * self.aging_s:
-            return (0, req.arrival_time)
-        effective = max(0, req.priority_tier - int(waited // self.aging_s))
-        fresh = req.status == RequestStatus.WAITING and req.num_preemptions == 0
-        return (1, effective, fresh, self.served.get(req.tenant, 0.0), req.arrival_time)
+        arrival = req.arrival_time
+        waited = now - arrival
+        tier = req.priority_tier
+        if waited >= (tier + 1) * self.aging_s:
+            return (0, arrival)
+        effective = tier - int(waited // self.aging_s)
+        fresh = req.num_preemptions == 0 and req.status == RequestStatus.WAITING
+        return (1, effective if effective > 0 else 0, fresh,
+                self.served.get(req.tenant, 0.0), arrival)
 
     def charge(self, tenant: str, num_tokens: int) -> None:
         """Counts tokens computed for ``tenant`` (the fairness currency)."""

@@ -49,18 +49,24 @@ class Request:
     # Output tokens generated before this request was (re)submitted (a continuation).
     num_resumed_output_tokens: int = 0
 
+    # State. The fields every step reads or writes come first, side by side, so one
+    # sequence's per-step work touches as few cache lines as possible.
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
-    first_scheduled_time: float | None = None
-    admit_seq: int = 0  # admission order (victims: most recently admitted first)
     scheduled_step: int = -1  # last step that gave it tokens
-    num_preemptions: int = 0
-    preempt_times: list[float] = dataclasses.field(default_factory=list)
-    protected: bool = False  # preempted too often: not chosen again until it finishes
     # Filled at admission from the executor's model: what ends it.
     stop_ids: frozenset[int] = frozenset()
     length_limit: int = 0
+    finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None
+    admit_seq: int = 0  # admission order (victims: most recently admitted first)
+    num_preemptions: int = 0
+    preempt_times: list[float] = dataclasses.field(default_factory=list)
+    protected: bool = False  # preempted too often: not chosen again until it finishes
+    # Chain hashes of its first full blocks under the current executor's block size,
+    # filled by the block manager as it needs them: each block of a request is hashed
+    # once in its lifetime (admission, registration and every resume reuse them).
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

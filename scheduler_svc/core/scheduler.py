@@ -107,6 +107,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
         self._step_id = 0
+        self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
+        self._hashed_block_size = 0  # the block size of every request's block_hashes
         self._admit_seq = 0
         self.num_finished = 0
         self.num_preemptions = 0
@@ -127,6 +129,10 @@ class Scheduler:
         """A new executor incarnation: its KV cache is empty, so every running or
         swapped sequence goes back to the queue to be recomputed."""
         self._reset_kv()
+        if model.block_size != self._hashed_block_size:  # block hashes depend on it
+            for req in self.requests.values():
+                req.block_hashes.clear()
+            self._hashed_block_size = model.block_size
         self.model = model
         self.block_manager = BlockManager(model.num_blocks, model.block_size,
                                           model.num_host_blocks,
@@ -241,13 +247,17 @@ class Scheduler:
         """Step 2: one token for every running decode. Returns (budget, partial prefills).
 
         The hottest loop of the scheduler: at 256 sequences every attribute
-        access shows. Only a decode that starts a new block leaves the fast path.
+        access shows. A decode leaves the fast path only on a block boundary
+        (about one in ``block_size`` per step): when its token starts a block
+        or fills one.
         """
-        bs = self.block_manager.block_size
+        bm = self.block_manager
+        bs = bm.block_size
         step = self._step_id
         running_status = RequestStatus.RUNNING
         prefills: list[Request] = []
         decodes = out.cached
+        append = decodes.append
         grew: list[tuple[int, list[int]]] = []  # (index in decodes, new block ids)
         for req in list(self.running):
             if req.status is not running_status:
@@ -256,16 +266,23 @@ class Scheduler:
             if len(req.token_ids) - computed != 1:
                 prefills.append(req)
                 continue
-            if computed % bs == 0:  # the next token starts a new block
-                new = self._grow_decode(req, computed)
-                if new is None:
-                    continue
-                grew.append((len(decodes), new))
-            elif (computed + 1) % bs == 0:  # this token fills its block
-                self.block_manager.register_full_blocks(req.seq_id, req.token_ids, computed + 1)
+            if (computed + 1) % bs <= 1:  # a block boundary (always, for block_size 1)
+                if computed % bs == 0:  # the token starts a new block
+                    if bs > 1 and bm.num_free_blocks and \
+                            bm.num_new_blocks(req.seq_id, computed + 1) == 1:
+                        grew.append((len(decodes), [bm.append_block(req.seq_id)]))
+                    else:
+                        new = self._grow_decode(req, computed)
+                        if new is None:
+                            continue
+                        if new:
+                            grew.append((len(decodes), new))
+                else:  # the token fills its block
+                    bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
+                                            computed + 1)
             req.num_computed_tokens = computed + 1
             req.scheduled_step = step
-            decodes.append(req)
+            append(req)
         k = len(decodes)
         self._charge_decodes(prefills)
         out.cached_num_tokens.extend([1] * k)
@@ -291,11 +308,12 @@ class Scheduler:
 
     def _grow_decode(self, req: Request, computed: int) -> list[int] | None:
         """A block for a decode's next token (preempting if needed); None if it lost its turn."""
+        bm = self.block_manager
         if not self._make_room(req, computed + 1):
             return None
-        new = self.block_manager.grow(req.seq_id, computed + 1)
-        if (computed + 1) % self.block_manager.block_size == 0:  # block_size 1
-            self.block_manager.register_full_blocks(req.seq_id, req.token_ids, computed + 1)
+        new = bm.grow(req.seq_id, computed + 1)
+        if (computed + 1) % bm.block_size == 0:  # block_size 1
+            bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes, computed + 1)
         return new
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int,
@@ -323,7 +341,8 @@ class Scheduler:
         bm = self.block_manager
         new = bm.grow(req.seq_id, req.num_computed_tokens + n)
         req.num_computed_tokens += n
-        bm.register_full_blocks(req.seq_id, req.token_ids, req.num_computed_tokens)
+        bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
+                                req.num_computed_tokens)
         req.scheduled_step = self._step_id
         self.waiting.charge(req.tenant, n)
         return new
@@ -382,7 +401,7 @@ class Scheduler:
                reserve: int) -> int:
         """Admits a fresh or recompute-preempted request; returns tokens scheduled."""
         bm = self.block_manager
-        hits, _ = bm.num_cached_prefix(req.token_ids)
+        hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
         num_tokens = len(req.token_ids)
         resumed = req.num_preemptions > 0
         # Cached-free hits leave the free pool when shared.
@@ -422,6 +441,10 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
             req.prepare(self.model.eos_token_ids, self.model.max_model_len)
+            # Requests share one object per distinct stop set (fewer cache lines per step).
+            if len(self._stop_sets) > 1024:
+                self._stop_sets.clear()
+            req.stop_ids = self._stop_sets.setdefault(req.stop_ids, req.stop_ids)
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
@@ -441,23 +464,26 @@ class Scheduler:
                token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
-        by_seq = self._by_seq  # running sequences only
-        for seq_id, token in zip(seq_ids, token_ids, strict=True):
-            req = by_seq.get(seq_id)
+        append = events.append
+        # Plain lists first: iterating protobuf repeated fields costs twice as much.
+        seq_ids, token_ids = list(seq_ids), list(token_ids)
+        # Running sequences only: one aborted or preempted while the step ran is None.
+        for req, token in zip(map(self._by_seq.get, seq_ids), token_ids, strict=True):
             if req is None:
-                continue  # aborted or preempted while the step ran
+                continue
             tokens = req.token_ids
-            if req.num_computed_tokens != len(tokens):
+            num_tokens = len(tokens)
+            if req.num_computed_tokens != num_tokens:
                 continue  # a sample this step did not ask for (stale result)
             tokens.append(token)
-            if token in req.stop_ids or len(tokens) >= req.length_limit:
+            if token in req.stop_ids or num_tokens >= req.length_limit - 1:
                 reason = req.finish_reason_for(token)
                 if reason is not None:
                     self._remove_running(req)
                     self._finish(req, reason)
-                events.append((req, token, reason))
+                append((req, token, reason))
             else:
-                events.append((req, token, None))
+                append((req, token, None))
         return events
 
     def take_events(self) -> list[Event]:
