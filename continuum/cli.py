@@ -15,13 +15,22 @@ def _serve_parser(sub) -> None:
                         "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client gRPC port")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (-1: none)")
     p.add_argument("--scheduler-port", type=int, default=50061, help="internal scheduler port")
+    p.add_argument("--api-keys-file", default=None,
+                   help="require API keys: one KEY or KEY:TENANT per line "
+                        "(also env CONTINUUM_API_KEYS)")
     p.add_argument("--ipc", default=None, help="executor channel (default: a temp ipc:// path)")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV pool size (CPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-num-waiting", type=int, default=None,
+                   help="queue cap; beyond it requests get RESOURCE_EXHAUSTED / HTTP 429")
+    p.add_argument("--max-num-waiting-per-tenant", type=int, default=None,
+                   help="per-tenant queue cap")
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")

@@ -60,10 +60,12 @@ class Supervisor:
 
     def run(self) -> int:
         a = self.args
-        for port in (a.port, a.scheduler_port):
+        ports = {a.port: "--port", a.scheduler_port: "--scheduler-port"}
+        if a.http_port > 0:
+            ports[a.http_port] = "--http-port"
+        for port, flag in ports.items():
             if not port_is_free(a.host, port):
-                raise ServeError(f"port {port} on {a.host} is already in use; pass "
-                                 f"{'--port' if port == a.port else '--scheduler-port'}")
+                raise ServeError(f"port {port} on {a.host} is already in use; pass {flag}")
         started = time.monotonic()
         self.model_dir = resolve_model(a.model)
         self.model_name = served_name(a.model)
@@ -102,7 +104,11 @@ class Supervisor:
                     "--max-num-seqs", str(a.max_num_seqs),
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                     "--chunk-size", str(a.chunk_size), "--policy", a.policy,
-                    "--grace-period", str(a.grace_period)]
+                    "--grace-period", str(a.grace_period),
+                    *(["--max-num-waiting", str(a.max_num_waiting)]
+                      if a.max_num_waiting is not None else []),
+                    *(["--max-num-waiting-per-tenant", str(a.max_num_waiting_per_tenant)]
+                      if a.max_num_waiting_per_tenant is not None else [])]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]
@@ -110,7 +116,9 @@ class Supervisor:
             return argv + (["--threads", str(a.threads)] if a.threads else [])
         return ["--model-dir", self.model_dir, "--model-name", self.model_name,
                 "--scheduler", sched_addr,
-                "--host", a.host, "--port", str(a.port), "--grace-period", str(a.grace_period)]
+                "--host", a.host, "--port", str(a.port), "--grace-period", str(a.grace_period),
+                "--http-port", str(a.http_port),
+                *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else [])]
 
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
@@ -139,8 +147,10 @@ class Supervisor:
                 time.sleep(0.2)
         if not self._stop:
             self._wait_gateway()
+            http = (f", http://{self.args.host}:{self.args.http_port}/v1 (OpenAI)"
+                    if self.args.http_port >= 0 else "")
             print(f"continuum: serving {self.model_name} on "
-                  f"{self.args.host}:{self.args.port} (gRPC), ready in "
+                  f"{self.args.host}:{self.args.port} (gRPC){http}, ready in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
             print("ready", flush=True)
 

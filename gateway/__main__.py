@@ -16,6 +16,7 @@ import sys
 
 import structlog
 
+from gateway.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
 from gateway.log_setup import configure_logging
 from gateway.server import BindError, start_gateway
@@ -52,6 +53,24 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         help="context limit (default: config.json max_position_embeddings)",
     )
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP API port (0: any free port; -1: no HTTP server)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest HTTP body / gRPC message accepted",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        type=pathlib.Path,
+        default=None,
+        help="require API keys: one KEY or KEY:TENANT per line (also env CONTINUUM_API_KEYS)",
+    )
+    parser.add_argument(
         "--grace-period",
         type=float,
         default=5.0,
@@ -66,21 +85,26 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         model_name=args.model_name,
         max_model_len=args.max_model_len,
         grace_period_s=args.grace_period,
+        http_port=None if args.http_port < 0 else args.http_port,
+        max_body_bytes=args.max_body_bytes,
+        api_keys_file=args.api_keys_file,
     )
 
 
-async def serve(config: GatewayConfig, tokenizer: Tokenizer) -> None:
+async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         # Installed before binding, so a signal during startup still drains cleanly.
         loop.add_signal_handler(signum, stop.set)
-    gateway = await start_gateway(config, tokenizer)
+    gateway = await start_gateway(config, tokenizer, keys)
     log = structlog.get_logger("gateway")
     log.info(
         "gateway serving",
         host=config.host,
         port=gateway.port,
+        http_port=gateway.http_port,
+        auth="api keys" if keys.enabled else "off",
         model=config.model_name,
         scheduler=config.scheduler_address,
         max_model_len=tokenizer.info.max_model_len,
@@ -95,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
         tokenizer = Tokenizer.from_dir(config.model_dir, max_model_len=config.max_model_len)
+        keys = ApiKeys.load(config.api_keys_file)
         configure_logging()
-        asyncio.run(serve(config, tokenizer))
+        asyncio.run(serve(config, tokenizer, keys))
     except (ConfigError, ModelFilesError, BindError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,6 +25,12 @@ class GatewayConfig:
     max_model_len: int | None = None
     # How long in-flight calls may continue after SIGTERM before they are cut.
     grace_period_s: float = 5.0
+    # The OpenAI-compatible HTTP API's port; None: no HTTP server, 0: any free port.
+    http_port: int | None = None
+    # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it).
+    max_body_bytes: int = 4 * 1024 * 1024
+    # File of API keys (KEY or KEY:TENANT per line); see gateway/auth.py.
+    api_keys_file: pathlib.Path | None = None
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -41,6 +47,12 @@ class GatewayConfig:
                 raise ConfigError(
                     f"--scheduler {address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)"
                 )
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port {self.http_port} is not a TCP port (0..65535)")
+        if self.http_port and self.http_port == self.port:
+            raise ConfigError(f"--http-port and --port are both {self.port}; pick two ports")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
         if self.grace_period_s < 0:

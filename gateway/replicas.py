@@ -28,6 +28,7 @@ class Replica:
     stub: scheduler_pb2_grpc.SchedulerStub
     healthy: bool = True  # optimistic until the first poll says otherwise
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    stats: scheduler_pb2.StatsResponse | None = None  # the latest successful poll
 
 
 class ReplicaSet:
@@ -42,6 +43,13 @@ class ReplicaSet:
     @property
     def addresses(self) -> str:
         return ", ".join(r.address for r in self.replicas)
+
+    def snapshot(self) -> list[tuple[str, Replica]]:
+        return [(r.address, r) for r in self.replicas]
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(r.healthy for r in self.replicas)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._poll_forever())
@@ -70,6 +78,7 @@ class ReplicaSet:
         except grpc.aio.AioRpcError:
             healthy = False
         else:
+            replica.stats = stats
             healthy = stats.executor_ready and not stats.draining
             usage = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks \
                 else 0.0

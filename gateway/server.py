@@ -10,21 +10,24 @@ request's KV blocks by its next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
-import time
 from dataclasses import dataclass
 
 import grpc
 import structlog
+from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, resolve_tenant
 from gateway.config import GatewayConfig
-from gateway.output_stream import OutputStream
-from gateway.replicas import Replica, ReplicaSet
+from gateway.http_api import HttpApi, start_http
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay, RelayError
+from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
-from gateway.upstream import ClientStatus, client_status
 from gateway.validation import (
     RequestError,
     UndecodableRequest,
@@ -32,17 +35,13 @@ from gateway.validation import (
     parse_request,
     validate,
 )
-from protos.continuum.v1 import (
-    generation_pb2,
-    generation_pb2_grpc,
-    sampling_pb2,
-    scheduler_pb2,
-)
+from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
 
 _log = structlog.get_logger("gateway")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # grpc reports "no deadline" as an enormous time remaining; do not forward that upstream.
 _NO_DEADLINE_S = 10**7
+_OPEN_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
 
 
 class BindError(Exception):
@@ -56,58 +55,49 @@ def _upstream_timeout(context: grpc.aio.ServicerContext) -> float | None:
     return max(remaining, 0.0)
 
 
-# Upstream failures that mean "this replica cannot go on", not "this request
-# is wrong": the request continues on another replica.
-_REPLICA_FAILURES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
-
-
-class _EndedEarly(Exception):
-    """The upstream stream ended without a finish reason (the replica went away)."""
-
-
-def continuation(request: ValidatedRequest, output: OutputStream) -> scheduler_pb2.SubmitRequest:
-    """What to submit so generation resumes right after the tokens already
-    streamed: prompt + those tokens, the remaining max_tokens. Seeded sampling
-    is keyed by position, so the continuation draws what the lost replica would."""
-    submit = request.to_submit()
-    done = output.token_ids
-    if done:
-        submit.prompt_token_ids.extend(done)
-        submit.max_tokens -= len(done)
-        submit.num_resumed_output_tokens = len(done)
-    return submit
+def _authorization(metadata) -> str | None:
+    return next((value for key, value in metadata or () if key == "authorization"), None)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Serves Generate for one model by relaying to scheduler replicas."""
+    """Serves Generate for one model through the relay."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, replicas: ReplicaSet):
+    def __init__(self, tokenizer: Tokenizer, model_name: str, relay: Relay, keys: ApiKeys):
         self._tokenizer = tokenizer
         self._model_name = model_name
-        self._replicas = replicas
+        self._relay = relay
+        self._keys = keys
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         validated = await self._validate_or_abort(request, context)
-        log = _log.bind(request_id=validated.request_id)
-        log.info(
+        _log.info(
             "request accepted",
+            request_id=validated.request_id,
+            api="grpc",
             tenant=validated.tenant,
             priority_tier=validated.priority_tier,
+            n=validated.n,
             prompt_tokens=len(validated.prompt_token_ids),
             max_tokens=validated.max_tokens,
         )
-        await self._relay(validated, context, log)
+        stream = self._relay.generate(validated, lambda: _upstream_timeout(context))
+        try:
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    await context.write(response)
+        except RelayError as exc:
+            status = exc.status
+            await context.abort(status.code, status.message, status.trailing_metadata)
 
     async def _validate_or_abort(
         self, request: generation_pb2.GenerateRequest | UndecodableRequest, context
     ) -> ValidatedRequest:
         try:
+            principal = self._keys.check(_authorization(context.invocation_metadata()))
+            if principal is None:  # the interceptor refuses these first; kept as a backstop
+                raise RequestError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED)
+            if not isinstance(request, UndecodableRequest):
+                request.tenant = resolve_tenant(principal, request.tenant)
             # Tokenizing a long prompt takes milliseconds; keep the event loop streaming.
             return await asyncio.to_thread(validate, request, self._tokenizer, self._model_name)
         except RequestError as exc:
@@ -117,71 +107,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 code=exc.code.name,
                 reason=exc.message,
             )
+            self._relay.metrics.error(exc.code.name)
             await context.abort(exc.code, exc.message)  # raises: ends the call
             raise AssertionError("unreachable") from exc
 
-    async def _relay(
-        self,
-        request: ValidatedRequest,
-        context: grpc.aio.ServicerContext,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> None:
-        started = time.monotonic()
-        output = OutputStream(request, self._tokenizer)
-        tried: set[str] = set()
-        failure = ClientStatus(grpc.StatusCode.UNAVAILABLE,
-                               f"no scheduler replica at {self._replicas.addresses}")
-        while not output.finished:
-            replica = self._replicas.pick(tried)
-            if replica is None:  # every replica failed: say how the last one did
-                await context.abort(failure.code, failure.message, failure.trailing_metadata)
-            tried.add(replica.address)
-            submit = continuation(request, output)
-            if submit.max_tokens <= 0:  # the replica died between the last token and its end
-                await context.write(output.on_event(scheduler_pb2.TokenEvent(
-                    finish_reason=sampling_pb2.FINISH_REASON_LENGTH)))
-                break
-            try:
-                await self._stream(replica, submit, output, context)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _REPLICA_FAILURES:
-                    status = client_status(exc, replica.address)
-                    log.warning("upstream failed", code=exc.code().name, details=exc.details())
-                    await context.abort(status.code, status.message, status.trailing_metadata)
-                failure = client_status(exc, replica.address)
-                log.warning("replica failed; continuing elsewhere", replica=replica.address,
-                            code=exc.code().name, streamed=len(output.token_ids))
-            except _EndedEarly:
-                failure = ClientStatus(grpc.StatusCode.UNAVAILABLE, f"the scheduler at "
-                                       f"{replica.address} ended the stream without finishing")
-                log.warning("replica ended the stream early; continuing elsewhere",
-                            replica=replica.address, streamed=len(output.token_ids))
-        log.info(
-            "request finished",
-            finish_reason=sampling_pb2.FinishReason.Name(output.finish_reason),
-            stop_string=output.stopped_by_string,
-            completion_tokens=output.num_generated_tokens,
-            replicas=len(tried),
-            elapsed_s=round(time.monotonic() - started, 4),
-        )
 
-    async def _stream(self, replica: Replica, submit: scheduler_pb2.SubmitRequest,
-                      output: OutputStream, context: grpc.aio.ServicerContext) -> None:
-        """Relays one upstream Submit stream; raises on failure."""
-        call = replica.stub.Submit(submit, timeout=_upstream_timeout(context))
-        try:
-            async for event in call:
-                await context.write(output.on_event(event))
-                if output.finished:
-                    return
-        except asyncio.CancelledError:
-            # The client left, its deadline passed, or shutdown's grace ran out.
-            _log.info("call cancelled; cancelling upstream", request_id=submit.request_id)
-            raise
-        finally:
-            # Idempotent after a normal finish; essential on every early exit.
-            call.cancel()
-        raise _EndedEarly
+class _AuthInterceptor(grpc.aio.ServerInterceptor):
+    """With API keys configured, refuses every call without a valid key except health."""
+
+    def __init__(self, keys: ApiKeys):
+        self._keys = keys
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or details.method.startswith(_OPEN_METHOD_PREFIX)
+                or self._keys.check(_authorization(details.invocation_metadata)) is not None):
+            return handler
+
+        async def deny(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 def _probe_bind(host: str, port: int) -> None:
@@ -238,30 +191,61 @@ class RunningGateway:
     health: health.aio.HealthServicer
     replicas: ReplicaSet
     port: int
+    metrics: GatewayMetrics
+    http: HttpApi | None = None
+    http_runner: web.AppRunner | None = None
+    http_port: int | None = None
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.draining = True
         # New calls are refused from here on; in-flight ones get grace_s to finish.
-        await self.server.stop(grace_s)
+        stops = [self.server.stop(grace_s)]
+        if self.http_runner is not None:
+            stops.append(self.http_runner.cleanup())
+        await asyncio.gather(*stops)
         await self.replicas.close()
 
 
-async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer) -> RunningGateway:
+async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
+                        keys: ApiKeys | None = None) -> RunningGateway:
     """Binds, starts serving and marks health SERVING; raises BindError."""
+    keys = keys or ApiKeys()
     # SO_REUSEPORT (grpc's default on Linux) would let a second gateway bind a
     # port that is already in use and silently share its traffic.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", config.max_body_bytes),
+        ],
+        interceptors=[_AuthInterceptor(keys)] if keys.enabled else None,
+    )
     port = _bind(server, config.host, config.port)
+    if config.http_port:
+        _probe_bind(config.host, config.http_port)
     replicas = ReplicaSet(config.scheduler_addresses)
-    servicer = GenerationServicer(tokenizer, config.model_name, replicas)
+    metrics = GatewayMetrics(config.model_name, replicas.snapshot)
+    relay = Relay(tokenizer, replicas, metrics)
+    servicer = GenerationServicer(tokenizer, config.model_name, relay, keys)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    running = RunningGateway(server, health_servicer, replicas, port, metrics)
+    if config.http_port is not None:
+        running.http = HttpApi(relay, tokenizer, config.model_name, keys, metrics, replicas,
+                               config.max_body_bytes, tokenizer.info.max_model_len)
+        try:
+            running.http_runner, running.http_port = await start_http(
+                running.http, config.host, config.http_port, config.grace_period_s)
+        except OSError as exc:
+            raise BindError(f"cannot listen on {config.host}:{config.http_port} for HTTP "
+                            f"({exc.strerror}); pass --http-port") from exc
     await server.start()
     replicas.start()
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return RunningGateway(server, health_servicer, replicas, port)
+    return running

@@ -24,6 +24,7 @@ MAX_STOP_STRING_BYTES = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 128
 MAX_LOGPROBS = 20
+MAX_N = 16
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -38,10 +39,20 @@ PRIORITY_TIERS = {
 class RequestError(Exception):
     """A request the gateway refuses; `code` is the gRPC status to return."""
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+        param: str | None = None,
+        error_code: str | None = None,
+    ):
         super().__init__(message)
         self.code = code
         self.message = message
+        # The offending field, for OpenAI-style errors ("temperature", "messages", ...).
+        self.param = param
+        # A machine-readable reason where OpenAI defines one ("context_length_exceeded").
+        self.error_code = error_code
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class ValidatedRequest:
     stop: tuple[str, ...]
     tenant: str
     priority_tier: int
+    n: int = 1
 
     def to_submit(self) -> scheduler_pb2.SubmitRequest:
         return scheduler_pb2.SubmitRequest(
@@ -85,17 +97,19 @@ class ValidatedRequest:
 
 def _check_identifier(value: str, field: str, max_chars: int) -> None:
     if len(value) > max_chars:
-        raise RequestError(f"{field} is {len(value)} characters long; the limit is {max_chars}")
+        raise RequestError(
+            f"{field} is {len(value)} characters long; the limit is {max_chars}", param=field
+        )
     bad = next((c for c in value if not " " <= c <= "~"), None)
     if bad is not None:
-        raise RequestError(f"{field} must be printable ASCII; it contains {bad!r}")
+        raise RequestError(f"{field} must be printable ASCII; it contains {bad!r}", param=field)
 
 
 def _check_range(field: str, value: float, low: float, high: float, closed_low: bool) -> None:
     above_low = value >= low if closed_low else value > low
     if not (math.isfinite(value) and above_low and value <= high):
         interval = f"{'[' if closed_low else '('}{low:g}, {high:g}]"
-        raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}")
+        raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}", param=field)
 
 
 def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -103,7 +117,8 @@ def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
         if token_id >= vocab_size:
             raise RequestError(
                 f"{field}[{index}] = {token_id} is not a token id: the model's vocabulary "
-                f"has {vocab_size} tokens (ids 0..{vocab_size - 1})"
+                f"has {vocab_size} tokens (ids 0..{vocab_size - 1})",
+                param=field.split(".")[-2 if field.endswith(".ids") else -1],
             )
 
 
@@ -112,7 +127,8 @@ def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> No
     if sampling.HasField("temperature") and not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(
             f"sampling.temperature must be a finite number >= 0 (0 means greedy), "
-            f"got {temperature:g}"
+            f"got {temperature:g}",
+            param="temperature",
         )
     if sampling.HasField("top_p"):
         _check_range("top_p", sampling.top_p, 0.0, 1.0, closed_low=False)
@@ -120,38 +136,48 @@ def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> No
     if sampling.HasField("repetition_penalty"):
         penalty = sampling.repetition_penalty
         if not (math.isfinite(penalty) and penalty > 0):
-            raise RequestError(f"sampling.repetition_penalty must be > 0, got {penalty:g}")
+            raise RequestError(
+                f"sampling.repetition_penalty must be > 0, got {penalty:g}",
+                param="repetition_penalty",
+            )
     _check_range("presence_penalty", sampling.presence_penalty, -2.0, 2.0, closed_low=True)
     _check_range("frequency_penalty", sampling.frequency_penalty, -2.0, 2.0, closed_low=True)
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise RequestError(
-            f"sampling.logprobs asks for {sampling.logprobs} alternatives; at most {MAX_LOGPROBS}"
+            f"sampling.logprobs asks for {sampling.logprobs} alternatives; at most {MAX_LOGPROBS}",
+            param="logprobs",
         )
     _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size)
 
 
 def check_stop_strings(stop: Sequence[str]) -> None:
     if len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS}")
+        raise RequestError(
+            f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS}", param="stop"
+        )
     for index, text in enumerate(stop):
         if not text:
-            raise RequestError(f"stop[{index}] is empty; remove it or give a non-empty string")
+            raise RequestError(
+                f"stop[{index}] is empty; remove it or give a non-empty string", param="stop"
+            )
         size = len(text.encode("utf-8"))
         if size > MAX_STOP_STRING_BYTES:
             raise RequestError(
                 f"stop[{index}] is {size} bytes long; each stop string is at most "
-                f"{MAX_STOP_STRING_BYTES} bytes"
+                f"{MAX_STOP_STRING_BYTES} bytes",
+                param="stop",
             )
 
 
 def _chat_messages(chat: generation_pb2.ChatInput) -> list[dict[str, str]]:
     if not chat.messages:
-        raise RequestError("chat has no messages; send at least one")
+        raise RequestError("chat has no messages; send at least one", param="messages")
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(
                 f"chat.messages[{index}].role is {message.role!r}; "
-                f"use one of {', '.join(sorted(CHAT_ROLES))}"
+                f"use one of {', '.join(sorted(CHAT_ROLES))}",
+                param="messages",
             )
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
@@ -163,20 +189,22 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         raise RequestError("no input: set exactly one of prompt, chat or token_ids")
     if kind == "prompt":
         if not request.prompt:
-            raise RequestError("prompt is empty")
+            raise RequestError("prompt is empty", param="prompt")
         ids = tokenizer.encode(request.prompt)
     elif kind == "chat":
         try:
             ids = tokenizer.encode_chat(_chat_messages(request.chat))
         except ChatTemplateError as exc:
-            raise RequestError(f"the model's chat template rejected the messages: {exc}") from exc
+            raise RequestError(
+                f"the model's chat template rejected the messages: {exc}", param="messages"
+            ) from exc
     else:
         ids = list(request.token_ids.ids)
         if not ids:
-            raise RequestError("token_ids is empty")
+            raise RequestError("token_ids is empty", param="prompt")
         _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size)
     if not ids:
-        raise RequestError(f"the {kind} tokenizes to zero tokens")
+        raise RequestError(f"the {kind} tokenizes to zero tokens", param=kind)
     return ids
 
 
@@ -188,7 +216,9 @@ def resolve_max_tokens(requested: int, num_prompt_tokens: int, max_model_len: in
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the length of the prompt or of max_tokens."
+            "completion). Please reduce the length of the prompt or of max_tokens.",
+            param="max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+            error_code="context_length_exceeded",
         )
     return max_tokens
 
@@ -202,9 +232,15 @@ def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) 
             f"model {request.model!r} is not served here; this gateway serves {served_model!r} "
             "(or leave model empty)",
             grpc.StatusCode.NOT_FOUND,
+            param="model",
+            error_code="model_not_found",
         )
     if request.priority not in PRIORITY_TIERS:
-        raise RequestError(f"priority {request.priority} is not a known Priority value")
+        raise RequestError(
+            f"priority {request.priority} is not a known Priority value", param="priority"
+        )
+    if request.n > MAX_N:
+        raise RequestError(f"n is {request.n}; at most {MAX_N} completions per request", param="n")
     check_stop_strings(request.stop)
 
 
@@ -226,7 +262,8 @@ def validate(
     if request.sampling.min_tokens > max_tokens:
         raise RequestError(
             f"sampling.min_tokens ({request.sampling.min_tokens}) must be <= max_tokens "
-            f"({max_tokens})"
+            f"({max_tokens})",
+            param="min_tokens",
         )
     return ValidatedRequest(
         request_id=request.request_id or uuid.uuid4().hex,
@@ -236,4 +273,5 @@ def validate(
         stop=tuple(request.stop),
         tenant=request.tenant or DEFAULT_TENANT,
         priority_tier=PRIORITY_TIERS[request.priority],
+        n=request.n or 1,
     )

@@ -25,6 +25,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
 )
 from scheduler_svc.link import ExecutorLink
+from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.plan import build_plan_message
 
 log = structlog.get_logger("scheduler.loop")
@@ -223,7 +224,8 @@ class EngineLoop:
         if out.num_prefill_tokens == 0:
             self._recent_step_s = 0.8 * self._recent_step_s + 0.2 * elapsed
         self.num_steps += 1
-        self._dispatch(self.core.update(out, result.seq_ids, result.token_ids))
+        events = self.core.update(out, result.seq_ids, result.token_ids)
+        self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         return True
 
     def _step_deadline(self, num_tokens: int) -> float:
@@ -245,7 +247,7 @@ class EngineLoop:
     def _dispatch(self, events: list[Event]) -> None:
         streams = self._streams
         for ev in events:
-            req, _, reason = ev
+            req, _, reason = ev[:3]
             queue = streams.get(req.request_id)
             if queue is None:
                 continue

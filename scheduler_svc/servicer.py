@@ -99,20 +99,32 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
 
 
 def _to_event(ev, first: bool) -> scheduler_pb2.TokenEvent:
-    req, token, reason = ev
+    req, token, reason = ev[:3]
     out = scheduler_pb2.TokenEvent(
         token_ids=() if token is None else (token,),
         finish_reason=int(reason or 0),
         num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=req.num_output_tokens,
     )
+    if len(ev) > 3:  # the loop attached this token's logprobs
+        out.logprobs.append(ev[3])
     if first and req.first_scheduled_time is not None:
         out.queue_time_s = req.first_scheduled_time - req.arrival_time
     return out
 
 
+def _by_tier(loop: EngineLoop) -> tuple[list[int], list[int]]:
+    running, waiting = [0, 0, 0], [0, 0, 0]
+    for req in loop.core.running:
+        running[req.priority_tier] += 1
+    for req in loop.core.requests.values():
+        waiting[req.priority_tier] += 1
+    return running, [w - r for w, r in zip(waiting, running, strict=True)]
+
+
 def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
     s = loop.core.stats()
+    running_by_tier, waiting_by_tier = _by_tier(loop)
     ex = loop.executor
     return scheduler_pb2.StatsResponse(
         model_id=ex.model_id if ex else "",
@@ -128,5 +140,7 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         draining=loop.draining,
         executor_num_sequences=loop.link.executor_num_sequences,
         last_lost_executor_pid=loop.last_lost_executor_pid,
+        num_running_by_tier=running_by_tier,
+        num_waiting_by_tier=waiting_by_tier,
         **s,
     )

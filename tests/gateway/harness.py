@@ -60,6 +60,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.cancelled.set()
             raise
 
+    async def Stats(self, request, context):
+        # Healthy with an idle pool, so the gateway routes here and /health says serving.
+        return scheduler_pb2.StatsResponse(executor_ready=True, num_total_blocks=64,
+                                           num_free_blocks=64, num_running_by_tier=[0, 1, 0])
+
 
 @contextlib.asynccontextmanager
 async def fake_scheduler(scheduler: FakeScheduler):
@@ -74,8 +79,8 @@ async def fake_scheduler(scheduler: FakeScheduler):
 
 
 @contextlib.asynccontextmanager
-async def gateway(tokenizer, scheduler_address: str, **config):
-    """Yields (running gateway, channel to it)."""
+async def gateway(tokenizer, scheduler_address: str, keys=None, **config):
+    """Yields (running gateway, channel to it); `http_port=0` also serves HTTP."""
     settings = GatewayConfig(
         model_dir=pathlib.Path("unused"),
         scheduler_address=scheduler_address,
@@ -83,7 +88,7 @@ async def gateway(tokenizer, scheduler_address: str, **config):
         model_name=MODEL_NAME,
         **config,
     )
-    running = await start_gateway(settings, tokenizer)
+    running = await start_gateway(settings, tokenizer, keys)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     try:
         yield running, channel

@@ -46,10 +46,16 @@ class Server:
     scheduler_port: int
     ipc: str
     stderr_lines: list[str]
+    http_port: int = 0
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what `openai.OpenAI(base_url=...)` takes)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def generation_stub(self, channel: grpc.Channel):
         return generation_pb2_grpc.GenerationStub(channel)
@@ -61,10 +67,11 @@ class Server:
 
 
 def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Server:
-    port, sched_port = free_port(), free_port()
+    port, sched_port, http_port = free_port(), free_port(), free_port()
     ipc = f"ipc://{tmp}/executor.sock"
     cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model_dir),
            "--port", str(port), "--scheduler-port", str(sched_port), "--ipc", ipc,
+           "--http-port", str(http_port),
            *(extra or ("--kv-cache-bytes", str(96 << 20)))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -77,7 +84,7 @@ def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Ser
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail("server did not become ready:\n" + "".join(lines[-40:]))
-    return Server(proc, port, sched_port, ipc, lines)
+    return Server(proc, port, sched_port, ipc, lines, http_port)
 
 
 def stop_server(server: Server) -> int:

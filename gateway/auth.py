@@ -1,0 +1,120 @@
+"""Optional API keys, shared by the gRPC and HTTP front ends.
+
+Keys come from `--api-keys-file` (one `KEY` or `KEY:TENANT` per line, `#`
+comments) and the `CONTINUUM_API_KEYS` environment variable (the same entries,
+comma-separated). With no keys configured, auth is off. With keys, every call
+must present one — gRPC metadata `authorization: Bearer KEY`, HTTP header
+`Authorization: Bearer KEY` — except health checks (gRPC health service, HTTP
+`/health` and `/live`). A key bound to a tenant accounts every request to that
+tenant; a request naming another tenant is refused.
+
+Presented keys are compared with every configured key in constant time (SHA-256
+digests through `hmac.compare_digest`, no early exit), so timing reveals
+neither which key nor how much of one matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pathlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.config import ConfigError
+from gateway.validation import RequestError
+
+ENV_VAR = "CONTINUUM_API_KEYS"
+_BEARER = "bearer "
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a valid key belongs to; `tenant` is "" for a key not bound to one."""
+
+    tenant: str
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    entries: tuple[tuple[bytes, str], ...] = ()  # (SHA-256 of key, tenant or "")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.entries)
+
+    @classmethod
+    def parse(cls, specs: Iterable[str], source: str) -> ApiKeys:
+        entries = []
+        for spec in specs:
+            spec = spec.strip()
+            if not spec or spec.startswith("#"):
+                continue
+            key, _, tenant = spec.partition(":")
+            key, tenant = key.strip(), tenant.strip()
+            if len(key) < 8:
+                raise ConfigError(f"{source}: API key {key[:2]!r}... is shorter than 8 characters")
+            if tenant and not all(" " <= c <= "~" for c in tenant):
+                raise ConfigError(f"{source}: tenant {tenant!r} must be printable ASCII")
+            entries.append((_digest(key), tenant))
+        return cls(tuple(entries))
+
+    @classmethod
+    def load(cls, keys_file: pathlib.Path | None, environ=os.environ) -> ApiKeys:
+        """Keys from the file and the environment together; ConfigError names the problem."""
+        specs: list[tuple[str, str]] = []
+        if keys_file is not None:
+            try:
+                lines = keys_file.read_text(encoding="utf-8").splitlines()
+            except OSError as exc:
+                raise ConfigError(f"--api-keys-file {keys_file}: {exc.strerror}") from exc
+            specs += [(line, f"--api-keys-file {keys_file}") for line in lines]
+        specs += [(item, ENV_VAR) for item in environ.get(ENV_VAR, "").split(",")]
+        entries: list[tuple[bytes, str]] = []
+        for spec, source in specs:
+            entries += cls.parse([spec], source).entries
+        if keys_file is not None and not entries:
+            raise ConfigError(f"--api-keys-file {keys_file} holds no keys")
+        return cls(tuple(entries))
+
+    def check(self, authorization: str | None) -> Principal | None:
+        """The principal for an `authorization` value ("Bearer KEY"), or None if refused.
+
+        Always Principal("") when auth is off."""
+        if not self.enabled:
+            return Principal("")
+        if not authorization or not authorization[: len(_BEARER)].lower() == _BEARER:
+            return None
+        presented = _digest(authorization[len(_BEARER):].strip())
+        found: str | None = None
+        for digest, tenant in self.entries:  # no early exit: same time for every key
+            if hmac.compare_digest(presented, digest):
+                found = tenant
+        return None if found is None else Principal(found)
+
+
+UNAUTHENTICATED_MESSAGE = (
+    "missing or invalid API key: send 'authorization: Bearer <key>' "
+    "(HTTP header or gRPC metadata)"
+)
+
+
+def resolve_tenant(principal: Principal, requested: str) -> str:
+    """The tenant to account a request to; RequestError if the key may not act for it."""
+    if not principal.tenant:
+        return requested
+    if requested and requested != principal.tenant:
+        raise RequestError(
+            f"this API key belongs to tenant {principal.tenant!r}; it cannot submit for "
+            f"tenant {requested!r} (leave tenant empty)",
+            grpc.StatusCode.PERMISSION_DENIED,
+            param="tenant",
+        )
+    return principal.tenant

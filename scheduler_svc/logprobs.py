@@ -1,0 +1,34 @@
+"""Carries a step's logprobs from the executor's StepResult to the client events.
+
+The core knows nothing about logprobs; the loop calls `with_logprobs` only when
+some sequence in the step asked for them (the result's `logprobs` is non-empty),
+turning each (req, token, reason) event into (req, token, reason, TokenLogprob).
+"""
+
+from __future__ import annotations
+
+import math
+
+from protos.continuum.v1 import executor_pb2, sampling_pb2
+
+
+def with_logprobs(events: list, result: executor_pb2.StepResult) -> list:
+    index = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+    starts, total = [], 0
+    for n in result.top_n:  # top alternatives are flattened, top_n[i] per sequence
+        starts.append(total)
+        total += n
+    out = []
+    for ev in events:
+        req, token, _ = ev
+        i = index.get(req.seq_id) if token is not None else None
+        if i is None or i >= len(result.logprobs) or math.isnan(result.logprobs[i]):
+            out.append(ev)
+            continue
+        item = sampling_pb2.TokenLogprob(token_id=token, logprob=result.logprobs[i])
+        if i < len(starts):
+            lo, hi = starts[i], starts[i] + result.top_n[i]
+            item.top_token_ids.extend(result.top_token_ids[lo:hi])
+            item.top_logprobs.extend(result.top_logprobs[lo:hi])
+        out.append((*ev, item))
+    return out
