@@ -135,6 +135,16 @@ class HttpApi:
         self._max_body_bytes = max_body_bytes
         self._max_model_len = max_model_len
         self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuses new requests with 503 (the listener stays open, so clients get an
+        answer, not a refused connection) until in-flight ones finish or grace_s passes."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes,
@@ -214,6 +224,16 @@ class HttpApi:
             return _error_response(ClientStatus(
                 grpc.StatusCode.UNAVAILABLE,
                 "this gateway is shutting down; retry (another replica will serve it)"))
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._generate_counted(request, kind)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _generate_counted(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             api, validated = await self._parse(request, kind)
         except RequestError as exc:
@@ -340,10 +360,10 @@ class HttpApi:
         return {"index": index, "text": text, "logprobs": merged, "finish_reason": reason}
 
 
-async def start_http(api: HttpApi, host: str, port: int, grace_s: float
-                     ) -> tuple[web.AppRunner, int]:
-    """Starts serving; returns the runner (cleanup() drains) and the bound port."""
-    runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=grace_s,
+async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Starts serving; returns the runner and the bound port. Call `api.drain` before
+    `runner.cleanup()`, which cuts whatever is still running after a second."""
+    runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=False)

@@ -198,13 +198,14 @@ class RunningGateway:
 
     async def stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
-        if self.http is not None:
-            self.http.draining = True
-        # New calls are refused from here on; in-flight ones get grace_s to finish.
+        # New calls are refused from here on (UNAVAILABLE / 503); in-flight ones get
+        # grace_s to finish, then are cut.
         stops = [self.server.stop(grace_s)]
-        if self.http_runner is not None:
-            stops.append(self.http_runner.cleanup())
+        if self.http is not None:
+            stops.append(self.http.drain(grace_s))
         await asyncio.gather(*stops)
+        if self.http_runner is not None:
+            await self.http_runner.cleanup()
         await self.replicas.close()
 
 
@@ -240,7 +241,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                                config.max_body_bytes, tokenizer.info.max_model_len)
         try:
             running.http_runner, running.http_port = await start_http(
-                running.http, config.host, config.http_port, config.grace_period_s)
+                running.http, config.host, config.http_port)
         except OSError as exc:
             raise BindError(f"cannot listen on {config.host}:{config.http_port} for HTTP "
                             f"({exc.strerror}); pass --http-port") from exc
