@@ -6,6 +6,7 @@ fixed output length) for R rounds; prints output tokens/s, TTFT and TPOT
 
     .venv/bin/continuum serve &       # in another terminal
     .venv/bin/python -m benchmarks.bench_serve --concurrency 1 8 16 --max-tokens 64
+    .venv/bin/python -m benchmarks.bench_serve --api openai   # the same over HTTP/SSE
 """
 
 from __future__ import annotations
@@ -36,15 +37,42 @@ def one_request(stub, max_tokens: int, i: int) -> tuple[float, float, int]:
     return ttft, time.perf_counter() - start, n
 
 
-def run(addr: str, concurrency: int, rounds: int, max_tokens: int) -> dict[str, float]:
-    with grpc.insecure_channel(addr) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            jobs = [pool.submit(one_request, stub, max_tokens, i)
-                    for i in range(concurrency * rounds)]
-            results = [j.result() for j in jobs]
-        wall = time.perf_counter() - start
+def one_openai_request(client, max_tokens: int, i: int) -> tuple[float, float, int]:
+    """The same request through the official openai client, streamed over SSE."""
+    start = time.perf_counter()
+    ttft = None
+    stream = client.chat.completions.create(
+        model="", stream=True, max_tokens=max_tokens, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": f"Tell me fact number {i} about the ocean."}])
+    n = 0
+    for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    return ttft, time.perf_counter() - start, n
+
+
+def run(addr: str, concurrency: int, rounds: int, max_tokens: int,
+        base_url: str | None = None) -> dict[str, float]:
+    if base_url is not None:
+        import openai
+
+        target = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        request = one_openai_request
+    else:
+        channel = grpc.insecure_channel(addr)
+        target = generation_pb2_grpc.GenerationStub(channel)
+        request = one_request
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        jobs = [pool.submit(request, target, max_tokens, i)
+                for i in range(concurrency * rounds)]
+        results = [j.result() for j in jobs]
+    wall = time.perf_counter() - start
+    if base_url is None:
+        channel.close()
     ttfts = sorted(r[0] for r in results)
     tpots = [(e2e - t) / (n - 1) for t, e2e, n in results if n > 1]
     return {
@@ -57,7 +85,10 @@ def run(addr: str, concurrency: int, rounds: int, max_tokens: int) -> dict[str, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                   help="OpenAI API base URL (with --api openai)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -65,7 +96,8 @@ def main() -> None:
     print(f"{'clients':>7} {'output tok/s':>12} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
           f"{'TPOT p50 ms':>11}")
     for c in a.concurrency:
-        r = run(a.addr, c, a.rounds, a.max_tokens)
+        r = run(a.addr, c, a.rounds, a.max_tokens,
+                a.base_url if a.api == "openai" else None)
         print(f"{c:>7} {r['tok_s']:>12.1f} {r['ttft_p50'] * 1e3:>11.0f} "
               f"{r['ttft_p99'] * 1e3:>11.0f} {r['tpot_p50'] * 1e3:>11.0f}")
 
