@@ -45,12 +45,31 @@ def test_one_request_matches_transformers(model, hf_model, tok):
     assert sched.outputs(1)[: len(expected)] == expected
 
 
+# 16 prompts of 2 to 40-odd tokens for the concurrent test (issue: 16 at once).
+MORE_PROMPTS = [
+    "Hi",
+    "The quick brown fox",
+    "import numpy as np\nimport torch\n\nclass Model(torch.nn.Module):",
+    "Water boils at",
+    "Translate to French: good morning",
+    "A haiku about autumn leaves falling slowly onto a quiet pond at dusk, written by",
+    "SELECT name FROM users WHERE",
+    "The three laws of thermodynamics are",
+    "1, 1, 2, 3, 5, 8,",
+    "Dear hiring manager, I am writing to apply for the position of senior engineer at your "
+    "company, which I learned about from a colleague who has worked with your team for",
+    "Q: Why is the sky blue?\nA:",
+]
+
+
 def test_concurrent_chunked_requests_match_transformers(model, hf_model, tok):
-    prompts = [tok.encode(p).ids for p in PROMPTS]
+    texts = PROMPTS + MORE_PROMPTS
+    prompts = [tok.encode(p).ids for p in texts]
+    assert len(prompts) == 16 and len({len(p) for p in prompts}) >= 10
     expected = [hf_greedy(hf_model, p, 12) for p in prompts]
     # chunk 5 and 4-token blocks: prompts span several chunks and blocks, and steps mix
     # prompt chunks of some sequences with decodes of others.
-    sched = MiniScheduler(make_runner(model, num_blocks=128, block_size=4), chunk_size=5)
+    sched = MiniScheduler(make_runner(model, num_blocks=320, block_size=4), chunk_size=5)
     for i, p in enumerate(prompts):
         sched.add(i, p, max_new=12)
     mixed = 0
@@ -60,7 +79,7 @@ def test_concurrent_chunked_requests_match_transformers(model, hf_model, tok):
         sched.step()
     assert mixed > 0
     for i, want in enumerate(expected):
-        assert sched.outputs(i)[: len(want)] == want, PROMPTS[i]
+        assert sched.outputs(i)[: len(want)] == want, texts[i]
 
 
 def test_recompute_and_prefix_reuse_match_transformers(model, hf_model, tok):
