@@ -1,0 +1,140 @@
+"""``python -m sim``: policy table, load sweep, validation, three-class overload.
+
+Examples (docs/simulator.md holds the outputs):
+
+    python -m sim --validate
+    python -m sim --policy all --duration-s 3600
+    python -m sim --sweep --rate-scales 0.1,0.2,0.3,0.4,0.5,0.75,1 --duration-s 600
+    python -m sim --classes --rate-scale 0.3 --background-rate 3 --duration-s 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from scheduler_svc.core import SchedulerConfig
+from sim import report
+from sim.cost_model import StepCostModel
+from sim.workload import default_trace, load_trace
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", default="all", choices=(*report.POLICIES, "all"))
+    p.add_argument("--trace", type=Path, default=None,
+                   help="CSV arrived_at,num_prefill_tokens,num_decode_tokens "
+                        "(default: the Azure conversation trace)")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="multiply the trace's arrival rate (same length mix)")
+    p.add_argument("--duration-s", type=float, default=3600.0,
+                   help="replay the arrivals of the first seconds (after scaling); "
+                        "the run then drains")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--validate", action="store_true",
+                   help="the cost model against published points")
+    p.add_argument("--sweep", action="store_true", help="throughput and p99 TTFT vs load")
+    p.add_argument("--rate-scales", default="0.1,0.2,0.3,0.4,0.5,0.75,1.0",
+                   help="comma-separated rate scales for --sweep")
+    p.add_argument("--plot", type=Path, default=None, help="--sweep: write a PNG here")
+    p.add_argument("--classes", action="store_true",
+                   help="three priority classes; background absorbs the overload")
+    p.add_argument("--background-rate", type=float, default=3.0,
+                   help="--classes: background requests/s")
+    p.add_argument("--queue-cap-per-tenant", type=int, default=16,
+                   help="--classes: waiting requests per class before QueueFull")
+    p.add_argument("--aging-s", type=float, default=60.0,
+                   help="--classes: seconds of waiting that lift a request one tier")
+    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    cost = StepCostModel()
+    trace = args.trace or default_trace()
+    policies = report.POLICIES if args.policy == "all" else (args.policy,)
+    started = time.perf_counter()
+    if args.validate:
+        rows = report.validation_rows(cost)
+    elif args.sweep:
+        rows = _sweep(args, trace, cost, policies)
+    elif args.classes:
+        rows = _classes(args, trace, cost)
+    else:
+        reqs = load_trace(trace, args.rate_scale, args.duration_s)
+        print(f"{len(reqs)} requests over {args.duration_s:g} s at {args.rate_scale:g}× the "
+              f"trace's rate; roofline for this mix at {args.max_num_seqs} sequences: "
+              f"{report.mix_roofline(reqs, cost, args.max_num_seqs):,.0f} output tokens/s")
+        rows = report.policy_table(reqs, cost, args.max_num_seqs, policies)
+    print(report.table(rows))
+    print(f"(simulated in {time.perf_counter() - started:.1f} s wall)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _sweep(args, trace: Path, cost: StepCostModel, policies) -> list[dict]:
+    rows = []
+    for scale in (float(s) for s in args.rate_scales.split(",")):
+        reqs = load_trace(trace, scale, args.duration_s)
+        offered = len(reqs) / args.duration_s
+        rows += report.policy_table(reqs, cost, args.max_num_seqs, policies,
+                                    **{"rate ×": scale, "req/s": offered})
+    if args.plot:
+        _plot(rows, args.plot)
+    return rows
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = [r for r in rows if r["policy"] == policy]
+        ax1.plot([r["req/s"] for r in pts], [r["output tok/s"] for r in pts], "o-",
+                 label=policy)
+        ax2.plot([r["req/s"] for r in pts], [r["TTFT p99 ms"] / 1e3 for r in pts], "o-",
+                 label=policy)
+    ax1.set(xlabel="offered load (requests/s)", ylabel="output tokens/s",
+            title="throughput (simulated)")
+    ax2.set(xlabel="offered load (requests/s)", ylabel="p99 TTFT (s)", yscale="log",
+            title="p99 TTFT (simulated)")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _classes(args, trace: Path, cost: StepCostModel) -> list[dict]:
+    base = load_trace(trace, args.rate_scale, args.duration_s)
+    fore, mixed = report.three_classes(base, args.background_rate, args.duration_s)
+    caps = dict(max_num_waiting_per_tenant=args.queue_cap_per_tenant, aging_s=args.aging_s)
+    n = args.max_num_seqs
+    rows = report.class_rows(report.run(fore, "chunked", cost, n, **caps), "no background")
+    rows += report.class_rows(report.run(mixed, "chunked", cost, n, **caps),
+                              "+ background, tiers 0/1/2")
+    flat = [dataclasses.replace(r, priority_tier=1) for r in mixed]
+    rows += report.class_rows(report.run(flat, "chunked", cost, n, **caps),
+                              "+ background, all tier 1")
+    default_aging = SchedulerConfig.aging_s
+    if args.aging_s != default_aging:
+        caps["aging_s"] = default_aging
+        rows += report.class_rows(report.run(mixed, "chunked", cost, n, **caps),
+                                  f"+ background, tiers 0/1/2, aging {default_aging:g} s")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
