@@ -40,6 +40,16 @@ def _serve_parser(sub) -> None:
                         "(a second Ctrl-C stops at once)")
 
 
+def _capacity_parser(sub) -> None:
+    p = sub.add_parser("capacity", help="screen a declared scheduler contract against a workload")
+    verbs = p.add_subparsers(dest="capacity_command", required=True)
+    a = verbs.add_parser("audit", help="fluid screening model: utilization, queue delay, "
+                                       "TTFT/TPOT floors, peak KV, and a decision "
+                                       "(exit 0 within bound, 1 over, 2 bad input)")
+    a.add_argument("contract", help="the contract (TOML or JSON), e.g. docs/capacity/contract.toml")
+    a.add_argument("workload", help="per-class workload (TOML or JSON)")
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream an answer from a running server")
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
@@ -53,13 +63,32 @@ def _generate_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
 
 
+def _bench_parser(sub) -> None:
+    from continuum.bench import __doc__ as doc
+    from continuum.bench import add_arguments
+
+    p = sub.add_parser("bench", help="load-test a running server (gRPC or OpenAI HTTP)",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
+    _capacity_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            from continuum.bench import main as bench_main
+
+            sys.exit(bench_main(args))
+        if args.command == "capacity":
+            from continuum.capacity import main as capacity_main
+
+            sys.exit(capacity_main(args))
         if args.command == "serve":
             from continuum.supervisor import ServeError, Supervisor
 

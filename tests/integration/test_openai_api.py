@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import grpc
@@ -186,3 +187,26 @@ def test_grpc_n_timing_and_logprobs(server):
         assert 0 <= timing.queue_time_s <= timing.time_to_first_token_s
     texts = {i: "".join(r.text for r in responses if r.index == i) for i in (0, 1)}
     assert texts[0] == texts[1], "greedy choices agree"
+
+
+@pytest.mark.parametrize("api", ["grpc", "openai"])
+def test_continuum_bench_runs_a_mixed_workload(server, tmp_path, api):
+    """The load generator end to end: tiers, tenants, cancellations, JSON results."""
+    results = tmp_path / "bench.json"
+    subprocess.run(
+        [sys.executable, "-m", "continuum", "bench", "--api", api, "--addr", server.addr,
+         "--base-url", server.base_url, "--num-prompts", "8", "--request-rate", "20",
+         "--input-len", "24", "--output-len", "6", "--tiers", "0:1,2:1",
+         "--tenants", "a:1,b:1", "--cancel-fraction", "0.25", "--seed", "5",
+         "--goodput", "ttft:60000", "--output", str(results), "--no-progress"],
+        check=True, capture_output=True, text=True, timeout=300)
+    [report] = json.loads(results.read_text())
+    overall = report["overall"]
+    assert overall["num_requests"] == 8 and overall["errors"] == {}
+    assert overall["num_completed"] + overall["num_cancelled"] == 8
+    assert overall["num_cancelled"] >= 1
+    assert overall["total_output_tokens"] == 6 * overall["num_completed"]
+    assert overall["goodput"] == pytest.approx(overall["request_throughput"])
+    assert set(report["by_tier"]) == {"premium", "best_effort"}
+    assert set(report["by_tenant"]) <= {"a", "b"}
+    assert wait_until_idle(server).num_free_blocks == server.stats().num_total_blocks
