@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--classes: waiting requests per class before QueueFull")
     p.add_argument("--aging-s", type=float, default=60.0,
                    help="--classes: seconds of waiting that lift a request one tier")
+    p.add_argument("--contract", action="store_true",
+                   help="print the service curves a capacity contract declares "
+                        "(docs/capacity/contract.toml), from this cost model")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     return p
 
@@ -60,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = args.trace or default_trace()
     policies = report.POLICIES if args.policy == "all" else (args.policy,)
     started = time.perf_counter()
+    if args.contract:
+        print(_contract(cost, args.max_num_seqs))
+        return 0
     if args.validate:
         rows = report.validation_rows(cost)
     elif args.sweep:
@@ -77,6 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _contract(cost: StepCostModel, max_num_seqs: int) -> str:
+    hw = cost.hw
+    chunk = 512
+    table = ", ".join(f"[{b}, {cost.decode_step_time(b, 0) * 1e3:.1f}]"
+                      for b in (1, 8, 32, 64, max_num_seqs))
+    return "\n".join([
+        f"max_num_seqs = {max_num_seqs}",
+        f"prefill_tokens_per_s = {chunk / cost.prefill_time(chunk):.0f}"
+        f"  # a {chunk}-token chunk alone",
+        f"decode_step_ms = [{table}]  # at zero context",
+        f"kv_read_bytes_per_s = {hw.tp * hw.hbm_bytes_per_s * hw.decode_attn_bw_efficiency:.4g}",
+        f"kv_bytes_per_token = {cost.model.kv_bytes_per_token}",
+        f"kv_memory_bytes = {hw.tp * cost.kv_pool_bytes_per_gpu}",
+    ])
 
 
 def _sweep(args, trace: Path, cost: StepCostModel, policies) -> list[dict]:
