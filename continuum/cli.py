@@ -63,14 +63,28 @@ def _generate_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
 
 
+def _bench_parser(sub) -> None:
+    from continuum.bench import __doc__ as doc
+    from continuum.bench import add_arguments
+
+    p = sub.add_parser("bench", help="load-test a running server (gRPC or OpenAI HTTP)",
+                       description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _generate_parser(sub)
     _capacity_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            from continuum.bench import main as bench_main
+
+            sys.exit(bench_main(args))
         if args.command == "capacity":
             from continuum.capacity import main as capacity_main
 
