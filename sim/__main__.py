@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="replay the arrivals of the first seconds (after scaling); "
                         "the run then drains")
     p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--chunked-budget", type=int, default=512,
+                   help="max_num_batched_tokens of the chunked policy (decodes included)")
     p.add_argument("--validate", action="store_true",
                    help="the cost model against published points")
     p.add_argument("--sweep", action="store_true", help="throughput and p99 TTFT vs load")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(reqs)} requests over {args.duration_s:g} s at {args.rate_scale:g}× the "
               f"trace's rate; roofline for this mix at {args.max_num_seqs} sequences: "
               f"{report.mix_roofline(reqs, cost, args.max_num_seqs):,.0f} output tokens/s")
-        rows = report.policy_table(reqs, cost, args.max_num_seqs, policies)
+        rows = report.policy_table(reqs, cost, args.max_num_seqs, policies,
+                                   chunked_budget=args.chunked_budget)
     print(report.table(rows))
     print(f"(simulated in {time.perf_counter() - started:.1f} s wall)")
     if args.json:
@@ -107,6 +110,7 @@ def _sweep(args, trace: Path, cost: StepCostModel, policies) -> list[dict]:
         reqs = load_trace(trace, scale, args.duration_s)
         offered = len(reqs) / args.duration_s
         rows += report.policy_table(reqs, cost, args.max_num_seqs, policies,
+                                    chunked_budget=args.chunked_budget,
                                     **{"rate ×": scale, "req/s": offered})
     if args.plot:
         _plot(rows, args.plot)

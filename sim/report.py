@@ -54,9 +54,15 @@ def mix_roofline(requests: Sequence[TraceRequest], cost: StepCostModel,
 
 def policy_table(requests: Sequence[TraceRequest], cost: StepCostModel,
                  max_num_seqs: int = 128, policies: Sequence[str] = POLICIES,
-                 **labels) -> list[dict]:
-    return [result_row(run(requests, p, cost, max_num_seqs), policy=p, **labels)
-            for p in policies]
+                 chunked_budget: int = 512, **labels) -> list[dict]:
+    rows = []
+    for p in policies:
+        extra = {}
+        if p == "chunked" and chunked_budget != 512:
+            extra = dict(max_num_batched_tokens=chunked_budget)
+        rows.append(result_row(run(requests, p, cost, max_num_seqs, **extra),
+                               policy=p if not extra else f"{p} ({chunked_budget})", **labels))
+    return rows
 
 
 def validation_rows(cost: StepCostModel) -> list[dict]:
