@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test protos lint bench bench-scheduler bench-executor clean
+.PHONY: setup run test protos lint bench bench-scheduler bench-executor bench-policies clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -45,6 +45,10 @@ bench-scheduler: setup
 # Executor decode/prefill speed vs transformers and the machine's roofline (~3-5 minutes).
 bench-executor: setup
 	$(PY) -m benchmarks.bench_executor
+
+# static vs continuous vs chunked prefill on the real engine, one workload (~10 minutes).
+bench-policies: setup
+	$(PY) -m benchmarks.bench_policies $(ARGS)
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info

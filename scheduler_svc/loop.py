@@ -58,6 +58,10 @@ class EngineLoop:
                                  self._on_lost)
         self.executor: ExecutorInfo | None = None
         self.num_steps = 0
+        # For the policy comparison: decode steps, and those that also carried prefill.
+        self.num_decode_steps = 0
+        self.num_stalled_decode_steps = 0
+        self.num_stalled_prefill_tokens = 0
         self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -224,6 +228,11 @@ class EngineLoop:
         if out.num_prefill_tokens == 0:
             self._recent_step_s = 0.8 * self._recent_step_s + 0.2 * elapsed
         self.num_steps += 1
+        if out.num_batched_tokens > out.num_prefill_tokens:  # some sequence decoded
+            self.num_decode_steps += 1
+            if out.num_prefill_tokens:  # ...and waited for prompt work in the same step
+                self.num_stalled_decode_steps += 1
+                self.num_stalled_prefill_tokens += out.num_prefill_tokens
         events = self.core.update(out, result.seq_ids, result.token_ids)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         return True
