@@ -82,6 +82,8 @@ class ServeLoop:
         self._answered = False  # anything received since the last Hello
         self._retried = False
         self._last_hello = 0.0
+        self._received_at = 0.0  # perf_counter when the frame being handled arrived
+        self._result_sent_at = 0.0  # ... when the last result went out (0: none since Hello)
 
     def run(self) -> None:
         while not self.should_stop():
@@ -97,6 +99,7 @@ class ServeLoop:
                 self._receive(frame)
 
     def _receive(self, frame: bytes) -> None:
+        self._received_at = time.perf_counter()
         try:
             kind, msg = wire.decode_from_scheduler(frame)
         except wire.WireError as exc:
@@ -108,7 +111,10 @@ class ServeLoop:
     def handle(self, kind: str, msg) -> None:
         if kind == "plan":
             result = self.runner.execute(msg)
+            if self._result_sent_at:
+                result.idle_ms = max(0.0, self._received_at - self._result_sent_at) * 1e3
             self.link.send("result", result)
+            self._result_sent_at = time.perf_counter()
             log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.seq_ids),
                       result.step_ms)
         elif kind == "heartbeat":
@@ -125,6 +131,7 @@ class ServeLoop:
         return time.monotonic() - self._last_hello
 
     def _send_hello(self, why: str) -> None:
+        self._result_sent_at = 0.0
         self.runner.reset()
         self.link.send("hello", self.hello)
         self._last_hello = time.monotonic()

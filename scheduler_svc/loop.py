@@ -9,6 +9,7 @@ so there are no locks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import time
@@ -24,6 +25,7 @@ from scheduler_svc.core import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.plan import build_plan_message
@@ -50,7 +52,12 @@ class ExecutorInfo:
 
 
 class EngineLoop:
-    """Drives schedule → plan → executor → update, one step at a time."""
+    """Drives schedule → plan → executor → update.
+
+    With ``async_scheduling`` two plans are in flight: step N+1 is built and sent while
+    step N runs, so the executor never waits for the scheduler's CPU (the core schedules
+    ahead, see Scheduler.schedule). Without it, one step at a time.
+    """
 
     def __init__(self, config: SchedulerConfig, ipc_address: str) -> None:
         self.core = Scheduler(config)
@@ -66,9 +73,11 @@ class EngineLoop:
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
-        self._result: asyncio.Future[pb.StepResult | None] | None = None
-        self._expected_step = 0
+        self._inflight = InFlightPlans()
+        self._last_answer_at = 0.0
         self._recent_step_s = 0.0  # EMA of step wall time
+        # The executor's idle time before each plan (StepResult.idle_ms), for benchmarks.
+        self.executor_idle_ms: collections.deque[float] = collections.deque(maxlen=100_000)
         self._stepping = False
         self.draining = False  # set on SIGTERM: Submit is refused
         self.num_executor_losses = 0
@@ -128,16 +137,13 @@ class EngineLoop:
         self._pending_hello = hello
         # Acknowledge, so the executor stops re-sending its Hello.
         self.link.send_heartbeat(hello.incarnation, 0)
-        if self._result is not None and not self._result.done():
-            self._result.set_result(None)  # the old incarnation's step will never answer
+        self._inflight.fail_all()  # the old incarnation's steps will never answer
         self._wake.set()
 
     def _on_result(self, result: pb.StepResult) -> None:
-        fut = self._result
         if self.executor is None or result.incarnation != self.executor.incarnation:
             return  # a stale incarnation's answer
-        if fut is not None and not fut.done() and result.step_id == self._expected_step:
-            fut.set_result(result)
+        self._inflight.answer(result)
 
     def _on_lost(self) -> None:
         """The link saw the executor's connection go."""
@@ -145,8 +151,8 @@ class EngineLoop:
         self._lose_executor()
 
     def _lose_executor(self) -> None:
-        if self._result is not None and not self._result.done():
-            self._result.set_result(None)  # _step notices and detaches
+        if self._inflight.fail_all():
+            pass  # _step notices and detaches
         elif self.executor is not None and self._pending_hello is None:
             self._detach()
 
@@ -165,6 +171,7 @@ class EngineLoop:
 
     def _attach_pending_executor(self) -> None:
         hello, self._pending_hello = self._pending_hello, None
+        self._inflight.void_all()
         model = ModelInfo(
             block_size=hello.block_size,
             num_blocks=hello.num_device_blocks,
@@ -187,55 +194,72 @@ class EngineLoop:
             while True:
                 if self._pending_hello is not None:
                     self._attach_pending_executor()
-                if self.executor is None or not self.core.has_work():
+                if self.executor is None or not (self.core.has_work() or self._inflight):
                     break
                 if not await self._step():
                     break
                 await asyncio.sleep(0)  # let RPC handlers run between steps
 
     async def _step(self) -> bool:
-        """One iteration; False when there is nothing more to do until woken."""
-        out = self.core.schedule()
-        self._dispatch(self.core.take_events())
-        if out.is_empty:
+        """Sends plans until ``depth`` are in flight, then applies the oldest answer.
+        False when there is nothing more to do until woken."""
+        self._send_plans()
+        if not len(self._inflight):
             return False
-        plan = build_plan_message(out, self.executor.incarnation, self.core.block_manager)
-        self._expected_step = out.step_id
-        self._result = asyncio.get_running_loop().create_future()
-        started = time.monotonic()
-        result = None
+        item = self._inflight.oldest()
         self._stepping = True
         try:
-            if self.link.send_plan(plan):
-                deadline = self._step_deadline(out.num_batched_tokens)
-                try:
-                    result = await asyncio.wait_for(self._result, deadline)
-                except TimeoutError:
-                    log.error("executor missed its step deadline", step_id=out.step_id,
-                              deadline_s=round(deadline, 1))
+            deadline = self._step_deadline(item.out.num_batched_tokens)
+            try:
+                result = await asyncio.wait_for(item.answer, deadline)
+            except TimeoutError:
+                log.error("executor missed its step deadline", step_id=item.out.step_id,
+                          deadline_s=round(deadline, 1))
+                result = None
         finally:
             self._stepping = False
         if result is None:
+            self._inflight.void_all()
             if self._pending_hello is None:
                 self._detach()
             return False
+        self._inflight.pop_oldest()
         if result.error_code:
             log.error("executor refused plan; resynchronizing", code=result.error_code,
                       message=result.error_message)
+            self._inflight.void_all()  # built on what the executor refused
             self.core.resync()
             return True
-        elapsed = time.monotonic() - started
-        if out.num_prefill_tokens == 0:
+        out = item.out
+        now = time.monotonic()
+        if out.num_prefill_tokens == 0:  # it started when sent or when the last one ended
+            elapsed = now - max(item.sent_at, self._last_answer_at)
             self._recent_step_s = 0.8 * self._recent_step_s + 0.2 * elapsed
+        self._last_answer_at = now
         self.num_steps += 1
         if out.num_batched_tokens > out.num_prefill_tokens:  # some sequence decoded
             self.num_decode_steps += 1
             if out.num_prefill_tokens:  # ...and waited for prompt work in the same step
                 self.num_stalled_decode_steps += 1
                 self.num_stalled_prefill_tokens += out.num_prefill_tokens
+        self.executor_idle_ms.append(result.idle_ms)
         events = self.core.update(out, result.seq_ids, result.token_ids)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         return True
+
+    def _send_plans(self) -> None:
+        depth = 2 if self.core.config.async_scheduling else 1
+        while (len(self._inflight) < depth and self.executor is not None
+               and self._pending_hello is None):
+            out = self.core.schedule()
+            self._dispatch(self.core.take_events())
+            if out.is_empty:
+                return
+            msg = build_plan_message(out, self.executor.incarnation, self.core.block_manager)
+            item = self._inflight.add(out)
+            if not self.link.send_plan(msg):
+                item.answer.set_result(None)  # unreachable: lost, like a dead executor
+                return
 
     def _step_deadline(self, num_tokens: int) -> float:
         rate = self.executor.model.cost.prefill_tokens_per_s or 100.0
@@ -249,6 +273,7 @@ class EngineLoop:
                   incarnation=self.executor.incarnation if self.executor else None)
         self.num_executor_losses += 1
         self.last_lost_executor_pid = self.executor.pid if self.executor else 0
+        self._inflight.void_all()
         self.core.detach_executor()
         self.executor = None
         self.link.peer = None

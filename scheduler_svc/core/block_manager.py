@@ -210,7 +210,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = num_computed // bs
+        # Scheduled ahead, a block may be computed before its last token is known.
+        full = min(num_computed, len(token_ids)) // bs
         start = self._num_registered.get(seq_id, 0)
         if start >= full:
             return

@@ -38,6 +38,8 @@ class SchedulerConfig:
     max_preemptions / preemption_window_s: a sequence preempted more than
         max_preemptions times within the window is protected until it finishes.
     enable_prefix_caching: share full KV blocks between identical prefixes.
+    async_scheduling: build and send step N+1 while step N runs (two plans in flight),
+        so scheduler CPU time overlaps device time instead of adding to it.
     """
 
     policy: str = "chunked"
@@ -52,6 +54,7 @@ class SchedulerConfig:
     max_preemptions: int = 3
     preemption_window_s: float = 60.0
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -103,7 +103,12 @@ class Scheduler:
         self._by_seq: dict[int, Request] = {}  # running only
         self._running_per_tenant: collections.Counter[str] = collections.Counter()
         self._to_drop: list[int] = []
-        self._last_dropped: list[int] = []  # the last plan's drop list (for resync)
+        # Plans built and not yet answered (update): their step ids and drop lists (a
+        # refused plan's drops are sent again). More than one only when scheduling ahead.
+        self._unconfirmed: collections.deque[tuple[int, list[int]]] = collections.deque()
+        # Preempted while their sample from an unanswered step was pending: that sample
+        # still counts (a synchronous scheduler would have had it before preempting).
+        self._awaiting: dict[int, Request] = {}
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
         self._step_id = 0
@@ -151,8 +156,12 @@ class Scheduler:
         The refused plan wrote no KV and copied no block, yet building it
         registered the blocks it was to fill in the prefix cache, sent its
         swap-outs and its drop list: so the cache forgets every block, swapped
-        sequences are recomputed too, and the drop list is sent again."""
-        self._to_drop.extend(self._last_dropped)
+        sequences are recomputed too, and the drop list is sent again. Plans built
+        after it (scheduling ahead) are void too: answers to them must not be applied
+        (the caller ignores them), and their drop lists are sent again as well."""
+        for _, dropped in self._unconfirmed:
+            self._to_drop.extend(dropped)
+        self._forget_unconfirmed()
         for req in list(reversed(self.running)):
             self._preempt(req, "resync", allow_swap=False)
         for req in self.waiting:
@@ -168,8 +177,14 @@ class Scheduler:
             if req.status == RequestStatus.SWAPPED:
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
         self._to_drop.clear()
-        self._last_dropped = []
+        self._forget_unconfirmed()
         self._swap_out.clear()
+
+    def _forget_unconfirmed(self) -> None:
+        """No answer will be applied to the plans built so far: their pending samples are
+        dropped (every running sequence is recomputed from its token history)."""
+        self._unconfirmed.clear()
+        self._awaiting.clear()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -226,25 +241,36 @@ class Scheduler:
     # -- one iteration -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Builds the next step. Called while earlier steps are unanswered (``update``
+        not yet called for them: scheduling ahead), it assumes every sequence they
+        sample gets one more token and gives it its next decode now, unless that
+        sample is certainly its last (its length limit); the executor computes it
+        from the token it sampled itself. A sequence that turns out to have finished
+        (a stop token) is dropped by the next plan and its extra sample ignored."""
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
         preempts_before = self.num_preemptions
-        budget, prefills = self._schedule_decodes(out, budget)
+        budget, prefills = self._schedule_decodes(out, budget, ahead=bool(self._unconfirmed))
         budget = self._schedule_prefills(out, budget, prefills)
         if self.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
             budget = self._admit(out, budget, prefills)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.finished_seq_ids, self._to_drop = self._to_drop, []
-        self._last_dropped = out.finished_seq_ids
         out.swap_out, self._swap_out = self._swap_out, []
+        if not out.is_empty:  # an empty plan is never sent, so never answered
+            self._unconfirmed.append((out.step_id, out.finished_seq_ids))
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int):
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, ahead: bool):
         """Step 2: one token for every running decode. Returns (budget, partial prefills).
+
+        ``ahead``: unanswered steps exist; a sequence whose sample is pending
+        (``num_computed_tokens == len(token_ids)``) decodes the token to come,
+        unless that token is certainly its last.
 
         The hottest loop of the scheduler: at 256 sequences every attribute
         access shows. A decode leaves the fast path only on a block boundary
@@ -263,7 +289,9 @@ class Scheduler:
             if req.status is not running_status:
                 continue  # preempted earlier in this loop
             computed = req.num_computed_tokens
-            if len(req.token_ids) - computed != 1:
+            pending = len(req.token_ids) - computed
+            if pending != 1 and (pending or not ahead
+                                 or computed + 1 >= req.length_limit):
                 prefills.append(req)
                 continue
             if (computed + 1) % bs <= 1:  # a block boundary (always, for block_size 1)
@@ -465,6 +493,11 @@ class Scheduler:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
         append = events.append
+        confirmed = self._unconfirmed
+        while confirmed and confirmed[0][0] <= out.step_id:
+            confirmed.popleft()
+        bm = self.block_manager
+        bs = bm.block_size
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
         # Running sequences only: one aborted or preempted while the step ran is None.
@@ -473,9 +506,18 @@ class Scheduler:
                 continue
             tokens = req.token_ids
             num_tokens = len(tokens)
-            if req.num_computed_tokens != num_tokens:
-                continue  # a sample this step did not ask for (stale result)
-            tokens.append(token)
+            computed = req.num_computed_tokens
+            if computed != num_tokens:
+                if computed != num_tokens + 1:
+                    continue  # a sample this step did not ask for (stale result)
+                # Scheduled ahead: a later step already computes this token; the block
+                # it fills can be indexed now that its tokens are known.
+                tokens.append(token)
+                if (num_tokens + 1) % bs == 0:
+                    bm.register_full_blocks(req.seq_id, tokens, req.block_hashes,
+                                            num_tokens + 1)
+            else:
+                tokens.append(token)
             if token in req.stop_ids or num_tokens >= req.length_limit - 1:
                 reason = req.finish_reason_for(token)
                 if reason is not None:
@@ -484,7 +526,28 @@ class Scheduler:
                 append((req, token, reason))
             else:
                 append((req, token, None))
+        if self._awaiting:
+            self._apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
+
+    def _apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
+                        events: list[Event]) -> None:
+        """Samples of step ``step_id`` for sequences preempted after it was sent."""
+        awaiting = self._awaiting
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            req = awaiting.get(seq_id)
+            if req is None or req.scheduled_step != step_id or req.is_finished:
+                continue
+            del awaiting[seq_id]
+            req.token_ids.append(token)
+            reason = req.finish_reason_for(token)
+            if reason is not None:
+                self.waiting.remove(req)
+                self._finish(req, reason)
+            events.append((req, token, reason))
+        for seq_id, req in list(awaiting.items()):
+            if req.scheduled_step <= step_id:  # its sample was lost with the step
+                del awaiting[seq_id]
 
     def take_events(self) -> list[Event]:
         """Events produced outside ``update`` (e.g. a request finished by schedule)."""
@@ -498,6 +561,8 @@ class Scheduler:
         bm = self.block_manager
         self._remove_running(req)
         self._to_drop.append(req.seq_id)  # the executor drops its state either way
+        if self._unconfirmed and req.num_computed_tokens == len(req.token_ids):
+            self._awaiting[req.seq_id] = req  # its sample from an unanswered step counts
         swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
             req.num_computed_tokens, len(bm.block_table(req.seq_id))))
         if swap:
@@ -556,9 +621,10 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_keys == sorted(self._running_keys)
         assert set(self._by_seq.values()) == set(self.running)
+        ahead = 1 if self._unconfirmed else 0  # a decode of a pending sample
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            assert 0 <= req.num_computed_tokens <= len(req.token_ids)
+            assert 0 <= req.num_computed_tokens <= len(req.token_ids) + ahead
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.SWAPPED)
             assert req.status == RequestStatus.SWAPPED or req.num_computed_tokens == 0

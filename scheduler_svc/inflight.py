@@ -1,0 +1,67 @@
+"""Plans sent to the executor and not yet answered, oldest first.
+
+With async scheduling the loop keeps two: the executor runs step N while step N+1
+already waits in its socket, so it starts N+1 the moment N is done, and the
+scheduler folds N's result in and builds N+2 while N+1 runs. The executor answers
+in order; an answer matches the oldest plan with its step id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+
+from protos.continuum.v1 import executor_pb2 as pb
+from scheduler_svc.core import SchedulerOutput
+
+
+@dataclasses.dataclass
+class InFlight:
+    out: SchedulerOutput
+    answer: asyncio.Future[pb.StepResult | None]
+    sent_at: float  # time.monotonic()
+
+
+class InFlightPlans:
+    """At most ``depth`` unanswered plans. An answer that matches none (a plan made void
+    by a resync, or another incarnation's) is ignored."""
+
+    def __init__(self) -> None:
+        self._plans: collections.deque[InFlight] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def add(self, out: SchedulerOutput) -> InFlight:
+        item = InFlight(out, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._plans.append(item)
+        return item
+
+    def oldest(self) -> InFlight:
+        return self._plans[0]
+
+    def pop_oldest(self) -> InFlight:
+        return self._plans.popleft()
+
+    def answer(self, result: pb.StepResult) -> None:
+        for item in self._plans:
+            if item.out.step_id == result.step_id:
+                if not item.answer.done():
+                    item.answer.set_result(result)
+                return
+
+    def fail_all(self) -> bool:
+        """No answer will come (the executor is gone): every waiter wakes with None.
+        True if any plan was in flight."""
+        for item in self._plans:
+            if not item.answer.done():
+                item.answer.set_result(None)
+        return bool(self._plans)
+
+    def void_all(self) -> None:
+        """Forgets every plan: answers to them will be ignored."""
+        for item in self._plans:
+            item.answer.cancel()
+        self._plans.clear()
