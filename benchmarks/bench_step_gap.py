@@ -1,0 +1,108 @@
+"""The executor's idle gap between steps, with and without async scheduling.
+
+Runs the scheduler's engine loop in this process against a real executor process
+(the bundled model, over ipc://) and streams N concurrent greedy requests to the
+end. Each StepResult carries ``idle_ms``: how long the executor waited between
+sending its previous result and receiving the plan it then ran, i.e. the scheduler
+overhead the device sees (result transit + update + schedule + encode + plan
+transit). With async scheduling the next plan is already queued when a step ends.
+
+    .venv/bin/python -m benchmarks.bench_step_gap [--streams 64] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from scheduler_svc.core import Request, SchedulerConfig
+from scheduler_svc.loop import EngineLoop
+
+
+async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
+              repeats: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ipc = f"ipc://{tmp}/executor.sock"
+        config = SchedulerConfig(max_num_seqs=max(streams, 1), max_num_batched_tokens=2048,
+                                 async_scheduling=async_on)
+        loop = EngineLoop(config, ipc)
+        loop.start()
+        executor = subprocess.Popen(
+            [sys.executable, "-m", "executor_svc", "--model", model_dir, "--ipc", ipc,
+             "--kv-cache-bytes", str(256 << 20)], stderr=subprocess.DEVNULL)
+        try:
+            while loop.executor is None:
+                if executor.poll() is not None:
+                    raise RuntimeError("the executor exited while starting")
+                await asyncio.sleep(0.1)
+            await generate(loop, 8, 8, "warmup")  # first-step costs out of the way
+            figures = []
+            for r in range(repeats):
+                loop.executor_idle_ms.clear()
+                steps = loop.num_steps
+                started = time.perf_counter()
+                tokens = await generate(loop, streams, max_tokens, f"run{r}")
+                wall = time.perf_counter() - started
+                idle = list(loop.executor_idle_ms)[1:]  # the first waited for the clients
+                figures.append({
+                    "steps": loop.num_steps - steps,
+                    "idle_p50_ms": statistics.median(idle),
+                    "idle_mean_ms": statistics.mean(idle),
+                    "idle_p90_ms": sorted(idle)[int(0.9 * len(idle))],
+                    "step_ms": wall * 1e3 / (loop.num_steps - steps),
+                    "tokens_per_s": tokens / wall,
+                })
+            return {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+        finally:
+            await loop.stop()
+            executor.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                executor.wait(10)
+
+
+async def generate(loop: EngineLoop, streams: int, max_tokens: int, tag: str) -> int:
+    rng = random.Random(0)
+    queues = []
+    for i in range(streams):
+        prompt = [rng.randrange(100, 20000) for _ in range(rng.randint(16, 48))]
+        req = Request(f"{tag}-{i}", 0, prompt, len(prompt), max_tokens, ignore_eos=True)
+        queues.append(loop.submit(req))
+    tokens = 0
+    for queue in queues:
+        while True:
+            _, token, reason = (await queue.get())[:3]
+            tokens += token is not None
+            if reason is not None:
+                break
+    return tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model", default="", help="HF dir; default: the bundled model")
+    args = p.parse_args()
+    from executor_svc.model_files import resolve_model
+    model_dir = str(resolve_model(args.model or None))
+    print(f"{args.streams} streams × {args.max_tokens} tokens, greedy, median of "
+          f"{args.repeats} runs")
+    print(f"{'async scheduling':>16} {'steps':>6} {'idle p50 ms':>11} {'idle mean':>9} "
+          f"{'idle p90':>8} {'step ms':>8} {'tokens/s':>9}")
+    for async_on in (False, True):
+        r = asyncio.run(run(model_dir, async_on, args.streams, args.max_tokens, args.repeats))
+        print(f"{'on' if async_on else 'off':>16} {r['steps']:>6.0f} {r['idle_p50_ms']:>11.2f} "
+              f"{r['idle_mean_ms']:>9.2f} {r['idle_p90_ms']:>8.2f} {r['step_ms']:>8.2f} "
+              f"{r['tokens_per_s']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
