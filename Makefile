@@ -50,5 +50,13 @@ bench-executor: setup
 bench-policies: setup
 	$(PY) -m benchmarks.bench_policies $(ARGS)
 
+# Executor idle gap between steps with and without async scheduling, 64 streams (~5 minutes).
+bench-step-gap: setup
+	$(PY) -m benchmarks.bench_step_gap $(ARGS)
+
+# Recovery after kill -9 of the executor, and hang (SIGSTOP) detection time (~5 minutes).
+bench-recovery: setup
+	$(PY) -m benchmarks.bench_recovery $(ARGS)
+
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info
