@@ -106,15 +106,15 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> 
 def format_table(results: dict[str, dict]) -> str:
     base = results.get("static")
     lines = [f"{'policy':<11}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-             f"{'TPOT p99':>10}{'stalled':>9}{'stall tok':>10}{'tok/s ×':>8}{'TTFT p99 ×':>11}"
-             "   (ms; × = vs static)"]
+             f"{'TPOT p99':>10}{'ITL p99':>9}{'stalled':>9}{'stall tok':>10}{'tok/s ×':>8}"
+             f"{'TTFT p99 ×':>11}   (ms; × = vs static)"]
     for policy, r in results.items():
         speed = r["output_throughput"] / base["output_throughput"] if base else float("nan")
         tail = r["ttft_p99_ms"] / base["ttft_p99_ms"] if base else float("nan")
         lines.append(
             f"{policy:<11}{r['output_throughput']:>10.1f}{r['ttft_median_ms']:>10.0f}"
             f"{r['ttft_p99_ms']:>10.0f}{r['tpot_median_ms']:>10.0f}{r['tpot_p99_ms']:>10.0f}"
-            f"{r['stalled_share']:>9.0%}{r['stalled_prefill_tokens_mean']:>10.0f}"
+            f"{r['itl_p99_ms']:>9.0f}{r['stalled_share']:>9.0%}{r['stalled_prefill_tokens_mean']:>10.0f}"
             f"{speed:>8.2f}{tail:>11.2f}")
     return "\n".join(lines)
 
