@@ -482,8 +482,10 @@ def _rates(args: argparse.Namespace) -> list[float]:
 async def bench(args: argparse.Namespace) -> list[tuple[float, dict]]:
     slos = _parse_slos(args.goodput)
     points = []
-    for rate in _rates(args):
-        specs = build_workload(args, rate)
+    for point, rate in enumerate(_rates(args)):
+        # Fresh prompts per sweep point: the same ids would hit the prefix cache.
+        specs = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + point}),
+                               rate)
         client = (OpenAIClient(args.base_url, args.api_key) if args.api == "openai"
                   else GrpcClient(args.addr, args.api_key))
         try:
