@@ -279,6 +279,10 @@ class Scheduler:
         """
         bm = self.block_manager
         bs = bm.block_size
+        if bs > 1:
+            fast = self._schedule_decodes_fast(out, budget, ahead)
+            if fast is not None:
+                return fast
         step = self._step_id
         running_status = RequestStatus.RUNNING
         prefills: list[Request] = []
@@ -320,6 +324,59 @@ class Scheduler:
             out.cached_new_block_ids.extend(new)
         out.cached_num_new_blocks.extend(nnew)
         return budget - k, prefills
+
+    def _schedule_decodes_fast(self, out: SchedulerOutput, budget: int, ahead: bool):
+        """``_schedule_decodes`` when no decode has to preempt: None (and nothing
+        changed) otherwise. Same plan, fewer operations per sequence: one read-only
+        pass splits the running set and notes the decodes at a block boundary, the
+        boundaries (about one decode in ``block_size / 2``) are handled in priority
+        order, and a last pass only advances each decode by one token."""
+        bm = self.block_manager
+        bs = bm.block_size
+        prefills: list[Request] = []
+        decodes: list[Request] = []
+        boundary: list[int] = []  # indices in decodes of a token that starts or fills a block
+        for req in self.running:
+            computed = req.num_computed_tokens
+            pending = len(req.token_ids) - computed
+            if pending != 1 and (pending or not ahead or computed + 1 >= req.length_limit):
+                prefills.append(req)
+                continue
+            if (computed + 1) % bs <= 1:
+                boundary.append(len(decodes))
+            decodes.append(req)
+        need = 0
+        for i in boundary:
+            req = decodes[i]
+            if req.num_computed_tokens % bs == 0:
+                need += bm.num_new_blocks(req.seq_id, req.num_computed_tokens + 1)
+        if need > bm.num_free_blocks:
+            return None  # some decode preempts: the general loop decides who
+        nnew = [0] * len(decodes)
+        new_ids = out.cached_new_block_ids
+        for i in boundary:
+            req = decodes[i]
+            computed = req.num_computed_tokens
+            if computed % bs == 0:
+                if bm.num_new_blocks(req.seq_id, computed + 1) == 1:
+                    new_ids.append(bm.append_block(req.seq_id))
+                    nnew[i] = 1
+                else:
+                    new = bm.grow(req.seq_id, computed + 1)
+                    nnew[i] = len(new)
+                    new_ids.extend(new)
+            else:
+                bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
+                                        computed + 1)
+        step = self._step_id
+        for req in decodes:
+            req.num_computed_tokens += 1
+            req.scheduled_step = step
+        self._charge_decodes(prefills)
+        out.cached = decodes
+        out.cached_num_tokens = [1] * len(decodes)
+        out.cached_num_new_blocks = nnew
+        return budget - len(decodes), prefills
 
     def _charge_decodes(self, prefills: list[Request]) -> None:
         """Fairness accounting: one token per running decode, per tenant in
