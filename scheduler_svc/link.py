@@ -76,9 +76,17 @@ class ExecutorLink:
     def _send(self, frame: bytes) -> bool:
         if self.peer is None:
             return False
-        try:
-            self._sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        # A non-blocking send on a zmq.asyncio socket does not raise: it returns a future
+        # that already holds the outcome (EHOSTUNREACH from ROUTER_MANDATORY for a gone
+        # peer, EAGAIN at the high-water mark). Only a send queued behind another would
+        # be pending, and every send here is non-blocking, so none is.
+        sent = self._sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
+        if not sent.done():
+            sent.cancel()
+            log.warning("executor unreachable", error="send would block")
+            return False
+        exc = sent.exception()
+        if exc is not None:
             log.warning("executor unreachable", error=str(exc))
             return False
         return True
