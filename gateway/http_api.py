@@ -177,6 +177,13 @@ class HttpApi:
             else:
                 message = exc.reason
             return _json_response(exc.status, error_body(message, "invalid_request_error"))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception:  # a bug of ours: the client still gets JSON, the log the traceback
+            _log.exception("unexpected error", path=request.path)
+            self._metrics.error("INTERNAL")
+            return _json_response(500, error_body(
+                "internal server error; the request id is in the server log", "server_error"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:

@@ -365,3 +365,27 @@ def test_metrics_use_the_documented_names_and_tiers(tokenizer):
     running = re.search(r'continuum:num_requests_running\{model_name="smollm2",'
                         r'priority="standard",replica="[0-9.:]+"\} (\S+)', text)
     assert running is not None and running.group(1) == "1.0"
+
+
+def test_an_internal_failure_is_a_json_500_and_the_server_keeps_serving(tokenizer, monkeypatch):
+    scheduler = FakeScheduler(events=_events(tokenizer, "fine"))
+    original = tokenizer.encode
+
+    def flaky(text):
+        if text == "boom":
+            raise RuntimeError("tokenizer exploded")
+        return original(text)
+
+    monkeypatch.setattr(tokenizer, "encode", flaky)
+
+    async def scenario():
+        async with http_gateway(tokenizer, scheduler) as (session, _, _g):
+            failed = await _post(session, _COMP, {"prompt": "boom"})
+            fine = await _post(session, _COMP, {"prompt": "hello"})
+            return failed, fine
+
+    (status, _, raw), (after, _, _) = run(scenario())
+    assert status == 500
+    error = json.loads(raw)["error"]
+    assert error["type"] == "server_error" and "tokenizer exploded" not in error["message"]
+    assert after == 200
