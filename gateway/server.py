@@ -110,6 +110,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._relay.metrics.error(exc.code.name)
             await context.abort(exc.code, exc.message)  # raises: ends the call
             raise AssertionError("unreachable") from exc
+        except Exception as exc:  # a bug of ours: INTERNAL with a generic message, logged
+            _log.exception("unexpected error", request_id=getattr(request, "request_id", ""))
+            self._relay.metrics.error("INTERNAL")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "internal server error; the request id is in the server log")
+            raise AssertionError("unreachable") from exc
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -389,3 +389,23 @@ def test_an_internal_failure_is_a_json_500_and_the_server_keeps_serving(tokenize
     error = json.loads(raw)["error"]
     assert error["type"] == "server_error" and "tokenizer exploded" not in error["message"]
     assert after == 200
+
+
+def test_an_internal_failure_over_grpc_is_internal_without_details(tokenizer, monkeypatch):
+    scheduler = FakeScheduler(events=_events(tokenizer, "fine"))
+
+    def broken(text):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(tokenizer, "encode", broken)
+
+    async def scenario():
+        async with http_gateway(tokenizer, scheduler) as (_, channel, _g):
+            generate = generation_pb2_grpc.GenerationStub(channel).Generate
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(generate(generation_pb2.GenerateRequest(prompt="x"), timeout=5))
+            return caught.value
+
+    error = run(scenario())
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "exploded" not in error.details()
