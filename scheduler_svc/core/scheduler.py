@@ -22,6 +22,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -34,6 +36,9 @@ from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 
 # (request, new token or None, finish reason or None): what a client must hear.
 Event = tuple[Request, int | None, FinishReason | None]
+
+_token_ids = operator.attrgetter("token_ids")
+_seq_id = operator.attrgetter("seq_id")
 
 
 class QueueFull(Exception):
@@ -73,6 +78,19 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # host, device
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
+    # seq ids of ``cached`` (filled by schedule; the plan's column).
+    cached_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    # A synchronous step whose decodes took the fast path also lists the sequences it
+    # samples, in the order the executor answers (new, then cached), and those whose
+    # sample reaches their length limit: ``update`` applies an answer that matches
+    # without looking at every sequence. None otherwise, and once applied.
+    samples: list[Request] | None = None
+    sample_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    samples_at_limit: list[Request] = dataclasses.field(default_factory=list)
+    # Scheduler._running_epoch when built: unchanged at update() means no sequence
+    # left the running set in between.
+    running_epoch: int = 0
+    num_fast_decodes: int = -1  # decodes (first in ``cached``) from the fast path
 
     @property
     def is_empty(self) -> bool:
@@ -112,6 +130,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
         self._step_id = 0
+        self._running_epoch = 0  # + 1 whenever a sequence leaves the running set
+        self._all_stop_ids: frozenset[int] = frozenset()  # union of every stop set seen
         self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self._admit_seq = 0
@@ -253,7 +273,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
         preempts_before = self.num_preemptions
-        budget, prefills = self._schedule_decodes(out, budget, ahead=bool(self._unconfirmed))
+        ahead = bool(self._unconfirmed)
+        budget, prefills = self._schedule_decodes(out, budget, ahead)
         budget = self._schedule_prefills(out, budget, prefills)
         if self.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
@@ -261,9 +282,32 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         out.swap_out, self._swap_out = self._swap_out, []
+        self._list_samples(out, ahead)
         if not out.is_empty:  # an empty plan is never sent, so never answered
             self._unconfirmed.append((out.step_id, out.finished_seq_ids))
         return out
+
+    def _list_samples(self, out: SchedulerOutput, ahead: bool) -> None:
+        """Fills ``cached_seq_ids`` and, for a synchronous step whose decodes took the
+        fast path, the samples it expects (see SchedulerOutput)."""
+        k = out.num_fast_decodes
+        if k < 0:
+            out.cached_seq_ids = list(map(_seq_id, out.cached))
+            return
+        rest = out.cached[k:]
+        out.cached_seq_ids += map(_seq_id, rest)
+        if ahead:
+            return
+        # After schedule a sequence samples iff it computed its whole history; the
+        # sample ends it by length iff num_computed_tokens + 1 >= length_limit.
+        new = [r for r, _ in out.new if r.num_computed_tokens == len(r.token_ids)]
+        rest = [r for r in rest if r.num_computed_tokens == len(r.token_ids)]
+        out.samples = new + out.cached[:k] + rest
+        out.sample_seq_ids = list(map(_seq_id, new)) + out.cached_seq_ids[:k] + \
+            list(map(_seq_id, rest))
+        out.samples_at_limit += (r for r in itertools.chain(new, rest)
+                                 if r.num_computed_tokens + 1 >= r.length_limit)
+        out.running_epoch = self._running_epoch
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, ahead: bool):
         """Step 2: one token for every running decode. Returns (budget, partial prefills).
@@ -369,11 +413,17 @@ class Scheduler:
                 bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
                                         computed + 1)
         step = self._step_id
+        at_limit = out.samples_at_limit
         for req in decodes:
-            req.num_computed_tokens += 1
+            computed = req.num_computed_tokens + 1
+            req.num_computed_tokens = computed
             req.scheduled_step = step
+            if computed + 1 >= req.length_limit:
+                at_limit.append(req)
         self._charge_decodes(prefills)
         out.cached = decodes
+        out.cached_seq_ids = list(map(_seq_id, decodes))
+        out.num_fast_decodes = len(decodes)
         out.cached_num_tokens = [1] * len(decodes)
         out.cached_num_new_blocks = nnew
         return budget - len(decodes), prefills
@@ -529,7 +579,11 @@ class Scheduler:
             # Requests share one object per distinct stop set (fewer cache lines per step).
             if len(self._stop_sets) > 1024:
                 self._stop_sets.clear()
-            req.stop_ids = self._stop_sets.setdefault(req.stop_ids, req.stop_ids)
+                self._all_stop_ids = frozenset()
+            if req.stop_ids not in self._stop_sets:
+                self._stop_sets[req.stop_ids] = req.stop_ids
+                self._all_stop_ids |= req.stop_ids
+            req.stop_ids = self._stop_sets[req.stop_ids]
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
@@ -553,10 +607,16 @@ class Scheduler:
         confirmed = self._unconfirmed
         while confirmed and confirmed[0][0] <= out.step_id:
             confirmed.popleft()
-        bm = self.block_manager
-        bs = bm.block_size
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
+        samples, out.samples = out.samples, None  # only the first answer may use them
+        if samples is not None and not confirmed and not self._awaiting \
+                and out.step_id == self._step_id \
+                and out.running_epoch == self._running_epoch and seq_ids == out.sample_seq_ids:
+            self._apply_samples(out, samples, token_ids, events)
+            return events
+        bm = self.block_manager
+        bs = bm.block_size
         # Running sequences only: one aborted or preempted while the step ran is None.
         for req, token in zip(map(self._by_seq.get, seq_ids), token_ids, strict=True):
             if req is None:
@@ -586,6 +646,31 @@ class Scheduler:
         if self._awaiting:
             self._apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
+
+    def _apply_samples(self, out: SchedulerOutput, samples: list[Request],
+                       token_ids: list[int], events: list[Event]) -> None:
+        """``update`` when the answer is exactly the samples ``out`` expects, no step
+        but it is unanswered and no sequence left the running set since: each
+        ``num_computed_tokens == len(token_ids)``, so every token is appended, in passes
+        that run in C. Only samples that may end a sequence (its length limit, listed
+        by schedule, or a stop id of any request) are looked at one by one."""
+        collections.deque(map(list.append, map(_token_ids, samples), token_ids), 0)
+        first = len(events)
+        events.extend(zip(samples, token_ids, itertools.repeat(None)))
+        maybe_last = out.samples_at_limit
+        stops = self._all_stop_ids
+        if not stops.isdisjoint(token_ids):
+            maybe_last = maybe_last + [samples[i] for i, t in enumerate(token_ids)
+                                       if t in stops]
+        for req in dict.fromkeys(maybe_last):  # in order, once each
+            i = samples.index(req)  # few: a linear scan in C is fine
+            token = token_ids[i]
+            if token in req.stop_ids or len(req.token_ids) >= req.length_limit:
+                reason = req.finish_reason_for(token)
+                if reason is not None and req.status == RequestStatus.RUNNING:
+                    self._remove_running(req)
+                    self._finish(req, reason)
+                events[first + i] = (req, token, reason)
 
     def _apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
                         events: list[Event]) -> None:
@@ -640,6 +725,7 @@ class Scheduler:
         self.waiting.push(req, front=True)
 
     def _remove_running(self, req: Request) -> None:
+        self._running_epoch += 1
         i = bisect.bisect_left(self._running_keys, priority_key(req))
         assert self.running[i] is req
         del self.running[i]
