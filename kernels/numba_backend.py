@@ -1,12 +1,14 @@
-"""Attention that reads K/V blocks in place through a numba kernel (the CPU default).
+"""Attention that reads K/V blocks in place through a compiled kernel (the CPU default).
 
-Single-token rows (decodes, 1-token chunks) go to ``kernels/numba_kernels.py``: one task
-per sequence walks its block table with an online softmax, so each K/V row is read from
-memory once per step and nothing is gathered (FACTS.md: the gather alone costs ~2x the
-attention). Multi-token chunks keep the torch path (SDPA's flash kernel is a matmul there,
-which beats a scalar loop). The constructor compiles the kernels (or loads them from
-numba's cache) so that cost lands at start-up, not on a request. Only float32 runs in the
-kernel; other dtypes (and non-contiguous pools) fall back to the torch backend.
+Single-token rows (decodes, 1-token chunks) go to ``kernels/cpu_attention.cpp`` (AVX2,
+built and loaded by ``kernels/native.py``) or, where that cannot be built or the head dim
+is not a multiple of 8, to ``kernels/numba_kernels.py``. Either way one task per sequence
+walks its block table, so each K/V row is read from memory once per step and nothing is
+gathered (FACTS.md: the gather alone costs ~2x the attention). Multi-token chunks keep the
+torch path (SDPA's flash kernel is a matmul there, which beats a scalar loop). The
+constructor builds or loads the kernels so that cost lands at start-up, not on a request.
+Only float32 runs in the kernels; other dtypes (and non-contiguous pools) fall back to the
+torch backend.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numba
 import numpy as np
 import torch
 
+from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.numba_kernels import paged_decode, paged_decode_serial
 from kernels.torch_backend import TorchAttentionBackend, chunk_attention, plan_chunk
@@ -35,18 +38,24 @@ class _StepPlan:
     context_lens: np.ndarray  # [Bs] int64
     chunks: tuple  # torch_backend chunk plans, one per multi-token sequence
     kernel: object  # paged_decode (threads) or paged_decode_serial (this thread)
+    threads: int  # for the native kernel: 1 = this thread, as paged_decode_serial
     torch_plan: object = field(default=None)  # built only if a non-fp32 step needs it
 
 
 class NumbaAttentionBackend(AttentionBackend):
     """Decode rows through the numba kernels, chunks through SDPA; CPU tensors only."""
 
-    def __init__(self, kernel: str = "auto", warm_up: bool = True) -> None:
-        """``kernel``: "auto" (threads for big steps), "parallel" or "serial" (for tests)."""
+    def __init__(self, kernel: str = "auto", warm_up: bool = True,
+                 use_native: bool = True) -> None:
+        """``kernel``: "auto" (threads for big steps), "parallel" or "serial" (for tests).
+        ``use_native``: the AVX2 kernel where it builds (False: numba only, for tests)."""
         if kernel not in ("auto", "parallel", "serial"):
             raise ValueError(f"kernel must be auto, parallel or serial, not {kernel!r}")
         self.kernel = kernel
         self._torch = TorchAttentionBackend()
+        start = time.perf_counter()
+        self.native = native.load() if use_native else None  # builds it on a first start
+        self.native_s = time.perf_counter() - start
         self.warm_up_s = self.warm_up() if warm_up else 0.0
 
     @staticmethod
@@ -78,6 +87,7 @@ class NumbaAttentionBackend(AttentionBackend):
             context_lens=context_lens,
             chunks=tuple(plan_chunk(meta, i) for i, n in enumerate(meta.query_lens) if n > 1),
             kernel=paged_decode if parallel else paged_decode_serial,
+            threads=threads if parallel else 1,
         )
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
@@ -90,10 +100,14 @@ class NumbaAttentionBackend(AttentionBackend):
         if len(prepared.rows):
             # Hand sequences to threads one at a time (setting it inside the kernel would
             # stop numba from caching it).
-            chunk_size = numba.set_parallel_chunksize(1)
-            prepared.kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), prepared.rows,
-                            prepared.tables, prepared.context_lens, scale, out.numpy())
-            numba.set_parallel_chunksize(chunk_size)
+            args = (q.numpy(), k_cache.numpy(), v_cache.numpy(), prepared.rows,
+                    prepared.tables, prepared.context_lens, scale, out.numpy())
+            if self.native is not None and self.native.supports(q.shape[-1]):
+                self.native.paged_decode(*args, threads=prepared.threads)
+            else:
+                chunk_size = numba.set_parallel_chunksize(1)
+                prepared.kernel(*args)
+                numba.set_parallel_chunksize(chunk_size)
         for c in prepared.chunks:
             out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
         return out

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import shutil
+import time
 
 import pytest
 import torch
 
-from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
 from kernels.attention import AttentionMetadata
 from kernels.numba_backend import NumbaAttentionBackend
 from kernels.numba_kernels import paged_decode, paged_decode_serial
@@ -72,10 +74,33 @@ def run(backend, batch, scale):
     return backend.forward(q, k, v, k_cache, v_cache, backend.prepare(meta), scale)
 
 
-@pytest.fixture(scope="module", params=["serial", "parallel"])
+@pytest.fixture(scope="module", params=[("serial", True), ("parallel", True),
+                                        ("serial", False), ("parallel", False)],
+                ids=lambda p: f"{p[0]}-{'native' if p[1] else 'numba'}")
 def numba_backend(request) -> NumbaAttentionBackend:
-    """Both kernels: the one in the calling thread (small steps) and numba's threads."""
-    return NumbaAttentionBackend(kernel=request.param)
+    """Every kernel: in the calling thread (small steps) and on the pool's threads, the
+    AVX2 one (where it builds) and numba's."""
+    kernel, use_native = request.param
+    return NumbaAttentionBackend(kernel=kernel, use_native=use_native)
+
+
+def test_native_kernel_builds_here_and_is_cached():
+    # Where a compiler and AVX2 exist (this project's machines), the backend must not
+    # silently fall back to numba; a second load reuses the built library.
+    if not native._cpu_has_avx2_fma() or shutil.which("g++") is None:
+        pytest.skip("no AVX2/FMA or no g++: the numba kernel is the one in use")
+    first = native.load()
+    assert first is not None and first.supports(64) and not first.supports(60)
+    start = time.perf_counter()
+    again = native.load()
+    assert again.path == first.path and time.perf_counter() - start < 0.5
+    assert NumbaAttentionBackend(warm_up=False).native is not None
+    assert NumbaAttentionBackend(warm_up=False, use_native=False).native is None
+
+
+def test_native_kernel_is_off_when_disabled(monkeypatch):
+    monkeypatch.setenv("CONTINUUM_NATIVE_KERNELS", "0")
+    assert native.load() is None
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,250 @@
+// Paged decode attention for x86-64 with AVX2 + FMA, float32; built by kernels/native.py.
+//
+// The same contract as kernels/numba_kernels.py (paged_decode): sequence i's single query
+// row q[rows[i]] ([Hq, D]) attends to its context_lens[i] cached positions, position p
+// living at k_cache[tables[i, p / block_size], p % block_size] ([Hkv, D]); query head j
+// reads KV head j / (Hq / Hkv) (GQA). Writes out[rows[i]] and nothing else.
+//
+// Why not numba: its dot products end in one horizontal sum per key, and its accumulators
+// live in memory. Here 8 keys' dot products are reduced together (one transposing hadd
+// tree per 8 keys), the score pass keeps a K block in L1 while every query head of the
+// group reads it, and the V pass keeps a head's output in registers for a whole block.
+//
+// Two passes per sequence: all scores first ([Hq, ctx], 18 KiB at 512 positions), one exact
+// softmax over them, then the weighted sum of V — no online rescaling. Threads: one OpenMP
+// task per sequence (dynamic, chunk 1: context lengths differ). The OpenMP calls bind to
+// torch's libgomp (kernels/numba_kernels.py promotes it to global scope before this
+// library loads), so torch, numba and this kernel share one pool of workers.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0, 8 lanes: 2^k * 2^f, |f| <= 1/2, degree-6 polynomial for 2^f
+// (relative error ~1e-7); x below -87 clamps (exp(-87) ~ 1e-38 is still normal).
+inline __m256 exp_nonpos(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 v = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));  // log2(e)
+  __m256 k = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_sub_ps(v, k);
+  __m256 p = _mm256_set1_ps(0.0001540353f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.001333355f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009618129f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550411f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.2402265f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931472f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  // 2.0f ** k
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+
+// Lane t of the result = the sum of a[t]'s 8 lanes.
+inline __m256 hsum8(const __m256 a[8]) {
+  __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2
+#endif
+
+// Streams block table[b + PREFETCH_BLOCKS] of a pool into cache while block b is computed,
+// a few lines at a time: blocks sit anywhere in the pool, so the hardware prefetcher cannot
+// guess the next one, and a burst of a whole block's prefetches would stall the core on
+// its miss buffers just as a demand miss does.
+struct Prefetcher {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  void start(const float* pool, const int64_t* table, int64_t b, int64_t num_blocks,
+             int64_t block_floats) {
+    if (b + PREFETCH_BLOCKS >= num_blocks) {
+      next = end = nullptr;
+      return;
+    }
+    next = reinterpret_cast<const char*>(pool + table[b + PREFETCH_BLOCKS] * block_floats);
+    end = next + block_floats * sizeof(float);
+  }
+  void step(int lines) {
+    for (; lines > 0 && next < end; --lines, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, block_size, table_stride;
+};
+
+// scores[j * ctx + p] = q[j] . k[p] (q pre-scaled), for every query head j.  DV = D / 8.
+template <int DV>
+void score_pass(const float* qs, const float* k_cache, const int64_t* table, int64_t ctx,
+                const Shape& s, float* scores) {
+  const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
+  const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
+  // lines of a block / (query heads * 8-key tiles): prefetches per inner step
+  const int lines = int((s.block_size * row * 4 / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
+                        / (s.num_heads * ((s.block_size + 7) / 8)));
+  Prefetcher pf;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    pf.start(k_cache, table, b, num_blocks, s.block_size * row);
+    const float* block = k_cache + table[b] * s.block_size * row;
+    const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      const float* kh = block + h * DV * 8;
+      for (int64_t j = h * group; j < (h + 1) * group; ++j) {
+        const float* qj = qs + j * DV * 8;
+        float* out = scores + j * ctx + p0;
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) {  // 8 keys at once, reduced together
+          pf.step(lines);
+          __m256 acc[8];
+          for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+          for (int d = 0; d < DV; ++d) {
+            __m256 qv = _mm256_loadu_ps(qj + d * 8);
+            for (int u = 0; u < 8; ++u)
+              acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (t + u) * row + d * 8), acc[u]);
+          }
+          _mm256_storeu_ps(out + t, hsum8(acc));
+        }
+        for (; t < n; ++t) {  // the tail of a partly filled block
+          __m256 acc = _mm256_setzero_ps();
+          for (int d = 0; d < DV; ++d)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d * 8),
+                                  _mm256_loadu_ps(kh + t * row + d * 8), acc);
+          out[t] = hsum(acc);
+        }
+      }
+    }
+  }
+}
+
+// scores[j] <- softmax(scores[j]) for each head, in place; exact max, then exp and sum.
+void softmax_rows(float* scores, int64_t num_heads, int64_t ctx) {
+  for (int64_t j = 0; j < num_heads; ++j) {
+    float* x = scores + j * ctx;
+    float top = -INFINITY;
+    for (int64_t p = 0; p < ctx; ++p) top = std::max(top, x[p]);
+    const __m256 top8 = _mm256_set1_ps(top);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t p = 0;
+    for (; p + 8 <= ctx; p += 8) {
+      __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(x + p), top8));
+      _mm256_storeu_ps(x + p, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    if (p < ctx) {  // the tail through a padded copy, same polynomial
+      alignas(32) float tail[8];
+      for (int u = 0; u < 8; ++u) tail[u] = p + u < ctx ? x[p + u] - top : -87.0f;
+      _mm256_store_ps(tail, exp_nonpos(_mm256_load_ps(tail)));
+      for (int64_t u = 0; p + u < ctx; ++u) {
+        x[p + u] = tail[u];
+        sum += tail[u];
+      }
+    }
+    const float inv = 1.0f / sum;
+    for (p = 0; p < ctx; ++p) x[p] *= inv;
+  }
+}
+
+// out[j] = sum_p weights[j * ctx + p] * v[p], head by head; out [Hq, D].
+template <int DV>
+void value_pass(const float* weights, const float* v_cache, const int64_t* table, int64_t ctx,
+                const Shape& s, float* out) {
+  const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
+  memset(out, 0, sizeof(float) * s.num_heads * DV * 8);
+  const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
+  // lines of a block / (query heads * 8-key tiles): prefetches per inner step
+  const int lines = int((s.block_size * row * 4 / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
+                        / (s.num_heads * ((s.block_size + 7) / 8)));
+  Prefetcher pf;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    pf.start(v_cache, table, b, num_blocks, s.block_size * row);
+    const float* block = v_cache + table[b] * s.block_size * row;
+    const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
+    for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+      const float* vh = block + h * DV * 8;
+      for (int64_t j = h * group; j < (h + 1) * group; ++j) {
+        const float* w = weights + j * ctx + p0;
+        float* oj = out + j * DV * 8;
+        __m256 acc[DV];
+        for (int d = 0; d < DV; ++d) acc[d] = _mm256_loadu_ps(oj + d * 8);
+        for (int64_t t = 0; t < n; ++t) {
+          if (t % 8 == 0) pf.step(lines);
+          __m256 wt = _mm256_set1_ps(w[t]);
+          for (int d = 0; d < DV; ++d)
+            acc[d] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vh + t * row + d * 8), acc[d]);
+        }
+        for (int d = 0; d < DV; ++d) _mm256_storeu_ps(oj + d * 8, acc[d]);
+      }
+    }
+  }
+}
+
+template <int DV>
+void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+            int64_t ctx, const Shape& s, float scale, float* out, std::vector<float>& scratch) {
+  const int64_t dim = DV * 8;
+  scratch.resize(s.num_heads * (dim + ctx));
+  float* qs = scratch.data();  // [Hq, D], pre-scaled
+  float* scores = qs + s.num_heads * dim;  // [Hq, ctx]
+  for (int64_t i = 0; i < s.num_heads * dim; ++i) qs[i] = q[i] * scale;
+  score_pass<DV>(qs, k_cache, table, ctx, s, scores);
+  softmax_rows(scores, s.num_heads, ctx);
+  value_pass<DV>(scores, v_cache, table, ctx, s, out);
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+                          const Shape&, float, float*, std::vector<float>&);
+
+}  // namespace
+
+extern "C" {
+
+// 1 if head_dim is one this library was built for (8 .. 128 in steps of 8), else 0.
+int paged_decode_supports(int64_t head_dim) {
+  return head_dim % 8 == 0 && head_dim >= 8 && head_dim <= 128;
+}
+
+// q [T, Hq, D], out [T, Hq, D] float32 contiguous; k_cache, v_cache [num_blocks, block_size,
+// Hkv, D] float32 contiguous; rows, context_lens [num_seqs], tables [num_seqs, table_stride]
+// int64. Runs on num_threads OpenMP threads (1: in the calling thread).
+void paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
+                      const int64_t* rows, const int64_t* tables, int64_t table_stride,
+                      const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
+                      float* out, int num_threads) {
+  static const AttendFn by_dv[17] = {
+      nullptr,         attend<1>,  attend<2>,  attend<3>,  attend<4>,  attend<5>,
+      attend<6>,       attend<7>,  attend<8>,  attend<9>,  attend<10>, attend<11>,
+      attend<12>,      attend<13>, attend<14>, attend<15>, attend<16>};
+  const AttendFn fn = by_dv[head_dim / 8];
+  const Shape s{num_heads, num_kv_heads, block_size, table_stride};
+  const int64_t q_row = num_heads * head_dim;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_seqs; ++i)
+      fn(q + rows[i] * q_row, k_cache, v_cache, tables + i * table_stride, context_lens[i], s,
+         scale, out + rows[i] * q_row, scratch);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""Builds and loads kernels/cpu_attention.cpp (AVX2 paged decode attention) through ctypes.
+
+Plain C++ with no torch headers: g++ builds it in ~2 s, once per source version, into
+``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
+neither is writable); later processes load the cached library in milliseconds. ``load()``
+returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA, there is
+no compiler, the build fails or ``CONTINUUM_NATIVE_KERNELS=0``; it never raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import torch
+
+import kernels.numba_kernels  # noqa: F401  (promotes torch's libgomp first: one OpenMP pool)
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cpp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class NativeKernels:
+    """The loaded library; ``paged_decode`` has numba_kernels.paged_decode's arguments."""
+
+    def __init__(self, lib: ctypes.CDLL, path: pathlib.Path) -> None:
+        self.path = path
+        self._supports = lib.paged_decode_supports
+        self._supports.argtypes, self._supports.restype = [_I64], ctypes.c_int
+        self._decode = lib.paged_decode_f32
+        self._decode.argtypes = [_PTR] * 5 + [_I64, _PTR] + [_I64] * 5 + [
+            ctypes.c_float, _PTR, ctypes.c_int]
+        self._decode.restype = None
+
+    def supports(self, head_dim: int) -> bool:
+        return bool(self._supports(head_dim))
+
+    def paged_decode(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                     rows: np.ndarray, tables: np.ndarray, context_lens: np.ndarray,
+                     scale: float, out: np.ndarray, threads: int) -> None:
+        # q, out [T, Hq, D] and the pools [N, block, Hkv, D] float32 C-contiguous; rows,
+        # context_lens [B] and tables [B, nb] int64 C-contiguous (the caller guarantees it:
+        # a wrong stride here reads the wrong memory, not a Python error).
+        assert rows.dtype == tables.dtype == context_lens.dtype == np.int64
+        assert tables.flags.c_contiguous and q.flags.c_contiguous and out.flags.c_contiguous
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        self._decode(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
+                     rows.ctypes.data, tables.ctypes.data, tables.shape[1],
+                     context_lens.ctypes.data, rows.shape[0], q.shape[1], num_kv_heads, block_size,
+                     head_dim, scale, out.ctypes.data, threads)
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0]
+    except (OSError, IndexError):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+def _cache_dirs() -> list[pathlib.Path]:
+    dirs = [pathlib.Path(os.environ["CONTINUUM_KERNEL_CACHE"])] if os.environ.get(
+        "CONTINUUM_KERNEL_CACHE") else []
+    return dirs + [SOURCE.parent / "__pycache__",
+                   pathlib.Path(tempfile.gettempdir()) / "continuum-kernels"]
+
+
+def _build(target: pathlib.Path, compiler: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then rename: atomic
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> NativeKernels | None:
+    """The compiled kernels (building them if no cached copy exists), or None."""
+    if os.environ.get("CONTINUUM_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    name = f"cpu_attention-{key}.so"
+    for directory in _cache_dirs():
+        path = directory / name
+        try:
+            if not path.exists():
+                if compiler is None:
+                    return None
+                _build(path, compiler)
+            return NativeKernels(ctypes.CDLL(str(path)), path)
+        except subprocess.CalledProcessError as e:
+            log.warning("native attention kernel did not build (numba kernel in use): %s",
+                        e.stderr[-2000:])
+            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.info("native attention kernel: %s unusable (%s), trying the next", path, e)
+    return None
