@@ -296,12 +296,11 @@ class Scheduler:
             return
         rest = out.cached[k:]
         out.cached_seq_ids += map(_seq_id, rest)
-        if ahead:
-            return
-        # After schedule a sequence samples iff it computed its whole history; the
+        # After schedule a sequence samples iff it computed its whole history (a decode
+        # of a pending sample computed one more: it samples too); the
         # sample ends it by length iff num_computed_tokens + 1 >= length_limit.
-        new = [r for r, _ in out.new if r.num_computed_tokens == len(r.token_ids)]
-        rest = [r for r in rest if r.num_computed_tokens == len(r.token_ids)]
+        new = [r for r, _ in out.new if r.num_computed_tokens >= len(r.token_ids)]
+        rest = [r for r in rest if r.num_computed_tokens >= len(r.token_ids)]
         out.samples = new + out.cached[:k] + rest
         out.sample_seq_ids = list(map(_seq_id, new)) + out.cached_seq_ids[:k] + \
             list(map(_seq_id, rest))
@@ -605,13 +604,13 @@ class Scheduler:
         events, self._events = self._events, []
         append = events.append
         confirmed = self._unconfirmed
+        oldest = bool(confirmed) and confirmed[0][0] == out.step_id
         while confirmed and confirmed[0][0] <= out.step_id:
             confirmed.popleft()
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
         samples, out.samples = out.samples, None  # only the first answer may use them
-        if samples is not None and not confirmed and not self._awaiting \
-                and out.step_id == self._step_id \
+        if samples is not None and oldest and not self._awaiting \
                 and out.running_epoch == self._running_epoch and seq_ids == out.sample_seq_ids:
             self._apply_samples(out, samples, token_ids, events)
             return events
@@ -649,12 +648,21 @@ class Scheduler:
 
     def _apply_samples(self, out: SchedulerOutput, samples: list[Request],
                        token_ids: list[int], events: list[Event]) -> None:
-        """``update`` when the answer is exactly the samples ``out`` expects, no step
-        but it is unanswered and no sequence left the running set since: each
-        ``num_computed_tokens == len(token_ids)``, so every token is appended, in passes
-        that run in C. Only samples that may end a sequence (its length limit, listed
-        by schedule, or a stop id of any request) are looked at one by one."""
+        """``update`` when the answer is exactly the samples ``out`` expects, ``out`` is
+        the oldest unanswered step and no sequence left the running set since it was
+        built: each has ``num_computed_tokens`` equal to ``len(token_ids)``, or one more
+        if a later plan already decodes this sample, so every token is appended, in
+        passes that run in C. Looked at one by one: samples that may end a sequence
+        (its length limit, listed by schedule, or a stop id of any request) and, when
+        scheduling ahead, those whose token fills a block a later plan computes."""
         collections.deque(map(list.append, map(_token_ids, samples), token_ids), 0)
+        if self._unconfirmed:  # scheduled ahead: index the blocks these tokens complete
+            bm = self.block_manager
+            bs = bm.block_size
+            for req in [r for r in samples if len(r.token_ids) % bs == 0]:
+                if req.num_computed_tokens == len(req.token_ids):
+                    bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
+                                            req.num_computed_tokens)
         first = len(events)
         events.extend(zip(samples, token_ids, itertools.repeat(None)))
         maybe_last = out.samples_at_limit
@@ -662,9 +670,10 @@ class Scheduler:
         if not stops.isdisjoint(token_ids):
             maybe_last = maybe_last + [samples[i] for i, t in enumerate(token_ids)
                                        if t in stops]
-        for req in dict.fromkeys(maybe_last):  # in order, once each
-            i = samples.index(req)  # few: a linear scan in C is fine
-            token = token_ids[i]
+        # In answer order (the order blocks are freed in), once each; few, so a linear
+        # scan in C to find each is fine.
+        for i in sorted({samples.index(req) for req in maybe_last}):
+            req, token = samples[i], token_ids[i]
             if token in req.stop_ids or len(req.token_ids) >= req.length_limit:
                 reason = req.finish_reason_for(token)
                 if reason is not None and req.status == RequestStatus.RUNNING:
