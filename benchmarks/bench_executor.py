@@ -26,7 +26,7 @@ import executor_svc.model as model_mod
 import executor_svc.runner as runner_mod
 from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel, linear
+from executor_svc.model import LlamaModel, project
 from executor_svc.model_files import resolve_model
 from executor_svc.runner import Runner
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
@@ -41,12 +41,13 @@ def load() -> str:
 
 
 def machine_ceilings(hidden: int, inter: int, clock) -> dict[str, float]:
-    """fp32 GFLOP/s of the model's own ``linear`` at 64 and 512 rows; read GB/s (sum)."""
+    """fp32 GFLOP/s of the model's own layer matmul (``project``, hidden-major) at 64 and
+    512 tokens; read GB/s (sum)."""
     w = torch.randn(inter, hidden)
     out = {}
     for rows in (64, 512):
-        x = torch.randn(rows, hidden)
-        seconds = best_seconds(lambda x=x: linear(x, w), clock, repeats=20)
+        x = torch.randn(hidden, rows)
+        seconds = best_seconds(lambda x=x: project(w, x), clock, repeats=20)
         out[f"gflops_{rows}"] = 2 * rows * hidden * inter / seconds / 1e9
     big = torch.ones(64 << 20)  # 256 MiB
     out["read_gbs"] = big.numel() * 4 / best_seconds(big.sum, clock, repeats=10) / 1e9
@@ -153,6 +154,7 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
     b.wrap(r, "_apply", lambda *a: "plan check + apply")
     b.wrap(runner_mod, "build_inputs", lambda *a: "batch building")
     b.wrap(model_mod, "linear", lambda x, w: "LM head" if w is head else "layer matmuls")
+    b.wrap(model_mod, "project", lambda w, x: "layer matmuls")
     b.wrap(r.backend, "forward", lambda *a: "attention")
     b.wrap(r.backend, "prepare", lambda *a: "attention")
     b.wrap(r.kv, "write", lambda *a: "KV write")

@@ -2,8 +2,11 @@
 
 gpt-fast style: weights as plain tensors, q/k/v fused into one matmul and gate/up into
 another, shapes in comments. T = tokens this step (all sequences, concatenated), S = rows
-that sample. The math follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32,
-rotate-half RoPE) so greedy outputs match it token for token.
+that sample. Between layers the activations are hidden-major, [H, T]: each projection is
+then ``W @ x`` with no transposing copy (see ``project``), and only q/k/v are turned into
+the token-major [T, heads, D] rows that the attention backends and the KV cache take. The
+math follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32, rotate-half RoPE)
+so greedy outputs match it token for token.
 
 Tensor parallelism (executor_svc/tp_shard.py, tp_comm.py): a rank holds a slice of the
 heads, of the FFN and of the vocabulary, and ``tp`` supplies the collectives that join the
@@ -72,12 +75,13 @@ class ModelConfig:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As LlamaRMSNorm: normalize in fp32, scale in the input dtype.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
+    # As LlamaRMSNorm: normalize in fp32, scale in the input dtype. ``dim``: the hidden
+    # axis (0 for hidden-major [H, T] activations; ``weight`` [H] is then broadcast [H, 1]).
     dtype = x.dtype
     x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(dim, keepdim=True) + eps)
+    return (weight if dim == -1 else weight[:, None]) * x.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D / 2]
@@ -118,11 +122,24 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(w, x.t()).t().contiguous()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, D], cos/sin [T, 1, D]; rotate-half layout (HF), not llama.cpp's interleaved one.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def project(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """w [out, in] @ x [in, T] -> [out, T], contiguous: a layer's projection, hidden-major.
+
+    The same GEMM that ``linear`` runs (MKL's fast case on these CPUs, w @ x.T) without the
+    transposing copy of its result, which cost ~45 ms per batch-64 step (single thread).
+    ``x`` may be a transposed view of a token-major tensor: MKL reads it in place.
+    """
+    return torch.mm(w, x)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
+    # out = x * cos + rotate_half(x) * sin (HF's rotate-half layout, not llama.cpp's
+    # interleaved one). x [N, D, T] hidden-major heads, cos/sin [D, T], out [N, D, T] (any
+    # strides: here a view into token-major rows). rotate_half(x) = (-x2, x1).
+    half = x.shape[1] // 2
+    torch.mul(x, cos, out=out)
+    out[:, :half] -= x[:, half:] * sin[:half]
+    out[:, half:] += x[:, :half] * sin[half:]
 
 
 class LlamaModel:
@@ -167,9 +184,9 @@ class LlamaModel:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32
-        # like transformers, then cast.
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        # like transformers, then cast. Hidden-major like the activations.
+        freqs = self.inv_freq[:, None] * positions.float()[None, :]  # [D/2, T]
+        emb = torch.cat((freqs, freqs), dim=0)  # [D, T]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     @torch.inference_mode()
@@ -185,12 +202,13 @@ class LlamaModel:
     ) -> torch.Tensor:  # [S, V] float32
         # [T, H]; vocab-parallel: each rank looks up the ids in its slice, then all-reduce.
         x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
-        cos, sin = self._rope(positions)  # [T, 1, D] each
+        x = x.t().contiguous()  # [H, T], hidden-major from here on
+        cos, sin = self._rope(positions)  # [D, T] each
         prepared = backend.prepare(meta)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(self, x, cos, sin, i, slot_mapping, backend, prepared, kv)
+            layer.forward(self, x, cos, sin, i, slot_mapping, backend, prepared, kv)
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
-        h = rms_norm(x[sample_rows], self.norm, self.config.rms_norm_eps)  # [S, H]
+        h = rms_norm(x[:, sample_rows].t(), self.norm, self.config.rms_norm_eps)  # [S, H]
         logits = linear(h, self.lm_head).float()  # [S, V] ([S, V / tp] under tp)
         # Under tp only rank 0 gets the whole [S, V] (it samples); the others keep their slice.
         return logits if self.tp is None else self.tp.gather_logits(logits)
@@ -221,24 +239,34 @@ class _Layer:
         )
 
     def forward(self, model: LlamaModel, x, cos, sin, i, slot_mapping, backend, prepared, kv):
-        # Hq, Hkv and I are this rank's shares under tp; x stays whole [T, H] on every rank.
+        """Adds this layer's attention and FFN outputs to x [H, T] in place."""
+        # Hq, Hkv and I are this rank's shares under tp; x stays whole [H, T] on every rank.
         c, hq, hkv, tp = model.config, model.num_heads, model.num_kv_heads, model.tp
-        t = x.shape[0]
-        h = rms_norm(x, self.attn_norm, c.rms_norm_eps)  # [T, H]
-        qkv = linear(h, self.wqkv)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([hq * c.head_dim, hkv * c.head_dim, hkv * c.head_dim], dim=-1)
-        q = apply_rope(q.reshape(t, hq, c.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.reshape(t, hkv, c.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.reshape(t, hkv, c.head_dim)  # [T, Hkv, D]
+        t, dim = x.shape[1], c.head_dim
+        n_qk, n_v = (hq + hkv) * dim, hkv * dim
+        h = rms_norm(x, self.attn_norm, c.rms_norm_eps, dim=0)  # [H, T]
+        qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
+        # Token-major rows for the attention backend and the KV cache: RoPE writes q and k
+        # straight into them, v is copied across.
+        rows = torch.empty(t, n_qk + n_v, dtype=x.dtype, device=x.device)  # [T, (Hq+2Hkv) D]
+        rows_t = rows.t()
+        apply_rope(qkv[:n_qk].view(hq + hkv, dim, t), cos, sin,
+                   out=rows_t[:n_qk].view(hq + hkv, dim, t))
+        rows_t[n_qk:].copy_(qkv[n_qk:])
+        q = rows[:, : hq * dim].view(t, hq, dim)  # [T, Hq, D]
+        k = rows[:, hq * dim : n_qk].view(t, hkv, dim)  # [T, Hkv, D]
+        v = rows[:, n_qk:].view(t, hkv, dim)  # [T, Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
-        attn = linear(o.reshape(t, -1), self.wo)  # [T, H]; a partial sum under tp
+        attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(attn)
-        x = x + attn
-        h = rms_norm(x, self.ffn_norm, c.rms_norm_eps)
-        gate, up = linear(h, self.w13).chunk(2, dim=-1)  # [T, I] each
-        ffn = linear(F.silu(gate) * up, self.w2)  # [T, H]; a partial sum under tp
+        x += attn
+        h = rms_norm(x, self.ffn_norm, c.rms_norm_eps, dim=0)
+        gate_up = project(self.w13, h)  # [2 I, T]: gate rows, then up rows
+        inter = gate_up.shape[0] // 2
+        act = F.silu(gate_up[:inter], inplace=True).mul_(gate_up[inter:])  # [I, T]
+        ffn = project(self.w2, act)  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(ffn)
-        return x + ffn
+        x += ffn
