@@ -26,10 +26,7 @@ def build_plan_message(out: SchedulerOutput, incarnation: str,
     plan.step_id = out.step_id
     if out.finished_seq_ids:
         plan.finished_seq_ids.extend(out.finished_seq_ids)
-    if len(out.cached_seq_ids) == len(out.cached):
-        plan.cached_seq_ids.extend(out.cached_seq_ids)
-    else:  # an output not made by Scheduler.schedule (tests)
-        plan.cached_seq_ids.extend(map(_seq_id, out.cached))
+    plan.cached_seq_ids.extend(map(_seq_id, out.cached))
     plan.cached_num_scheduled_tokens.extend(out.cached_num_tokens)
     plan.cached_num_new_blocks.extend(out.cached_num_new_blocks)
     if out.cached_new_block_ids:

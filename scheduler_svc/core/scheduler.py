@@ -22,8 +22,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import itertools
-import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -36,9 +34,6 @@ from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 
 # (request, new token or None, finish reason or None): what a client must hear.
 Event = tuple[Request, int | None, FinishReason | None]
-
-_token_ids = operator.attrgetter("token_ids")
-_seq_id = operator.attrgetter("seq_id")
 
 
 class QueueFull(Exception):
@@ -78,19 +73,6 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # host, device
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
-    # seq ids of ``cached`` (filled by schedule; the plan's column).
-    cached_seq_ids: list[int] = dataclasses.field(default_factory=list)
-    # A synchronous step whose decodes took the fast path also lists the sequences it
-    # samples, in the order the executor answers (new, then cached), and those whose
-    # sample reaches their length limit: ``update`` applies an answer that matches
-    # without looking at every sequence. None otherwise, and once applied.
-    samples: list[Request] | None = None
-    sample_seq_ids: list[int] = dataclasses.field(default_factory=list)
-    samples_at_limit: list[Request] = dataclasses.field(default_factory=list)
-    # Scheduler._running_epoch when built: unchanged at update() means no sequence
-    # left the running set in between.
-    running_epoch: int = 0
-    num_fast_decodes: int = -1  # decodes (first in ``cached``) from the fast path
 
     @property
     def is_empty(self) -> bool:
@@ -130,8 +112,6 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._events: list[Event] = []
         self._step_id = 0
-        self._running_epoch = 0  # + 1 whenever a sequence leaves the running set
-        self._all_stop_ids: frozenset[int] = frozenset()  # union of every stop set seen
         self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self._admit_seq = 0
@@ -273,8 +253,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
         preempts_before = self.num_preemptions
-        ahead = bool(self._unconfirmed)
-        budget, prefills = self._schedule_decodes(out, budget, ahead)
+        budget, prefills = self._schedule_decodes(out, budget, ahead=bool(self._unconfirmed))
         budget = self._schedule_prefills(out, budget, prefills)
         if self.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
@@ -282,31 +261,9 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         out.swap_out, self._swap_out = self._swap_out, []
-        self._list_samples(out, ahead)
         if not out.is_empty:  # an empty plan is never sent, so never answered
             self._unconfirmed.append((out.step_id, out.finished_seq_ids))
         return out
-
-    def _list_samples(self, out: SchedulerOutput, ahead: bool) -> None:
-        """Fills ``cached_seq_ids`` and, for a synchronous step whose decodes took the
-        fast path, the samples it expects (see SchedulerOutput)."""
-        k = out.num_fast_decodes
-        if k < 0:
-            out.cached_seq_ids = list(map(_seq_id, out.cached))
-            return
-        rest = out.cached[k:]
-        out.cached_seq_ids += map(_seq_id, rest)
-        # After schedule a sequence samples iff it computed its whole history (a decode
-        # of a pending sample computed one more: it samples too); the
-        # sample ends it by length iff num_computed_tokens + 1 >= length_limit.
-        new = [r for r, _ in out.new if r.num_computed_tokens >= len(r.token_ids)]
-        rest = [r for r in rest if r.num_computed_tokens >= len(r.token_ids)]
-        out.samples = new + out.cached[:k] + rest
-        out.sample_seq_ids = list(map(_seq_id, new)) + out.cached_seq_ids[:k] + \
-            list(map(_seq_id, rest))
-        out.samples_at_limit += (r for r in itertools.chain(new, rest)
-                                 if r.num_computed_tokens + 1 >= r.length_limit)
-        out.running_epoch = self._running_epoch
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, ahead: bool):
         """Step 2: one token for every running decode. Returns (budget, partial prefills).
@@ -322,10 +279,6 @@ class Scheduler:
         """
         bm = self.block_manager
         bs = bm.block_size
-        if bs > 1:
-            fast = self._schedule_decodes_fast(out, budget, ahead)
-            if fast is not None:
-                return fast
         step = self._step_id
         running_status = RequestStatus.RUNNING
         prefills: list[Request] = []
@@ -367,65 +320,6 @@ class Scheduler:
             out.cached_new_block_ids.extend(new)
         out.cached_num_new_blocks.extend(nnew)
         return budget - k, prefills
-
-    def _schedule_decodes_fast(self, out: SchedulerOutput, budget: int, ahead: bool):
-        """``_schedule_decodes`` when no decode has to preempt: None (and nothing
-        changed) otherwise. Same plan, fewer operations per sequence: one read-only
-        pass splits the running set and notes the decodes at a block boundary, the
-        boundaries (about one decode in ``block_size / 2``) are handled in priority
-        order, and a last pass only advances each decode by one token."""
-        bm = self.block_manager
-        bs = bm.block_size
-        prefills: list[Request] = []
-        decodes: list[Request] = []
-        boundary: list[int] = []  # indices in decodes of a token that starts or fills a block
-        for req in self.running:
-            computed = req.num_computed_tokens
-            pending = len(req.token_ids) - computed
-            if pending != 1 and (pending or not ahead or computed + 1 >= req.length_limit):
-                prefills.append(req)
-                continue
-            if (computed + 1) % bs <= 1:
-                boundary.append(len(decodes))
-            decodes.append(req)
-        need = 0
-        for i in boundary:
-            req = decodes[i]
-            if req.num_computed_tokens % bs == 0:
-                need += bm.num_new_blocks(req.seq_id, req.num_computed_tokens + 1)
-        if need > bm.num_free_blocks:
-            return None  # some decode preempts: the general loop decides who
-        nnew = [0] * len(decodes)
-        new_ids = out.cached_new_block_ids
-        for i in boundary:
-            req = decodes[i]
-            computed = req.num_computed_tokens
-            if computed % bs == 0:
-                if bm.num_new_blocks(req.seq_id, computed + 1) == 1:
-                    new_ids.append(bm.append_block(req.seq_id))
-                    nnew[i] = 1
-                else:
-                    new = bm.grow(req.seq_id, computed + 1)
-                    nnew[i] = len(new)
-                    new_ids.extend(new)
-            else:
-                bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                        computed + 1)
-        step = self._step_id
-        at_limit = out.samples_at_limit
-        for req in decodes:
-            computed = req.num_computed_tokens + 1
-            req.num_computed_tokens = computed
-            req.scheduled_step = step
-            if computed + 1 >= req.length_limit:
-                at_limit.append(req)
-        self._charge_decodes(prefills)
-        out.cached = decodes
-        out.cached_seq_ids = list(map(_seq_id, decodes))
-        out.num_fast_decodes = len(decodes)
-        out.cached_num_tokens = [1] * len(decodes)
-        out.cached_num_new_blocks = nnew
-        return budget - len(decodes), prefills
 
     def _charge_decodes(self, prefills: list[Request]) -> None:
         """Fairness accounting: one token per running decode, per tenant in
@@ -578,11 +472,7 @@ class Scheduler:
             # Requests share one object per distinct stop set (fewer cache lines per step).
             if len(self._stop_sets) > 1024:
                 self._stop_sets.clear()
-                self._all_stop_ids = frozenset()
-            if req.stop_ids not in self._stop_sets:
-                self._stop_sets[req.stop_ids] = req.stop_ids
-                self._all_stop_ids |= req.stop_ids
-            req.stop_ids = self._stop_sets[req.stop_ids]
+            req.stop_ids = self._stop_sets.setdefault(req.stop_ids, req.stop_ids)
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
@@ -604,18 +494,12 @@ class Scheduler:
         events, self._events = self._events, []
         append = events.append
         confirmed = self._unconfirmed
-        oldest = bool(confirmed) and confirmed[0][0] == out.step_id
         while confirmed and confirmed[0][0] <= out.step_id:
             confirmed.popleft()
-        # Plain lists first: iterating protobuf repeated fields costs twice as much.
-        seq_ids, token_ids = list(seq_ids), list(token_ids)
-        samples, out.samples = out.samples, None  # only the first answer may use them
-        if samples is not None and oldest and not self._awaiting \
-                and out.running_epoch == self._running_epoch and seq_ids == out.sample_seq_ids:
-            self._apply_samples(out, samples, token_ids, events)
-            return events
         bm = self.block_manager
         bs = bm.block_size
+        # Plain lists first: iterating protobuf repeated fields costs twice as much.
+        seq_ids, token_ids = list(seq_ids), list(token_ids)
         # Running sequences only: one aborted or preempted while the step ran is None.
         for req, token in zip(map(self._by_seq.get, seq_ids), token_ids, strict=True):
             if req is None:
@@ -645,41 +529,6 @@ class Scheduler:
         if self._awaiting:
             self._apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
-
-    def _apply_samples(self, out: SchedulerOutput, samples: list[Request],
-                       token_ids: list[int], events: list[Event]) -> None:
-        """``update`` when the answer is exactly the samples ``out`` expects, ``out`` is
-        the oldest unanswered step and no sequence left the running set since it was
-        built: each has ``num_computed_tokens`` equal to ``len(token_ids)``, or one more
-        if a later plan already decodes this sample, so every token is appended, in
-        passes that run in C. Looked at one by one: samples that may end a sequence
-        (its length limit, listed by schedule, or a stop id of any request) and, when
-        scheduling ahead, those whose token fills a block a later plan computes."""
-        collections.deque(map(list.append, map(_token_ids, samples), token_ids), 0)
-        if self._unconfirmed:  # scheduled ahead: index the blocks these tokens complete
-            bm = self.block_manager
-            bs = bm.block_size
-            for req in [r for r in samples if len(r.token_ids) % bs == 0]:
-                if req.num_computed_tokens == len(req.token_ids):
-                    bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                            req.num_computed_tokens)
-        first = len(events)
-        events.extend(zip(samples, token_ids, itertools.repeat(None)))
-        maybe_last = out.samples_at_limit
-        stops = self._all_stop_ids
-        if not stops.isdisjoint(token_ids):
-            maybe_last = maybe_last + [samples[i] for i, t in enumerate(token_ids)
-                                       if t in stops]
-        # In answer order (the order blocks are freed in), once each; few, so a linear
-        # scan in C to find each is fine.
-        for i in sorted({samples.index(req) for req in maybe_last}):
-            req, token = samples[i], token_ids[i]
-            if token in req.stop_ids or len(req.token_ids) >= req.length_limit:
-                reason = req.finish_reason_for(token)
-                if reason is not None and req.status == RequestStatus.RUNNING:
-                    self._remove_running(req)
-                    self._finish(req, reason)
-                events[first + i] = (req, token, reason)
 
     def _apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
                         events: list[Event]) -> None:
@@ -734,7 +583,6 @@ class Scheduler:
         self.waiting.push(req, front=True)
 
     def _remove_running(self, req: Request) -> None:
-        self._running_epoch += 1
         i = bisect.bisect_left(self._running_keys, priority_key(req))
         assert self.running[i] is req
         del self.running[i]
