@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from executor_svc.kv_cache import KVCache
+from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
@@ -184,6 +185,17 @@ class LlamaModel:
         self.layers = [_Layer.load(i, take) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(device)  # [D / 2] fp32
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
+        cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+        self._native = native.load() if cpu_fp32 else None
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        """x [H, T] += delta (in place, if given); returns RMSNorm(x) * weight, [H, T]."""
+        if self._native is not None:
+            return self._native.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            x += delta
+        return rms_norm(x, weight, self.config.rms_norm_eps, dim=0)
 
     @staticmethod
     def load(path: pathlib.Path, dtype=torch.float32, device="cpu") -> LlamaModel:
@@ -216,8 +228,11 @@ class LlamaModel:
         x = x.t().contiguous()  # [H, T], hidden-major from here on
         cos, sin = self._rope(positions)  # [D, T] each
         prepared = backend.prepare(meta)
+        ffn = None  # a layer's FFN output, added to x by the next layer's first norm
         for i, layer in enumerate(self.layers):
-            layer.forward(self, x, cos, sin, i, slot_mapping, backend, prepared, kv)
+            ffn = layer.forward(self, x, ffn, cos, sin, i, slot_mapping, backend, prepared, kv)
+        if ffn is not None:
+            x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
         h = rms_norm(x[:, sample_rows].t(), self.norm, self.config.rms_norm_eps)  # [S, H]
         logits = linear(h, self.lm_head).float()  # [S, V] ([S, V / tp] under tp)
@@ -249,13 +264,16 @@ class _Layer:
             w2=take(p + "mlp.down_proj.weight"),
         )
 
-    def forward(self, model: LlamaModel, x, cos, sin, i, slot_mapping, backend, prepared, kv):
-        """Adds this layer's attention and FFN outputs to x [H, T] in place."""
+    def forward(self, model: LlamaModel, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
+                kv):
+        """Adds ``ffn`` (the previous layer's FFN output, or None) and this layer's attention
+        output to x [H, T] in place; returns this layer's FFN output [H, T], not yet added
+        (the next norm fuses the add)."""
         # Hq, Hkv and I are this rank's shares under tp; x stays whole [H, T] on every rank.
         c, hq, hkv, tp = model.config, model.num_heads, model.num_kv_heads, model.tp
         t, dim = x.shape[1], c.head_dim
         n_qk, n_v = (hq + hkv) * dim, hkv * dim
-        h = rms_norm(x, self.attn_norm, c.rms_norm_eps, dim=0)  # [H, T]
+        h = model.add_norm(x, ffn, self.attn_norm)  # [H, T]
         qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
         # Token-major rows for the attention backend and the KV cache: RoPE writes q and k
         # straight into them, v is copied across.
@@ -272,12 +290,11 @@ class _Layer:
         attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(attn)
-        x += attn
-        h = rms_norm(x, self.ffn_norm, c.rms_norm_eps, dim=0)
+        h = model.add_norm(x, attn, self.ffn_norm)
         gate_up = project(self.w13, h)  # [2 I, T]: gate rows, then up rows
         inter = gate_up.shape[0] // 2
         act = F.silu(gate_up[:inter], inplace=True).mul_(gate_up[inter:])  # [I, T]
         ffn = project(self.w2, act)  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(ffn)
-        x += ffn
+        return ffn

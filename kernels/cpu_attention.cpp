@@ -247,4 +247,24 @@ void paged_decode_f32(const float* q, const float* k_cache, const float* v_cache
   }
 }
 
+// RMSNorm over the hidden axis of hidden-major activations (executor_svc/model.py), fused
+// with the residual add before it: x += delta (when delta is not null), then
+// out[h, t] = w[h] * (x[h, t] / sqrt(mean_h x[h, t]^2 + eps)). x, delta, out [H, T], w [H],
+// float32 contiguous; one thread (a decode step's [576, 64] is ~40 us). One call instead of
+// the ~8 torch ops, each of which opened an OpenMP region.
+void add_rms_norm_f32(float* x, const float* delta, const float* w, float* out, int64_t hidden,
+                      int64_t tokens, float eps) {
+  const int64_t n = hidden * tokens;
+  if (delta != nullptr)
+    for (int64_t i = 0; i < n; ++i) x[i] += delta[i];
+  std::vector<float> scale(tokens, 0.0f);
+  for (int64_t h = 0; h < hidden; ++h)
+    for (int64_t t = 0; t < tokens; ++t) scale[t] += x[h * tokens + t] * x[h * tokens + t];
+  for (int64_t t = 0; t < tokens; ++t)
+    scale[t] = 1.0f / std::sqrt(scale[t] / static_cast<float>(hidden) + eps);
+  for (int64_t h = 0; h < hidden; ++h)
+    for (int64_t t = 0; t < tokens; ++t)
+      out[h * tokens + t] = w[h] * (x[h * tokens + t] * scale[t]);
+}
+
 }  // extern "C"

@@ -42,6 +42,9 @@ class NativeKernels:
         self._decode.argtypes = [_PTR] * 5 + [_I64, _PTR] + [_I64] * 5 + [
             ctypes.c_float, _PTR, ctypes.c_int]
         self._decode.restype = None
+        self._norm = lib.add_rms_norm_f32
+        self._norm.argtypes = [_PTR] * 4 + [_I64, _I64, ctypes.c_float]
+        self._norm.restype = None
 
     def supports(self, head_dim: int) -> bool:
         return bool(self._supports(head_dim))
@@ -59,6 +62,18 @@ class NativeKernels:
                      rows.ctypes.data, tables.ctypes.data, tables.shape[1],
                      context_lens.ctypes.data, rows.shape[0], q.shape[1], num_kv_heads, block_size,
                      head_dim, scale, out.ctypes.data, threads)
+
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += delta (in place, if given); returns RMSNorm(x) * w over dim 0. x, delta
+        [H, T] and w [H] float32 contiguous CPU tensors."""
+        assert x.dtype == w.dtype == torch.float32 and x.is_contiguous() and w.is_contiguous()
+        assert delta is None or (delta.is_contiguous() and delta.shape == x.shape)
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(),
+                   out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
 
 
 def _cpu_has_avx2_fma() -> bool:

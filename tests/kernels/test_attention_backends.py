@@ -212,3 +212,20 @@ def test_reference_is_causal_softmax_attention():
     scores = (q[:, 0] @ keys.T) * 0.5
     scores = scores.masked_fill(torch.triu(torch.ones(3, 3, dtype=torch.bool), 1), float("-inf"))
     torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ values)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_native_add_rms_norm_matches_torch(tokens):
+    # The fused residual add + RMSNorm the model runs over hidden-major [H, T] activations.
+    lib = native.load()
+    if lib is None:
+        pytest.skip("no native kernels here: the model uses the torch ops")
+    gen = torch.Generator().manual_seed(tokens)
+    x, delta = torch.randn(576, tokens, generator=gen), torch.randn(576, tokens, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    want_x = x + delta
+    want = weight[:, None] * (want_x * torch.rsqrt(want_x.pow(2).mean(0, keepdim=True) + 1e-5))
+    got = lib.add_rms_norm(x, delta, weight, 1e-5)
+    torch.testing.assert_close(x, want_x, atol=0, rtol=0)  # the add happened in place
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(lib.add_rms_norm(x.clone(), None, weight, 1e-5), got)
