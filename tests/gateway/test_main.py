@@ -27,6 +27,8 @@ def _gateway_cmd(model_dir, port, *extra):
         f"127.0.0.1:{free_port()}",
         "--port",
         str(port),
+        "--http-port",
+        "0",  # any free port: never collide with a server on the default 8000
         *extra,
     ]
 
@@ -66,7 +68,9 @@ def test_signal_drains_and_exits_0(model_dir, sig):
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
         events = [json.loads(line)["event"] for line in proc.stderr]
-        assert events[-2:] == ["draining", "gateway stopped"]
+        # The replica poller may log between the two (there is no scheduler here).
+        assert events[-1] == "gateway stopped"
+        assert "draining" in events and events.index("draining") < len(events) - 1
     finally:
         if proc.poll() is None:
             proc.kill()

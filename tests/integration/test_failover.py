@@ -53,6 +53,7 @@ def test_streams_continue_on_another_replica(tmp_path, model_dir):
     port = free_port()
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--model-dir", str(model_dir), "--port", str(port),
+         "--http-port", "0",
          "--scheduler", f"127.0.0.1:{a.scheduler_port},127.0.0.1:{b.scheduler_port}"],
         stderr=subprocess.DEVNULL)
     try:
