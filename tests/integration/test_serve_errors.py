@@ -14,7 +14,8 @@ pytestmark = pytest.mark.integration
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "continuum", "serve", *args],
+    # No HTTP port: a server on the default 8000 must not change which error is reported.
+    return subprocess.run([sys.executable, "-m", "continuum", "serve", "--http-port", "-1", *args],
                           capture_output=True, text=True, timeout=120)
 
 
