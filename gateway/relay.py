@@ -157,6 +157,8 @@ class Relay:
         """One completion, continued on another replica if its replica fails."""
         output = OutputStream(request, self._tokenizer)
         metrics, labels = self.metrics, self.metrics.labels(request.priority_tier)
+        # Resolved once: a labelled child costs a dict lookup under a lock per call.
+        itl = metrics.itl.labels(*labels)
         tried: set[str] = set()
         failure = ClientStatus(grpc.StatusCode.UNAVAILABLE,
                                f"no scheduler replica at {self._replicas.addresses}")
@@ -188,7 +190,7 @@ class Relay:
                             first_token_at = now
                             metrics.ttft.labels(*labels).observe(now - accepted)
                         else:
-                            metrics.itl.labels(*labels).observe(now - last_token_at)
+                            itl.observe(now - last_token_at)
                         last_token_at = now
                     if output.finished:
                         timing = response.timing
