@@ -33,10 +33,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from gateway.metrics import TIER_NAMES
+
 TOKEN_ID_RANGE = (1000, 20000)
 DEFAULT_TRACE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / \
     "traces" / "azure_conv_2023.csv"
-TIER_NAMES = ("premium", "standard", "best_effort")
 
 
 class BenchError(Exception):
@@ -267,7 +268,7 @@ def _on_chunk(outcome: Outcome, now: float) -> None:
 
 
 async def run_workload(client, specs: Sequence[Spec], max_concurrency: int | None,
-                       progress: bool = True, replay: bool = False) -> tuple[list[Outcome], float]:
+                       progress: bool = True) -> tuple[list[Outcome], float]:
     """Sends every spec at its arrival time (or as slots free up); returns outcomes, wall s."""
     from tqdm import tqdm
 

@@ -248,10 +248,8 @@ class HttpApi:
             self._metrics.error(exc.code.name)
             return _request_error(exc)
         log = _log.bind(request_id=validated.request_id)
-        log.info("request accepted", api=kind, stream=api.stream, tenant=validated.tenant,
-                 priority_tier=validated.priority_tier, n=validated.n,
-                 prompt_tokens=len(validated.prompt_token_ids), max_tokens=validated.max_tokens)
-        async with contextlib.aclosing(self._relay.generate(validated)) as stream:
+        generation = self._relay.generate(validated, api=kind, stream=api.stream)
+        async with contextlib.aclosing(generation) as stream:
             try:
                 first = await anext(stream)
             except RelayError as exc:
@@ -263,8 +261,6 @@ class HttpApi:
     async def _parse(self, request: web.Request, kind: str) -> tuple[ApiRequest, ValidatedRequest]:
         try:
             body = await request.json(loads=json.loads)
-        except web.HTTPException:
-            raise
         except (ValueError, UnicodeDecodeError) as exc:
             raise RequestError(f"the request body is not valid JSON ({exc})") from exc
         if kind == "chat":

@@ -97,11 +97,15 @@ class Relay:
         self.metrics = metrics
 
     async def generate(
-        self, request: ValidatedRequest, time_remaining: TimeRemaining = lambda: None
+        self, request: ValidatedRequest, time_remaining: TimeRemaining = lambda: None,
+        api: str = "grpc", stream: bool = True,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yields every response of every completion; the last one of each has finish_reason."""
         accepted = time.monotonic()
         log = _log.bind(request_id=request.request_id)
+        log.info("request accepted", api=api, stream=stream, tenant=request.tenant,
+                 priority_tier=request.priority_tier, n=request.n,
+                 prompt_tokens=len(request.prompt_token_ids), max_tokens=request.max_tokens)
         labels = self.metrics.labels(request.priority_tier)
         self.metrics.prompt_tokens.labels(*labels).inc(len(request.prompt_token_ids))
         try:

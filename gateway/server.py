@@ -70,16 +70,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
         validated = await self._validate_or_abort(request, context)
-        _log.info(
-            "request accepted",
-            request_id=validated.request_id,
-            api="grpc",
-            tenant=validated.tenant,
-            priority_tier=validated.priority_tier,
-            n=validated.n,
-            prompt_tokens=len(validated.prompt_token_ids),
-            max_tokens=validated.max_tokens,
-        )
         stream = self._relay.generate(validated, lambda: _upstream_timeout(context))
         try:
             async with contextlib.aclosing(stream):
