@@ -29,7 +29,7 @@ from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, project
 from executor_svc.model_files import resolve_model
 from executor_svc.runner import Runner
-from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -41,14 +41,20 @@ def load() -> str:
 
 
 def machine_ceilings(hidden: int, inter: int, clock) -> dict[str, float]:
-    """fp32 GFLOP/s of the model's own layer matmul (``project``, hidden-major) at 64 and
-    512 tokens; read GB/s (sum)."""
+    """fp32 GFLOP/s of a layer's matmul shape at 64 and 512 tokens, through MKL (``project``
+    on a plain tensor) and through the native GEMM (a packed weight) where it builds; the
+    compute ceiling is the best of them. Read GB/s (sum)."""
     w = torch.randn(inter, hidden)
+    lib = native.load()
+    weights = {"mkl": w, **({"native": lib.pack_weight(w)} if lib is not None else {})}
     out = {}
-    for rows in (64, 512):
-        x = torch.randn(hidden, rows)
-        seconds = best_seconds(lambda x=x: project(w, x), clock, repeats=20)
-        out[f"gflops_{rows}"] = 2 * rows * hidden * inter / seconds / 1e9
+    for name, weight in weights.items():
+        for rows in (64, 512):
+            x = torch.randn(hidden, rows)
+            seconds = best_seconds(lambda x=x, weight=weight: project(weight, x), clock,
+                                   repeats=20)
+            out[f"gflops_{name}_{rows}"] = 2 * rows * hidden * inter / seconds / 1e9
+    out["gflops_peak"] = max(out.values())
     big = torch.ones(64 << 20)  # 256 MiB
     out["read_gbs"] = big.numel() * 4 / best_seconds(big.sum, clock, repeats=10) / 1e9
     return out
@@ -154,7 +160,8 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
     b.wrap(r, "_apply", lambda *a: "plan check + apply")
     b.wrap(runner_mod, "build_inputs", lambda *a: "batch building")
     b.wrap(model_mod, "linear", lambda x, w: "LM head" if w is head else "layer matmuls")
-    b.wrap(model_mod, "project", lambda w, x: "layer matmuls")
+    b.wrap(model_mod, "project", lambda w, x: "layer matmuls")  # tensor or packed weight
+    b.wrap(native.PackedWeight, "mm_t", lambda w, x: "LM head")
     b.wrap(r.backend, "forward", lambda *a: "attention")
     b.wrap(r.backend, "prepare", lambda *a: "attention")
     b.wrap(r.kv, "write", lambda *a: "KV write")
@@ -167,7 +174,8 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
     finally:
         b.restore()
     ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
-    inner = sum(ms[k] for k in ("layer matmuls", "LM head", "attention", "KV write"))
+    inner = sum(ms.setdefault(k, 0.0) for k in ("layer matmuls", "LM head", "attention",
+                                                 "KV write"))
     ms["norms, rope, other ops"] = ms.pop("forward") - inner
     ms["total"] = total * 1e3 / steps
     ms["rest of execute"] = ms["total"] - ms["norms, rope, other ops"] - inner - sum(
@@ -238,9 +246,10 @@ def main() -> None:
     model = LlamaModel.load(path)
     c = model.config
     ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
-    print(f"matmul fp32: {ceil['gflops_64']:.0f} GFLOP/s at 64x{c.hidden_size}x"
-          f"{c.intermediate_size}, {ceil['gflops_512']:.0f} at 512 rows; read bandwidth "
-          f"{ceil['read_gbs']:.1f} GB/s ({load()})", flush=True)
+    rates = ", ".join(f"{k.removeprefix('gflops_').replace('_', ' at ')} rows {v:.0f}"
+                      for k, v in ceil.items() if k.startswith("gflops_") and k != "gflops_peak")
+    print(f"matmul fp32 {c.intermediate_size}x{c.hidden_size} @ {c.hidden_size}xrows, GFLOP/s:"
+          f" {rates}; read bandwidth {ceil['read_gbs']:.1f} GB/s ({load()})", flush=True)
     backends = {}
     for name in args.backends:
         start = time.perf_counter()
@@ -282,7 +291,7 @@ def main() -> None:
 def report(model, ceil, args, step_s, hf_s, headline: str) -> None:
     flops = model_flops_per_token(model, args.context)
     print(f"\ncontext {args.context}, {args.steps} timed steps after {args.warmup}; roofline: "
-          f"max({flops / 1e6:.0f} MFLOP/token / {ceil['gflops_512']:.0f} GFLOP/s, "
+          f"max({flops / 1e6:.0f} MFLOP/token / {ceil['gflops_peak']:.0f} GFLOP/s, "
           f"bytes / {ceil['read_gbs']:.1f} GB/s) ({load()})")
     others = [name for name, _ in step_s if name != headline]
     cols = "".join(f" {name + ' ms':>10}" for name in dict.fromkeys(others))
@@ -290,7 +299,7 @@ def report(model, ceil, args, step_s, hf_s, headline: str) -> None:
           f"| bound ms (flop/mem) | bound tok/s | of bound |")
     for batch in args.batches:
         ms = step_s[headline, batch] * 1e3
-        compute = batch * flops / (ceil["gflops_512"] * 1e9) * 1e3
+        compute = batch * flops / (ceil["gflops_peak"] * 1e9) * 1e3
         memory = step_bytes(model, batch, args.context) / (ceil["read_gbs"] * 1e9) * 1e3
         bound = max(compute, memory)
         extra = "".join(f" {step_s[name, batch] * 1e3:>10.1f}" for name in dict.fromkeys(others))

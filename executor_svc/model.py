@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -106,6 +107,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D / 2]
     return torch.where(medium, blended, scaled)
 
 
+Weight = torch.Tensor | native.PackedWeight  # a projection: [out, in], either form
+
 _MM_MAX_ROWS = 128
 # Output columns per piece of a wide ``linear`` (the LM head): [2048, 64] fp32 = 512 KiB,
 # so each piece is transposed while it is still in the core's L2.
@@ -134,14 +137,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def project(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def project(w: Weight, x: torch.Tensor) -> torch.Tensor:
     """w [out, in] @ x [in, T] -> [out, T], contiguous: a layer's projection, hidden-major.
 
-    The same GEMM that ``linear`` runs (MKL's fast case on these CPUs, w @ x.T) without the
-    transposing copy of its result, which cost ~45 ms per batch-64 step (single thread).
-    ``x`` may be a transposed view of a token-major tensor: MKL reads it in place.
+    ``w`` is a tensor (MKL: w @ x.T is its fast case on these CPUs, and hidden-major output
+    needs no transposing copy) or, for fp32 on an AVX2 CPU, a weight packed for the native
+    GEMM (kernels/cpu_gemm.cpp, 1.1-1.7x MKL at decode batch sizes). ``x`` may be a
+    transposed view of a token-major tensor: both read it in place.
     """
-    return torch.mm(w, x)
+    return w.mm(x)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
@@ -188,7 +192,16 @@ class LlamaModel:
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         self._native = native.load() if cpu_fp32 else None
+        if self._native is not None and os.environ.get("CONTINUUM_NATIVE_GEMM", "1") != "0":
+            self._pack_weights(self._native)
 
+    def _pack_weights(self, lib: native.NativeKernels) -> None:
+        """Every projection and the LM head into the native GEMM's layout (the plain tensors
+        are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here)."""
+        for layer in self.layers:
+            for name in ("wqkv", "wo", "w13", "w2"):
+                setattr(layer, name, lib.pack_weight(getattr(layer, name)))
+        self.lm_head = lib.pack_weight(self.lm_head)
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """x [H, T] += delta (in place, if given); returns RMSNorm(x) * weight, [H, T]."""
         if self._native is not None:
@@ -234,20 +247,25 @@ class LlamaModel:
         if ffn is not None:
             x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
-        h = rms_norm(x[:, sample_rows].t(), self.norm, self.config.rms_norm_eps)  # [S, H]
-        logits = linear(h, self.lm_head).float()  # [S, V] ([S, V / tp] under tp)
+        if isinstance(self.lm_head, native.PackedWeight):  # writes [S, V] token-major
+            h = rms_norm(x[:, sample_rows], self.norm, self.config.rms_norm_eps, dim=0)  # [H, S]
+            logits = self.lm_head.mm_t(h)
+        else:
+            h = rms_norm(x[:, sample_rows].t(), self.norm, self.config.rms_norm_eps)  # [S, H]
+            logits = linear(h, self.lm_head).float()  # [S, V] ([S, V / tp] under tp)
         # Under tp only rank 0 gets the whole [S, V] (it samples); the others keep their slice.
         return logits if self.tp is None else self.tp.gather_logits(logits)
 
 
 @dataclass
 class _Layer:
+    # The four projections are tensors or, once LlamaModel packs them, native.PackedWeight.
     attn_norm: torch.Tensor  # [H]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    wo: torch.Tensor  # [H, Hq D]
+    wqkv: Weight  # [(Hq + 2 Hkv) D, H]
+    wo: Weight  # [H, Hq D]
     ffn_norm: torch.Tensor  # [H]
-    w13: torch.Tensor  # [2 I, H] gate rows, then up rows
-    w2: torch.Tensor  # [H, I]
+    w13: Weight  # [2 I, H] gate rows, then up rows
+    w2: Weight  # [H, I]
 
     @staticmethod
     def load(i: int, take) -> _Layer:
@@ -275,16 +293,19 @@ class _Layer:
         n_qk, n_v = (hq + hkv) * dim, hkv * dim
         h = model.add_norm(x, ffn, self.attn_norm)  # [H, T]
         qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
-        # Token-major rows for the attention backend and the KV cache: RoPE writes q and k
-        # straight into them, v is copied across.
-        rows = torch.empty(t, n_qk + n_v, dtype=x.dtype, device=x.device)  # [T, (Hq+2Hkv) D]
-        rows_t = rows.t()
-        apply_rope(qkv[:n_qk].view(hq + hkv, dim, t), cos, sin,
-                   out=rows_t[:n_qk].view(hq + hkv, dim, t))
-        rows_t[n_qk:].copy_(qkv[n_qk:])
-        q = rows[:, : hq * dim].view(t, hq, dim)  # [T, Hq, D]
-        k = rows[:, hq * dim : n_qk].view(t, hkv, dim)  # [T, Hkv, D]
-        v = rows[:, n_qk:].view(t, hkv, dim)  # [T, Hkv, D]
+        if model._native is not None and dim % 8 == 0:  # one call: RoPE + the three layouts
+            q, k, v = model._native.rope_qkv(qkv, cos, sin, hq, hkv)
+        else:
+            # Token-major rows for the attention backend and the KV cache: RoPE writes q and
+            # k straight into them, v is copied across.
+            rows = torch.empty(t, n_qk + n_v, dtype=x.dtype, device=x.device)
+            rows_t = rows.t()  # [(Hq + 2 Hkv) D, T] view
+            apply_rope(qkv[:n_qk].view(hq + hkv, dim, t), cos, sin,
+                       out=rows_t[:n_qk].view(hq + hkv, dim, t))
+            rows_t[n_qk:].copy_(qkv[n_qk:])
+            q = rows[:, : hq * dim].view(t, hq, dim)  # [T, Hq, D]
+            k = rows[:, hq * dim : n_qk].view(t, hkv, dim)  # [T, Hkv, D]
+            v = rows[:, n_qk:].view(t, hkv, dim)  # [T, Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
         attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp

@@ -210,6 +210,60 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   value_pass<DV>(scores, v_cache, table, ctx, s, out);
 }
 
+// Rows r[0..7] (8 lanes each) become columns: r[j] lane i <- old r[i] lane j.
+inline void transpose8(__m256 r[8]) {
+  __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// One head of rope_qkv_f32 (rope: rotate-half RoPE, else a plain copy) for tokens
+// [t0, t0 + n), n <= 8: x [D, T] hidden-major rows -> out[t * out_row + d]. No FMA
+// contraction here (GCC would fuse the intrinsics' multiply and add otherwise).
+__attribute__((optimize("fp-contract=off"))) void head_rows(const float* x, const float* cos, const float* sin, bool rope, int64_t dim,
+               int64_t tokens, int64_t t0, int64_t n, float* out, int64_t out_row) {
+  const int64_t half = dim / 2;
+  if (n == 8) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) {
+        const int64_t d = d0 + i, at = d * tokens + t0;
+        r[i] = _mm256_loadu_ps(x + at);
+        if (rope) {  // mul then add / sub, never an FMA: the same rounding as torch's ops
+          const int64_t partner = (d < half ? d + half : d - half) * tokens + t0;
+          const __m256 a = _mm256_mul_ps(r[i], _mm256_loadu_ps(cos + at));
+          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + partner), _mm256_loadu_ps(sin + at));
+          r[i] = d < half ? _mm256_sub_ps(a, b) : _mm256_add_ps(a, b);
+        }
+      }
+      transpose8(r);
+      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(out + (t0 + j) * out_row + d0, r[j]);
+    }
+    return;
+  }
+  for (int64_t t = t0; t < t0 + n; ++t)
+    for (int64_t d = 0; d < dim; ++d) {
+      const int64_t at = d * tokens + t;
+      __m128 v = _mm_set_ss(x[at]);
+      if (rope) {
+        const int64_t partner = (d < half ? d + half : d - half) * tokens + t;
+        const __m128 a = _mm_mul_ss(v, _mm_set_ss(cos[at]));
+        const __m128 b = _mm_mul_ss(_mm_set_ss(x[partner]), _mm_set_ss(sin[at]));
+        v = d < half ? _mm_sub_ss(a, b) : _mm_add_ss(a, b);
+      }
+      out[t * out_row + d] = _mm_cvtss_f32(v);
+    }
+}
+
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
                           const Shape&, float, float*, std::vector<float>&);
 
@@ -265,6 +319,29 @@ void add_rms_norm_f32(float* x, const float* delta, const float* w, float* out, 
   for (int64_t h = 0; h < hidden; ++h)
     for (int64_t t = 0; t < tokens; ++t)
       out[h * tokens + t] = w[h] * (x[h * tokens + t] * scale[t]);
+}
+
+// A layer's fused q/k/v projection output -> the token-major rows attention and the KV
+// cache take, RoPE applied to q and k: qkv [(Hq + 2 Hkv) D, T] hidden-major (q heads, k
+// heads, v heads), cos / sin [D, T]; q_out [T, Hq, D], k_out / v_out [T, Hkv, D]. The same
+// values as executor_svc/model.py's apply_rope + copies (separate multiply and add, as
+// torch), in one call instead of ~8 ops. head_dim a multiple of 8; one thread.
+void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q_out,
+                  float* k_out, float* v_out, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t tokens) {
+  const int64_t head = head_dim * tokens;
+  for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, tokens - t0);
+    for (int64_t h = 0; h < num_heads; ++h)
+      head_rows(qkv + h * head, cos, sin, true, head_dim, tokens, t0, n, q_out + h * head_dim,
+                num_heads * head_dim);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      head_rows(qkv + (num_heads + h) * head, cos, sin, true, head_dim, tokens, t0, n,
+                k_out + h * head_dim, num_kv_heads * head_dim);
+      head_rows(qkv + (num_heads + num_kv_heads + h) * head, cos, sin, false, head_dim, tokens,
+                t0, n, v_out + h * head_dim, num_kv_heads * head_dim);
+    }
+  }
 }
 
 }  // extern "C"

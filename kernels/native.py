@@ -1,4 +1,6 @@
-"""Builds and loads kernels/cpu_attention.cpp (AVX2 paged decode attention) through ctypes.
+"""Builds and loads the AVX2 kernels through ctypes: kernels/cpu_attention.cpp (paged decode
+attention, fused residual add + RMSNorm) and kernels/cpu_gemm.cpp (small-batch GEMM over
+pre-packed weights), one library.
 
 Plain C++ with no torch headers: g++ builds it in ~2 s, once per source version, into
 ``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
@@ -25,7 +27,7 @@ import kernels.numba_kernels  # noqa: F401  (promotes torch's libgomp first: one
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_gemm.cpp"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -45,6 +47,16 @@ class NativeKernels:
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [_PTR] * 4 + [_I64, _I64, ctypes.c_float]
         self._norm.restype = None
+        self._rope_qkv = lib.rope_qkv_f32
+        self._rope_qkv.argtypes, self._rope_qkv.restype = [_PTR] * 6 + [_I64] * 4, None
+        self._gemm_floats = lib.gemm_packed_floats
+        self._gemm_floats.argtypes, self._gemm_floats.restype = [_I64, _I64], _I64
+        self._gemm_pack = lib.gemm_pack_weight_f32
+        self._gemm_pack.argtypes, self._gemm_pack.restype = [_PTR, _PTR, _I64, _I64], None
+        self._gemm = lib.gemm_packed_f32
+        self._gemm.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,
+                               ctypes.c_int]
+        self._gemm.restype = None
 
     def supports(self, head_dim: int) -> bool:
         return bool(self._supports(head_dim))
@@ -76,6 +88,64 @@ class NativeKernels:
         return out
 
 
+    def rope_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 num_heads: int, num_kv_heads: int):
+        """qkv [(Hq + 2 Hkv) D, T] hidden-major, cos / sin [D, T] -> q [T, Hq, D], k and v
+        [T, Hkv, D], token-major, RoPE applied to q and k (model.apply_rope's values).
+        float32 contiguous CPU tensors; D a multiple of 8 (``supports``)."""
+        dim, tokens = cos.shape
+        assert qkv.dtype == cos.dtype == sin.dtype == torch.float32 and dim % 8 == 0
+        assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        assert qkv.shape == ((num_heads + 2 * num_kv_heads) * dim, tokens)
+        q = torch.empty(tokens, num_heads, dim)
+        k = torch.empty(tokens, num_kv_heads, dim)
+        v = torch.empty(tokens, num_kv_heads, dim)
+        self._rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                       k.data_ptr(), v.data_ptr(), num_heads, num_kv_heads, dim, tokens)
+        return q, k, v
+
+    def pack_weight(self, w: torch.Tensor) -> PackedWeight:
+        """w [M, K] float32 CPU -> the GEMM's panel layout (cpu_gemm.cpp); w is not kept."""
+        return PackedWeight(self, w)
+
+
+class PackedWeight:
+    """A weight [M, K] in cpu_gemm.cpp's panel layout. ``mm(x)`` = w @ x like
+    ``torch.Tensor.mm``, so a layer calls ``w.mm(x)`` whichever kind of weight it holds."""
+
+    def __init__(self, lib: NativeKernels, w: torch.Tensor) -> None:
+        assert w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
+        w = w.contiguous()
+        self.shape = tuple(w.shape)
+        self.dtype, self.device = w.dtype, w.device
+        self._lib = lib
+        self.data = torch.empty(lib._gemm_floats(*self.shape), dtype=torch.float32)  # noqa: SLF001
+        lib._gemm_pack(w.data_ptr(), self.data.data_ptr(), *self.shape)  # noqa: SLF001
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [K, N] (any strides, e.g. a transposed token-major tensor) -> [M, N]."""
+        out = torch.empty(self.shape[0], x.shape[1], dtype=torch.float32)
+        self._run(x, out, out.stride(0), 1)
+        return out
+
+    def mm_t(self, x: torch.Tensor) -> torch.Tensor:
+        """x [K, N] -> (w @ x).T = [N, M], written token-major (the LM head's logits)."""
+        out = torch.empty(x.shape[1], self.shape[0], dtype=torch.float32)
+        self._run(x, out, 1, out.stride(0))
+        return out
+
+    def _run(self, x: torch.Tensor, out: torch.Tensor, ldc_m: int, ldc_n: int) -> None:
+        m, k = self.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != k or x.device.type != "cpu":
+            raise ValueError(f"expected float32 CPU x [{k}, N], got {x.dtype} {tuple(x.shape)}")
+        if x.shape[1]:
+            self._lib._gemm(self.data.data_ptr(), m, k, x.data_ptr(), x.stride(0), x.stride(1),  # noqa: SLF001
+                            x.shape[1], out.data_ptr(), ldc_m, ldc_n, torch.get_num_threads())
+
+
 def _cpu_has_avx2_fma() -> bool:
     try:
         flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0]
@@ -87,7 +157,7 @@ def _cpu_has_avx2_fma() -> bool:
 def _cache_dirs() -> list[pathlib.Path]:
     dirs = [pathlib.Path(os.environ["CONTINUUM_KERNEL_CACHE"])] if os.environ.get(
         "CONTINUUM_KERNEL_CACHE") else []
-    return dirs + [SOURCE.parent / "__pycache__",
+    return dirs + [SOURCES[0].parent / "__pycache__",
                    pathlib.Path(tempfile.gettempdir()) / "continuum-kernels"]
 
 
@@ -96,7 +166,7 @@ def _build(target: pathlib.Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then rename: atomic
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -109,7 +179,7 @@ def load() -> NativeKernels | None:
     if os.environ.get("CONTINUUM_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     name = f"cpu_attention-{key}.so"
     for directory in _cache_dirs():

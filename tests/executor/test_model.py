@@ -8,7 +8,7 @@ import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, ModelConfig, rope_inv_freq
-from kernels import make_backend
+from kernels import make_backend, native
 from kernels.attention import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
 
@@ -47,10 +47,14 @@ def test_llama3_rope_frequencies_match_transformers(tiny_dir):
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "numba"])
-def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name):
+@pytest.mark.parametrize("gemm", ["native", "torch"])  # packed weights (where they build) or not
+def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm, monkeypatch):
     path, hf = tiny_dir
+    monkeypatch.setenv("CONTINUUM_NATIVE_GEMM", "1" if gemm == "native" else "0")
     model = LlamaModel.load(path)
     assert model.lm_head is not model.embed
+    packed = isinstance(model.layers[0].w13, native.PackedWeight)
+    assert packed == (gemm == "native" and native.load() is not None)
     c = model.config
     kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 4), 48)
     ids = torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(1))

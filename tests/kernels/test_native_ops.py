@@ -1,0 +1,79 @@
+"""The native GEMM over packed weights (kernels/cpu_gemm.cpp) and the fused RoPE + q/k/v
+layout (rope_qkv_f32), against torch on the shapes a step produces and on the edges."""
+
+import pytest
+import torch
+
+from executor_svc.model import apply_rope
+from kernels import native
+
+
+@pytest.fixture(scope="module")
+def lib():
+    loaded = native.load()
+    if loaded is None:
+        pytest.skip("no native kernels here (no g++ / AVX2): the model keeps torch's matmuls")
+    return loaded
+
+
+# (M, K, N): a decode step's layer shapes, the LM head, and every kind of edge: rows not a
+# multiple of the 6-row panel, columns not a multiple of the 16-column tile, one column,
+# more columns than one 128-column chunk.
+SHAPES = [(960, 576, 64), (3072, 576, 64), (576, 1536, 64), (49152 // 8, 576, 3), (7, 5, 1),
+          (13, 33, 17), (6, 8, 16), (577, 100, 130), (11, 64, 300), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemm_matches_float64(lib, m, k, n, threads):
+    torch.manual_seed(m * 7 + n)
+    w, x = torch.randn(m, k), torch.randn(k, n)
+    ref = w.double() @ x.double()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        packed = lib.pack_weight(w)
+        hidden_major = packed.mm(x)  # [M, N]
+        token_major = packed.mm_t(x)  # [N, M]
+        from_view = packed.mm(x.t().contiguous().t())  # a transposed token-major tensor
+    finally:
+        torch.set_num_threads(before)
+    # fp32 sums of k products of N(0,1) values: error grows like sqrt(k) * eps * |terms|
+    tol = 4e-6 * k
+    for got in (hidden_major, token_major.t(), from_view):
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert (got.double() - ref).abs().max().item() < tol
+    assert token_major.is_contiguous() and hidden_major.is_contiguous()
+    # every path sums in the same order: bit-identical to each other
+    assert torch.equal(hidden_major, token_major.t()) and torch.equal(hidden_major, from_view)
+
+
+def test_packed_weight_keeps_shape_and_refuses_wrong_input(lib):
+    packed = lib.pack_weight(torch.randn(10, 4))
+    assert packed.shape == (10, 4) and packed.numel() == 40
+    assert packed.mm(torch.zeros(4, 0)).shape == (10, 0)
+    with pytest.raises(ValueError, match=r"x \[4, N\]"):
+        packed.mm(torch.randn(5, 3))
+    with pytest.raises(ValueError, match="float32"):
+        packed.mm(torch.randn(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("hq,hkv,dim,tokens", [(9, 3, 64, 64), (9, 3, 64, 13), (4, 2, 8, 1),
+                                               (32, 8, 128, 70), (2, 1, 16, 8)])
+def test_rope_qkv_is_bit_identical_to_the_torch_ops(lib, hq, hkv, dim, tokens):
+    torch.manual_seed(tokens)
+    qkv = torch.randn((hq + 2 * hkv) * dim, tokens)
+    positions = torch.randint(0, 8192, (tokens,)).float()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = inv_freq[:, None] * positions[None, :]
+    emb = torch.cat((freqs, freqs))
+    cos, sin = emb.cos(), emb.sin()  # [D, T]
+    n_qk = (hq + hkv) * dim
+    rows = torch.empty(tokens, (hq + 2 * hkv) * dim)
+    apply_rope(qkv[:n_qk].view(hq + hkv, dim, tokens), cos, sin,
+               out=rows.t()[:n_qk].view(hq + hkv, dim, tokens))
+    rows.t()[n_qk:].copy_(qkv[n_qk:])
+    q, k, v = lib.rope_qkv(qkv, cos, sin, hq, hkv)
+    assert torch.equal(q, rows[:, : hq * dim].view(tokens, hq, dim))
+    assert torch.equal(k, rows[:, hq * dim : n_qk].view(tokens, hkv, dim))
+    assert torch.equal(v, rows[:, n_qk:].view(tokens, hkv, dim))
