@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -58,6 +60,10 @@ class KVCache:
         self.num_host_blocks = num_host_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.device_pool = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # fp32 on the CPU: writes through one native call (~2 us) instead of two index_copy_
+        # (~60 us each: 7 ms of a batch-64 step).
+        cpu_fp32 = self.device_pool.device.type == "cpu" and spec.dtype == torch.float32
+        self._native = native.load() if cpu_fp32 else None
         self.host_pool = torch.zeros((*shape[:2], num_host_blocks, *shape[3:]), dtype=spec.dtype)
 
     def key_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
@@ -74,6 +80,10 @@ class KVCache:
         slot_mapping: torch.Tensor,  # [T] int64, slot = block_id * block_size + offset
     ) -> None:
         hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
+        if self._native is not None and k.is_contiguous() and v.is_contiguous():
+            self._native.kv_write(k, v, self.device_pool[layer, 0], self.device_pool[layer, 1],
+                                  slot_mapping)
+            return
         # A contiguous pool's [num_blocks, block_size] prefix flattens to slots.
         self.device_pool[layer, 0].view(-1, hkv, dim).index_copy_(0, slot_mapping, k)
         self.device_pool[layer, 1].view(-1, hkv, dim).index_copy_(0, slot_mapping, v)

@@ -344,4 +344,33 @@ void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q
   }
 }
 
+// A step's K and V rows into their cache slots: k_pool[slots[t]] = k[t], the same for v;
+// rows of `row` floats ([Hkv, D]). Returns the number of slots outside [0, num_slots)
+// (nothing is written then: the caller raises). One thread: a decode step writes 64 x 768 B.
+int64_t kv_write_f32(const float* k, const float* v, float* k_pool, float* v_pool,
+                     const int64_t* slots, int64_t tokens, int64_t row, int64_t num_slots) {
+  int64_t bad = 0;
+  for (int64_t t = 0; t < tokens; ++t) bad += slots[t] < 0 || slots[t] >= num_slots;
+  if (bad) return bad;
+  // Whole 64-byte lines go out as streaming stores: no read-for-ownership of pool lines that
+  // are about to be overwritten (the copy is bound by those misses, not by bandwidth).
+  const bool stream = row % 16 == 0 && reinterpret_cast<uintptr_t>(k_pool) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(v_pool) % 64 == 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* kd = k_pool + slots[t] * row;
+    float* vd = v_pool + slots[t] * row;
+    if (!stream) {
+      memcpy(kd, k + t * row, row * sizeof(float));
+      memcpy(vd, v + t * row, row * sizeof(float));
+      continue;
+    }
+    for (int64_t i = 0; i < row; i += 8) {
+      _mm256_stream_ps(kd + i, _mm256_loadu_ps(k + t * row + i));
+      _mm256_stream_ps(vd + i, _mm256_loadu_ps(v + t * row + i));
+    }
+  }
+  _mm_sfence();
+  return 0;
+}
+
 }  // extern "C"

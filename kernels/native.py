@@ -49,6 +49,8 @@ class NativeKernels:
         self._norm.restype = None
         self._rope_qkv = lib.rope_qkv_f32
         self._rope_qkv.argtypes, self._rope_qkv.restype = [_PTR] * 6 + [_I64] * 4, None
+        self._kv_write = lib.kv_write_f32
+        self._kv_write.argtypes, self._kv_write.restype = [_PTR] * 5 + [_I64] * 3, _I64
         self._gemm_floats = lib.gemm_packed_floats
         self._gemm_floats.argtypes, self._gemm_floats.restype = [_I64, _I64], _I64
         self._gemm_pack = lib.gemm_pack_weight_f32
@@ -103,6 +105,21 @@ class NativeKernels:
         self._rope_qkv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
                        k.data_ptr(), v.data_ptr(), num_heads, num_kv_heads, dim, tokens)
         return q, k, v
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, slots: torch.Tensor) -> None:
+        """k_pool.view(-1, Hkv, D)[slots[t]] = k[t], the same for v: k, v [T, Hkv, D] and
+        the pools [N, block, Hkv, D] float32 contiguous, slots [T] int64 (IndexError
+        outside the pool, and nothing written)."""
+        assert k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+        assert all(t.is_contiguous() for t in (k, v, k_pool, v_pool, slots))
+        assert slots.dtype == torch.int64 and k.shape == v.shape and k.shape[0] == slots.shape[0]
+        row = k[0].numel() if k.shape[0] else 0
+        num_slots = k_pool.shape[0] * k_pool.shape[1]
+        bad = self._kv_write(k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                             slots.data_ptr(), k.shape[0], row, num_slots)
+        if bad:
+            raise IndexError(f"{bad} KV slots outside the pool's {num_slots}")
 
     def pack_weight(self, w: torch.Tensor) -> PackedWeight:
         """w [M, K] float32 CPU -> the GEMM's panel layout (cpu_gemm.cpp); w is not kept."""

@@ -19,8 +19,13 @@ def test_sizing_from_byte_budget():
     assert smol.num_blocks(1 << 30) == (1 << 30) // (46080 * 16)
 
 
-def test_write_goes_to_the_planned_slots():
+@pytest.mark.parametrize("path", ["native", "torch"])  # fp32 CPU: one native call, or torch
+def test_write_goes_to_the_planned_slots(path):
     kv = KVCache(SPEC, num_blocks=5)
+    if path == "torch":
+        kv._native = None
+    elif kv._native is None:
+        pytest.skip("no native kernels here")
     k = torch.randn(3, 3, 4)
     v = torch.randn(3, 3, 4)
     slots = torch.tensor([4 * 2 + 1, 4 * 4 + 3, 0])  # block 2 offset 1, block 4 offset 3, 0/0
@@ -30,6 +35,14 @@ def test_write_goes_to_the_planned_slots():
     torch.testing.assert_close(kv.key_cache(1)[0, 0], k[2])
     assert kv.key_cache(0).abs().sum() == 0  # other layers untouched
     assert float(kv.key_cache(1).abs().sum()) == pytest.approx(float(k.abs().sum()))
+
+
+def test_write_outside_the_pool_raises_and_writes_nothing():
+    kv = KVCache(SPEC, num_blocks=5)
+    for bad in ([0, 20], [-1, 3]):  # 5 blocks x 4 = 20 slots
+        with pytest.raises(IndexError):
+            kv.write(0, torch.ones(2, 3, 4), torch.ones(2, 3, 4), torch.tensor(bad))
+    assert kv.device_pool.abs().sum() == 0
 
 
 def test_swap_round_trip_and_copy():
