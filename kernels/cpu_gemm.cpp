@@ -14,7 +14,9 @@
 // ymm accumulators + 2 X vectors + 1 broadcast of the 16 registers; per k, 12 FMAs for 8
 // loads. Loop order: column chunks of <= 128 (X stays in L2), then weight panels (split
 // between threads; each panel stays in L1 while every column block of the chunk reads it),
-// then column blocks. Each output is one sequential sum over k, like a naive dot product.
+// then column blocks; the first column block of a panel prefetches the next panel. Each
+// output is one sequential sum over k, like a naive dot product. X of 1-4 columns (small
+// decode batches) goes through a narrow kernel instead (narrow_gemm below).
 //
 // Output: C[m, n] at c + m * ldc_m + n * ldc_n, so the LM head writes token-major logits
 // [N, M] directly (ldc_m = 1) instead of transposing a 12 MB result afterwards.
@@ -32,7 +34,7 @@ constexpr int64_t MR = 6, NR = 16, N_CHUNK = 128;
 
 // out[r * ldo + j] = sum_k wp[k * MR + r] * xp[k * NR + j] for the tile's 6 x 16 entries.
 inline void tile(const float* __restrict wp, const float* __restrict xp, int64_t K,
-                 float* __restrict out, int64_t ldo) {
+                 float* __restrict out, int64_t ldo, const char* next) {
   __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps(), a11 = _mm256_setzero_ps();
   __m256 a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps();
@@ -40,6 +42,7 @@ inline void tile(const float* __restrict wp, const float* __restrict xp, int64_t
   __m256 a40 = _mm256_setzero_ps(), a41 = _mm256_setzero_ps();
   __m256 a50 = _mm256_setzero_ps(), a51 = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k++, wp += MR, xp += NR) {
+    if (next != nullptr && (k & 1) == 0) _mm_prefetch(next + k * MR * 4, _MM_HINT_T0);
     const __m256 x0 = _mm256_load_ps(xp), x1 = _mm256_load_ps(xp + 8);
     __m256 b = _mm256_broadcast_ss(wp + 0);
     a00 = _mm256_fmadd_ps(b, x0, a00), a01 = _mm256_fmadd_ps(b, x1, a01);
@@ -103,11 +106,43 @@ struct Buffer {
   }
 };
 
+
+// Narrow X (NN <= 4 columns: a batch-1..4 decode, where the 16-column tile would waste
+// 4-16x its FLOPs): per k one 8-lane load of the panel's 6 weights (lanes 6, 7 read the
+// next k's and are discarded) and NN broadcasts of X. Memory-bound: the weights stream once.
+template <int NN>
+inline void narrow_panel(const float* __restrict wp, const float* __restrict x, int64_t ldx_k,
+                         int64_t ldx_n, int64_t K, float* __restrict t) {
+  __m256 acc[NN];
+  for (int n = 0; n < NN; n++) acc[n] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++, wp += MR) {
+    const __m256 w = _mm256_loadu_ps(wp);
+    for (int n = 0; n < NN; n++)
+      acc[n] = _mm256_fmadd_ps(w, _mm256_set1_ps(x[k * ldx_k + n * ldx_n]), acc[n]);
+  }
+  for (int n = 0; n < NN; n++) _mm256_storeu_ps(t + n * 8, acc[n]);  // t[n * 8 + r]
+}
+
+template <int NN>
+void narrow_gemm(const float* wp, int64_t M, int64_t K, const float* x, int64_t ldx_k,
+                 int64_t ldx_n, float* c, int64_t ldc_m, int64_t ldc_n, int num_threads) {
+  const int64_t panels = (M + MR - 1) / MR;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1) schedule(static)
+  for (int64_t p = 0; p < panels; p++) {
+    alignas(32) float t[NN * 8];
+    narrow_panel<NN>(wp + p * MR * K, x, ldx_k, ldx_n, K, t);
+    const int64_t m0 = p * MR, rows = std::min(MR, M - m0);
+    for (int64_t n = 0; n < NN; n++)
+      for (int64_t r = 0; r < rows; r++) c[(m0 + r) * ldc_m + n * ldc_n] = t[n * 8 + r];
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int64_t gemm_packed_floats(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K; }
+// + 8: the narrow kernel loads 8 lanes at the last k of the last panel.
+int64_t gemm_packed_floats(int64_t M, int64_t K) { return (M + MR - 1) / MR * MR * K + 8; }
 
 // w [M, K] row-major -> wp [ceil(M / 6)][K][6] (gemm_packed_floats(M, K) floats).
 void gemm_pack_weight_f32(const float* w, float* wp, int64_t M, int64_t K) {
@@ -127,6 +162,13 @@ void gemm_pack_weight_f32(const float* w, float* wp, int64_t M, int64_t K) {
 void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x, int64_t ldx_k,
                      int64_t ldx_n, int64_t N, float* c, int64_t ldc_m, int64_t ldc_n,
                      int num_threads) {
+  switch (N) {
+    case 1: return narrow_gemm<1>(wp, M, K, x, ldx_k, ldx_n, c, ldc_m, ldc_n, num_threads);
+    case 2: return narrow_gemm<2>(wp, M, K, x, ldx_k, ldx_n, c, ldc_m, ldc_n, num_threads);
+    case 3: return narrow_gemm<3>(wp, M, K, x, ldx_k, ldx_n, c, ldc_m, ldc_n, num_threads);
+    case 4: return narrow_gemm<4>(wp, M, K, x, ldx_k, ldx_n, c, ldc_m, ldc_n, num_threads);
+    default: break;
+  }
   static thread_local Buffer xbuf;
   const int64_t panels = (M + MR - 1) / MR;
   float* xp = xbuf.get(K * N_CHUNK);
@@ -144,10 +186,14 @@ void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x, int6
         const int64_t m0 = p * MR, rows = std::min(MR, M - m0);
         for (int64_t b = 0; b < blocks; b++) {
           const int64_t j0 = n0 + b * NR, cols = std::min(NR, N - j0);
+          // The first column block streams the next panel in (weights come from memory).
+          const char* next = b == 0 && p + 1 < panels
+                                 ? reinterpret_cast<const char*>(wp + (p + 1) * MR * K)
+                                 : nullptr;
           if (rows == MR && cols == NR && ldc_n == 1) {  // straight into C
-            tile(wp + p * MR * K, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m);
+            tile(wp + p * MR * K, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m, next);
           } else {
-            tile(wp + p * MR * K, xp + b * K * NR, K, t, NR);
+            tile(wp + p * MR * K, xp + b * K * NR, K, t, NR, next);
             store_tile(t, rows, cols, c + m0 * ldc_m + j0 * ldc_n, ldc_m, ldc_n);
           }
         }
