@@ -2,7 +2,7 @@
 attention, fused residual add + RMSNorm) and kernels/cpu_gemm.cpp (small-batch GEMM over
 pre-packed weights), one library.
 
-Plain C++ with no torch headers: g++ builds it in ~2 s, once per source version, into
+Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
 ``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
 neither is writable); later processes load the cached library in milliseconds. ``load()``
 returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA, there is
