@@ -202,6 +202,7 @@ class LlamaModel:
             for name in ("wqkv", "wo", "w13", "w2"):
                 setattr(layer, name, lib.pack_weight(getattr(layer, name)))
         self.lm_head = lib.pack_weight(self.lm_head)
+
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """x [H, T] += delta (in place, if given); returns RMSNorm(x) * weight, [H, T]."""
         if self._native is not None:
@@ -209,6 +210,24 @@ class LlamaModel:
         if delta is not None:
             x += delta
         return rms_norm(x, weight, self.config.rms_norm_eps, dim=0)
+
+    def qkv_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's fused projection qkv [(Hq + 2 Hkv) D, T] -> the token-major q [T, Hq, D],
+        k and v [T, Hkv, D] the attention backends and the KV cache take, RoPE applied to
+        q and k (cos / sin [D, T])."""
+        dim, t = cos.shape
+        if self._native is not None and dim % 8 == 0:  # one call: RoPE + the three layouts
+            return self._native.rope_qkv(qkv, cos, sin, num_heads, num_kv_heads)
+        n_qk = (num_heads + num_kv_heads) * dim
+        rows = torch.empty(t, qkv.shape[0], dtype=qkv.dtype, device=qkv.device)
+        rows_t = rows.t()  # [(Hq + 2 Hkv) D, T] view: RoPE writes q and k straight into it
+        apply_rope(qkv[:n_qk].view(num_heads + num_kv_heads, dim, t), cos, sin,
+                   out=rows_t[:n_qk].view(num_heads + num_kv_heads, dim, t))
+        rows_t[n_qk:].copy_(qkv[n_qk:])  # v is copied across
+        return (rows[:, : num_heads * dim].view(t, num_heads, dim),
+                rows[:, num_heads * dim : n_qk].view(t, num_kv_heads, dim),
+                rows[:, n_qk:].view(t, num_kv_heads, dim))
 
     @staticmethod
     def load(path: pathlib.Path, dtype=torch.float32, device="cpu") -> LlamaModel:
@@ -288,24 +307,11 @@ class _Layer:
         output to x [H, T] in place; returns this layer's FFN output [H, T], not yet added
         (the next norm fuses the add)."""
         # Hq, Hkv and I are this rank's shares under tp; x stays whole [H, T] on every rank.
-        c, hq, hkv, tp = model.config, model.num_heads, model.num_kv_heads, model.tp
-        t, dim = x.shape[1], c.head_dim
-        n_qk, n_v = (hq + hkv) * dim, hkv * dim
+        hq, hkv, tp = model.num_heads, model.num_kv_heads, model.tp
+        t = x.shape[1]
         h = model.add_norm(x, ffn, self.attn_norm)  # [H, T]
         qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
-        if model._native is not None and dim % 8 == 0:  # one call: RoPE + the three layouts
-            q, k, v = model._native.rope_qkv(qkv, cos, sin, hq, hkv)
-        else:
-            # Token-major rows for the attention backend and the KV cache: RoPE writes q and
-            # k straight into them, v is copied across.
-            rows = torch.empty(t, n_qk + n_v, dtype=x.dtype, device=x.device)
-            rows_t = rows.t()  # [(Hq + 2 Hkv) D, T] view
-            apply_rope(qkv[:n_qk].view(hq + hkv, dim, t), cos, sin,
-                       out=rows_t[:n_qk].view(hq + hkv, dim, t))
-            rows_t[n_qk:].copy_(qkv[n_qk:])
-            q = rows[:, : hq * dim].view(t, hq, dim)  # [T, Hq, D]
-            k = rows[:, hq * dim : n_qk].view(t, hkv, dim)  # [T, Hkv, D]
-            v = rows[:, n_qk:].view(t, hkv, dim)  # [T, Hkv, D]
+        q, k, v = model.qkv_rows(qkv, cos, sin, hq, hkv)  # [T, Hq | Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
         attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp

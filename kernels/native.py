@@ -89,7 +89,6 @@ class NativeKernels:
                    out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
-
     def rope_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  num_heads: int, num_kv_heads: int):
         """qkv [(Hq + 2 Hkv) D, T] hidden-major, cos / sin [D, T] -> q [T, Hq, D], k and v
@@ -123,21 +122,32 @@ class NativeKernels:
 
     def pack_weight(self, w: torch.Tensor) -> PackedWeight:
         """w [M, K] float32 CPU -> the GEMM's panel layout (cpu_gemm.cpp); w is not kept."""
-        return PackedWeight(self, w)
+        assert w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
+        w = w.contiguous()
+        data = torch.empty(self._gemm_floats(*w.shape), dtype=torch.float32)
+        self._gemm_pack(w.data_ptr(), data.data_ptr(), *w.shape)
+        return PackedWeight(self, data, (w.shape[0], w.shape[1]))
+
+    def gemm(self, packed: PackedWeight, x: torch.Tensor, out: torch.Tensor, ldc_m: int,
+             ldc_n: int) -> None:
+        """out[m * ldc_m + n * ldc_n] = (W @ x)[m, n] for W packed in ``packed``; x [K, N]
+        float32 CPU, any strides; ``out`` float32 with room for every (m, n)."""
+        m, k = packed.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != k or x.device.type != "cpu":
+            raise ValueError(f"expected float32 CPU x [{k}, N], got {x.dtype} {tuple(x.shape)}")
+        if x.shape[1]:
+            self._gemm(packed.data.data_ptr(), m, k, x.data_ptr(), x.stride(0), x.stride(1),
+                       x.shape[1], out.data_ptr(), ldc_m, ldc_n, torch.get_num_threads())
 
 
 class PackedWeight:
-    """A weight [M, K] in cpu_gemm.cpp's panel layout. ``mm(x)`` = w @ x like
-    ``torch.Tensor.mm``, so a layer calls ``w.mm(x)`` whichever kind of weight it holds."""
+    """A weight [M, K] in cpu_gemm.cpp's panel layout (``NativeKernels.pack_weight``).
+    ``mm(x)`` = w @ x like ``torch.Tensor.mm``, so a layer calls ``w.mm(x)`` whichever kind
+    of weight it holds."""
 
-    def __init__(self, lib: NativeKernels, w: torch.Tensor) -> None:
-        assert w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
-        w = w.contiguous()
-        self.shape = tuple(w.shape)
-        self.dtype, self.device = w.dtype, w.device
-        self._lib = lib
-        self.data = torch.empty(lib._gemm_floats(*self.shape), dtype=torch.float32)  # noqa: SLF001
-        lib._gemm_pack(w.data_ptr(), self.data.data_ptr(), *self.shape)  # noqa: SLF001
+    def __init__(self, lib: NativeKernels, data: torch.Tensor, shape: tuple[int, int]) -> None:
+        self._lib, self.data, self.shape = lib, data, shape
+        self.dtype, self.device = data.dtype, data.device
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -145,22 +155,14 @@ class PackedWeight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [K, N] (any strides, e.g. a transposed token-major tensor) -> [M, N]."""
         out = torch.empty(self.shape[0], x.shape[1], dtype=torch.float32)
-        self._run(x, out, out.stride(0), 1)
+        self._lib.gemm(self, x, out, out.stride(0), 1)
         return out
 
     def mm_t(self, x: torch.Tensor) -> torch.Tensor:
         """x [K, N] -> (w @ x).T = [N, M], written token-major (the LM head's logits)."""
         out = torch.empty(x.shape[1], self.shape[0], dtype=torch.float32)
-        self._run(x, out, 1, out.stride(0))
+        self._lib.gemm(self, x, out, 1, out.stride(0))
         return out
-
-    def _run(self, x: torch.Tensor, out: torch.Tensor, ldc_m: int, ldc_n: int) -> None:
-        m, k = self.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] != k or x.device.type != "cpu":
-            raise ValueError(f"expected float32 CPU x [{k}, N], got {x.dtype} {tuple(x.shape)}")
-        if x.shape[1]:
-            self._lib._gemm(self.data.data_ptr(), m, k, x.data_ptr(), x.stride(0), x.stride(1),  # noqa: SLF001
-                            x.shape[1], out.data_ptr(), ldc_m, ldc_n, torch.get_num_threads())
 
 
 def _cpu_has_avx2_fma() -> bool:
