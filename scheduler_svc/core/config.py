@@ -32,9 +32,10 @@ class SchedulerConfig:
     max_num_waiting_per_tenant: per-tenant share of that queue (0: no cap).
     watermark: fraction of device blocks admission keeps free for running
         sequences' decodes, so admitting does not force an immediate preemption.
-    aging_s: seconds of waiting that raise a request one priority tier; a
-        request of tier t is "starving" after (t + 1) × aging_s and then goes
-        before every request that is not (see docs in queue.py for the bound).
+    aging_s: seconds of waiting that raise a request one priority tier (up to
+        standard: only starvation passes premium); a request of tier t is
+        "starving" after (t + 1) × aging_s and then goes before every request
+        that is not (see docs in queue.py for the bound).
     max_preemptions / preemption_window_s: a sequence preempted more than
         max_preemptions times within the window is protected until it finishes.
     enable_prefix_caching: share full KV blocks between identical prefixes.

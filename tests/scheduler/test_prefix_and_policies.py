@@ -55,6 +55,30 @@ def test_premium_is_admitted_before_earlier_best_effort():
     assert premium.first_scheduled_time < late_best_effort.first_scheduled_time
 
 
+def test_aging_lifts_best_effort_to_standard_but_not_past_premium_until_it_starves():
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=1, max_num_batched_tokens=16,
+                           chunk_size=16, aging_s=5.0)
+    blocker = make_request(max_tokens=1)
+    sched.add_request(blocker)
+    step(sched)  # the only slot is taken: everything below waits in the queue
+    best_effort = make_request(priority_tier=2)
+    sched.add_request(best_effort)
+    clock.now += 12.0  # waited 2 x aging_s: lifted two tiers, but stops at standard
+    standard, premium = make_request(priority_tier=1), make_request(priority_tier=0)
+    sched.add_request(standard)
+    sched.add_request(premium)
+    q = sched.waiting
+    assert q.peek(clock.now) is premium
+    q.remove(premium)
+    assert q.peek(clock.now) is best_effort  # as standard, and it arrived first
+    q.remove(best_effort)
+    q.push(best_effort)
+    q.push(premium)
+    clock.now += 4.0  # 16 s > (2 + 1) x 5 s: starving, so it goes before premium too
+    assert q.peek(clock.now) is best_effort
+
+
 def test_aging_bounds_the_wait_under_sustained_premium_load():
     clock = Clock(0.0)
     sched = make_scheduler(clock=clock, max_num_seqs=1, max_num_batched_tokens=16,
