@@ -111,7 +111,8 @@ class Supervisor:
                       if a.max_num_waiting_per_tenant is not None else [])]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
-                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size)]
+                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size),
+                    "--kv-cache-dtype", a.kv_cache_dtype]
             argv += ["--tp-size", str(a.tp_size)]
             return argv + (["--threads", str(a.threads)] if a.threads else [])
         return ["--model-dir", self.model_dir, "--model-name", self.model_name,

@@ -113,9 +113,11 @@ class KVCache:
             self._native.kv_write(k, v, self.device_pool[layer, 0], self.device_pool[layer, 1],
                                   slot_mapping)
             return
-        # A contiguous pool's [num_blocks, block_size] prefix flattens to slots.
-        self.device_pool[layer, 0].view(-1, hkv, dim).index_copy_(0, slot_mapping, k)
-        self.device_pool[layer, 1].view(-1, hkv, dim).index_copy_(0, slot_mapping, v)
+        # A contiguous pool's [num_blocks, block_size] prefix flattens to slots. A pool in
+        # a narrower dtype than the model (--kv-cache-dtype) stores the rounded values.
+        dtype = self.device_pool.dtype
+        self.device_pool[layer, 0].view(-1, hkv, dim).index_copy_(0, slot_mapping, k.to(dtype))
+        self.device_pool[layer, 1].view(-1, hkv, dim).index_copy_(0, slot_mapping, v.to(dtype))
 
     def swap(
         self, out_src: list[int], out_dst: list[int], in_src: list[int], in_dst: list[int]

@@ -69,8 +69,9 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _singles(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
         qs = q[plan.single_rows].unsqueeze(2)  # [Bs, Hq, 1, D]
-        ks = _gather_blocks(k_cache, plan.single_tables)  # [Bs, Hkv, nb * bs, D]
-        vs = _gather_blocks(v_cache, plan.single_tables)
+        # A cache narrower than q (--kv-cache-dtype) is widened as it is gathered.
+        ks = _gather_blocks(k_cache, plan.single_tables).to(q.dtype)  # [Bs, Hkv, nb * bs, D]
+        vs = _gather_blocks(v_cache, plan.single_tables).to(q.dtype)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=plan.single_mask, scale=scale, enable_gqa=True
         )  # [Bs, Hq, 1, D]
@@ -95,8 +96,8 @@ def chunk_attention(q, k, v, k_cache, v_cache, c: ChunkPlan, scale: float) -> to
     if c.mask is None:  # whole context is this chunk: use the fresh K/V
         kc, vc = k[c.start : c.end], v[c.start : c.end]  # [n, Hkv, D]
     else:
-        kc = gather_context(k_cache, c.block_table, c.context_len)  # [ctx, Hkv, D]
-        vc = gather_context(v_cache, c.block_table, c.context_len)
+        kc = gather_context(k_cache, c.block_table, c.context_len).to(q.dtype)  # [ctx, Hkv, D]
+        vc = gather_context(v_cache, c.block_table, c.context_len).to(q.dtype)
     # A leading batch dim of 1 matters: 4-D inputs take the CPU flash kernel, 3-D ones
     # the math path (3x slower at 512 tokens).
     o = F.scaled_dot_product_attention(

@@ -27,9 +27,11 @@ INCARNATION = "test-incarnation"
 def make_runner(
     model: LlamaModel, num_blocks: int = 64, block_size: int = 16,
     backend: AttentionBackend | None = None, num_host_blocks: int = 0,
+    kv_dtype: torch.dtype | None = None,  # --kv-cache-dtype; None: the model's
 ) -> Runner:
     c = model.config
-    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, block_size)
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype,
+                       block_size)
     kv = KVCache(spec, num_blocks, num_host_blocks)
     return Runner(model, kv, backend or make_backend(), INCARNATION)  # the serving default
 

@@ -55,21 +55,35 @@ def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm,
     assert model.lm_head is not model.embed
     packed = isinstance(model.layers[0].w13, native.PackedWeight)
     assert packed == (gemm == "native" and native.load() is not None)
+    _check_three_steps(model, hf, make_backend(backend_name), torch.float32, tol=1e-4)
+
+
+# Tolerances ~10x the error seen (fp16 1.8e-5, bf16 1.1e-4).
+@pytest.mark.parametrize("kv_dtype,tol", [(torch.float16, 2e-4), (torch.bfloat16, 1e-3)])
+@pytest.mark.parametrize("backend_name", ["torch", "numba"])
+def test_a_narrow_kv_cache_stays_close_to_transformers(tiny_dir, kv_dtype, tol, backend_name):
+    # --kv-cache-dtype: an fp32 model over a float16 / bfloat16 pool (half the bytes).
+    path, hf = tiny_dir
+    _check_three_steps(LlamaModel.load(path), hf, make_backend(backend_name), kv_dtype, tol)
+
+
+def _check_three_steps(model, hf, backend, kv_dtype, tol):
+    """Prefill 149 tokens in two chunks, then one decode, through blocks in shuffled order;
+    each step's sampled rows against transformers' logits."""
     c = model.config
-    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 4), 48)
+    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, 4), 48)
     ids = torch.randint(0, 128, (150,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids[None]).logits[0]  # [150, V]
-    # Prefill 149 tokens in two chunks, then one decode, through blocks in shuffled order.
     table = torch.randperm(48, generator=torch.Generator().manual_seed(2))[:38].tolist()
-    backend = make_backend(backend_name)
     for start, end in [(0, 100), (100, 149), (149, 150)]:
         pos = torch.arange(start, end)
         slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in pos.tolist()])
         meta = AttentionMetadata.build([end - start], [end], [table], 4)
         rows = torch.tensor([0, end - start - 1])
         got = model.forward(ids[start:end], pos, slots, meta, backend, kv, rows)
-        torch.testing.assert_close(got, want[[start, end - 1]], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got, want[[start, end - 1]], atol=tol, rtol=tol)
+    assert kv.device_pool.dtype == kv_dtype
 
 
 def test_bfloat16_forward_runs_close_to_fp32(tiny_dir):

@@ -96,6 +96,29 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     assert proc.wait(timeout=10) == 0
 
 
+def test_a_float16_kv_cache_doubles_the_blocks_and_still_generates(model_dir, tmp_path):
+    address = f"ipc://{tmp_path}/executor.sock"
+    scheduler = FakeScheduler(address)
+    proc = start_executor("--model", str(model_dir), "--ipc", address, "--kv-cache-bytes",
+                          "8MiB", "--warmup-tokens", "16", "--threads", "2",
+                          "--kv-cache-dtype", "float16")
+    try:
+        kind, hello = scheduler.recv()
+        assert kind == "hello"
+        assert hello.num_device_blocks == (8 << 20) // (23040 * 16)  # 2 bytes per element
+        plan = pb.BatchPlan(incarnation=hello.incarnation, step_id=1)
+        plan.new_seqs.add(seq_id=1, token_ids=[1, 9690, 198, 2683], num_scheduled_tokens=4,
+                          block_ids=[hello.num_device_blocks - 1], num_prompt_tokens=4,
+                          sampling=sampling_pb2.SamplingParams(temperature=0.0))
+        scheduler.send("plan", plan)
+        kind, result = scheduler.recv()
+        assert kind == "result" and result.error_code == 0 and len(result.token_ids) == 1
+    finally:
+        proc.kill()
+        proc.communicate()
+        scheduler.close()
+
+
 def test_bad_model_path_exits_2_with_one_line(tmp_path):
     proc = start_executor("--model", str(tmp_path / "nope"), "--ipc", f"ipc://{tmp_path}/x.sock")
     _, stderr = proc.communicate(timeout=60)

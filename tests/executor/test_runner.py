@@ -4,6 +4,7 @@ prefill and decode, and bad plans refused without damage."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
@@ -25,9 +26,10 @@ def chat_prompt(tok, question: str) -> list[int]:
     return tok.encode(text).ids
 
 
-def test_capital_of_france(model, tok):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float16])  # None: fp32, the model's
+def test_capital_of_france(model, tok, kv_dtype):
     prompt = chat_prompt(tok, "What is the capital of France?")
-    sched = MiniScheduler(make_runner(model), chunk_size=64)
+    sched = MiniScheduler(make_runner(model, kv_dtype=kv_dtype), chunk_size=64)
     sched.add(1, prompt, max_new=8)
     sched.run()
     out = sched.outputs(1)
