@@ -68,24 +68,25 @@ def model_flops_per_token(model: LlamaModel, context: int) -> float:
     return 2 * (weights + model.lm_head.numel()) + attention
 
 
-def step_bytes(model: LlamaModel, batch: int, context: int) -> float:
-    """Weights (tied embedding counted once: only the LM head reads it whole) + every KV."""
+def step_bytes(model: LlamaModel, batch: int, context: int, kv_bytes: int = 4) -> float:
+    """Weights (tied embedding counted once: only the LM head reads it whole) + every KV
+    (``kv_bytes`` per element: 2 with --kv-cache-dtype float16 / bfloat16)."""
     c = model.config
     weights = sum(t.numel() for layer in model.layers for t in vars(layer).values())
     weights += model.lm_head.numel() + model.norm.numel()
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * batch
-    return 4 * (weights + kv)
+    return 4 * weights + kv_bytes * kv
 
 
 class DecodeRun:
     """``batch`` sequences at ``context`` tokens, decoding one token per step via plans."""
 
     def __init__(self, model: LlamaModel, backend, batch: int, context: int, steps: int,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, kv_dtype: torch.dtype = torch.float32):
         c, bs = model.config, 16
         self.clock = clock
         self.blocks_per_seq = -(-(context + steps + 1) // bs)
-        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, bs)
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, bs)
         kv = KVCache(spec, batch * self.blocks_per_seq)
         self.runner = Runner(model, kv, backend, INCARNATION)
         self.batch, self.context, self.step_id = batch, context, 0
@@ -188,7 +189,8 @@ def ours(model, backends: dict, args, clock) -> dict[tuple[str, int], float]:
     out = {}
     for batch in args.batches:
         for name, backend in backends.items():
-            run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock)
+            run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock,
+                            KV_DTYPES[args.kv_cache_dtype])
             out[name, batch] = run.timed(args.warmup, args.steps)
             print(f"  ours[{name}] batch {batch}: {out[name, batch] * 1e3:.1f} ms/step  "
                   f"({load()})", flush=True)
@@ -212,8 +214,13 @@ def ours_prefill_tokens_per_s(model, backend, num_tokens: int, clock) -> float:
     return num_tokens / min(once() for _ in range(3))
 
 
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="float32",
+                   help="our KV pool's element type (transformers keeps float32)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 8, 32, 64, 128])
     p.add_argument("--context", type=int, default=512)
@@ -279,7 +286,7 @@ def main() -> None:
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill.items()))
     if args.breakdown_batch:
         run = DecodeRun(model, backends[headline], args.breakdown_batch, args.context,
-                        args.warmup + args.steps, clock)
+                        args.warmup + args.steps, clock, KV_DTYPES[args.kv_cache_dtype])
         run.timed(args.warmup, 1)
         ms = breakdown(run, model, args.steps)
         print(f"\nwhere a batch-{args.breakdown_batch} step goes ({headline}; ms/step, "
@@ -300,7 +307,8 @@ def report(model, ceil, args, step_s, hf_s, headline: str) -> None:
     for batch in args.batches:
         ms = step_s[headline, batch] * 1e3
         compute = batch * flops / (ceil["gflops_peak"] * 1e9) * 1e3
-        memory = step_bytes(model, batch, args.context) / (ceil["read_gbs"] * 1e9) * 1e3
+        kv_bytes = torch.empty((), dtype=KV_DTYPES[args.kv_cache_dtype]).element_size()
+        memory = step_bytes(model, batch, args.context, kv_bytes) / (ceil["read_gbs"] * 1e9) * 1e3
         bound = max(compute, memory)
         extra = "".join(f" {step_s[name, batch] * 1e3:>10.1f}" for name in dict.fromkeys(others))
         hf_ms = hf_s.get(batch, float("nan")) * 1e3

@@ -62,6 +62,19 @@ inline __m256 hsum8(const __m256 a[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// Pool element types: float32, or 16-bit (--kv-cache-dtype) widened to float32 on load.
+struct Half { uint16_t bits; };   // IEEE float16 (F16C converts)
+struct BHalf { uint16_t bits; };  // bfloat16: the top half of a float32
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const BHalf* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2
 #endif
@@ -73,14 +86,15 @@ inline __m256 hsum8(const __m256 a[8]) {
 struct Prefetcher {
   const char* next = nullptr;
   const char* end = nullptr;
-  void start(const float* pool, const int64_t* table, int64_t b, int64_t num_blocks,
-             int64_t block_floats) {
+  template <typename T>
+  void start(const T* pool, const int64_t* table, int64_t b, int64_t num_blocks,
+             int64_t block_elems) {
     if (b + PREFETCH_BLOCKS >= num_blocks) {
       next = end = nullptr;
       return;
     }
-    next = reinterpret_cast<const char*>(pool + table[b + PREFETCH_BLOCKS] * block_floats);
-    end = next + block_floats * sizeof(float);
+    next = reinterpret_cast<const char*>(pool + table[b + PREFETCH_BLOCKS] * block_elems);
+    end = next + block_elems * sizeof(T);
   }
   void step(int lines) {
     for (; lines > 0 && next < end; --lines, next += 64) _mm_prefetch(next, _MM_HINT_T0);
@@ -92,21 +106,21 @@ struct Shape {
 };
 
 // scores[j * ctx + p] = q[j] . k[p] (q pre-scaled), for every query head j.  DV = D / 8.
-template <int DV>
-void score_pass(const float* qs, const float* k_cache, const int64_t* table, int64_t ctx,
+template <int DV, typename T>
+void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t ctx,
                 const Shape& s, float* scores) {
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
   const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
   // lines of a block / (query heads * 8-key tiles): prefetches per inner step
-  const int lines = int((s.block_size * row * 4 / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
+  const int lines = int((s.block_size * row * int64_t(sizeof(T)) / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
                         / (s.num_heads * ((s.block_size + 7) / 8)));
   Prefetcher pf;
   for (int64_t b = 0; b < num_blocks; ++b) {
     pf.start(k_cache, table, b, num_blocks, s.block_size * row);
-    const float* block = k_cache + table[b] * s.block_size * row;
+    const T* block = k_cache + table[b] * s.block_size * row;
     const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      const float* kh = block + h * DV * 8;
+      const T* kh = block + h * DV * 8;
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
         const float* qj = qs + j * DV * 8;
         float* out = scores + j * ctx + p0;
@@ -118,7 +132,7 @@ void score_pass(const float* qs, const float* k_cache, const int64_t* table, int
           for (int d = 0; d < DV; ++d) {
             __m256 qv = _mm256_loadu_ps(qj + d * 8);
             for (int u = 0; u < 8; ++u)
-              acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (t + u) * row + d * 8), acc[u]);
+              acc[u] = _mm256_fmadd_ps(qv, load8(kh + (t + u) * row + d * 8), acc[u]);
           }
           _mm256_storeu_ps(out + t, hsum8(acc));
         }
@@ -126,7 +140,7 @@ void score_pass(const float* qs, const float* k_cache, const int64_t* table, int
           __m256 acc = _mm256_setzero_ps();
           for (int d = 0; d < DV; ++d)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(qj + d * 8),
-                                  _mm256_loadu_ps(kh + t * row + d * 8), acc);
+                                  load8(kh + t * row + d * 8), acc);
           out[t] = hsum(acc);
         }
       }
@@ -164,22 +178,22 @@ void softmax_rows(float* scores, int64_t num_heads, int64_t ctx) {
 }
 
 // out[j] = sum_p weights[j * ctx + p] * v[p], head by head; out [Hq, D].
-template <int DV>
-void value_pass(const float* weights, const float* v_cache, const int64_t* table, int64_t ctx,
+template <int DV, typename T>
+void value_pass(const float* weights, const T* v_cache, const int64_t* table, int64_t ctx,
                 const Shape& s, float* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
   memset(out, 0, sizeof(float) * s.num_heads * DV * 8);
   const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
   // lines of a block / (query heads * 8-key tiles): prefetches per inner step
-  const int lines = int((s.block_size * row * 4 / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
+  const int lines = int((s.block_size * row * int64_t(sizeof(T)) / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
                         / (s.num_heads * ((s.block_size + 7) / 8)));
   Prefetcher pf;
   for (int64_t b = 0; b < num_blocks; ++b) {
     pf.start(v_cache, table, b, num_blocks, s.block_size * row);
-    const float* block = v_cache + table[b] * s.block_size * row;
+    const T* block = v_cache + table[b] * s.block_size * row;
     const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      const float* vh = block + h * DV * 8;
+      const T* vh = block + h * DV * 8;
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
         const float* w = weights + j * ctx + p0;
         float* oj = out + j * DV * 8;
@@ -189,7 +203,7 @@ void value_pass(const float* weights, const float* v_cache, const int64_t* table
           if (t % 8 == 0) pf.step(lines);
           __m256 wt = _mm256_set1_ps(w[t]);
           for (int d = 0; d < DV; ++d)
-            acc[d] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(vh + t * row + d * 8), acc[d]);
+            acc[d] = _mm256_fmadd_ps(wt, load8(vh + t * row + d * 8), acc[d]);
         }
         for (int d = 0; d < DV; ++d) _mm256_storeu_ps(oj + d * 8, acc[d]);
       }
@@ -197,17 +211,17 @@ void value_pass(const float* weights, const float* v_cache, const int64_t* table
   }
 }
 
-template <int DV>
-void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* table,
+template <int DV, typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
             int64_t ctx, const Shape& s, float scale, float* out, std::vector<float>& scratch) {
   const int64_t dim = DV * 8;
   scratch.resize(s.num_heads * (dim + ctx));
   float* qs = scratch.data();  // [Hq, D], pre-scaled
   float* scores = qs + s.num_heads * dim;  // [Hq, ctx]
   for (int64_t i = 0; i < s.num_heads * dim; ++i) qs[i] = q[i] * scale;
-  score_pass<DV>(qs, k_cache, table, ctx, s, scores);
+  score_pass<DV, T>(qs, k_cache, table, ctx, s, scores);
   softmax_rows(scores, s.num_heads, ctx);
-  value_pass<DV>(scores, v_cache, table, ctx, s, out);
+  value_pass<DV, T>(scores, v_cache, table, ctx, s, out);
 }
 
 // Rows r[0..7] (8 lanes each) become columns: r[j] lane i <- old r[i] lane j.
@@ -264,8 +278,32 @@ __attribute__((optimize("fp-contract=off"))) void head_rows(const float* x, cons
     }
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t,
                           const Shape&, float, float*, std::vector<float>&);
+
+template <typename T>
+void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows,
+                  const int64_t* tables, int64_t table_stride, const int64_t* context_lens,
+                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                  int64_t head_dim, float scale, float* out, int num_threads) {
+  static const AttendFn<T> by_dv[17] = {
+      nullptr,         attend<1, T>,  attend<2, T>,  attend<3, T>,  attend<4, T>,
+      attend<5, T>,    attend<6, T>,  attend<7, T>,  attend<8, T>,  attend<9, T>,
+      attend<10, T>,   attend<11, T>, attend<12, T>, attend<13, T>, attend<14, T>,
+      attend<15, T>,   attend<16, T>};
+  const AttendFn<T> fn = by_dv[head_dim / 8];
+  const Shape s{num_heads, num_kv_heads, block_size, table_stride};
+  const int64_t q_row = num_heads * head_dim;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_seqs; ++i)
+      fn(q + rows[i] * q_row, k_cache, v_cache, tables + i * table_stride, context_lens[i], s,
+         scale, out + rows[i] * q_row, scratch);
+  }
+}
 
 }  // namespace
 
@@ -277,28 +315,26 @@ int paged_decode_supports(int64_t head_dim) {
 }
 
 // q [T, Hq, D], out [T, Hq, D] float32 contiguous; k_cache, v_cache [num_blocks, block_size,
-// Hkv, D] float32 contiguous; rows, context_lens [num_seqs], tables [num_seqs, table_stride]
-// int64. Runs on num_threads OpenMP threads (1: in the calling thread).
-void paged_decode_f32(const float* q, const float* k_cache, const float* v_cache,
-                      const int64_t* rows, const int64_t* tables, int64_t table_stride,
-                      const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
-                      float* out, int num_threads) {
-  static const AttendFn by_dv[17] = {
-      nullptr,         attend<1>,  attend<2>,  attend<3>,  attend<4>,  attend<5>,
-      attend<6>,       attend<7>,  attend<8>,  attend<9>,  attend<10>, attend<11>,
-      attend<12>,      attend<13>, attend<14>, attend<15>, attend<16>};
-  const AttendFn fn = by_dv[head_dim / 8];
-  const Shape s{num_heads, num_kv_heads, block_size, table_stride};
-  const int64_t q_row = num_heads * head_dim;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_seqs; ++i)
-      fn(q + rows[i] * q_row, k_cache, v_cache, tables + i * table_stride, context_lens[i], s,
-         scale, out + rows[i] * q_row, scratch);
+// Hkv, D] contiguous, of element type `kind` (0 float32, 1 float16, 2 bfloat16); rows,
+// context_lens [num_seqs], tables [num_seqs, table_stride] int64. Runs on num_threads
+// OpenMP threads (1: in the calling thread).
+void paged_decode_kv(const float* q, const void* k_cache, const void* v_cache,
+                     const int64_t* rows, const int64_t* tables, int64_t table_stride,
+                     const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
+                     float* out, int num_threads, int kind) {
+#define CONTINUUM_DECODE(T)                                                                  \
+  paged_decode<T>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), rows,  \
+                  tables, table_stride, context_lens, num_seqs, num_heads, num_kv_heads,      \
+                  block_size, head_dim, scale, out, num_threads)
+  if (kind == 1) {
+    CONTINUUM_DECODE(Half);
+  } else if (kind == 2) {
+    CONTINUUM_DECODE(BHalf);
+  } else {
+    CONTINUUM_DECODE(float);
   }
+#undef CONTINUUM_DECODE
 }
 
 // RMSNorm over the hidden axis of hidden-major activations (executor_svc/model.py), fused
@@ -344,21 +380,49 @@ void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q
   }
 }
 
-// A step's K and V rows into their cache slots: k_pool[slots[t]] = k[t], the same for v;
-// rows of `row` floats ([Hkv, D]). Returns the number of slots outside [0, num_slots)
-// (nothing is written then: the caller raises). One thread: a decode step writes 64 x 768 B.
-int64_t kv_write_f32(const float* k, const float* v, float* k_pool, float* v_pool,
-                     const int64_t* slots, int64_t tokens, int64_t row, int64_t num_slots) {
+// A step's K and V rows (float32) into their cache slots: k_pool[slots[t]] = k[t], the
+// same for v; rows of `row` elements ([Hkv, D]); the pools of element type `kind` (0 float32,
+// 1 float16, 2 bfloat16: rounded to nearest even, as torch's .to()). Returns the number of
+// slots outside [0, num_slots) (nothing is written then: the caller raises). One thread: a
+// decode step writes 64 x 768 B.
+int64_t kv_write_kv(const float* k, const float* v, void* k_pool, void* v_pool,
+                    const int64_t* slots, int64_t tokens, int64_t row, int64_t num_slots,
+                    int kind) {
   int64_t bad = 0;
   for (int64_t t = 0; t < tokens; ++t) bad += slots[t] < 0 || slots[t] >= num_slots;
   if (bad) return bad;
+  if (kind == 1 || kind == 2) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int side = 0; side < 2; ++side) {
+        const float* src = (side ? v : k) + t * row;
+        uint16_t* dst = static_cast<uint16_t*>(side ? v_pool : k_pool) + slots[t] * row;
+        int64_t i = 0;
+        if (kind == 1)
+          for (; i + 8 <= row; i += 8)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < row; ++i) {
+          if (kind == 1) {
+            dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
+            continue;
+          }
+          uint32_t bits;
+          memcpy(&bits, src + i, 4);
+          dst[i] = std::isnan(src[i]) ? 0x7FC0
+                                      : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+        }
+      }
+    return 0;
+  }
+  float* kf = static_cast<float*>(k_pool);
+  float* vf = static_cast<float*>(v_pool);
   // Whole 64-byte lines go out as streaming stores: no read-for-ownership of pool lines that
   // are about to be overwritten (the copy is bound by those misses, not by bandwidth).
-  const bool stream = row % 16 == 0 && reinterpret_cast<uintptr_t>(k_pool) % 64 == 0 &&
-                      reinterpret_cast<uintptr_t>(v_pool) % 64 == 0;
+  const bool stream = row % 16 == 0 && reinterpret_cast<uintptr_t>(kf) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(vf) % 64 == 0;
   for (int64_t t = 0; t < tokens; ++t) {
-    float* kd = k_pool + slots[t] * row;
-    float* vd = v_pool + slots[t] * row;
+    float* kd = kf + slots[t] * row;
+    float* vd = vf + slots[t] * row;
     if (!stream) {
       memcpy(kd, k + t * row, row * sizeof(float));
       memcpy(vd, v + t * row, row * sizeof(float));

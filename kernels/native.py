@@ -28,7 +28,9 @@ import kernels.numba_kernels  # noqa: F401  (promotes torch's libgomp first: one
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_gemm.cpp"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Pool element types the kernels read and write (cpu_attention.cpp's `kind`).
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -40,17 +42,18 @@ class NativeKernels:
         self.path = path
         self._supports = lib.paged_decode_supports
         self._supports.argtypes, self._supports.restype = [_I64], ctypes.c_int
-        self._decode = lib.paged_decode_f32
+        self._decode = lib.paged_decode_kv
         self._decode.argtypes = [_PTR] * 5 + [_I64, _PTR] + [_I64] * 5 + [
-            ctypes.c_float, _PTR, ctypes.c_int]
+            ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
         self._decode.restype = None
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [_PTR] * 4 + [_I64, _I64, ctypes.c_float]
         self._norm.restype = None
         self._rope_qkv = lib.rope_qkv_f32
         self._rope_qkv.argtypes, self._rope_qkv.restype = [_PTR] * 6 + [_I64] * 4, None
-        self._kv_write = lib.kv_write_f32
-        self._kv_write.argtypes, self._kv_write.restype = [_PTR] * 5 + [_I64] * 3, _I64
+        self._kv_write = lib.kv_write_kv
+        self._kv_write.argtypes = [_PTR] * 5 + [_I64] * 3 + [ctypes.c_int]
+        self._kv_write.restype = _I64
         self._gemm_floats = lib.gemm_packed_floats
         self._gemm_floats.argtypes, self._gemm_floats.restype = [_I64, _I64], _I64
         self._gemm_pack = lib.gemm_pack_weight_f32
@@ -63,20 +66,22 @@ class NativeKernels:
     def supports(self, head_dim: int) -> bool:
         return bool(self._supports(head_dim))
 
-    def paged_decode(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+    def paged_decode(self, q: np.ndarray, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: np.ndarray, tables: np.ndarray, context_lens: np.ndarray,
                      scale: float, out: np.ndarray, threads: int) -> None:
-        # q, out [T, Hq, D] and the pools [N, block, Hkv, D] float32 C-contiguous; rows,
-        # context_lens [B] and tables [B, nb] int64 C-contiguous (the caller guarantees it:
-        # a wrong stride here reads the wrong memory, not a Python error).
+        # q, out [T, Hq, D] float32 C-contiguous; the pools [N, block, Hkv, D] contiguous
+        # CPU tensors of a KV_KINDS dtype; rows, context_lens [B] and tables [B, nb] int64
+        # C-contiguous (the caller guarantees it: a wrong stride here reads the wrong memory,
+        # not a Python error).
         assert rows.dtype == tables.dtype == context_lens.dtype == np.int64
         assert tables.flags.c_contiguous and q.flags.c_contiguous and out.flags.c_contiguous
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert k_cache.dtype == v_cache.dtype
         _, block_size, num_kv_heads, head_dim = k_cache.shape
-        self._decode(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
+        self._decode(q.ctypes.data, k_cache.data_ptr(), v_cache.data_ptr(),
                      rows.ctypes.data, tables.ctypes.data, tables.shape[1],
                      context_lens.ctypes.data, rows.shape[0], q.shape[1], num_kv_heads, block_size,
-                     head_dim, scale, out.ctypes.data, threads)
-
+                     head_dim, scale, out.ctypes.data, threads, KV_KINDS[k_cache.dtype])
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -107,16 +112,17 @@ class NativeKernels:
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor, slots: torch.Tensor) -> None:
-        """k_pool.view(-1, Hkv, D)[slots[t]] = k[t], the same for v: k, v [T, Hkv, D] and
-        the pools [N, block, Hkv, D] float32 contiguous, slots [T] int64 (IndexError
-        outside the pool, and nothing written)."""
-        assert k.dtype == v.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+        """k_pool.view(-1, Hkv, D)[slots[t]] = k[t], the same for v: k, v [T, Hkv, D] float32
+        and the pools [N, block, Hkv, D] of a KV_KINDS dtype (rounded as torch's .to()),
+        contiguous, slots [T] int64 (IndexError outside the pool, and nothing written)."""
+        assert k.dtype == v.dtype == torch.float32 and k_pool.dtype == v_pool.dtype
         assert all(t.is_contiguous() for t in (k, v, k_pool, v_pool, slots))
         assert slots.dtype == torch.int64 and k.shape == v.shape and k.shape[0] == slots.shape[0]
         row = k[0].numel() if k.shape[0] else 0
         num_slots = k_pool.shape[0] * k_pool.shape[1]
         bad = self._kv_write(k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-                             slots.data_ptr(), k.shape[0], row, num_slots)
+                             slots.data_ptr(), k.shape[0], row, num_slots,
+                             KV_KINDS[k_pool.dtype])
         if bad:
             raise IndexError(f"{bad} KV slots outside the pool's {num_slots}")
 
@@ -170,7 +176,7 @@ def _cpu_has_avx2_fma() -> bool:
         flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0]
     except (OSError, IndexError):
         return False
-    return {"avx2", "fma"} <= set(flags.split())
+    return {"avx2", "fma", "f16c"} <= set(flags.split())
 
 
 def _cache_dirs() -> list[pathlib.Path]:

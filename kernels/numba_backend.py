@@ -91,22 +91,23 @@ class NumbaAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
-        if not _kernel_can_read(q, k_cache, v_cache):
+        native_ok = self.native is not None and self.native.supports(q.shape[-1])
+        if not _kernel_can_read(q, k_cache, v_cache, native_ok):
             if prepared.torch_plan is None:
                 prepared.torch_plan = self._torch.prepare(prepared.meta)
             return self._torch.forward(q, k, v, k_cache, v_cache, prepared.torch_plan, scale)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, Hq, D]
         if len(prepared.rows):
-            # Hand sequences to threads one at a time (setting it inside the kernel would
-            # stop numba from caching it).
-            args = (q.numpy(), k_cache.numpy(), v_cache.numpy(), prepared.rows,
-                    prepared.tables, prepared.context_lens, scale, out.numpy())
-            if self.native is not None and self.native.supports(q.shape[-1]):
-                self.native.paged_decode(*args, threads=prepared.threads)
+            rest = (prepared.rows, prepared.tables, prepared.context_lens, scale, out.numpy())
+            if native_ok:
+                self.native.paged_decode(q.numpy(), k_cache, v_cache, *rest,
+                                         threads=prepared.threads)
             else:
+                # Hand sequences to threads one at a time (setting it inside the kernel would
+                # stop numba from caching it).
                 chunk_size = numba.set_parallel_chunksize(1)
-                prepared.kernel(*args)
+                prepared.kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), *rest)
                 numba.set_parallel_chunksize(chunk_size)
         for c in prepared.chunks:
             out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
@@ -125,8 +126,11 @@ def _match_torch_threads() -> int:
     return threads
 
 
-def _kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    # The kernels are compiled for float32 C-contiguous arrays (KVCache's pools are); any
-    # other layout would make numba compile a new specialization mid-request.
-    return all(t.dtype == torch.float32 and t.is_contiguous() for t in (k_cache, v_cache)) and (
-        q.dtype == torch.float32)
+def _kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     native_ok: bool) -> bool:
+    # The kernels take float32 queries and C-contiguous pools (KVCache's are) of float32 —
+    # or, for the AVX2 kernel, float16 / bfloat16 (--kv-cache-dtype); any other layout would
+    # make numba compile a new specialization mid-request.
+    pool_types = tuple(native.KV_KINDS) if native_ok else (torch.float32,)
+    return q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and all(
+        t.dtype in pool_types and t.is_contiguous() for t in (k_cache, v_cache))

@@ -127,6 +127,46 @@ def test_numba_backend_matches_reference_on_mixed_steps(numba_backend, seed, blo
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("seed", "block_size", "hq", "hkv", "dim"),
+                         [(0, 16, 9, 3, 64), (1, 4, 9, 3, 64), (3, 1, 8, 2, 16)])
+def test_a_16_bit_pool_is_read_in_place_and_matches_reference(seed, block_size, hq, hkv, dim,
+                                                             kv_dtype):
+    # --kv-cache-dtype: the AVX2 kernel widens float16 / bfloat16 K/V as it reads them.
+    if native.load() is None:
+        pytest.skip("no native kernels here: 16-bit pools go through the torch backend")
+    q, k, v, k_cache, v_cache, meta = paged_batch(seed, random_specs(seed, block_size),
+                                                  block_size, hq, hkv, dim, poison=True)
+    # This step's K/V as the pool stores them (a whole-prompt chunk attends to its fresh
+    # K/V, not the pool's copy: rounded here so that both are the same values).
+    k, v = k.to(kv_dtype).float(), v.to(kv_dtype).float()
+    narrow = (q, k, v, k_cache.to(kv_dtype), v_cache.to(kv_dtype), meta)
+    widened = (q, k, v, narrow[3].float(), narrow[4].float(), meta)  # the values it stores
+    want = run(ReferenceAttentionBackend(), widened, dim**-0.5)
+    backend = NumbaAttentionBackend(warm_up=False)
+    got = run(backend, narrow, dim**-0.5)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)  # NaN-poisoned slots unread
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_native_kv_write_rounds_like_torch(kv_dtype):
+    lib = native.load()
+    if lib is None:
+        pytest.skip("no native kernels here")
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(13, 3, 24, generator=gen) * 100, torch.randn(13, 3, 24, generator=gen)
+    k[0, 0, :4] = torch.tensor([float("nan"), float("inf"), 65520.0, 1e-8])  # edges
+    k_pool = torch.zeros(8, 4, 3, 24, dtype=kv_dtype)
+    v_pool = torch.zeros_like(k_pool)
+    slots = torch.randperm(32, generator=gen)[:13]
+    lib.kv_write(k, v, k_pool, v_pool, slots)
+    want_k = torch.zeros_like(k_pool).view(-1, 3, 24).index_copy_(0, slots, k.to(kv_dtype))
+    want_v = torch.zeros_like(v_pool).view(-1, 3, 24).index_copy_(0, slots, v.to(kv_dtype))
+    # Bit for bit (any NaN stays a NaN: its payload may differ)
+    for got, want in ((k_pool, want_k), (v_pool, want_v)):
+        torch.testing.assert_close(got.view(-1, 3, 24), want, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize(("block_size", "hq", "hkv"), [(16, 9, 3), (16, 4, 4), (5, 6, 2)])
 def test_numba_decodes_match_reference_at_context_lengths_1_to_600(numba_backend, block_size,
                                                                    hq, hkv):
