@@ -1,11 +1,12 @@
 """Builds and loads the AVX2 kernels through ctypes: kernels/cpu_attention.cpp (paged decode
-attention, fused residual add + RMSNorm) and kernels/cpu_gemm.cpp (small-batch GEMM over
-pre-packed weights), one library.
+attention over float32 / float16 / bfloat16 pools, fused residual add + RMSNorm, RoPE +
+q/k/v layout, KV write) and kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed
+weights), one library.
 
 Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
 ``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
 neither is writable); later processes load the cached library in milliseconds. ``load()``
-returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA, there is
+returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA/F16C, there is
 no compiler, the build fails or ``CONTINUUM_NATIVE_KERNELS=0``; it never raises.
 """
 
@@ -172,6 +173,7 @@ class PackedWeight:
 
 
 def _cpu_has_avx2_fma() -> bool:
+    """AVX2 and FMA, and F16C (16-bit KV pools): every AVX2 CPU has all three."""
     try:
         flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0]
     except (OSError, IndexError):
