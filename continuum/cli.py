@@ -26,7 +26,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=("auto", "float32", "float16", "bfloat16"),
                    help="KV element type (auto: the model's); float16 halves the bytes per "
-                        "token: twice the sequences in the same pool, logits move by ~1e-3")
+                        "token: twice the sequences in the same pool; logits move slightly, "
+                        "so outputs are not token-exact against a float32 cache")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

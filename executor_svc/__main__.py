@@ -88,8 +88,8 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
     p.add_argument("--kv-cache-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="KV cache element type (auto: --dtype). float16 or bfloat16 with a "
                         "float32 model halves the KV bytes per token: twice the blocks for "
-                        "the same --kv-cache-bytes and half attention's reads, at ~1e-3 on "
-                        "the logits (greedy outputs may differ from a float32 cache)")
+                        "the same --kv-cache-bytes and half attention's reads; logits move "
+                        "slightly (greedy outputs may differ from a float32 cache)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--model-id", default=None,
                    help="served name (default: the model directory's name, as the gateway's)")
