@@ -105,15 +105,20 @@ struct Shape {
   int64_t num_heads, num_kv_heads, block_size, table_stride;
 };
 
+// Prefetches per inner step of either pass, so a block's lines are requested over the
+// computation of the block before it: lines of a block / (query heads x 8-key tiles).
+inline int prefetch_lines(const Shape& s, int64_t row_bytes) {
+  const int64_t steps = s.num_heads * ((s.block_size + 7) / 8);
+  return int((s.block_size * row_bytes / 64 + steps - 1) / steps);
+}
+
 // scores[j * ctx + p] = q[j] . k[p] (q pre-scaled), for every query head j.  DV = D / 8.
 template <int DV, typename T>
 void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t ctx,
                 const Shape& s, float* scores) {
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
   const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
-  // lines of a block / (query heads * 8-key tiles): prefetches per inner step
-  const int lines = int((s.block_size * row * int64_t(sizeof(T)) / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
-                        / (s.num_heads * ((s.block_size + 7) / 8)));
+  const int lines = prefetch_lines(s, row * int64_t(sizeof(T)));
   Prefetcher pf;
   for (int64_t b = 0; b < num_blocks; ++b) {
     pf.start(k_cache, table, b, num_blocks, s.block_size * row);
@@ -184,9 +189,7 @@ void value_pass(const float* weights, const T* v_cache, const int64_t* table, in
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
   memset(out, 0, sizeof(float) * s.num_heads * DV * 8);
   const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
-  // lines of a block / (query heads * 8-key tiles): prefetches per inner step
-  const int lines = int((s.block_size * row * int64_t(sizeof(T)) / 64 + s.num_heads * ((s.block_size + 7) / 8) - 1)
-                        / (s.num_heads * ((s.block_size + 7) / 8)));
+  const int lines = prefetch_lines(s, row * int64_t(sizeof(T)));
   Prefetcher pf;
   for (int64_t b = 0; b < num_blocks; ++b) {
     pf.start(v_cache, table, b, num_blocks, s.block_size * row);
