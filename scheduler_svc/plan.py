@@ -8,13 +8,9 @@ it is one ``SerializeToString`` (no copy of the plan into the envelope).
 
 from __future__ import annotations
 
-import operator
-
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import BlockManager, SchedulerOutput
-
-_seq_id = operator.attrgetter("seq_id")
 
 
 def build_plan_message(out: SchedulerOutput, incarnation: str,
@@ -26,7 +22,7 @@ def build_plan_message(out: SchedulerOutput, incarnation: str,
     plan.step_id = out.step_id
     if out.finished_seq_ids:
         plan.finished_seq_ids.extend(out.finished_seq_ids)
-    plan.cached_seq_ids.extend(map(_seq_id, out.cached))
+    plan.cached_seq_ids.extend(out.cached_seq_ids)
     plan.cached_num_scheduled_tokens.extend(out.cached_num_tokens)
     plan.cached_num_new_blocks.extend(out.cached_num_new_blocks)
     if out.cached_new_block_ids:

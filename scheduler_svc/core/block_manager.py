@@ -3,11 +3,13 @@
 Blocks are allocated as tokens are computed (never worst case up front) and
 released the moment a sequence finishes, aborts or is preempted.
 
-Prefix caching: once a block is full, it is keyed by a chain hash
-``hash((parent_hash, block_tokens))`` and registered. A new sequence whose
-prompt starts with the same full blocks shares them (ref-counted, read-only)
-and computes only the rest. A released block whose hash is registered stays
-cached; it is evicted least-recently-used only when the pool needs room.
+Prefix caching: a full block is keyed by a chain hash
+``hash((parent_hash, block_tokens))`` and registered (the scheduler registers
+prompt blocks as prefill computes them, decoded ones when the sequence leaves
+the running set). A new sequence whose prompt starts with the same full
+blocks shares them (ref-counted, read-only) and computes only the rest. A
+released block whose hash is registered stays cached; it is evicted
+least-recently-used only when the pool needs room.
 
 Every device block is in exactly one of three states:
 
@@ -201,12 +203,25 @@ class BlockManager:
         self._tables[seq_id] = list(blocks)
         self._num_registered[seq_id] = len(blocks)
 
+    def extend_hashes(self, token_ids: list[int], hashes: list[int], num_blocks: int) -> None:
+        """Extends ``hashes`` (a sequence's hash cache) to its first ``num_blocks`` full
+        blocks. The scheduler calls it as a request arrives, so admission and prefill
+        only look the hashes up."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = hashes[-1] if hashes else 0
+        append = hashes.append
+        for start in range(len(hashes) * bs, num_blocks * bs, bs):
+            parent = hash((parent, tuple(token_ids[start:start + bs])))
+            append(parent)
+
     def register_full_blocks(self, seq_id: int, token_ids: list[int], hashes: list[int],
                              num_computed: int) -> None:
         """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill.
 
-        ``hashes`` is the sequence's hash cache: blocks hashed before (by a
-        prefix lookup, or before a preemption) are not hashed again."""
+        ``hashes`` is the sequence's hash cache: blocks hashed before (on arrival,
+        by a prefix lookup, or before a preemption) are not hashed again."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -218,13 +233,13 @@ class BlockManager:
         self._num_registered[seq_id] = full
         table = self._tables[seq_id]
         by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
-        parent = hashes[start - 1] if start else 0
         num_hashed = len(hashes)
+        parent = hashes[start - 1] if start else 0
         for i in range(start, full):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             if i < num_hashed:
-                h, chunk = hashes[i], None
+                h = hashes[i]
             else:
-                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
                 h = hash((parent, chunk))
                 hashes.append(h)
             parent = h
@@ -232,7 +247,7 @@ class BlockManager:
             if h not in by_hash and block_hash[block] is None:
                 by_hash[h] = block
                 block_hash[block] = h
-                stored[block] = chunk or tuple(token_ids[i * bs:(i + 1) * bs])
+                stored[block] = chunk
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):

@@ -25,6 +25,22 @@ class FinishReason(enum.IntEnum):
     ERROR = 4
 
 
+class DecodeClock:
+    """What every sequence in decode mode shares: each ``schedule()`` that advances
+    the clock gives each of them one more computed token without touching them.
+
+    A sequence enters decode mode with ``_computed = computed − epoch``; its
+    computed count is then ``_computed + epoch`` and its last scheduled step
+    ``step``. It leaves (its count written back) before anything else changes it.
+    """
+
+    __slots__ = ("epoch", "step")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.step = -1
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """One generation request, owned by the scheduler.
@@ -51,9 +67,13 @@ class Request:
 
     # State. The fields every step reads or writes come first, side by side, so one
     # sequence's per-step work touches as few cache lines as possible.
-    num_computed_tokens: int = 0
+    # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three:
+    # in decode mode (``_clock`` set) they advance with the scheduler's DecodeClock
+    # instead of being written every step (see ``Scheduler._schedule_decodes``).
+    _computed: int = dataclasses.field(default=0, init=False, repr=False)
+    _scheduled_step: int = dataclasses.field(default=-1, init=False, repr=False)
+    _clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)
     status: RequestStatus = RequestStatus.WAITING
-    scheduled_step: int = -1  # last step that gave it tokens
     # Filled at admission from the executor's model: what ends it.
     stop_ids: frozenset[int] = frozenset()
     length_limit: int = 0
@@ -67,6 +87,32 @@ class Request:
     # filled by the block manager as it needs them: each block of a request is hashed
     # once in its lifetime (admission, registration and every resume reuse them).
     block_hashes: list[int] = dataclasses.field(default_factory=list)
+
+    # Decode mode: the clock epoch of its next block boundary or exit, and which.
+    _due_epoch: int = dataclasses.field(default=-1, init=False, repr=False)
+    _due_kind: int = dataclasses.field(default=0, init=False, repr=False)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V the executor holds or computes in a step already planned."""
+        clock = self._clock
+        return self._computed if clock is None else self._computed + clock.epoch
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        clock = self._clock
+        self._computed = value if clock is None else value - clock.epoch
+
+    @property
+    def scheduled_step(self) -> int:
+        """The last step that gave it tokens."""
+        clock = self._clock
+        return self._scheduled_step if clock is None else clock.step
+
+    @scheduled_step.setter
+    def scheduled_step(self, value: int) -> None:
+        assert self._clock is None, "a sequence in decode mode is scheduled by its clock"
+        self._scheduled_step = value
 
     @property
     def num_tokens(self) -> int:

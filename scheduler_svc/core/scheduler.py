@@ -14,7 +14,11 @@ Order of one iteration (DESIGN.md §3):
 
 The output is columnar (lists of ids and counts) because the per-step path
 is hot: at 256 running sequences the whole schedule + update must stay in
-the low hundreds of microseconds.
+the low hundreds of microseconds. For the same reason a sequence that just
+decodes is not touched each step (decode mode: ``_schedule_decodes``), the
+answer's samples for those are applied column-wise (``_apply_bulk``), a
+prompt's block hashes are computed when it arrives, and the blocks a sequence
+decodes are indexed in the prefix cache once, when it leaves the running set.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -30,10 +36,20 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.preemption import CostModel, pick_victim, priority_key
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.request import DecodeClock, FinishReason, Request, RequestStatus
 
 # (request, new token or None, finish reason or None): what a client must hear.
 Event = tuple[Request, int | None, FinishReason | None]
+
+_seq_id = operator.attrgetter("seq_id")
+# Decode-mode calendar events, and the smallest block size decode mode is used for
+# (below it every step is a boundary).
+_DUE_START, _DUE_LEAVE = 0, 1
+_MIN_DECODE_MODE_BLOCK = 2
+
+
+def _consume(iterator) -> None:
+    collections.deque(iterator, maxlen=0)
 
 
 class QueueFull(Exception):
@@ -73,6 +89,21 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # host, device
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0
+    # Columnar extras for the hot path (plan building and ``update``):
+    cached_seq_ids: list[int] = dataclasses.field(default_factory=list)
+    cached_prefills: list[Request] = dataclasses.field(default_factory=list)  # chunks, last
+    # The first ``num_bulk`` of ``cached`` are decode-mode sequences (one token each,
+    # each samples); ``bulk_token_lists`` are their token lists, in the same order.
+    num_bulk: int = 0
+    bulk_token_lists: list[list[int]] = dataclasses.field(default_factory=list)
+    # The seq ids the executor's answer lists, in order, if every sample comes back;
+    # the first ``num_new_samplers`` are new sequences, then the bulk decodes.
+    sampler_ids: list[int] = dataclasses.field(default_factory=list)
+    num_new_samplers: int = 0
+    # Sent and not yet answered (nor voided), and which sequences left the running set
+    # since it was built (their samples need the per-sequence checks).
+    open: bool = False
+    removed: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
@@ -101,11 +132,21 @@ class Scheduler:
         self.running: list[Request] = []  # priority order: (tier, admission)
         self._running_keys: list[tuple[int, int]] = []
         self._by_seq: dict[int, Request] = {}  # running only
+        # Decode mode (see _schedule_decodes): running sequences that decode one token a
+        # step advance by the shared clock; the rest of the running set is "explicit"
+        # and scheduled one by one. _due: clock epoch → the decode-mode sequences whose
+        # token at that epoch's schedule() starts a block, or that must leave.
+        self._clock = DecodeClock()
+        self._dm_ids: dict[Request, int] = {}
+        self._dm_tokens: dict[Request, list[int]] = {}
+        self._explicit: dict[Request, None] = {}
+        self._due: dict[int, list[Request]] = {}
         self._running_per_tenant: collections.Counter[str] = collections.Counter()
         self._to_drop: list[int] = []
-        # Plans built and not yet answered (update): their step ids and drop lists (a
-        # refused plan's drops are sent again). More than one only when scheduling ahead.
-        self._unconfirmed: collections.deque[tuple[int, list[int]]] = collections.deque()
+        # Plans built and not yet answered (update): their step ids, drop lists (a refused
+        # plan's drops are sent again) and outputs. More than one only when scheduling ahead.
+        self._unconfirmed: collections.deque[tuple[int, list[int], SchedulerOutput]] = \
+            collections.deque()
         # Preempted while their sample from an unanswered step was pending: that sample
         # still counts (a synchronous scheduler would have had it before preempting).
         self._awaiting: dict[int, Request] = {}
@@ -113,6 +154,7 @@ class Scheduler:
         self._events: list[Event] = []
         self._step_id = 0
         self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
+        self._stop_union: frozenset[int] = frozenset()  # of every set in _stop_sets
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self._admit_seq = 0
         self.num_finished = 0
@@ -159,11 +201,11 @@ class Scheduler:
         sequences are recomputed too, and the drop list is sent again. Plans built
         after it (scheduling ahead) are void too: answers to them must not be applied
         (the caller ignores them), and their drop lists are sent again as well."""
-        for _, dropped in self._unconfirmed:
+        for _, dropped, _ in self._unconfirmed:
             self._to_drop.extend(dropped)
         self._forget_unconfirmed()
         for req in list(reversed(self.running)):
-            self._preempt(req, "resync", allow_swap=False)
+            self._preempt(req, "resync", allow_swap=False, index=False)
         for req in self.waiting:
             if req.status == RequestStatus.SWAPPED:
                 self.block_manager.free(req.seq_id)
@@ -172,7 +214,7 @@ class Scheduler:
 
     def _reset_kv(self) -> None:
         for req in list(reversed(self.running)):
-            self._preempt(req, "executor_restart", allow_swap=False)
+            self._preempt(req, "executor_restart", allow_swap=False, index=False)
         for req in list(self.waiting):
             if req.status == RequestStatus.SWAPPED:
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
@@ -183,6 +225,8 @@ class Scheduler:
     def _forget_unconfirmed(self) -> None:
         """No answer will be applied to the plans built so far: their pending samples are
         dropped (every running sequence is recomputed from its token history)."""
+        for _, _, out in self._unconfirmed:
+            out.open = False
         self._unconfirmed.clear()
         self._awaiting.clear()
 
@@ -200,6 +244,9 @@ class Scheduler:
             raise QueueFull(f"tenant {req.tenant!r} has {cap} requests waiting, its cap",
                             self._retry_after())
         req.arrival_time = req.arrival_time or self.clock()
+        if self.block_manager is not None:  # hash the prompt now, not in a step
+            self.block_manager.extend_hashes(req.token_ids, req.block_hashes,
+                                             len(req.token_ids) // self.model.block_size)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -262,8 +309,23 @@ class Scheduler:
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         out.swap_out, self._swap_out = self._swap_out, []
         if not out.is_empty:  # an empty plan is never sent, so never answered
-            self._unconfirmed.append((out.step_id, out.finished_seq_ids))
+            self._unconfirmed.append((out.step_id, out.finished_seq_ids, out))
+            out.open = True
+            self._list_samplers(out)
         return out
+
+    @staticmethod
+    def _list_samplers(out: SchedulerOutput) -> None:
+        """The answer's seq ids, in plan order, if every sample comes back (new sequences,
+        then the cached ones: decodes all sample, a prefill chunk when it completes)."""
+        ids = [r.seq_id for r, _ in out.new if r.num_computed_tokens >= len(r.token_ids)]
+        out.num_new_samplers = len(ids)
+        cached_ids = out.cached_seq_ids
+        num_decodes = len(cached_ids) - len(out.cached_prefills)
+        ids += cached_ids[:num_decodes]
+        ids += [r.seq_id for r in out.cached_prefills
+                if r.num_computed_tokens >= len(r.token_ids)]
+        out.sampler_ids = ids
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int, ahead: bool):
         """Step 2: one token for every running decode. Returns (budget, partial prefills).
@@ -272,54 +334,170 @@ class Scheduler:
         (``num_computed_tokens == len(token_ids)``) decodes the token to come,
         unless that token is certainly its last.
 
-        The hottest loop of the scheduler: at 256 sequences every attribute
-        access shows. A decode leaves the fast path only on a block boundary
-        (about one in ``block_size`` per step): when its token starts a block
-        or fills one.
+        The hottest path of the scheduler, so most decodes are not touched at all. A
+        sequence that decodes one token a step is in *decode mode*: advancing the shared
+        DecodeClock schedules all of them at once (their ids and token lists come from
+        two dicts, in one order). A calendar keyed by clock epoch names the few that
+        need a look this step: their token starts a block (it is appended, and the
+        sequence moves to the end of the order so the plan's block deltas are the
+        bulk's tail; with no block free it leaves decode mode, as it must to preempt),
+        or their sample could be their last (they leave). Everything else — a new
+        sequence, its first decode, a prefill chunk — goes through the explicit loop
+        below, in priority order. (Decoded blocks are indexed when the sequence leaves
+        the running set: ``_remove_running``.)
         """
         bm = self.block_manager
         bs = bm.block_size
         step = self._step_id
+        clock = self._clock
+        dm_ids, dm_tokens = self._dm_ids, self._dm_tokens
+        starts: list[Request] = []
+        start_blocks: list[int] = []
+        leave_after: list[Request] = []  # decode this step, then leave decode mode
+        due_starts: list[Request] = []
+        epoch = clock.epoch
+        if len(self._unconfirmed) > 1:
+            # Two unanswered plans: a decode-mode sequence may have no pending token
+            # left to decode, which only the explicit loop checks.
+            self._leave_all_decode_mode()
+        else:
+            due = self._due.pop(epoch, None)
+            if due:
+                for req in dict.fromkeys(due):  # once each, in case it came back
+                    if req._clock is not clock or req._due_epoch != epoch:
+                        continue  # left decode mode since
+                    if req._due_kind == _DUE_START:
+                        due_starts.append(req)
+                    else:
+                        self._leave_decode_mode(req)
         running_status = RequestStatus.RUNNING
         prefills: list[Request] = []
-        decodes = out.cached
+        decodes: list[Request] = []
         append = decodes.append
         grew: list[tuple[int, list[int]]] = []  # (index in decodes, new block ids)
-        for req in list(self.running):
+        explicit = self._explicit
+        if due_starts or len(explicit) > 1:  # blocks go in priority order
+            order = sorted(itertools.chain(explicit, due_starts), key=priority_key)
+        else:
+            order = list(explicit)
+        for req in order:
+            if req._clock is clock:  # in decode mode, and its token starts a block
+                c = req._computed + epoch
+                need = bm.num_new_blocks(req.seq_id, c + 1)
+                if need == 0 or (need == 1 and bm.num_free_blocks):
+                    if need:
+                        start_blocks.append(bm.append_block(req.seq_id))
+                        starts.append(req)
+                        del dm_ids[req], dm_tokens[req]  # to the end of the order
+                        dm_ids[req] = req.seq_id
+                        dm_tokens[req] = req.token_ids
+                    if not self._plan_due(req, c + 1, epoch + 1, bs):
+                        leave_after.append(req)
+                    continue
+                self._leave_decode_mode(req)  # it may have to preempt: one by one
             if req.status is not running_status:
                 continue  # preempted earlier in this loop
-            computed = req.num_computed_tokens
+            computed = req._computed
             pending = len(req.token_ids) - computed
             if pending != 1 and (pending or not ahead
                                  or computed + 1 >= req.length_limit):
                 prefills.append(req)
                 continue
-            if (computed + 1) % bs <= 1:  # a block boundary (always, for block_size 1)
-                if computed % bs == 0:  # the token starts a new block
-                    if bs > 1 and bm.num_free_blocks and \
-                            bm.num_new_blocks(req.seq_id, computed + 1) == 1:
-                        grew.append((len(decodes), [bm.append_block(req.seq_id)]))
-                    else:
-                        new = self._grow_decode(req, computed)
-                        if new is None:
-                            continue
-                        if new:
-                            grew.append((len(decodes), new))
-                else:  # the token fills its block
-                    bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                            computed + 1)
-            req.num_computed_tokens = computed + 1
-            req.scheduled_step = step
+            if computed % bs == 0:  # the token starts a new block
+                if bm.num_free_blocks and bm.num_new_blocks(req.seq_id, computed + 1) == 1:
+                    grew.append((len(decodes), [bm.append_block(req.seq_id)]))
+                else:
+                    new = self._grow_decode(req, computed)
+                    if new is None:
+                        continue
+                    if new:
+                        grew.append((len(decodes), new))
+            req._computed = computed + 1
+            req._scheduled_step = step
             append(req)
-        k = len(decodes)
+        # Everything in decode mode decodes now: the clock advance is their
+        # "num_computed_tokens += 1; scheduled_step = step".
+        num_bulk = len(dm_ids)
+        out.cached = list(dm_ids)
+        out.cached.extend(decodes)
+        out.cached_seq_ids = list(dm_ids.values())
+        out.cached_seq_ids.extend(map(_seq_id, decodes))
+        out.bulk_token_lists = list(dm_tokens.values())
+        out.num_bulk = num_bulk
+        if starts:  # the bulk's tail, minus any preempted in the explicit loop
+            start_blocks = [b for r, b in zip(starts, start_blocks, strict=True)
+                            if r._clock is clock]
+        clock.epoch += 1
+        clock.step = step
+        for req in leave_after:
+            if req._clock is clock:
+                self._leave_decode_mode(req)
+        if bs >= _MIN_DECODE_MODE_BLOCK:
+            for req in decodes:
+                if req.status is running_status:
+                    self._enter_decode_mode(req, bs)
+        k = len(out.cached)
         self._charge_decodes(prefills)
         out.cached_num_tokens.extend([1] * k)
         nnew = [0] * k
+        if start_blocks:
+            nnew[num_bulk - len(start_blocks):num_bulk] = [1] * len(start_blocks)
+            out.cached_new_block_ids.extend(start_blocks)
         for i, new in grew:
-            nnew[i] = len(new)
+            nnew[num_bulk + i] = len(new)
             out.cached_new_block_ids.extend(new)
         out.cached_num_new_blocks.extend(nnew)
         return budget - k, prefills
+
+    def _plan_due(self, req: Request, c: int, epoch: int, bs: int) -> bool:
+        """Puts decode-mode ``req`` in the calendar: at the schedule of clock ``epoch``
+        it will have computed ``c``; its next event is the first epoch whose token
+        starts a block, or whose sample could be its last (then it leaves). False
+        when that is a leave at ``epoch`` itself."""
+        to_start = (-c) % bs
+        to_limit = req.length_limit - 2 - c
+        if to_limit <= to_start:
+            j, kind = to_limit, _DUE_LEAVE
+            if j <= 0:
+                return False
+        else:
+            j, kind = to_start, _DUE_START
+        epoch += j
+        req._due_epoch = epoch
+        req._due_kind = kind
+        due = self._due.get(epoch)
+        if due is None:
+            self._due[epoch] = [req]
+        else:
+            due.append(req)
+        return True
+
+    def _enter_decode_mode(self, req: Request, bs: int) -> None:
+        """After the clock advanced: ``req`` (explicit, just given a decode) rides the
+        clock from now on, unless its next sample could already be its last."""
+        clock = self._clock
+        c = req._computed
+        if not self._plan_due(req, c, clock.epoch, bs):
+            return
+        req._computed = c - clock.epoch
+        req._clock = clock
+        del self._explicit[req]
+        self._dm_ids[req] = req.seq_id
+        self._dm_tokens[req] = req.token_ids
+
+    def _leave_decode_mode(self, req: Request) -> None:
+        clock = req._clock
+        req._computed += clock.epoch
+        req._scheduled_step = clock.step
+        req._clock = None
+        del self._dm_ids[req]
+        del self._dm_tokens[req]
+        self._explicit[req] = None
+
+    def _leave_all_decode_mode(self) -> None:
+        for req in list(self._dm_ids):
+            self._leave_decode_mode(req)
+        self._due.clear()
 
     def _charge_decodes(self, prefills: list[Request]) -> None:
         """Fairness accounting: one token per running decode, per tenant in
@@ -339,10 +517,7 @@ class Scheduler:
         bm = self.block_manager
         if not self._make_room(req, computed + 1):
             return None
-        new = bm.grow(req.seq_id, computed + 1)
-        if (computed + 1) % bm.block_size == 0:  # block_size 1
-            bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes, computed + 1)
-        return new
+        return bm.grow(req.seq_id, computed + 1)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int,
                            prefills: list[Request]) -> int:
@@ -358,6 +533,8 @@ class Scheduler:
                 continue
             new = self._advance(req, n)
             out.cached.append(req)
+            out.cached_seq_ids.append(req.seq_id)
+            out.cached_prefills.append(req)
             out.cached_num_tokens.append(n)
             out.cached_num_new_blocks.append(len(new))
             out.cached_new_block_ids.extend(new)
@@ -469,10 +646,16 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
             req.prepare(self.model.eos_token_ids, self.model.max_model_len)
-            # Requests share one object per distinct stop set (fewer cache lines per step).
+        # Requests share one object per distinct stop set (fewer cache lines per step),
+        # and every running one's is in _stop_union (update's stop-token filter).
+        interned = self._stop_sets.get(req.stop_ids)
+        if interned is None:
             if len(self._stop_sets) > 1024:
                 self._stop_sets.clear()
-            req.stop_ids = self._stop_sets.setdefault(req.stop_ids, req.stop_ids)
+                self._stop_union = frozenset().union(*(r.stop_ids for r in self.running))
+            interned = self._stop_sets[req.stop_ids] = req.stop_ids
+            self._stop_union |= interned
+        req.stop_ids = interned
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
@@ -481,6 +664,7 @@ class Scheduler:
         self._running_keys.insert(i, key)
         self.running.insert(i, req)
         self._by_seq[req.seq_id] = req
+        self._explicit[req] = None
         self._running_per_tenant[req.tenant] += 1
 
     def _watermark_blocks(self) -> int:
@@ -492,14 +676,33 @@ class Scheduler:
                token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
-        append = events.append
+        was_open, out.open = out.open, False
         confirmed = self._unconfirmed
         while confirmed and confirmed[0][0] <= out.step_id:
-            confirmed.popleft()
-        bm = self.block_manager
-        bs = bm.block_size
+            confirmed.popleft()[2].open = False
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
+        if was_open and seq_ids == out.sampler_ids:
+            a = out.num_new_samplers
+            b = a + out.num_bulk
+            if a:
+                self._apply_samples(seq_ids[:a], token_ids[:a], events)
+            if b > a:
+                self._apply_bulk(out, token_ids[a:b], events)
+            self._apply_samples(seq_ids[b:], token_ids[b:], events)
+        else:
+            # A sample is missing or unasked for: decode mode assumes each of its
+            # sequences got the one it was planned, so they go back to explicit steps.
+            self._leave_all_decode_mode()
+            self._apply_samples(seq_ids, token_ids, events)
+        if self._awaiting:
+            self._apply_awaiting(out.step_id, seq_ids, token_ids, events)
+        return events
+
+    def _apply_samples(self, seq_ids: list[int], token_ids: list[int],
+                       events: list[Event]) -> None:
+        """Samples one by one, with every check (the answer's non-bulk part)."""
+        append = events.append
         # Running sequences only: one aborted or preempted while the step ran is None.
         for req, token in zip(map(self._by_seq.get, seq_ids), token_ids, strict=True):
             if req is None:
@@ -507,17 +710,11 @@ class Scheduler:
             tokens = req.token_ids
             num_tokens = len(tokens)
             computed = req.num_computed_tokens
-            if computed != num_tokens:
-                if computed != num_tokens + 1:
-                    continue  # a sample this step did not ask for (stale result)
-                # Scheduled ahead: a later step already computes this token; the block
-                # it fills can be indexed now that its tokens are known.
-                tokens.append(token)
-                if (num_tokens + 1) % bs == 0:
-                    bm.register_full_blocks(req.seq_id, tokens, req.block_hashes,
-                                            num_tokens + 1)
-            else:
-                tokens.append(token)
+            if computed != num_tokens and computed != num_tokens + 1:
+                continue  # a sample this step did not ask for (stale result)
+            # (computed == num_tokens + 1: scheduled ahead, a later step already
+            # computes this token.)
+            tokens.append(token)
             if token in req.stop_ids or num_tokens >= req.length_limit - 1:
                 reason = req.finish_reason_for(token)
                 if reason is not None:
@@ -526,9 +723,50 @@ class Scheduler:
                 append((req, token, reason))
             else:
                 append((req, token, None))
-        if self._awaiting:
-            self._apply_awaiting(out.step_id, seq_ids, token_ids, events)
-        return events
+
+    def _apply_bulk(self, out: SchedulerOutput, token_ids: list[int],
+                    events: list[Event]) -> None:
+        """Samples of the plan's decode-mode sequences, columnar. Each is still running
+        unless listed in ``out.removed``, its sample is the one planned, and it is not
+        its last by length (decode mode ends before that), so only a stop token needs
+        a look at the sequence itself."""
+        n = out.num_bulk
+        cuts: list[int] = []
+        if out.removed:
+            ids = out.cached_seq_ids
+            for seq_id in out.removed:
+                try:
+                    cuts.append(ids.index(seq_id, 0, n))
+                except ValueError:
+                    pass
+            cuts.sort()
+        lo = 0
+        for cut in cuts:
+            self._apply_bulk_run(out, token_ids, lo, cut, events)
+            self._apply_samples([out.cached_seq_ids[cut]], [token_ids[cut]], events)
+            lo = cut + 1
+        self._apply_bulk_run(out, token_ids, lo, n, events)
+
+    def _apply_bulk_run(self, out: SchedulerOutput, token_ids: list[int], lo: int, hi: int,
+                        events: list[Event]) -> None:
+        if lo >= hi:
+            return
+        tokens = token_ids[lo:hi]
+        reqs = out.cached[lo:hi]
+        _consume(map(list.append, out.bulk_token_lists[lo:hi], tokens))
+        base = len(events)
+        events.extend(zip(reqs, tokens, itertools.repeat(None)))
+        stop = self._stop_union
+        if stop.isdisjoint(tokens):
+            return
+        for i in itertools.compress(range(hi - lo), map(stop.__contains__, tokens)):
+            req, token = reqs[i], tokens[i]
+            if token in req.stop_ids:
+                reason = req.finish_reason_for(token)
+                if reason is not None:
+                    self._remove_running(req)
+                    self._finish(req, reason)
+                    events[base + i] = (req, token, reason)
 
     def _apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
                         events: list[Event]) -> None:
@@ -556,10 +794,12 @@ class Scheduler:
 
     # -- transitions -------------------------------------------------------------------
 
-    def _preempt(self, req: Request, reason: str, allow_swap: bool = True) -> None:
-        """Swap (if cheaper and the host pool has room) or recompute."""
+    def _preempt(self, req: Request, reason: str, allow_swap: bool = True,
+                 index: bool = True) -> None:
+        """Swap (if cheaper and the host pool has room) or recompute. ``index``: False
+        when the cache is about to be forgotten (resync, a new executor)."""
         bm = self.block_manager
-        self._remove_running(req)
+        self._remove_running(req, index)
         self._to_drop.append(req.seq_id)  # the executor drops its state either way
         if self._unconfirmed and req.num_computed_tokens == len(req.token_ids):
             self._awaiting[req.seq_id] = req  # its sample from an unanswered step counts
@@ -582,13 +822,24 @@ class Scheduler:
         self.preemptions_by_reason[f"{reason}:{'swap' if swap else 'recompute'}"] += 1
         self.waiting.push(req, front=True)
 
-    def _remove_running(self, req: Request) -> None:
+    def _remove_running(self, req: Request, index: bool = True) -> None:
+        """``index``: its full blocks go into the prefix cache first. Decoded blocks
+        are indexed here, once per sequence, not as each fills (one call instead of
+        one per block; while it runs no other sequence has its output anyway)."""
+        if req._clock is not None:
+            self._leave_decode_mode(req)
+        if index:
+            self.block_manager.register_full_blocks(
+                req.seq_id, req.token_ids, req.block_hashes, req._computed)
         i = bisect.bisect_left(self._running_keys, priority_key(req))
         assert self.running[i] is req
         del self.running[i]
         del self._running_keys[i]
         del self._by_seq[req.seq_id]
+        del self._explicit[req]
         self._running_per_tenant[req.tenant] -= 1
+        for _, _, out in self._unconfirmed:  # its samples there need the full checks
+            out.removed.add(req.seq_id)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if self.block_manager is not None:
@@ -621,6 +872,14 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         assert self._running_keys == sorted(self._running_keys)
         assert set(self._by_seq.values()) == set(self.running)
+        assert self._dm_ids.keys() == self._dm_tokens.keys()
+        assert not (self._dm_ids.keys() & self._explicit.keys())
+        assert self._dm_ids.keys() | self._explicit.keys() == set(self.running)
+        for req, seq_id in self._dm_ids.items():
+            assert req._clock is self._clock and seq_id == req.seq_id
+            assert self._dm_tokens[req] is req.token_ids
+            assert req._due_epoch >= self._clock.epoch, "its event is past"
+            assert req in self._due.get(req._due_epoch, ()), "no event planned"
         ahead = 1 if self._unconfirmed else 0  # a decode of a pending sample
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
