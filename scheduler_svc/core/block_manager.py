@@ -126,6 +126,18 @@ class BlockManager:
         self._tables[seq_id].append(block)
         return block
 
+    def try_append_block(self, seq_id: int, num_tokens: int) -> int:
+        """The hot case of ``grow`` for a decode: the block id appended so ``seq_id``
+        holds ``num_tokens`` positions, -1 if it holds them already, -2 if that takes
+        more than one block or none is free (then ``can_grow``/``grow``)."""
+        table = self._tables[seq_id]
+        need = -(-num_tokens // self.block_size) - len(table)
+        if need <= 0:
+            return -1
+        if need > 1 or not (self._free or self._evictable):
+            return -2
+        return self.append_block(seq_id)
+
     def _take_blocks(self, n: int) -> list[int]:
         """``n`` blocks, free ones first (in ``pop()`` order), then LRU evictions."""
         free = self._free

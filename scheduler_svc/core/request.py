@@ -88,6 +88,7 @@ class Request:
     # once in its lifetime (admission, registration and every resume reuse them).
     block_hashes: list[int] = dataclasses.field(default_factory=list)
 
+    _order_key: int = dataclasses.field(default=0, init=False, repr=False)  # see Scheduler
     # Decode mode: the clock epoch of its next block boundary or exit, and which.
     _due_epoch: int = dataclasses.field(default=-1, init=False, repr=False)
     _due_kind: int = dataclasses.field(default=0, init=False, repr=False)

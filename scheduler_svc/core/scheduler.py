@@ -42,6 +42,8 @@ from scheduler_svc.core.request import DecodeClock, FinishReason, Request, Reque
 Event = tuple[Request, int | None, FinishReason | None]
 
 _seq_id = operator.attrgetter("seq_id")
+# priority_key as one int, set while running (sorting by it compares no tuples).
+_order_key = operator.attrgetter("_order_key")
 # Decode-mode calendar events, and the smallest block size decode mode is used for
 # (below it every step is a boundary).
 _DUE_START, _DUE_LEAVE = 0, 1
@@ -377,21 +379,30 @@ class Scheduler:
         grew: list[tuple[int, list[int]]] = []  # (index in decodes, new block ids)
         explicit = self._explicit
         if due_starts or len(explicit) > 1:  # blocks go in priority order
-            order = sorted(itertools.chain(explicit, due_starts), key=priority_key)
+            order = sorted(itertools.chain(explicit, due_starts), key=_order_key)
         else:
             order = list(explicit)
+        preempts_before = self.num_preemptions
+        due_map = self._due
         for req in order:
             if req._clock is clock:  # in decode mode, and its token starts a block
                 c = req._computed + epoch
-                need = bm.num_new_blocks(req.seq_id, c + 1)
-                if need == 0 or (need == 1 and bm.num_free_blocks):
-                    if need:
-                        start_blocks.append(bm.append_block(req.seq_id))
+                block = bm.try_append_block(req.seq_id, c + 1)
+                if block != -2:
+                    if block >= 0:
+                        start_blocks.append(block)
                         starts.append(req)
                         del dm_ids[req], dm_tokens[req]  # to the end of the order
                         dm_ids[req] = req.seq_id
                         dm_tokens[req] = req.token_ids
-                    if not self._plan_due(req, c + 1, epoch + 1, bs):
+                    if req.length_limit - c - 2 > bs:  # its next block start comes first
+                        nxt = req._due_epoch = epoch + bs
+                        at = due_map.get(nxt)
+                        if at is None:
+                            due_map[nxt] = [req]
+                        else:
+                            at.append(req)
+                    elif not self._plan_due(req, c + 1, epoch + 1, bs):
                         leave_after.append(req)
                     continue
                 self._leave_decode_mode(req)  # it may have to preempt: one by one
@@ -404,9 +415,10 @@ class Scheduler:
                 prefills.append(req)
                 continue
             if computed % bs == 0:  # the token starts a new block
-                if bm.num_free_blocks and bm.num_new_blocks(req.seq_id, computed + 1) == 1:
-                    grew.append((len(decodes), [bm.append_block(req.seq_id)]))
-                else:
+                block = bm.try_append_block(req.seq_id, computed + 1)
+                if block >= 0:
+                    grew.append((len(decodes), [block]))
+                elif block == -2:
                     new = self._grow_decode(req, computed)
                     if new is None:
                         continue
@@ -424,8 +436,8 @@ class Scheduler:
         out.cached_seq_ids.extend(map(_seq_id, decodes))
         out.bulk_token_lists = list(dm_tokens.values())
         out.num_bulk = num_bulk
-        if starts:  # the bulk's tail, minus any preempted in the explicit loop
-            start_blocks = [b for r, b in zip(starts, start_blocks, strict=True)
+        if starts and self.num_preemptions != preempts_before:  # the bulk's tail: less
+            start_blocks = [b for r, b in zip(starts, start_blocks, strict=True)  # victims
                             if r._clock is clock]
         clock.epoch += 1
         clock.step = step
@@ -504,13 +516,12 @@ class Scheduler:
         O(tenants) rather than a dict update per sequence (a decode that lost
         its turn to preemption this step is still charged: an approximation
         the virtual token counter tolerates)."""
-        per_tenant = self._running_per_tenant
-        if prefills:
-            per_tenant = per_tenant.copy()
-            per_tenant.subtract(r.tenant for r in prefills)
-        for tenant, count in per_tenant.items():
+        charge = self.waiting.charge
+        for tenant, count in self._running_per_tenant.items():
             if count > 0:
-                self.waiting.charge(tenant, count)
+                charge(tenant, count)
+        for req in prefills:  # running but not decoding
+            charge(req.tenant, -1)
 
     def _grow_decode(self, req: Request, computed: int) -> list[int] | None:
         """A block for a decode's next token (preempting if needed); None if it lost its turn."""
@@ -660,6 +671,7 @@ class Scheduler:
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
         key = priority_key(req)
+        req._order_key = (key[0] << 48) | key[1]
         i = bisect.bisect(self._running_keys, key)
         self._running_keys.insert(i, key)
         self.running.insert(i, req)
