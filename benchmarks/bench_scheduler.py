@@ -11,6 +11,12 @@ Per step it times schedule(), build_plan_message() (core output → protobuf),
 serializing the plan frame, and update() (applying the result); the executor side
 (parsing the frame) is timed separately. "preempt" counts the timed steps only.
 
+This machine's speed drifts by up to 1.7x between consecutive runs of the same code, so
+each row also times a reference the way FACTS.md did (best of repeated runs), before
+and after the row: the columnar plan encode at 256 sequences, 24 us on the FACTS.md
+machine. "x ref" is the mean of the two over 24 us (how much slower this machine is
+right now), and "@ref" is TOTAL divided by it: the figure scaled to the FACTS.md machine.
+
     make bench-scheduler      # or: .venv/bin/python -m benchmarks.bench_scheduler
 """
 
@@ -20,6 +26,7 @@ import itertools
 import random
 import statistics
 import time
+import timeit
 
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
@@ -27,6 +34,23 @@ from scheduler_svc.core import ModelInfo, QueueFull, Request, Scheduler, Schedul
 from scheduler_svc.plan import build_plan_message
 
 SYSTEM_PROMPT = list(range(1000, 1064))
+REFERENCE_US = 24.0  # FACTS.md: protobuf, columnar, encode at 256 sequences
+
+
+def reference_encode() -> bytes:
+    """FACTS.md's "protobuf, columnar" encode: 256 decodes, 1 in 16 adding a block."""
+    plan = pb.BatchPlan()
+    plan.cached_seq_ids.extend(_REF_IDS)
+    plan.cached_num_scheduled_tokens.extend(_REF_ONES)
+    plan.cached_num_new_blocks.extend(_REF_NEW)
+    plan.cached_new_block_ids.extend(_REF_BLOCKS)
+    return plan.SerializeToString()
+
+
+_REF_IDS = list(range(1000, 1256))
+_REF_ONES = [1] * 256
+_REF_NEW = [1 if i % 16 == 0 else 0 for i in range(256)]
+_REF_BLOCKS = list(range(16))
 
 
 class Workload:
@@ -56,6 +80,7 @@ def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85) -> dict[str, flo
     sched, work = make_scheduler(num_seqs, kv_fraction), Workload()
     timings: dict[str, list[float]] = {"schedule": [], "plan": [], "serialize": [],
                                        "update": [], "executor_parse": []}
+
     tokens = preempts_at_start = 0
     for i in range(steps + 50):
         if i == 50:
@@ -96,17 +121,26 @@ def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85) -> dict[str, flo
     return med
 
 
+def reference_us() -> float:
+    """Best of 5 × 200 reference encodes, in µs each."""
+    return min(timeit.repeat(reference_encode, number=200, repeat=5)) / 200 * 1e6
+
+
 def main() -> None:
     print(f"{'seqs':>5} {'kv':>5} {'running':>7} {'tok/step':>8} {'schedule':>9} {'plan':>6} "
           f"{'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} {'exec parse':>10} "
-          f"{'preempt':>7} {'prefix hits':>11}   (µs per step)")
+          f"{'preempt':>7} {'prefix hits':>11} {'x ref':>6} {'@ref':>5}   (µs per step)")
     for n, steps, kv in ((64, 400, 0.85), (256, 300, 0.85), (1024, 100, 0.85),
                          (256, 300, 0.65)):
+        before = reference_us()
         r = bench(n, steps, kv)
+        speed = (before + reference_us()) / 2 / REFERENCE_US
+        r["speed"], r["at_ref"] = speed, r["total"] / speed
         print(f"{n:>5} {kv:>5.0%} {r['running']:>7} {r['tokens_per_step']:>8.0f} "
               f"{r['schedule']:>9.0f} {r['plan']:>6.0f} {r['serialize']:>9.0f} {r['update']:>7.0f} "
               f"{r['total']:>9.0f} {r['mean_total']:>6.0f} {r['executor_parse']:>10.0f} "
-              f"{r['preemptions']:>7} {r['hit_rate']:>10.0%}")
+              f"{r['preemptions']:>7} {r['hit_rate']:>10.0%} {r['speed']:>6.2f} "
+              f"{r['at_ref']:>5.0f}")
 
 
 if __name__ == "__main__":

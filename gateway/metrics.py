@@ -65,6 +65,11 @@ class _ReplicaCollector(Collector):
         preemptions = CounterMetricFamily("continuum:num_preemptions",
                                           "Preemptions at the replica since it started.",
                                           labels=labels)
+        fallbacks = CounterMetricFamily(
+            "continuum:scheduler_update_fallbacks",
+            "Executor answers that did not list the samples the plan asked for (applied one "
+            "sequence at a time); steady growth means an executor answers out of plan.",
+            labels=labels)
         healthy = GaugeMetricFamily("continuum:replica_healthy",
                                     "1 if the gateway routes to the replica, else 0.",
                                     labels=labels)
@@ -81,7 +86,8 @@ class _ReplicaCollector(Collector):
             total = stats.num_total_blocks
             kv.add_metric(ids, 1 - stats.num_free_blocks / total if total else 0.0)
             preemptions.add_metric(ids, stats.num_preemptions)
-        yield from (running, waiting, kv, preemptions, healthy)
+            fallbacks.add_metric(ids, stats.num_update_fallbacks)
+        yield from (running, waiting, kv, preemptions, fallbacks, healthy)
 
 
 class GatewayMetrics:

@@ -143,6 +143,8 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         num_decode_steps=loop.num_decode_steps,
         num_stalled_decode_steps=loop.num_stalled_decode_steps,
         num_stalled_prefill_tokens=loop.num_stalled_prefill_tokens,
+        num_columnar_updates=loop.core.num_columnar_updates,
+        num_update_fallbacks=loop.core.num_update_fallbacks,
         num_running_by_tier=running_by_tier,
         num_waiting_by_tier=waiting_by_tier,
         **s,

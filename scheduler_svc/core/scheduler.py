@@ -160,6 +160,8 @@ class Scheduler:
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self._admit_seq = 0
         self.num_finished = 0
+        self.num_columnar_updates = 0  # update() fast path, and the rest
+        self.num_update_fallbacks = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
         self.reconfigure(config)
@@ -695,6 +697,7 @@ class Scheduler:
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
         if was_open and seq_ids == out.sampler_ids:
+            self.num_columnar_updates += 1
             a = out.num_new_samplers
             b = a + out.num_bulk
             if a:
@@ -705,6 +708,7 @@ class Scheduler:
         else:
             # A sample is missing or unasked for: decode mode assumes each of its
             # sequences got the one it was planned, so they go back to explicit steps.
+            self.num_update_fallbacks += 1
             self._leave_all_decode_mode()
             self._apply_samples(seq_ids, token_ids, events)
         if self._awaiting:

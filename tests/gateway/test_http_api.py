@@ -359,7 +359,7 @@ def test_metrics_use_the_documented_names_and_tiers(tokenizer):
     assert f"continuum:prompt_tokens_total{{{label}}} 1.0" in text
     assert 'continuum:request_errors_total{code="INVALID_ARGUMENT"' in text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "num_preemptions_total"):
+                 "num_preemptions_total", "scheduler_update_fallbacks_total"):
         assert f"# TYPE continuum:{name.removesuffix('_total')}" in text, name
     # The fake replica reports one running standard-tier sequence.
     running = re.search(r'continuum:num_requests_running\{model_name="smollm2",'

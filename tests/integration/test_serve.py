@@ -70,6 +70,8 @@ def test_eight_concurrent_requests_complete_and_free_every_block(server):
     stats = wait_until_idle(server)
     assert stats.num_total_blocks > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+    # The real executor answers in plan order, so every answer took the columnar path.
+    assert stats.num_columnar_updates > 0 and stats.num_update_fallbacks == 0
 
 
 def test_client_cancel_aborts_upstream_and_frees_blocks(server):
