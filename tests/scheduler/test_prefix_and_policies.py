@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from scheduler_svc.core import BlockManager
 from tests.scheduler.factories import Clock, make_request, make_scheduler, run_to_completion, step
 
 
@@ -133,3 +134,21 @@ def test_continuous_policy_prefills_without_a_chunk_cap():
     sched = make_scheduler(policy="continuous", max_num_batched_tokens=64, chunk_size=8)
     sched.add_request(make_request(prompt_len=50))
     assert sched.schedule().num_batched_tokens == 50
+
+
+def test_colliding_block_hashes_index_one_block_and_the_pool_stays_consistent():
+    """Two blocks of one sequence with the same chain hash (a 64-bit collision, which a
+    crafted prompt could force): only the first is indexed, and freeing and reusing
+    both keeps every count right."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.grow(1, 8)
+    bm.register_full_blocks(1, list(range(8)), [77, 77], 8)
+    bm.assert_invariants()
+    assert bm.num_cached_prefix(list(range(9)), [77, 77])[0] == bm.block_table(1)[:1]
+    bm.free(1)
+    bm.assert_invariants()
+    assert bm.num_free_blocks == 8
+    bm.grow(2, 32)  # takes every block, evicting the indexed one
+    bm.assert_invariants()
+    bm.free(2)
+    bm.assert_invariants()
