@@ -42,7 +42,7 @@ from scheduler_svc.core.request import DecodeClock, FinishReason, Request, Reque
 Event = tuple[Request, int | None, FinishReason | None]
 
 _seq_id = operator.attrgetter("seq_id")
-# priority_key as one int, set while running (sorting by it compares no tuples).
+# priority_key as one int, set when it starts running (compares no tuples).
 _order_key = operator.attrgetter("_order_key")
 # Decode-mode calendar events, and the smallest block size decode mode is used for
 # (below it every step is a boundary).
@@ -132,7 +132,7 @@ class Scheduler:
         self.block_manager: BlockManager | None = None
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []  # priority order: (tier, admission)
-        self._running_keys: list[tuple[int, int]] = []
+        self._running_keys: list[int] = []  # their _order_key, for bisect
         self._by_seq: dict[int, Request] = {}  # running only
         # Decode mode (see _schedule_decodes): running sequences that decode one token a
         # step advance by the shared clock; the rest of the running set is "explicit"
@@ -672,8 +672,8 @@ class Scheduler:
         self._admit_seq += 1
         req.admit_seq = self._admit_seq
         req.status = RequestStatus.RUNNING
-        key = priority_key(req)
-        req._order_key = (key[0] << 48) | key[1]
+        tier, admitted = priority_key(req)
+        key = req._order_key = (tier << 48) | admitted
         i = bisect.bisect(self._running_keys, key)
         self._running_keys.insert(i, key)
         self.running.insert(i, req)
@@ -847,7 +847,7 @@ class Scheduler:
         if index:
             self.block_manager.register_full_blocks(
                 req.seq_id, req.token_ids, req.block_hashes, req._computed)
-        i = bisect.bisect_left(self._running_keys, priority_key(req))
+        i = bisect.bisect_left(self._running_keys, req._order_key)
         assert self.running[i] is req
         del self.running[i]
         del self._running_keys[i]

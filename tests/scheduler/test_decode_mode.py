@@ -108,17 +108,21 @@ def test_a_starting_block_moves_the_sequence_to_the_bulk_tail():
     assert sum(out.num_bulk for out in outs[3:]) >= 7 * 9
 
 
+def decoding(block_size: int, prompt_len: int, warm_steps: int):
+    """Three requests decoding; returns the scheduler and its next (unanswered) plan."""
+    sched = make_scheduler(num_blocks=64, block_size=block_size, max_num_seqs=4,
+                           max_num_batched_tokens=32, chunk_size=32)
+    for _ in range(3):
+        sched.add_request(make_request(prompt_len=prompt_len, max_tokens=50))
+    for _ in range(warm_steps):
+        step(sched)
+    return sched, sched.schedule()
+
+
 def test_a_missing_sample_is_not_decoded_past():
     """The executor's answer lacks one planned sample: that sequence is not given a
     decode for a token it does not have (it waits, as before decode mode)."""
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4,
-                           max_num_batched_tokens=32, chunk_size=32)
-    reqs = [make_request(prompt_len=6, max_tokens=30) for _ in range(3)]
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(4):
-        step(sched)
-    out = sched.schedule()
+    sched, out = decoding(block_size=4, prompt_len=6, warm_steps=4)
     assert out.num_bulk >= 2
     lost = out.cached[0]
     seq_ids, tokens = fake_execute(out)
@@ -133,14 +137,7 @@ def test_a_missing_sample_is_not_decoded_past():
 
 
 def test_a_stop_token_in_the_bulk_ends_the_request_at_once():
-    sched = make_scheduler(num_blocks=64, block_size=8, max_num_seqs=4,
-                           max_num_batched_tokens=32, chunk_size=32)
-    reqs = [make_request(prompt_len=3, max_tokens=50) for _ in range(3)]
-    for r in reqs:
-        sched.add_request(r)
-    for _ in range(3):
-        step(sched)
-    out = sched.schedule()
+    sched, out = decoding(block_size=8, prompt_len=3, warm_steps=3)
     victim = out.cached[0]
     assert out.num_bulk == 3
     seq_ids, tokens = fake_execute(out)
