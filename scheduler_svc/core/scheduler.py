@@ -385,7 +385,6 @@ class Scheduler:
         else:
             order = list(explicit)
         preempts_before = self.num_preemptions
-        due_map = self._due
         for req in order:
             if req._clock is clock:  # in decode mode, and its token starts a block
                 c = req._computed + epoch
@@ -397,14 +396,7 @@ class Scheduler:
                         del dm_ids[req], dm_tokens[req]  # to the end of the order
                         dm_ids[req] = req.seq_id
                         dm_tokens[req] = req.token_ids
-                    if req.length_limit - c - 2 > bs:  # its next block start comes first
-                        nxt = req._due_epoch = epoch + bs
-                        at = due_map.get(nxt)
-                        if at is None:
-                            due_map[nxt] = [req]
-                        else:
-                            at.append(req)
-                    elif not self._plan_due(req, c + 1, epoch + 1, bs):
+                    if not self._plan_due(req, c + 1, epoch + 1, bs):
                         leave_after.append(req)
                     continue
                 self._leave_decode_mode(req)  # it may have to preempt: one by one
