@@ -50,10 +50,6 @@ _DUE_START, _DUE_LEAVE = 0, 1
 _MIN_DECODE_MODE_BLOCK = 2
 
 
-def _consume(iterator) -> None:
-    collections.deque(iterator, maxlen=0)
-
-
 class QueueFull(Exception):
     """Submit refused: a queue cap is reached. Retry after ``retry_after_s``."""
 
@@ -761,7 +757,8 @@ class Scheduler:
             return
         tokens = token_ids[lo:hi]
         reqs = out.cached[lo:hi]
-        _consume(map(list.append, out.bulk_token_lists[lo:hi], tokens))
+        for history, token in zip(out.bulk_token_lists[lo:hi], tokens, strict=True):
+            history.append(token)
         base = len(events)
         events.extend(zip(reqs, tokens, itertools.repeat(None)))
         stop = self._stop_union
