@@ -98,9 +98,8 @@ class SchedulerOutput:
     # the first ``num_new_samplers`` are new sequences, then the bulk decodes.
     sampler_ids: list[int] = dataclasses.field(default_factory=list)
     num_new_samplers: int = 0
-    # Sent and not yet answered (nor voided), and which sequences left the running set
-    # since it was built (their samples need the per-sequence checks).
-    open: bool = False
+    # Sequences that left the running set while it was unanswered (their samples
+    # need the per-sequence checks).
     removed: set[int] = dataclasses.field(default_factory=set)
 
     @property
@@ -141,10 +140,9 @@ class Scheduler:
         self._due: dict[int, list[Request]] = {}
         self._running_per_tenant: collections.Counter[str] = collections.Counter()
         self._to_drop: list[int] = []
-        # Plans built and not yet answered (update): their step ids, drop lists (a refused
-        # plan's drops are sent again) and outputs. More than one only when scheduling ahead.
-        self._unconfirmed: collections.deque[tuple[int, list[int], SchedulerOutput]] = \
-            collections.deque()
+        # Plans built and not yet answered (update) nor voided: a refused plan's drop list
+        # (finished_seq_ids) is sent again. More than one only when scheduling ahead.
+        self._unconfirmed: collections.deque[SchedulerOutput] = collections.deque()
         # Preempted while their sample from an unanswered step was pending: that sample
         # still counts (a synchronous scheduler would have had it before preempting).
         self._awaiting: dict[int, Request] = {}
@@ -201,8 +199,8 @@ class Scheduler:
         sequences are recomputed too, and the drop list is sent again. Plans built
         after it (scheduling ahead) are void too: answers to them must not be applied
         (the caller ignores them), and their drop lists are sent again as well."""
-        for _, dropped, _ in self._unconfirmed:
-            self._to_drop.extend(dropped)
+        for unanswered in self._unconfirmed:
+            self._to_drop.extend(unanswered.finished_seq_ids)
         self._forget_unconfirmed()
         for req in list(reversed(self.running)):
             self._preempt(req, "resync", allow_swap=False, index=False)
@@ -225,8 +223,6 @@ class Scheduler:
     def _forget_unconfirmed(self) -> None:
         """No answer will be applied to the plans built so far: their pending samples are
         dropped (every running sequence is recomputed from its token history)."""
-        for _, _, out in self._unconfirmed:
-            out.open = False
         self._unconfirmed.clear()
         self._awaiting.clear()
 
@@ -309,8 +305,7 @@ class Scheduler:
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         out.swap_out, self._swap_out = self._swap_out, []
         if not out.is_empty:  # an empty plan is never sent, so never answered
-            self._unconfirmed.append((out.step_id, out.finished_seq_ids, out))
-            out.open = True
+            self._unconfirmed.append(out)
             self._list_samplers(out)
         return out
 
@@ -678,10 +673,10 @@ class Scheduler:
                token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
-        was_open, out.open = out.open, False
         confirmed = self._unconfirmed
-        while confirmed and confirmed[0][0] <= out.step_id:
-            confirmed.popleft()[2].open = False
+        was_open = any(unanswered is out for unanswered in confirmed)  # not voided
+        while confirmed and confirmed[0].step_id <= out.step_id:
+            confirmed.popleft()
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
         if was_open and seq_ids == out.sampler_ids:
@@ -843,7 +838,7 @@ class Scheduler:
         del self._by_seq[req.seq_id]
         del self._explicit[req]
         self._running_per_tenant[req.tenant] -= 1
-        for _, _, out in self._unconfirmed:  # its samples there need the full checks
+        for out in self._unconfirmed:  # its samples there need the full checks
             out.removed.add(req.seq_id)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
