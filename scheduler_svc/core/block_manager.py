@@ -17,22 +17,14 @@ Every device block is in exactly one of three states:
     state         ref_count   where
     ============  ==========  =========================================
     free          0           ``_free`` (no valid content)
-    cached-free   0           ``_evictable`` (LRU order), registered
-    owned         >= 1        in ref_count tables (maybe also registered)
+    cached-free   0           ``_evictable`` (LRU order) + ``_by_hash``
+    owned         >= 1        in ref_count tables (maybe also hashed)
     ============  ==========  =========================================
-
-A registered block is in ``_by_hash`` (hash → block) and ``_registered`` (block →
-its hash and where its tokens are, for the collision check). Registration is the
-per-step cost of prefix caching (about 50 blocks a step at 256 running sequences),
-so a sequence's new full blocks go in with two C-level dict updates, not a Python
-loop; a block's tokens are not copied one tuple each but kept as one list slice per
-registration, which its entries point into.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 
 
 class BlockManager:
@@ -51,8 +43,8 @@ class BlockManager:
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
-        # block → (chain hash, a token list, where the block's tokens start in it)
-        self._registered: dict[int, tuple[int, list[int], int]] = {}
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # collision check
         self._by_hash: dict[int, int] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -128,7 +120,8 @@ class BlockManager:
             block = self._free.pop()
         else:
             block = self._evictable.popitem(last=False)[0]
-            del self._by_hash[self._registered.pop(block)[0]]
+            del self._by_hash[self._hash[block]]
+            self._hash[block] = None
         self._ref[block] = 1
         self._tables[seq_id].append(block)
         return block
@@ -157,10 +150,13 @@ class BlockManager:
         else:
             new = free[::-1]
             free.clear()
-            evictable, by_hash, registered = self._evictable, self._by_hash, self._registered
+            evictable, by_hash, hashes = self._evictable, self._by_hash, self._hash
+            # An evicted block's stored tokens stay until it is registered again: only
+            # a block found through ``_by_hash`` has them compared.
             for _ in range(n - len(new)):
                 block = evictable.popitem(last=False)[0]
-                del by_hash[registered.pop(block)[0]]
+                del by_hash[hashes[block]]
+                hashes[block] = None
                 new.append(block)
         ref = self._ref
         for block in new:
@@ -181,22 +177,24 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        by_hash, registered = self._by_hash, self._registered
+        by_hash, stored = self._by_hash, self._tokens
         hits: list[int] = []
         parent = 0
         for i in range((len(token_ids) - 1) // bs):
-            chunk = token_ids[i * bs:(i + 1) * bs]
+            chunk = None
             if i < len(hashes):
                 h = hashes[i]
             else:
-                h = hash((parent, tuple(chunk)))
+                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+                h = hash((parent, chunk))
                 hashes.append(h)
             self.num_cache_queries += 1
             block = by_hash.get(h)
             if block is None:
                 break
-            _, source, at = registered[block]
-            if source[at:at + bs] != chunk:  # a hash collision: not the same tokens
+            if chunk is None:
+                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            if stored[block] != chunk:  # a hash collision: not the same tokens
                 break
             self.num_cache_hits += 1
             hits.append(block)
@@ -232,12 +230,10 @@ class BlockManager:
 
     def register_full_blocks(self, seq_id: int, token_ids: list[int], hashes: list[int],
                              num_computed: int) -> None:
-        """Registers ``seq_id``'s blocks that ``num_computed`` tokens fill.
+        """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill.
 
         ``hashes`` is the sequence's hash cache: blocks hashed before (on arrival,
-        by a prefix lookup, or before a preemption) are not hashed again. A block
-        whose hash is indexed already (another sequence computed the same tokens,
-        or a collision) stays unregistered."""
+        by a prefix lookup, or before a preemption) are not hashed again."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -247,29 +243,23 @@ class BlockManager:
         if start >= full:
             return
         self._num_registered[seq_id] = full
-        if len(hashes) < full:
-            self.extend_hashes(token_ids, hashes, full)
-        new_hashes = hashes[start:full]
-        blocks = self._tables[seq_id][start:full]
-        # One copy of the blocks' tokens (not the whole history: a cached block must
-        # not keep a long conversation alive), offsets into it per block.
-        source = token_ids[start * bs:full * bs]
-        by_hash, registered = self._by_hash, self._registered
-        if by_hash.keys().isdisjoint(new_hashes):
-            size = len(by_hash)
-            by_hash.update(zip(new_hashes, blocks, strict=True))
-            if len(by_hash) - size == full - start:  # no hash twice in the sequence
-                entries = zip(new_hashes, itertools.repeat(source),
-                              range(0, (full - start) * bs, bs), strict=False)
-                registered.update(zip(blocks, entries, strict=True))
-                return
-            for h in new_hashes:
-                by_hash.pop(h, None)
-        for at, h, block in zip(range(0, (full - start) * bs, bs), new_hashes, blocks,
-                                strict=True):
-            if h not in by_hash and block not in registered:
+        table = self._tables[seq_id]
+        by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
+        num_hashed = len(hashes)
+        parent = hashes[start - 1] if start else 0
+        for i in range(start, full):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            if i < num_hashed:
+                h = hashes[i]
+            else:
+                h = hash((parent, chunk))
+                hashes.append(h)
+            parent = h
+            block = table[i]
+            if h not in by_hash and block_hash[block] is None:
                 by_hash[h] = block
-                registered[block] = (h, source, at)
+                block_hash[block] = h
+                stored[block] = chunk
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):
@@ -277,7 +267,8 @@ class BlockManager:
         self._free.extend(reversed(self._evictable))
         self._evictable.clear()
         self._by_hash.clear()
-        self._registered.clear()
+        self._hash = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks
 
     # -- release ----------------------------------------------------------------------
 
@@ -290,13 +281,13 @@ class BlockManager:
         self._num_registered.pop(seq_id, None)
         table = self._tables.pop(seq_id, None)
         if table:
-            ref, registered = self._ref, self._registered
+            ref, block_hash = self._ref, self._hash
             free, evictable = self._free, self._evictable
             for block in reversed(table):
                 left = ref[block] - 1
                 ref[block] = left
                 if left == 0:
-                    if block not in registered:
+                    if block_hash[block] is None:
                         free.append(block)
                     else:
                         evictable[block] = None
@@ -348,13 +339,9 @@ class BlockManager:
         assert not (free & evictable) and not (free & owners.keys()), "free block owned"
         assert not (evictable & owners.keys()), "cached-free block owned"
         assert len(free) + len(evictable) + len(owners) == self.num_blocks, "blocks leaked"
-        assert len(self._by_hash) == len(self._registered), "hash index out of date"
         for h, block in self._by_hash.items():
-            assert self._registered[block][0] == h, "hash index out of date"
-        assert evictable <= self._registered.keys(), "unregistered block cached"
-        for seq_id, table in self._tables.items():  # registration's fast path relies on it
-            assert self._registered.keys().isdisjoint(
-                table[self._num_registered.get(seq_id, 0):]), "registered past the mark"
+            assert self._hash[block] == h, "hash index out of date"
+        assert all(self._hash[b] is not None for b in evictable), "unhashed block cached"
         host_owned = [b for t in self._host_tables.values() for b in t]
         assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"
         assert len(host_owned) + len(self._host_free) == self.num_host_blocks, "host leak"
