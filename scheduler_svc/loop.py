@@ -29,6 +29,7 @@ from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.plan import build_plan_message
+from scheduler_svc.plan import prepare as prepare_plan_entry
 
 log = structlog.get_logger("scheduler.loop")
 
@@ -107,6 +108,7 @@ class EngineLoop:
         """Queues ``req``; raises QueueFull when a queue cap is reached."""
         req.seq_id = next(self._seq_ids)
         self.core.add_request(req)
+        prepare_plan_entry(req)  # now, not in the step that admits it
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._streams[req.request_id] = queue
         self._wake.set()

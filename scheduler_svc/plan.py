@@ -10,7 +10,21 @@ from __future__ import annotations
 
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from scheduler_svc.core import BlockManager, SchedulerOutput
+from scheduler_svc.core import BlockManager, Request, SchedulerOutput
+
+
+def prepare(req: Request) -> pb.NewSequence:
+    """Builds (and keeps in ``req.wire``) what does not change in ``req``'s entry of
+    the plan that sends it in full: its prompt and sampling parameters. Called as the
+    request arrives, so that step copies a message (~8 µs less per admission than
+    converting a 300-token prompt) instead of converting the prompt's ints."""
+    template = pb.NewSequence(
+        num_prompt_tokens=req.num_prompt_tokens - req.num_resumed_output_tokens,
+        token_ids=req.token_ids)
+    if req.sampling is not None:
+        template.sampling.CopyFrom(req.sampling)
+    req.wire = template
+    return template
 
 
 def build_plan_message(out: SchedulerOutput, incarnation: str,
@@ -27,17 +41,20 @@ def build_plan_message(out: SchedulerOutput, incarnation: str,
     plan.cached_num_new_blocks.extend(out.cached_num_new_blocks)
     if out.cached_new_block_ids:
         plan.cached_new_block_ids.extend(out.cached_new_block_ids)
+    add = plan.new_seqs.add
     for req, n in out.new:
-        seq = plan.new_seqs.add(
-            seq_id=req.seq_id,
-            num_computed_tokens=req.num_computed_tokens - n,
-            num_scheduled_tokens=n,
-            num_prompt_tokens=req.num_prompt_tokens - req.num_resumed_output_tokens,
-            token_ids=req.token_ids,
-            block_ids=bm.block_table(req.seq_id),
-        )
-        if req.sampling is not None:
-            seq.sampling.CopyFrom(req.sampling)
+        template = req.wire
+        if template is None:
+            template = prepare(req)
+        seq = add()
+        seq.CopyFrom(template)
+        seq.seq_id = req.seq_id
+        seq.num_computed_tokens = req.num_computed_tokens - n
+        seq.num_scheduled_tokens = n
+        extra = len(req.token_ids) - len(template.token_ids)  # generated before a resume
+        if extra:
+            seq.token_ids.extend(req.token_ids[-extra:])
+        seq.block_ids.extend(bm.block_table(req.seq_id))
     if out.swap_out:
         plan.swap_out_src[:], plan.swap_out_dst[:] = zip(*out.swap_out, strict=True)
     if out.swap_in:

@@ -64,6 +64,9 @@ class Request:
     arrival_time: float = 0.0
     # Output tokens generated before this request was (re)submitted (a continuation).
     num_resumed_output_tokens: int = 0
+    # Opaque here: the plan builder's prebuilt wire form of the request's entry in the
+    # plan that first sends it (built on arrival, so that step copies it).
+    wire: Any = dataclasses.field(default=None, init=False, repr=False)
 
     # State. The fields every step reads or writes come first, side by side, so one
     # sequence's per-step work touches as few cache lines as possible.

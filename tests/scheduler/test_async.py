@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from protos import wire
 from scheduler_svc.core import CostModel, FinishReason, Request, Scheduler, SchedulerConfig
 from scheduler_svc.plan import build_plan_message
+from scheduler_svc.plan import prepare as prepare_plan_entry
 from tests.scheduler.factories import EOS, Clock, make_model
 
 BLOCK_SIZE = 4
@@ -161,6 +162,8 @@ def run(requests, config: dict, num_blocks: int, host: int, depth: int,
         if shared:
             prompt = SYSTEM_PROMPT + prompt
         req = Request(f"r{i}", i + 1, prompt, len(prompt), max_tokens, priority_tier=tier)
+        if i % 2:  # half prepared on arrival, as the scheduler process does; half lazily
+            prepare_plan_entry(req)
         eos_pos = None if eos_at is None else len(prompt) + eos_at
         clients[req.request_id] = Client(req, eos_pos)
     driver = Driver(sched, clients, depth)
