@@ -10,23 +10,44 @@ rows: the pool, not max_num_seqs, limits the running set, and decodes preempt).
 Per step it times schedule(), build_plan_message() (core output → protobuf),
 serializing the plan frame, and update() (applying the result); the executor side
 (parsing the frame) is timed separately. "preempt" counts the timed steps only.
+The "decode-only" row is the floor of the same path: N sequences that only decode
+(no admission, finish or prefill), i.e. what the columnar per-decode work costs.
 
-This machine's speed drifts by up to 1.7x between consecutive runs of the same code, so
+This machine's speed drifts by up to 2x between consecutive runs of the same code, so
 each row also times a reference the way FACTS.md did (best of repeated runs), before
 and after the row: the columnar plan encode at 256 sequences, 24 us on the FACTS.md
 machine. "x ref" is the mean of the two over 24 us (how much slower this machine is
 right now), and "@ref" is TOTAL divided by it: the figure scaled to the FACTS.md machine.
 
+Comparing two versions: alternating whole runs is not enough here (a machine phase
+can fake a 20 % gain). ``--against REV`` loads the scheduler package of git revision
+REV beside the working tree's and runs both on the same workload in lockstep, steps
+interleaved (order alternating), so both see the same phases; it prints each one's
+per-phase p50 and the median of the per-step time ratios (new / REV).
+
     make bench-scheduler      # or: .venv/bin/python -m benchmarks.bench_scheduler
+    .venv/bin/python -m benchmarks.bench_scheduler --against HEAD~3 --sizes 256 --repeats 3
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
+import importlib
+import io
 import itertools
+import pathlib
 import random
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 import timeit
+import types
 
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
@@ -53,49 +74,111 @@ _REF_NEW = [1 if i % 16 == 0 else 0 for i in range(256)]
 _REF_BLOCKS = list(range(16))
 
 
+PHASES = ("schedule", "plan", "serialize", "update", "executor_parse")
+STEPS = {64: 400, 256: 300, 1024: 100}  # timed steps per size (after WARMUP)
+WARMUP = 50
+
+
+def current_api() -> types.SimpleNamespace:
+    """The working tree's scheduler, as the benchmark uses it."""
+    return types.SimpleNamespace(Request=Request, Scheduler=Scheduler,
+                                 SchedulerConfig=SchedulerConfig, ModelInfo=ModelInfo,
+                                 QueueFull=QueueFull, build_plan_message=build_plan_message,
+                                 prepare=prepare, name="working tree")
+
+
+def load_revision(rev: str) -> types.SimpleNamespace:
+    """The scheduler package of git revision ``rev``, imported beside the working tree's
+    under another name (its files copied to a temporary directory, the package name in
+    its imports rewritten)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run(["git", "archive", rev, "scheduler_svc"], cwd=root,
+                          capture_output=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"--against {rev}: git archive failed: "
+                         f"{done.stderr.decode().strip()}")
+    name = "scheduler_svc_" + re.sub(r"\W", "_", rev)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="continuum-ab-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
+        archive.extractall(tmp, filter="data")
+    (tmp / "scheduler_svc").rename(tmp / name)
+    for path in (tmp / name).rglob("*.py"):
+        path.write_text(re.sub(r"\bscheduler_svc\b", name, path.read_text()))
+    sys.path.insert(0, str(tmp))
+    core = importlib.import_module(f"{name}.core")
+    plan = importlib.import_module(f"{name}.plan")
+    return types.SimpleNamespace(Request=core.Request, Scheduler=core.Scheduler,
+                                 SchedulerConfig=core.SchedulerConfig,
+                                 ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
+                                 build_plan_message=plan.build_plan_message,
+                                 prepare=getattr(plan, "prepare", None), name=rev)
+
+
 class Workload:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, request_cls=Request, seed: int = 0) -> None:
+        self.request_cls = request_cls
         self.rng = random.Random(seed)
         self.ids = itertools.count(1)
 
-    def request(self) -> Request:
+    def request(self, max_tokens: int | None = None):
         i = next(self.ids)
         own = [self.rng.randrange(2000, 40000) for _ in range(self.rng.randint(16, 400))]
         prompt = SYSTEM_PROMPT + own
-        return Request(f"r{i}", i, prompt, len(prompt), max_tokens=self.rng.randint(8, 200),
-                       ignore_eos=True, tenant=f"t{i % 4}", priority_tier=i % 3)
+        if max_tokens is None:
+            max_tokens = self.rng.randint(8, 200)
+        return self.request_cls(f"r{i}", i, prompt, len(prompt), max_tokens=max_tokens,
+                                ignore_eos=True, tenant=f"t{i % 4}", priority_tier=i % 3)
 
 
-def make_scheduler(num_seqs: int, kv_fraction: float = 0.85) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, 2 * num_seqs),
-                          chunk_size=512, watermark=0.01, max_num_waiting=100_000)
-    sched = Scheduler(cfg)
+def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None):
+    api = api or current_api()
+    cfg = api.SchedulerConfig(max_num_seqs=num_seqs,
+                              max_num_batched_tokens=max(2048, 2 * num_seqs),
+                              chunk_size=512, watermark=0.01, max_num_waiting=100_000)
+    sched = api.Scheduler(cfg)
     # A fraction of what the running set would need at its mean length.
     blocks = int(num_seqs * (64 + 208 + 104) / 16 * kv_fraction)
-    sched.attach_executor(ModelInfo(16, blocks, 8192, 49152, frozenset({2})))
+    sched.attach_executor(api.ModelInfo(16, blocks, 8192, 49152, frozenset({2})))
     return sched
 
 
-def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85) -> dict[str, float]:
-    sched, work = make_scheduler(num_seqs, kv_fraction), Workload()
-    timings: dict[str, list[float]] = {"schedule": [], "plan": [], "serialize": [],
-                                       "update": [], "executor_parse": []}
+class Stepper:
+    """One scheduler on the workload. ``decode_only``: ``num_seqs`` requests that never
+    finish within the run, all admitted up front (a pool that holds them all), so after
+    their prefills every step is ``num_seqs`` decodes and nothing else."""
 
-    tokens = preempts_at_start = 0
-    for i in range(steps + 50):
-        if i == 50:
-            preempts_at_start = sched.num_preemptions
-        while len(sched.waiting) < num_seqs // 4:  # keep a queue so admissions happen
-            req = work.request()
-            try:
-                sched.add_request(req)
-            except QueueFull:
-                break
-            prepare(req)  # as the scheduler process does on arrival
+    def __init__(self, num_seqs: int, kv_fraction: float = 0.85, api=None,
+                 decode_only: bool = False) -> None:
+        self.api = api or current_api()
+        self.sched = make_scheduler(num_seqs, 3.0 if decode_only else kv_fraction, self.api)
+        self.work = Workload(self.api.Request)
+        self.queue = 0 if decode_only else num_seqs // 4  # kept waiting: admissions happen
+        if decode_only:
+            for _ in range(num_seqs):
+                self._arrive(self.work.request(max_tokens=100_000))
+        self.timings: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.tokens = 0
+        self.preempts_at_start = 0
+
+    def _arrive(self, req) -> bool:
+        try:
+            self.sched.add_request(req)
+        except self.api.QueueFull:
+            return False
+        if self.api.prepare is not None:
+            self.api.prepare(req)  # as the scheduler process does on arrival
+        return True
+
+    def step(self, record: bool) -> float:
+        """One step; with ``record``, its phases are kept. Returns its total in µs."""
+        sched = self.sched
+        while len(sched.waiting) < self.queue and self._arrive(self.work.request()):
+            pass
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        plan = build_plan_message(out, "inc", sched.block_manager)
+        plan = self.api.build_plan_message(out, "inc", sched.block_manager)
         t2 = time.perf_counter()
         frame = plan.SerializeToString()
         t3 = time.perf_counter()
@@ -106,21 +189,58 @@ def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85) -> dict[str, flo
         t5 = time.perf_counter()
         sched.update(out, result.seq_ids, result.token_ids)
         t6 = time.perf_counter()
-        if i >= 50:  # after warm-up: the running set is full
-            for key, dt in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t6 - t5, t4 - t3),
+        if record:
+            if not self.timings["schedule"]:
+                self.preempts_at_start = sched.num_preemptions
+            for key, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t6 - t5, t4 - t3),
                                strict=True):
-                timings[key].append(dt * 1e6)
-            tokens += out.num_batched_tokens
-    bm = sched.block_manager
-    med = {k: statistics.median(v) for k, v in timings.items()}
-    med["total"] = med["schedule"] + med["plan"] + med["serialize"] + med["update"]
-    med["mean_total"] = sum(statistics.mean(timings[k])
-                            for k in ("schedule", "plan", "serialize", "update"))
-    med["running"] = len(sched.running)
-    med["tokens_per_step"] = tokens / steps
-    med["preemptions"] = sched.num_preemptions - preempts_at_start  # in the timed steps
-    med["hit_rate"] = bm.num_cache_hits / max(1, bm.num_cache_queries)
-    return med
+                self.timings[key].append(dt * 1e6)
+            self.tokens += out.num_batched_tokens
+        return (t3 - t0 + t6 - t5) * 1e6
+
+    def summary(self) -> dict[str, float]:
+        timings, sched = self.timings, self.sched
+        bm = sched.block_manager
+        steps = len(timings["schedule"])
+        med = {k: statistics.median(v) for k, v in timings.items()}
+        med["total"] = med["schedule"] + med["plan"] + med["serialize"] + med["update"]
+        med["mean_total"] = sum(statistics.mean(timings[k])
+                                for k in ("schedule", "plan", "serialize", "update"))
+        med["running"] = len(sched.running)
+        med["tokens_per_step"] = self.tokens / steps
+        med["preemptions"] = sched.num_preemptions - self.preempts_at_start
+        med["hit_rate"] = bm.num_cache_hits / max(1, bm.num_cache_queries)
+        return med
+
+
+def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85,
+          decode_only: bool = False) -> dict[str, float]:
+    stepper = Stepper(num_seqs, kv_fraction, decode_only=decode_only)
+    warmup = 2 * WARMUP if decode_only else WARMUP  # decode-only: every prefill done
+    for i in range(steps + warmup):
+        stepper.step(record=i >= warmup)
+    return stepper.summary()
+
+
+def lockstep(num_seqs: int, steps: int, kv_fraction: float, other) -> dict[str, float]:
+    """``other``'s scheduler and the working tree's on the same workload, steps
+    interleaved (which goes first alternates). Per-phase p50s of both, and the median of
+    the per-step ratios working tree / other."""
+    theirs = Stepper(num_seqs, kv_fraction, api=other)
+    ours = Stepper(num_seqs, kv_fraction)
+    ratios = []
+    for i in range(steps + WARMUP):
+        record = i >= WARMUP
+        if i % 2:
+            a = theirs.step(record)
+            b = ours.step(record)
+        else:
+            b = ours.step(record)
+            a = theirs.step(record)
+        if record:
+            ratios.append(b / a)
+    return {"theirs": theirs.summary(), "ours": ours.summary(),
+            "ratio": statistics.median(ratios)}
 
 
 def reference_us() -> float:
@@ -128,21 +248,62 @@ def reference_us() -> float:
     return min(timeit.repeat(reference_encode, number=200, repeat=5)) / 200 * 1e6
 
 
-def main() -> None:
-    print(f"{'seqs':>5} {'kv':>5} {'running':>7} {'tok/step':>8} {'schedule':>9} {'plan':>6} "
-          f"{'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} {'exec parse':>10} "
-          f"{'preempt':>7} {'prefix hits':>11} {'x ref':>6} {'@ref':>5}   (µs per step)")
-    for n, steps, kv in ((64, 400, 0.85), (256, 300, 0.85), (1024, 100, 0.85),
-                         (256, 300, 0.65)):
-        before = reference_us()
-        r = bench(n, steps, kv)
-        speed = (before + reference_us()) / 2 / REFERENCE_US
-        r["speed"], r["at_ref"] = speed, r["total"] / speed
-        print(f"{n:>5} {kv:>5.0%} {r['running']:>7} {r['tokens_per_step']:>8.0f} "
-              f"{r['schedule']:>9.0f} {r['plan']:>6.0f} {r['serialize']:>9.0f} {r['update']:>7.0f} "
-              f"{r['total']:>9.0f} {r['mean_total']:>6.0f} {r['executor_parse']:>10.0f} "
-              f"{r['preemptions']:>7} {r['hit_rate']:>10.0%} {r['speed']:>6.2f} "
-              f"{r['at_ref']:>5.0f}")
+def _row(n: int, kv: str, r: dict[str, float]) -> str:
+    return (f"{n:>5} {kv:>11} {r['running']:>7} {r['tokens_per_step']:>8.0f} "
+            f"{r['schedule']:>9.0f} {r['plan']:>6.0f} {r['serialize']:>9.0f} "
+            f"{r['update']:>7.0f} {r['total']:>9.0f} {r['mean_total']:>6.0f} "
+            f"{r['executor_parse']:>10.0f} {r['preemptions']:>7} {r['hit_rate']:>10.0%}")
+
+
+HEADER = (f"{'seqs':>5} {'kv':>11} {'running':>7} {'tok/step':>8} {'schedule':>9} "
+          f"{'plan':>6} {'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} "
+          f"{'exec parse':>10} {'preempt':>7} {'prefix hits':>11}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scheduler",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64,256,1024",
+                        help="running sequences per row, comma-separated")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="git revision to compare with, in lockstep")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if any(n < 1 for n in sizes) or args.repeats < 1:
+        parser.error("--sizes and --repeats must be positive")
+    steps = {n: STEPS.get(n, 200) for n in sizes}
+    if args.against:
+        other = load_revision(args.against)
+        print(f"lockstep: working tree vs {args.against} (µs per step, p50)")
+        for n in sizes:
+            for _ in range(args.repeats):
+                r = lockstep(n, steps[n], 0.85, other)
+                for who, label in (("theirs", args.against), ("ours", "working tree")):
+                    x = r[who]
+                    print(f"{n:>5} {label:>14}: schedule {x['schedule']:>6.0f}  plan "
+                          f"{x['plan']:>5.0f}  serialize {x['serialize']:>4.0f}  update "
+                          f"{x['update']:>5.0f}  TOTAL {x['total']:>6.0f}")
+                print(f"{n:>5} per-step ratio working tree / {args.against}: "
+                      f"{r['ratio']:.3f}")
+        return
+    print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")
+    rows = [(n, 0.85) for n in sizes] + ([(256, 0.65)] if 256 in sizes else [])
+    for n, kv in rows:
+        for _ in range(args.repeats):
+            before = reference_us()
+            r = bench(n, steps[n], kv)
+            speed = (before + reference_us()) / 2 / REFERENCE_US
+            print(_row(n, f"{kv:.0%}", r) + f" {speed:>6.2f} {r['total'] / speed:>5.0f}")
+    for n in sizes:
+        for _ in range(args.repeats):
+            before = reference_us()
+            r = bench(n, steps[n], decode_only=True)
+            speed = (before + reference_us()) / 2 / REFERENCE_US
+            print(_row(n, "decode-only", r) + f" {speed:>6.2f} {r['total'] / speed:>5.0f}")
 
 
 if __name__ == "__main__":
