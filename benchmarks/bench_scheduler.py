@@ -53,6 +53,7 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import ModelInfo, QueueFull, Request, Scheduler, SchedulerConfig
 from scheduler_svc.plan import build_plan_message, prepare
+from sim.workload import default_trace, load_trace
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 REFERENCE_US = 24.0  # FACTS.md: protobuf, columnar, encode at 256 sequences
@@ -116,30 +117,57 @@ def load_revision(rev: str) -> types.SimpleNamespace:
 
 
 class Workload:
-    def __init__(self, request_cls=Request, seed: int = 0) -> None:
+    """Requests of the mix: a shared 64-token system prompt, then the request's own
+    tokens. Lengths are synthetic (own prompt 16–400 tokens, 8–200 output tokens) or,
+    with ``trace``, the Azure conversation trace's (prompt, output) pairs in order
+    (prompts mean 1,155 tokens, outputs mean 211)."""
+
+    def __init__(self, request_cls=Request, seed: int = 0,
+                 trace: list[tuple[int, int]] | None = None) -> None:
         self.request_cls = request_cls
         self.rng = random.Random(seed)
         self.ids = itertools.count(1)
+        self.trace = trace
+
+    @property
+    def mean_context(self) -> float:
+        """Mean tokens a running sequence holds (prompt + half its output)."""
+        if self.trace is None:
+            return 64 + 208 + 104
+        return statistics.mean(p + o / 2 for p, o in self.trace)
 
     def request(self, max_tokens: int | None = None):
         i = next(self.ids)
-        own = [self.rng.randrange(2000, 40000) for _ in range(self.rng.randint(16, 400))]
+        if self.trace is None:
+            own_len, out_len = self.rng.randint(16, 400), self.rng.randint(8, 200)
+        else:
+            prompt_len, out_len = self.trace[(i - 1) % len(self.trace)]
+            own_len = max(1, prompt_len - len(SYSTEM_PROMPT))
+        own = [self.rng.randrange(2000, 40000) for _ in range(own_len)]
         prompt = SYSTEM_PROMPT + own
-        if max_tokens is None:
-            max_tokens = self.rng.randint(8, 200)
-        return self.request_cls(f"r{i}", i, prompt, len(prompt), max_tokens=max_tokens,
+        return self.request_cls(f"r{i}", i, prompt, len(prompt),
+                                max_tokens=out_len if max_tokens is None else max_tokens,
                                 ignore_eos=True, tenant=f"t{i % 4}", priority_tier=i % 3)
 
 
-def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None):
+def load_trace_lengths() -> list[tuple[int, int]]:
+    """(prompt, output) token counts of the Azure conversation trace (../shared/data)."""
+    path = default_trace()
+    if not path.exists():
+        raise SystemExit(f"--lengths trace: {path} not found (set CONTINUUM_DATA_DIR)")
+    return [(r.num_prompt_tokens, r.num_output_tokens) for r in load_trace(path)]
+
+
+def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None,
+                   mean_context: float = 64 + 208 + 104):
     api = api or current_api()
     cfg = api.SchedulerConfig(max_num_seqs=num_seqs,
                               max_num_batched_tokens=max(2048, 2 * num_seqs),
                               chunk_size=512, watermark=0.01, max_num_waiting=100_000)
     sched = api.Scheduler(cfg)
     # A fraction of what the running set would need at its mean length.
-    blocks = int(num_seqs * (64 + 208 + 104) / 16 * kv_fraction)
-    sched.attach_executor(api.ModelInfo(16, blocks, 8192, 49152, frozenset({2})))
+    blocks = int(num_seqs * mean_context / 16 * kv_fraction)
+    sched.attach_executor(api.ModelInfo(16, blocks, 16384, 49152, frozenset({2})))
     return sched
 
 
@@ -149,10 +177,11 @@ class Stepper:
     their prefills every step is ``num_seqs`` decodes and nothing else."""
 
     def __init__(self, num_seqs: int, kv_fraction: float = 0.85, api=None,
-                 decode_only: bool = False) -> None:
+                 decode_only: bool = False, trace: list[tuple[int, int]] | None = None) -> None:
         self.api = api or current_api()
-        self.sched = make_scheduler(num_seqs, 3.0 if decode_only else kv_fraction, self.api)
-        self.work = Workload(self.api.Request)
+        self.work = Workload(self.api.Request, trace=trace)
+        self.sched = make_scheduler(num_seqs, 3.0 if decode_only else kv_fraction, self.api,
+                                    self.work.mean_context)
         self.queue = 0 if decode_only else num_seqs // 4  # kept waiting: admissions happen
         if decode_only:
             for _ in range(num_seqs):
@@ -160,6 +189,7 @@ class Stepper:
         self.timings: dict[str, list[float]] = {k: [] for k in PHASES}
         self.tokens = 0
         self.preempts_at_start = 0
+        self.last_prefill_tokens = 0
 
     def _arrive(self, req) -> bool:
         try:
@@ -189,6 +219,7 @@ class Stepper:
         t5 = time.perf_counter()
         sched.update(out, result.seq_ids, result.token_ids)
         t6 = time.perf_counter()
+        self.last_prefill_tokens = out.num_prefill_tokens
         if record:
             if not self.timings["schedule"]:
                 self.preempts_at_start = sched.num_preemptions
@@ -213,21 +244,25 @@ class Stepper:
         return med
 
 
-def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85,
-          decode_only: bool = False) -> dict[str, float]:
-    stepper = Stepper(num_seqs, kv_fraction, decode_only=decode_only)
-    warmup = 2 * WARMUP if decode_only else WARMUP  # decode-only: every prefill done
-    for i in range(steps + warmup):
-        stepper.step(record=i >= warmup)
+def bench(num_seqs: int, steps: int, kv_fraction: float = 0.85, decode_only: bool = False,
+          trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
+    stepper = Stepper(num_seqs, kv_fraction, decode_only=decode_only, trace=trace)
+    for _ in range(WARMUP):
+        stepper.step(record=False)
+    while decode_only and stepper.last_prefill_tokens:  # until every prompt is in
+        stepper.step(record=False)
+    for _ in range(steps):
+        stepper.step(record=True)
     return stepper.summary()
 
 
-def lockstep(num_seqs: int, steps: int, kv_fraction: float, other) -> dict[str, float]:
+def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
+             trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """``other``'s scheduler and the working tree's on the same workload, steps
     interleaved (which goes first alternates). Per-phase p50s of both, and the median of
     the per-step ratios working tree / other."""
-    theirs = Stepper(num_seqs, kv_fraction, api=other)
-    ours = Stepper(num_seqs, kv_fraction)
+    theirs = Stepper(num_seqs, kv_fraction, api=other, trace=trace)
+    ours = Stepper(num_seqs, kv_fraction, trace=trace)
     ratios = []
     for i in range(steps + WARMUP):
         record = i >= WARMUP
@@ -268,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", metavar="REV", default=None,
                         help="git revision to compare with, in lockstep")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size")
+    parser.add_argument("--lengths", choices=("synthetic", "trace"), default="synthetic",
+                        help="length mix: synthetic, or the Azure conversation trace's")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -276,12 +313,13 @@ def main(argv: list[str] | None = None) -> None:
     if any(n < 1 for n in sizes) or args.repeats < 1:
         parser.error("--sizes and --repeats must be positive")
     steps = {n: STEPS.get(n, 200) for n in sizes}
+    trace = load_trace_lengths() if args.lengths == "trace" else None
     if args.against:
         other = load_revision(args.against)
         print(f"lockstep: working tree vs {args.against} (µs per step, p50)")
         for n in sizes:
             for _ in range(args.repeats):
-                r = lockstep(n, steps[n], 0.85, other)
+                r = lockstep(n, steps[n], 0.85, other, trace)
                 for who, label in (("theirs", args.against), ("ours", "working tree")):
                     x = r[who]
                     print(f"{n:>5} {label:>14}: schedule {x['schedule']:>6.0f}  plan "
@@ -290,18 +328,19 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{n:>5} per-step ratio working tree / {args.against}: "
                       f"{r['ratio']:.3f}")
         return
+    print(f"lengths: {args.lengths}")
     print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")
     rows = [(n, 0.85) for n in sizes] + ([(256, 0.65)] if 256 in sizes else [])
     for n, kv in rows:
         for _ in range(args.repeats):
             before = reference_us()
-            r = bench(n, steps[n], kv)
+            r = bench(n, steps[n], kv, trace=trace)
             speed = (before + reference_us()) / 2 / REFERENCE_US
             print(_row(n, f"{kv:.0%}", r) + f" {speed:>6.2f} {r['total'] / speed:>5.0f}")
     for n in sizes:
         for _ in range(args.repeats):
             before = reference_us()
-            r = bench(n, steps[n], decode_only=True)
+            r = bench(n, steps[n], decode_only=True, trace=trace)
             speed = (before + reference_us()) / 2 / REFERENCE_US
             print(_row(n, "decode-only", r) + f" {speed:>6.2f} {r['total'] / speed:>5.0f}")
 

@@ -42,10 +42,24 @@ def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
     # Both ran the mixed workload (the working tree may differ from HEAD, so their
     # plans need not be equal).
     for side in ("theirs", "ours"):
-        assert r[side]["running"] >= 12 and r[side]["tokens_per_step"] > 16
+        assert r[side]["running"] >= 12 and r[side]["tokens_per_step"] >= 12
     assert r["ratio"] > 0
 
 
 def test_an_unknown_revision_is_one_clear_error():
     with pytest.raises(SystemExit, match="--against no-such-rev: git archive failed"):
         bench_scheduler.load_revision("no-such-rev")
+
+
+def test_the_trace_mix_has_the_traces_lengths():
+    from sim.workload import default_trace
+
+    if not default_trace().exists():
+        pytest.skip("the Azure trace is not under ../shared/data")
+    trace = bench_scheduler.load_trace_lengths()
+    work = bench_scheduler.Workload(trace=trace)
+    first = [work.request() for _ in range(3)]
+    for req, (prompt_len, output_len) in zip(first, trace, strict=False):
+        assert len(req.token_ids) == max(prompt_len, len(bench_scheduler.SYSTEM_PROMPT) + 1)
+        assert req.max_tokens == output_len
+    assert 1000 < work.mean_context < 1500  # prompts ~1,155 tokens, outputs ~211
