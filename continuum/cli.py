@@ -22,7 +22,15 @@ def _serve_parser(sub) -> None:
                    help="require API keys: one KEY or KEY:TENANT per line "
                         "(also env CONTINUUM_API_KEYS)")
     p.add_argument("--ipc", default=None, help="executor channel (default: a temp ipc:// path)")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV pool size (CPU)")
+    p.add_argument("--device", default="auto",
+                   help="executor device: auto (cuda when available, else cpu), cpu, cuda, "
+                        "cuda:N")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV pool size per executor rank (default: 1 GiB on the CPU; on a GPU "
+                        "what --gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each GPU the executor may use (weights, a step's "
+                        "activations, the KV cache)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=("auto", "float32", "float16", "bfloat16"),
                    help="KV element type (auto: the model's); float16 halves the bytes per "

@@ -111,8 +111,13 @@ class Supervisor:
                       if a.max_num_waiting_per_tenant is not None else [])]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
-                    "--kv-cache-bytes", str(a.kv_cache_bytes), "--block-size", str(a.block_size),
-                    "--kv-cache-dtype", a.kv_cache_dtype]
+                    "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,
+                    "--device", a.device,
+                    "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+                    # A GPU executor profiles a step of the scheduler's largest size.
+                    "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+            if a.kv_cache_bytes is not None:  # else the executor's default for its device
+                argv += ["--kv-cache-bytes", str(a.kv_cache_bytes)]
             argv += ["--tp-size", str(a.tp_size)]
             return argv + (["--threads", str(a.threads)] if a.threads else [])
         return ["--model-dir", self.model_dir, "--model-name", self.model_name,

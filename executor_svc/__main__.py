@@ -1,9 +1,10 @@
 """``python -m executor_svc --model PATH --ipc ipc:///run/continuum/replica.sock``
 
-Loads the model, sizes the KV cache from a byte budget, measures prefill throughput and
-copy bandwidth (for the scheduler's preemption cost model), connects to the scheduler and
-serves plans until SIGTERM/SIGINT (exit 0). A model that cannot be served exits 2 with
-one line on stderr.
+Loads the model, sizes the KV cache (a byte budget on the CPU; on a GPU, what
+--gpu-memory-utilization leaves once the model and one full step fit: executor_svc/device.py),
+measures prefill throughput and copy bandwidth (for the scheduler's preemption cost model),
+connects to the scheduler and serves plans until SIGTERM/SIGINT (exit 0). A model or device
+that cannot be served exits 2 with one line on stderr.
 
 ``--tp-size N`` (N > 1): this process is rank 0. It spawns ranks 1..N-1 (the same command
 with ``--tp-rank``; executor_svc/tp_ranks.py), each loads its slice of the model
@@ -27,22 +28,24 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from executor_svc.device import DEVICE_PATTERN, gpu_kv_blocks, resolve_device
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import SchedulerLink, ServeLoop
 from executor_svc.model import LlamaModel, ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
-from executor_svc.runner import Runner, measure_prefill_tokens_per_s
+from executor_svc.runner import Runner, measure_prefill_tokens_per_s, profile_activation_bytes
 from executor_svc.tp_comm import TPComm
 from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import load_sharded_model, shard_layout
-from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend
+from kernels import BACKEND_NAMES, backend_for, make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+CPU_KV_CACHE_BYTES = 1 << 30  # --kv-cache-bytes on the CPU, where nothing sizes it better
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,14 @@ class ExecutorConfig:
 
     model: str | None
     ipc: str
-    kv_cache_bytes: int  # per rank under tensor parallelism
+    kv_cache_bytes: int | None  # per rank; None: CPU_KV_CACHE_BYTES, or on a GPU sized to fit
     host_kv_cache_bytes: int  # per rank
     block_size: int
     dtype: str
     threads: int | None  # per rank
     model_id: str | None
     warmup_tokens: int
-    attention_backend: str
+    attention_backend: str | None  # None: the device's default (kernels.backend_for)
     tp_size: int = 1
     tp_timeout_s: float = 60.0
     # Set by rank 0 on the command lines of ranks 1..N-1 only.
@@ -66,6 +69,9 @@ class ExecutorConfig:
     tp_init_method: str | None = None
     incarnation: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype
+    device: str = "auto"  # as given; each rank resolves its own (executor_svc/device.py)
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048  # the profiled step on a GPU
 
 
 def parse_bytes(text: str) -> int:
@@ -80,7 +86,18 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="GGUF file or HF dir; empty: bundled SmolLM2")
     p.add_argument("--ipc", required=True, help="scheduler address, e.g. ipc:///tmp/c.sock")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N; "
+                        "tensor-parallel rank r uses the r-th GPU from the one named")
+    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
+                   help="device KV pool per rank (default: 1GiB on the CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each GPU the executor may use: weights, one step of "
+                        "--max-num-batched-tokens, and the KV cache in what is left")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens in one step (the scheduler's limit); a GPU runs one such "
+                        "step at start to reserve its activation memory")
     p.add_argument("--host-kv-cache-bytes", type=parse_bytes, default=0,
                    help="host (swap) pool; 0 disables swapping")
     p.add_argument("--block-size", type=int, default=16)
@@ -95,8 +112,9 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
                    help="served name (default: the model directory's name, as the gateway's)")
     p.add_argument("--warmup-tokens", type=int, default=128,
                    help="prefill length timed at start for the cost model")
-    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default=DEFAULT_BACKEND,
-                   help="paged attention kernel (numba: in place, compiled once and cached)")
+    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default=None,
+                   help="paged attention kernel (default: numba on the CPU, in place, compiled "
+                        "once and cached; torch on a GPU)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (processes); KV and thread flags are per rank")
     p.add_argument("--tp-timeout-s", type=float, default=60.0,
@@ -107,6 +125,13 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
     a = p.parse_args(argv)
     if a.block_size < 1 or (a.threads is not None and a.threads < 1) or a.warmup_tokens < 1:
         p.error("--block-size, --threads and --warmup-tokens must be positive")
+    if a.max_num_batched_tokens < 1:
+        p.error("--max-num-batched-tokens must be positive")
+    if not 0 < a.gpu_memory_utilization <= 1:  # also refuses NaN
+        p.error(f"--gpu-memory-utilization must be a fraction of the GPU's memory in (0, 1], "
+                f"e.g. 0.9; got {a.gpu_memory_utilization}")
+    if not re.fullmatch(DEVICE_PATTERN, a.device):
+        p.error(f"--device must be auto, cpu, cuda or cuda:N (e.g. cuda:1), not {a.device!r}")
     if a.tp_size < 1 or a.tp_timeout_s <= 0:
         p.error("--tp-size and --tp-timeout-s must be positive")
     if not 0 <= a.tp_rank < a.tp_size or (a.tp_rank and not (a.tp_init_method and a.incarnation)):
@@ -116,18 +141,23 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
     return ExecutorConfig(a.model or None, a.ipc, a.kv_cache_bytes, a.host_kv_cache_bytes,
                           a.block_size, a.dtype, a.threads, a.model_id, a.warmup_tokens,
                           a.attention_backend, a.tp_size, a.tp_timeout_s, a.tp_rank,
-                          a.tp_init_method, a.incarnation, a.kv_cache_dtype)
+                          a.tp_init_method, a.incarnation, a.kv_cache_dtype, a.device,
+                          a.gpu_memory_utilization, a.max_num_batched_tokens)
 
 
 def build(
-    config: ExecutorConfig, path, incarnation: str, tp_init_method: str | None = None
+    config: ExecutorConfig, path, incarnation: str, tp_init_method: str | None = None,
+    device: torch.device | str = "cpu",  # this rank's, from resolve_device
 ) -> tuple[Runner, pb.Hello]:
     """Loads everything; raises ModelError / ValueError for what a user must fix. Under
     tensor parallelism every rank calls this (it joins the group and times a prefill, which
     are collectives)."""
     start = time.perf_counter()
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and every default-device allocation follow it
     print(f"loading model from {path}", file=sys.stderr)
-    model, sampler, pool_kv_heads = _load(config, path)
+    model, sampler, pool_kv_heads = _load(config, path, device)
     print(f"model loaded in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     c = model.config
     kv_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
@@ -136,11 +166,17 @@ def build(
     # Under tp every rank sizes its pool by the largest KV share, so a block id means the
     # same on every rank; the byte budget is per rank.
     sizing = dataclasses.replace(spec, num_kv_heads=pool_kv_heads)
-    kv = KVCache(spec, sizing.num_blocks(config.kv_cache_bytes),
-                 sizing.num_blocks(config.host_kv_cache_bytes))
-    backend = make_backend(config.attention_backend)
-    if model.tp is not None:  # joined only now: the slowest rank's load must not time out
-        model.tp.connect(tp_init_method, config.tp_timeout_s, "cpu")
+    backend = make_backend(config.attention_backend, device)
+    fit_to_gpu = device.type == "cuda" and config.kv_cache_bytes is None
+    if model.tp is not None and fit_to_gpu:  # the profiling step makes collectives
+        model.tp.connect(tp_init_method, config.tp_timeout_s, device)
+    num_blocks = (_fit_gpu_kv_cache(config, model, spec, backend) if fit_to_gpu else
+                  sizing.num_blocks(config.kv_cache_bytes or CPU_KV_CACHE_BYTES))
+    kv = _allocate_kv(config, spec, num_blocks, sizing.num_blocks(config.host_kv_cache_bytes),
+                      device)
+    if model.tp is not None and not fit_to_gpu:
+        # Joined only now: the slowest rank's load must not time out.
+        model.tp.connect(tp_init_method, config.tp_timeout_s, device)
     prefill_tps = measure_prefill_tokens_per_s(model, kv, backend, config.warmup_tokens)
     hello = pb.Hello(
         schema_version=wire.SCHEMA_VERSION, incarnation=incarnation,
@@ -159,20 +195,73 @@ def build(
     return Runner(model, kv, backend, incarnation, sampler=sampler), hello
 
 
-def _load(config: ExecutorConfig, path):
+def _fit_gpu_kv_cache(config: ExecutorConfig, model: LlamaModel, spec: KVCacheSpec,
+                      backend) -> int:
+    """KV blocks for this rank's GPU (executor_svc/device.py's arithmetic), the smallest
+    count of any rank under tp so that a block id means the same on every rank.
+
+    The profiling step writes its K/V into a scratch pool of its own size. What stays in
+    use is read from the driver only after that pool and the step's memory are handed back:
+    it then counts weights, the CUDA context, NCCL's and cuBLAS's buffers and other
+    processes, and nothing twice.
+    """
+    device = model.embed.device
+    weights = torch.cuda.memory_allocated(device)
+    tokens = config.max_num_batched_tokens
+    scratch = KVCache(spec, -(-tokens // spec.block_size), device=device)
+    activations = profile_activation_bytes(model, scratch, backend, tokens)
+    del scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    one_sequence = -(-model.config.max_position_embeddings // spec.block_size)
+    error, blocks = None, 0
+    try:
+        blocks = gpu_kv_blocks(total, total - free, activations, config.gpu_memory_utilization,
+                               spec.block_bytes, one_sequence)
+    except ValueError as exc:  # raised after the collective, which every rank must join
+        error = exc
+    if model.tp is not None:
+        blocks = model.tp.min_over_ranks(blocks)
+    if error is not None:
+        raise error
+    if blocks == 0:
+        raise ValueError("another tensor-parallel rank has no room for the KV cache "
+                         "(see its error)")
+    log.info("%s: %.2f GiB, %.2f in use after loading (weights %.2f); a %d-token step's "
+             "activations %.2f GiB; KV cache %d blocks = %.2f GiB (--gpu-memory-utilization "
+             "%g)", device, total / 2**30, (total - free) / 2**30, weights / 2**30, tokens,
+             activations / 2**30, blocks, blocks * spec.block_bytes / 2**30,
+             config.gpu_memory_utilization)
+    return blocks
+
+
+def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,
+                 num_host_blocks: int, device: torch.device) -> KVCache:
+    try:
+        return KVCache(spec, num_blocks, num_host_blocks, device)
+    except torch.OutOfMemoryError as exc:
+        if device.type != "cuda":
+            raise
+        given = (f"--kv-cache-bytes {config.kv_cache_bytes}" if config.kv_cache_bytes
+                 else f"--gpu-memory-utilization {config.gpu_memory_utilization:g}")
+        raise ValueError(f"{given}: {num_blocks} KV blocks of {spec.block_bytes} bytes do not "
+                         f"fit on {device} ({str(exc).splitlines()[0]}); lower it") from exc
+
+
+def _load(config: ExecutorConfig, path, device: torch.device):
     """(model, sampler or None for the default, KV heads that size the pool)."""
     dtype = DTYPES[config.dtype]
     if config.tp_size == 1:
         if config.threads:
             torch.set_num_threads(config.threads)
-        model = LlamaModel.load(path, dtype=dtype)
+        model = LlamaModel.load(path, dtype=dtype, device=device)
         return model, None, model.num_kv_heads
     # Ranks share the cores unless told otherwise.
     torch.set_num_threads(config.threads or max(1, len(os.sched_getaffinity(0)) // config.tp_size))
     model_config = ModelConfig.from_dir(path)
     layout = shard_layout(model_config, config.tp_size, config.tp_rank)
     comm = TPComm(layout)
-    model = load_sharded_model(path, model_config, dtype, "cpu", comm)
+    model = load_sharded_model(path, model_config, dtype, device, comm)
     return model, make_sampler(model_config.eos_token_ids, comm), layout.max_kv_heads
 
 
@@ -201,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        device = resolve_device(config.device, 0, config.tp_size)
+        backend_for(config.attention_backend, device)  # before the minutes a model may take
         path = resolve_model(config.model)
         if config.tp_size > 1:  # refuse an impossible split before starting anyone
             shard_layout(ModelConfig.from_dir(path), config.tp_size, 0)
@@ -209,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     incarnation = uuid.uuid4().hex
     if config.tp_size == 1:
-        return _serve(config, path, incarnation, stop)
+        return _serve(config, path, incarnation, stop, device)
     workers = WorkerRanks(args, config.tp_size, incarnation, str(path))
     code = 1
     try:
-        code = _serve(config, path, incarnation, stop, workers.init_method)
+        code = _serve(config, path, incarnation, stop, device, workers.init_method)
         return code
     finally:
         # Only a rank 0 that returned 0 has told the workers to STOP; otherwise kill them.
@@ -222,11 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("some tensor-parallel ranks did not exit cleanly")
 
 
-def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop,
+def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: torch.device,
            tp_init_method: str | None = None) -> int:
     """Rank 0 (or the only rank): build, connect, serve until stopped; the exit status."""
     try:
-        runner, hello = build(config, path, incarnation, tp_init_method)
+        runner, hello = build(config, path, incarnation, tp_init_method, device)
     except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -265,8 +356,9 @@ def _worker_main(config: ExecutorConfig) -> int:
     # SIGTERM keeps its default, immediate death: it is also what PDEATHSIG sends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        device = resolve_device(config.device, config.tp_rank, config.tp_size)
         runner, _ = build(config, resolve_model(config.model), config.incarnation,
-                          config.tp_init_method)
+                          config.tp_init_method, device)
     except (ModelError, ValueError) as exc:
         print(f"error: rank {config.tp_rank}: {exc}", file=sys.stderr)
         return 2

@@ -93,7 +93,11 @@ class KVCache:
         # (~60 us each: 7 ms of a batch-64 step), for every pool dtype the kernels take.
         native_pool = self.device_pool.device.type == "cpu" and spec.dtype in native.KV_KINDS
         self._native = native.load() if native_pool else None
-        self.host_pool = torch.zeros((*shape[:2], num_host_blocks, *shape[3:]), dtype=spec.dtype)
+        # With a GPU pool the host pool is pinned: swaps are then DMA transfers, not copies
+        # staged through a driver buffer.
+        self._pinned = self.device_pool.device.type == "cuda"
+        self.host_pool = torch.zeros((*shape[:2], num_host_blocks, *shape[3:]), dtype=spec.dtype,
+                                     pin_memory=self._pinned)
 
     def key_cache(self, layer: int) -> torch.Tensor:  # [num_blocks, block_size, Hkv, D]
         return self.device_pool[layer, 0]
@@ -128,8 +132,13 @@ class KVCache:
         one direction frees may be reused by the other in the same step."""
         device = self.device_pool.device
         # Indexing with a list copies: these are snapshots, safe from the writes below.
-        outgoing = self.device_pool[:, :, out_src].cpu() if out_src else None
-        incoming = self.host_pool[:, :, in_src].to(device) if in_src else None
+        if self._pinned:  # both directions go through pinned staging
+            outgoing = _pinned_copy(self.device_pool[:, :, out_src]) if out_src else None
+            incoming = (_pinned_gather(self.host_pool, in_src).to(device, non_blocking=True)
+                        if in_src else None)
+        else:
+            outgoing = self.device_pool[:, :, out_src].cpu() if out_src else None
+            incoming = self.host_pool[:, :, in_src].to(device) if in_src else None
         if outgoing is not None:
             self.host_pool[:, :, out_dst] = outgoing
         if incoming is not None:
@@ -144,12 +153,31 @@ class KVCache:
             self.device_pool[:, :, dst] = self.device_pool[:, :, src]
 
     def measure_copy_bytes_per_s(self, max_blocks: int = 16) -> float:
-        """Device -> host copy bandwidth for the preemption cost model (a few ms)."""
+        """Device -> host copy bandwidth for the preemption cost model (a few ms): into
+        pinned memory from a GPU, as swaps copy."""
         n = min(max_blocks, self.num_blocks)
         blocks = self.device_pool[:, :, :n]
-        dst = torch.empty(blocks.shape, dtype=blocks.dtype)
+        dst = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=self._pinned)
         dst.copy_(blocks)  # warm the pages
+        if self._pinned:  # time the transfer itself, not whatever was queued before it
+            torch.cuda.synchronize(blocks.device)
         start = time.perf_counter()
         dst.copy_(blocks)
+        if self._pinned:
+            torch.cuda.synchronize(blocks.device)
         elapsed = time.perf_counter() - start
         return n * self.spec.block_bytes / max(elapsed, 1e-9)
+
+
+def _pinned_copy(blocks: torch.Tensor) -> torch.Tensor:
+    """GPU blocks -> a pinned host copy; returns once the copy has landed."""
+    out = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+    return out.copy_(blocks)
+
+
+def _pinned_gather(pool: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Host pool blocks (dim 2) gathered into pinned memory, ready for an async upload."""
+    index = torch.tensor(blocks, dtype=torch.int64)
+    out = torch.empty((*pool.shape[:2], len(blocks), *pool.shape[3:]), dtype=pool.dtype,
+                      pin_memory=True)
+    return torch.index_select(pool, 2, index, out=out)

@@ -125,9 +125,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     slower) and slows every elementwise op after it. A wide ``w`` (the LM head) goes in
     pieces of _MM_CHUNK rows: transposing the whole [V, T] result at once reads it back from
     memory (batch 64: 58-75 -> 43-48 ms on 2 idle cores; the same values, bit for bit).
+    Off the CPU none of this applies: F.linear, as transformers' LM head.
     """
     rows, width = x.shape[0], w.shape[0]
-    if not 1 < rows <= _MM_MAX_ROWS:
+    if not 1 < rows <= _MM_MAX_ROWS or x.device.type != "cpu":
         return F.linear(x, w)
     if rows < 16 or width < 4 * _MM_CHUNK:
         return torch.mm(w, x.t()).t().contiguous()

@@ -158,10 +158,32 @@ def measure_prefill_tokens_per_s(model: LlamaModel, kv: KVCache, backend, num_to
     it before any sequence exists (it overwrites their K/V)."""
     block_size = kv.spec.block_size
     num_tokens = max(1, min(num_tokens, kv.num_blocks * block_size))
+    device = model.embed.device
     _prefill_once(model, kv, backend, min(8, block_size, num_tokens))
+    synchronize(device)  # on a GPU the clock must see the kernels, not their launches
     start = time.perf_counter()
     _prefill_once(model, kv, backend, num_tokens)
+    synchronize(device)
     return num_tokens / (time.perf_counter() - start)
+
+
+def profile_activation_bytes(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> int:
+    """CUDA only: the most memory a ``num_tokens`` prefill allocates beyond what was
+    allocated before it (weights and ``kv``, which must hold ``num_tokens``), i.e. what every
+    step may need on top of the KV pool."""
+    device = model.embed.device
+    synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _prefill_once(model, kv, backend, num_tokens)
+    synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - baseline)
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued kernels; nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _prefill_once(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> None:

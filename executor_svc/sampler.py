@@ -128,19 +128,21 @@ class Sampler:
             tokens = [0] * len(rows)
         if not sampled:
             return tokens
-        index = torch.tensor(sampled, dtype=torch.int64)
+        # The per-row parameters go where the logits are (a GPU's, or the CPU).
+        device = logits.device
+        index = torch.tensor(sampled, dtype=torch.int64, device=device)
         sub = logits if len(sampled) == len(rows) else logits.index_select(0, index)  # [R, V]
         cfgs = [rows[i].config for i in sampled]
-        temperature = torch.tensor([c.temperature for c in cfgs])  # [R]
+        temperature = torch.tensor([c.temperature for c in cfgs], device=device)  # [R]
         probs = torch.softmax(sub / temperature[:, None], dim=-1)  # [R, V]
         probs = filter_probs(
             probs,
-            top_k=torch.tensor([c.top_k for c in cfgs], dtype=torch.int64),
-            top_p=torch.tensor([c.top_p for c in cfgs]),
-            min_p=torch.tensor([c.min_p for c in cfgs]),
+            top_k=torch.tensor([c.top_k for c in cfgs], dtype=torch.int64, device=device),
+            top_p=torch.tensor([c.top_p for c in cfgs], device=device),
+            min_p=torch.tensor([c.min_p for c in cfgs], device=device),
         )
         uniforms = torch.tensor([row_uniform(rows[i].seed, rows[i].position) for i in sampled],
-                                dtype=torch.float64)
+                                dtype=torch.float64, device=device)
         for i, token in zip(sampled, draw(probs, uniforms).tolist(), strict=True):
             tokens[i] = token
         return tokens

@@ -40,11 +40,12 @@ def apply_penalties(
     """Repetition over prompt + output (divide positive logits, multiply negative ones);
     presence and frequency over the output only (OpenAI semantics)."""
     if repetition != 1.0 and history:
-        seen = torch.unique(torch.tensor(history, dtype=torch.int64))
+        seen = torch.unique(torch.tensor(history, dtype=torch.int64, device=logits.device))
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / repetition, values * repetition)
     if output and (presence != 0.0 or frequency != 0.0):
-        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=len(logits))
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64, device=logits.device),
+                                minlength=len(logits))
         counts = counts[: len(logits)].to(logits.dtype)
         logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
 
@@ -74,7 +75,7 @@ def filter_probs(
 def _keep_nucleus(probs, top_k, top_p, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # probs [J, V] -> (filtered [J, V], short [J] bool: the k candidates may not hold it all)
     values, ids = probs.topk(k, dim=-1)  # [J, K], most likely first
-    rank = torch.arange(k)[None, :]
+    rank = torch.arange(k, device=probs.device)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     # Smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
     # The top token always stays.

@@ -99,6 +99,12 @@ class TPComm:
             dim=1,
         )
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` any rank passes (a CPU tensor: gloo, on any device)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        return int(t)
+
     def broadcast_tokens(self, tokens: list[int] | None, n: int) -> list[int]:
         """Rank 0's ``n`` sampled tokens, on every rank (the others pass None)."""
         t = torch.tensor(tokens, dtype=torch.int64) if self.rank == 0 else torch.empty(

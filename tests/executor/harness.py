@@ -32,8 +32,10 @@ def make_runner(
     c = model.config
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype or model.dtype,
                        block_size)
-    kv = KVCache(spec, num_blocks, num_host_blocks)
-    return Runner(model, kv, backend or make_backend(), INCARNATION)  # the serving default
+    device = model.embed.device  # the pool and the default backend follow the model
+    kv = KVCache(spec, num_blocks, num_host_blocks, device)
+    # None: the serving default for the device.
+    return Runner(model, kv, backend or make_backend(None, device), INCARNATION)
 
 
 def load_model(model_dir: pathlib.Path) -> LlamaModel:

@@ -1,0 +1,66 @@
+"""Where the executor runs (``--device``) and how much of a GPU its KV cache may take.
+
+On the CPU the KV pool is a fixed byte budget (``--kv-cache-bytes``). On a GPU the pool is
+what is left of ``--gpu-memory-utilization`` of the device once the model is loaded and a
+forward of ``--max-num-batched-tokens`` tokens has run, as production servers size it: a
+fixed budget would either waste most of a large GPU or not fit a small one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_GIB = 1 << 30
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+
+
+def resolve_device(spec: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
+    """``--device`` (auto, cpu, cuda, cuda:N) -> this rank's device; raises ValueError when
+    this machine lacks a device the group needs.
+
+    Tensor-parallel rank r takes the r-th GPU from the one named (``cuda``: cuda:r), so the
+    ranks of one executor never share a device.
+    """
+    if not re.fullmatch(DEVICE_PATTERN, spec):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, not {spec!r}")
+    if spec == "cpu" or (spec == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: this torch build has no CUDA device available "
+                         "(torch.cuda.is_available() is False); use --device cpu")
+    first = int(spec.split(":")[1]) if ":" in spec else 0
+    count = torch.cuda.device_count()
+    if first + tp_size > count:
+        needs = f"cuda:{first}" if tp_size == 1 else f"cuda:{first}..cuda:{first + tp_size - 1}"
+        raise ValueError(f"--device {spec} --tp-size {tp_size} needs {needs}, but {count} CUDA "
+                         "device(s) are visible; lower --tp-size or pick another --device")
+    return torch.device("cuda", first + tp_rank)
+
+
+def gpu_kv_blocks(
+    total_bytes: int,  # the device's memory
+    used_bytes: int,  # in use once the model is loaded: weights, CUDA context, other processes
+    activation_bytes: int,  # a --max-num-batched-tokens step's peak, beyond its starting point
+    utilization: float,  # --gpu-memory-utilization, 0 < u <= 1
+    block_bytes: int,  # one KV block, every layer
+    min_blocks: int = 1,  # what one max-length sequence needs
+) -> int:
+    """KV blocks that fit in ``utilization`` of the device besides what the model and a
+    full step need; raises ValueError saying what to change when that is under
+    ``min_blocks`` (a pool that cannot hold one whole sequence cannot serve it)."""
+    budget = int(total_bytes * utilization) - used_bytes - activation_bytes
+    blocks = max(0, budget) // block_bytes
+    needed = max(1, min_blocks)
+    if blocks < needed:
+        raise ValueError(
+            f"no room for the KV cache: {utilization:g} x {total_bytes / _GIB:.2f} GiB of GPU "
+            f"memory leaves {blocks} KV blocks of {block_bytes / (1 << 20):.2f} MiB, but one "
+            f"max-length sequence needs {needed}; the weights, CUDA context and other "
+            f"processes use {used_bytes / _GIB:.2f} GiB and a step's activations "
+            f"{activation_bytes / _GIB:.2f} GiB. Lower --max-num-batched-tokens, raise "
+            "--gpu-memory-utilization, use a smaller model (or a narrower --dtype / "
+            "--kv-cache-dtype), or split it over more GPUs with --tp-size"
+        )
+    return blocks
