@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from executor_svc.flags import add_device_arguments, check_device_arguments
+
 DEFAULT_PORT = 50051
 
 
-def _serve_parser(sub) -> None:
+def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start gateway, scheduler and executor")
     p.add_argument("--model", default=None,
                    help="GGUF file or Hugging Face Llama-family directory "
@@ -22,15 +24,7 @@ def _serve_parser(sub) -> None:
                    help="require API keys: one KEY or KEY:TENANT per line "
                         "(also env CONTINUUM_API_KEYS)")
     p.add_argument("--ipc", default=None, help="executor channel (default: a temp ipc:// path)")
-    p.add_argument("--device", default="auto",
-                   help="executor device: auto (cuda when available, else cpu), cpu, cuda, "
-                        "cuda:N")
-    p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV pool size per executor rank (default: 1 GiB on the CPU; on a GPU "
-                        "what --gpu-memory-utilization leaves)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of each GPU the executor may use (weights, a step's "
-                        "activations, the KV cache)")
+    add_device_arguments(p)  # the executor's own flags, passed on
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=("auto", "float32", "float16", "bfloat16"),
                    help="KV element type (auto: the model's); float16 halves the bytes per "
@@ -51,6 +45,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")
+    return p
 
 
 def _capacity_parser(sub) -> None:
@@ -88,11 +83,13 @@ def _bench_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    serve = _serve_parser(sub)
     _generate_parser(sub)
     _capacity_parser(sub)
     _bench_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        check_device_arguments(serve, args)
     try:
         if args.command == "bench":
             from continuum.bench import main as bench_main

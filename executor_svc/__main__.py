@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -28,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from executor_svc.device import DEVICE_PATTERN, gpu_kv_blocks, resolve_device
+from executor_svc.device import gpu_kv_blocks, resolve_device
+from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import SchedulerLink, ServeLoop
 from executor_svc.model import LlamaModel, ModelConfig
@@ -44,7 +44,6 @@ from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 CPU_KV_CACHE_BYTES = 1 << 30  # --kv-cache-bytes on the CPU, where nothing sizes it better
 
 
@@ -74,27 +73,11 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048  # the profiled step on a GPU
 
 
-def parse_bytes(text: str) -> int:
-    """'1073741824', '1GiB', '512M', '64k' -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1GiB, 512MiB)")
-    return int(match.group(1)) * _UNITS[match.group(2)]
-
-
 def parse_args(argv: list[str] | None) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="GGUF file or HF dir; empty: bundled SmolLM2")
     p.add_argument("--ipc", required=True, help="scheduler address, e.g. ipc:///tmp/c.sock")
-    p.add_argument("--device", default="auto",
-                   help="auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N; "
-                        "tensor-parallel rank r uses the r-th GPU from the one named")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
-                   help="device KV pool per rank (default: 1GiB on the CPU; on a GPU what "
-                        "--gpu-memory-utilization leaves)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of each GPU the executor may use: weights, one step of "
-                        "--max-num-batched-tokens, and the KV cache in what is left")
+    add_device_arguments(p)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens in one step (the scheduler's limit); a GPU runs one such "
                         "step at start to reserve its activation memory")
@@ -127,11 +110,7 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
         p.error("--block-size, --threads and --warmup-tokens must be positive")
     if a.max_num_batched_tokens < 1:
         p.error("--max-num-batched-tokens must be positive")
-    if not 0 < a.gpu_memory_utilization <= 1:  # also refuses NaN
-        p.error(f"--gpu-memory-utilization must be a fraction of the GPU's memory in (0, 1], "
-                f"e.g. 0.9; got {a.gpu_memory_utilization}")
-    if not re.fullmatch(DEVICE_PATTERN, a.device):
-        p.error(f"--device must be auto, cpu, cuda or cuda:N (e.g. cuda:1), not {a.device!r}")
+    check_device_arguments(p, a)
     if a.tp_size < 1 or a.tp_timeout_s <= 0:
         p.error("--tp-size and --tp-timeout-s must be positive")
     if not 0 <= a.tp_rank < a.tp_size or (a.tp_rank and not (a.tp_init_method and a.incarnation)):

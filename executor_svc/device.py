@@ -12,8 +12,9 @@ import re
 
 import torch
 
+from executor_svc.flags import DEVICE_PATTERN
+
 _GIB = 1 << 30
-DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
 
 
 def resolve_device(spec: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:

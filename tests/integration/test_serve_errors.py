@@ -45,3 +45,15 @@ def test_port_in_use_is_one_clear_error():
     assert out.returncode == 2
     assert f"port {port}" in out.stderr and "already in use" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--gpu-memory-utilization", "0"), "--gpu-memory-utilization must be a fraction"),
+    (("--device", "gpu"), "--device must be auto, cpu, cuda or cuda:N"),
+    (("--kv-cache-bytes", "lots"), "not a byte size: 'lots'"),
+])
+def test_bad_executor_flags_are_refused_before_anything_starts(flags, message):
+    out = serve(*flags, "--port", str(free_port()), "--scheduler-port", str(free_port()))
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "loading model" not in out.stderr and "Traceback" not in out.stderr
