@@ -1,15 +1,38 @@
 #!/usr/bin/env bash
 # The executor's CUDA path, on a machine with an NVIDIA GPU: run from anywhere in the
-# repository once its virtualenv is set up (.venv, or PYTHON=/path/to/python). One PASS,
-# FAIL or SKIP line per check, then the verdict; exits 1 when a check failed. Each check has
-# a time limit; all together at most 8 minutes (about 2-4 on one GPU).
+# repository, with its virtualenv (.venv), PYTHON=/path/to/python, or the machine's python3.
+# One PASS, FAIL or SKIP line per check, then the verdict; exits 1 when a check failed. Each
+# check has a time limit; all together at most 8 minutes (about 2-4 on one GPU).
+#
+# On the device tool's lent machine (no network, 64 MiB carried): first, here,
+#   .venv/bin/python scripts/gpu_bundle.py       # .gpu/: wheels + a 6-layer model, ~45 MiB
+# then run `bash scripts/gpu_check.sh` there with carry [".gpu", "protos/continuum/v1"].
+# The wheels go to /tmp/site; the tests use .gpu/model.gguf (CONTINUUM_TEST_MODEL).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 failed=0
+
+# Carried by scripts/gpu_bundle.py: what the device's image lacks (a venv has it all).
+if [ -d .gpu/whl ] && [ "$PY" != .venv/bin/python ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ -f .gpu/model.gguf ] && [ -z "${CONTINUUM_TEST_MODEL:-}" ]; then
+    export CONTINUUM_TEST_MODEL="$PWD/.gpu/model.gguf"
+fi
+if ! ls protos/continuum/v1/executor_pb2.py >/dev/null 2>&1; then
+    echo "FAIL: protos/continuum/v1/*_pb2.py missing (make protos here; carry the folder)"
+    echo "gpu_check: FAIL"
+    exit 1
+fi
 
 # Without a GPU every test below would skip and prove nothing: stop here.
 if timeout 60 "$PY" - <<'PYEOF'

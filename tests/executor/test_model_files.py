@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from executor_svc.model_files import ModelError, bundled_gguf, resolve_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 TEXTS = [
     "Hello world",
@@ -131,3 +134,31 @@ def test_chat_template_renders(model_dir):
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         "Face<|im_end|>\n<|im_start|>user\nWhat is the capital?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_truncated_copy_for_the_gpu_check_loads_with_the_same_tokenizer(model_dir, tmp_path):
+    """scripts/gpu_bundle.py's smaller model (the whole GGUF is too big to carry to a lent
+    GPU machine): the first blocks only, everything else as in the bundled file."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_bundle import truncate_gguf
+    finally:
+        sys.path.pop(0)
+    small = tmp_path / "small.gguf"
+    truncate_gguf(bundled_gguf(), small, 2)
+    assert small.stat().st_size < bundled_gguf().stat().st_size / 2
+    converted = resolve_model(str(small), cache_dir=str(tmp_path / "cache"))
+    config = json.loads((converted / "config.json").read_text())
+    full = json.loads((model_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2
+    differ = {"num_hidden_layers", "_name_or_path"}
+    assert {k: v for k, v in config.items() if k not in differ} == \
+        {k: v for k, v in full.items() if k not in differ}
+    assert (converted / "tokenizer.json").read_text() == (model_dir / "tokenizer.json").read_text()
+    weights, reference = load_file(converted / "model.safetensors"), load_file(
+        model_dir / "model.safetensors")
+    assert not any(name.startswith("model.layers.2.") for name in weights)
+    for name, tensor in weights.items():  # the kept tensors are the same values
+        assert torch.equal(tensor, reference[name]), name
+    with pytest.raises(SystemExit, match="has only"):
+        truncate_gguf(bundled_gguf(), tmp_path / "too_many.gguf", 1000)

@@ -20,7 +20,8 @@ TIMEOUT_MS = 60_000
 def start_executor(*args: str) -> subprocess.Popen:
     """On the CPU unless ``args`` name another --device (the last one wins): the default
     (auto) would move these tests to a GPU wherever there is one."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(  # keep what the caller set
+        p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen([sys.executable, "-m", "executor_svc", "--device", "cpu", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
