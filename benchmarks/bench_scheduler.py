@@ -49,10 +49,11 @@ import time
 import timeit
 import types
 
+import scheduler_svc.core
+import scheduler_svc.plan
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from scheduler_svc.core import ModelInfo, QueueFull, Request, Scheduler, SchedulerConfig
-from scheduler_svc.plan import build_plan_message, prepare
+from scheduler_svc.core import Request
 from sim.workload import default_trace, load_trace
 
 SYSTEM_PROMPT = list(range(1000, 1064))
@@ -80,12 +81,19 @@ STEPS = {64: 400, 256: 300, 1024: 100}  # timed steps per size (after WARMUP)
 WARMUP = 50
 
 
+def scheduler_api(core, plan) -> types.SimpleNamespace:
+    """What the benchmark uses of a scheduler package (its ``core`` and ``plan``
+    modules); revisions before ``plan.prepare`` lack it."""
+    return types.SimpleNamespace(Request=core.Request, Scheduler=core.Scheduler,
+                                 SchedulerConfig=core.SchedulerConfig,
+                                 ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
+                                 build_plan_message=plan.build_plan_message,
+                                 prepare=getattr(plan, "prepare", None))
+
+
 def current_api() -> types.SimpleNamespace:
-    """The working tree's scheduler, as the benchmark uses it."""
-    return types.SimpleNamespace(Request=Request, Scheduler=Scheduler,
-                                 SchedulerConfig=SchedulerConfig, ModelInfo=ModelInfo,
-                                 QueueFull=QueueFull, build_plan_message=build_plan_message,
-                                 prepare=prepare, name="working tree")
+    """The working tree's scheduler."""
+    return scheduler_api(scheduler_svc.core, scheduler_svc.plan)
 
 
 def load_revision(rev: str) -> types.SimpleNamespace:
@@ -109,11 +117,7 @@ def load_revision(rev: str) -> types.SimpleNamespace:
     sys.path.insert(0, str(tmp))
     core = importlib.import_module(f"{name}.core")
     plan = importlib.import_module(f"{name}.plan")
-    return types.SimpleNamespace(Request=core.Request, Scheduler=core.Scheduler,
-                                 SchedulerConfig=core.SchedulerConfig,
-                                 ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
-                                 build_plan_message=plan.build_plan_message,
-                                 prepare=getattr(plan, "prepare", None), name=rev)
+    return scheduler_api(core, plan)
 
 
 class Workload:

@@ -37,7 +37,7 @@ def _is_git_checkout() -> bool:
 def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
     other = bench_scheduler.load_revision("HEAD")
     assert other.Scheduler.__module__.startswith("scheduler_svc_HEAD")
-    assert other.Scheduler is not bench_scheduler.Scheduler
+    assert other.Scheduler is not bench_scheduler.current_api().Scheduler
     r = bench_scheduler.lockstep(16, 10, 0.85, other)
     # Both ran the mixed workload (the working tree may differ from HEAD, so their
     # plans need not be equal).
