@@ -20,6 +20,7 @@ import statistics
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 import executor_svc.model as model_mod
@@ -154,8 +155,14 @@ class Breakdown:
 
 def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]:
     """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
-    KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute."""
+    KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute. A
+    decode-only step's layers run in one native call (kernels/cpu_decoder.cpp): its phases
+    come from the decoder's own clock, the rest from wrapped Python functions."""
     b, r = Breakdown(run.clock), run.runner
+    decoder = model._decoder
+    phases = np.zeros(len(native.NativeDecoder.PHASES)) if decoder is not None else None
+    if decoder is not None:
+        decoder.phase_seconds = phases
     head = model.lm_head
     b.wrap(runner_mod, "check_plan", lambda *a: "plan check + apply")
     b.wrap(r, "_apply", lambda *a: "plan check + apply")
@@ -174,12 +181,18 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
             total += run.step()
     finally:
         b.restore()
+        if decoder is not None:
+            decoder.phase_seconds = None
     ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
+    for name, seconds in zip(native.NativeDecoder.PHASES, phases if phases is not None else (),
+                             strict=False):
+        ms[name] = ms.get(name, 0.0) + seconds * 1e3 / steps
     inner = sum(ms.setdefault(k, 0.0) for k in ("layer matmuls", "LM head", "attention",
                                                  "KV write"))
-    ms["norms, rope, other ops"] = ms.pop("forward") - inner
+    inner += sum(ms.get(k, 0.0) for k in ("norms + residual", "rope + q/k/v layout", "SwiGLU"))
+    ms["other forward ops"] = ms.pop("forward") - inner
     ms["total"] = total * 1e3 / steps
-    ms["rest of execute"] = ms["total"] - ms["norms, rope, other ops"] - inner - sum(
+    ms["rest of execute"] = ms["total"] - ms["other forward ops"] - inner - sum(
         ms[k] for k in ("plan check + apply", "batch building", "sampling"))
     return ms
 

@@ -193,16 +193,38 @@ class LlamaModel:
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         self._native = native.load() if cpu_fp32 else None
+        self._decoder: native.NativeDecoder | None = None
         if self._native is not None and os.environ.get("CONTINUUM_NATIVE_GEMM", "1") != "0":
             self._pack_weights(self._native)
 
     def _pack_weights(self, lib: native.NativeKernels) -> None:
         """Every projection and the LM head into the native GEMM's layout (the plain tensors
-        are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here)."""
+        are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here); and,
+        unless CONTINUUM_NATIVE_DECODER=0, the native decoder that runs a decode-only step's
+        layers in one call."""
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 setattr(layer, name, lib.pack_weight(getattr(layer, name)))
         self.lm_head = lib.pack_weight(self.lm_head)
+        if self.tp is None and os.environ.get("CONTINUUM_NATIVE_DECODER", "1") != "0":
+            c = self.config
+            self._decoder = native.NativeDecoder(
+                lib, [(lay.attn_norm, lay.wqkv, lay.wo, lay.ffn_norm, lay.w13, lay.w2)
+                      for lay in self.layers],
+                c.hidden_size, c.intermediate_size, self.num_heads, self.num_kv_heads,
+                c.head_dim, c.rms_norm_eps, self.scale)
+
+    def _decode_natively(self, x, cos, sin, slot_mapping, backend, prepared, kv) -> bool:
+        """Runs every layer in one native call when the step is decode-only and the backend's
+        AVX2 kernel reads the pool (same values as the loop in ``forward``); False if not."""
+        rows_of = getattr(backend, "native_decode_rows", None)
+        if self._decoder is None or rows_of is None or x.device.type != "cpu":
+            return False
+        decode = rows_of(prepared, kv.device_pool, self.config.head_dim)
+        if decode is None:
+            return False
+        self._decoder(x, cos, sin, slot_mapping.contiguous(), kv.device_pool, *decode)
+        return True
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
         """x [H, T] += delta (in place, if given); returns RMSNorm(x) * weight, [H, T]."""
@@ -211,6 +233,13 @@ class LlamaModel:
         if delta is not None:
             x += delta
         return rms_norm(x, weight, self.config.rms_norm_eps, dim=0)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: one native pass for fp32 on the CPU (the native decoder's), else
+        torch's two ops (``gate`` is overwritten then)."""
+        if self._native is not None:
+            return self._native.silu_mul(gate, up)
+        return F.silu(gate, inplace=True).mul_(up)
 
     def qkv_rows(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                  num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -261,11 +290,13 @@ class LlamaModel:
         x = x.t().contiguous()  # [H, T], hidden-major from here on
         cos, sin = self._rope(positions)  # [D, T] each
         prepared = backend.prepare(meta)
-        ffn = None  # a layer's FFN output, added to x by the next layer's first norm
-        for i, layer in enumerate(self.layers):
-            ffn = layer.forward(self, x, ffn, cos, sin, i, slot_mapping, backend, prepared, kv)
-        if ffn is not None:
-            x += ffn
+        if not self._decode_natively(x, cos, sin, slot_mapping, backend, prepared, kv):
+            ffn = None  # a layer's FFN output, added to x by the next layer's first norm
+            for i, layer in enumerate(self.layers):
+                ffn = layer.forward(self, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
+                                    kv)
+            if ffn is not None:
+                x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
         if isinstance(self.lm_head, native.PackedWeight):  # writes [S, V] token-major
             h = rms_norm(x[:, sample_rows], self.norm, self.config.rms_norm_eps, dim=0)  # [H, S]
@@ -321,7 +352,7 @@ class _Layer:
         h = model.add_norm(x, attn, self.ffn_norm)
         gate_up = project(self.w13, h)  # [2 I, T]: gate rows, then up rows
         inter = gate_up.shape[0] // 2
-        act = F.silu(gate_up[:inter], inplace=True).mul_(gate_up[inter:])  # [I, T]
+        act = model.swiglu(gate_up[:inter], gate_up[inter:])  # [I, T]
         ffn = project(self.w2, act)  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(ffn)

@@ -46,6 +46,29 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+// exp(x) for x <= 0 to ~1 ulp at any magnitude (SwiGLU needs it for large |x|, where
+// exp_nonpos's x * log2(e) loses ~|x| * 6e-8 of the exponent): Cody-Waite reduction
+// x = k ln2 + r, |r| <= ln2 / 2, with ln2 split in two, then a degree-7 Taylor series of
+// e^r. x below -87 clamps, as exp_nonpos.
+inline __m256 exp_nonpos_exact(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2's high part
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);  // and its low part
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  // 2.0f ** k
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 inline float hsum(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
@@ -358,6 +381,34 @@ void add_rms_norm_f32(float* x, const float* delta, const float* w, float* out, 
   for (int64_t h = 0; h < hidden; ++h)
     for (int64_t t = 0; t < tokens; ++t)
       out[h * tokens + t] = w[h] * (x[h * tokens + t] * scale[t]);
+}
+
+// The SwiGLU activation: out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)) as
+// torch's (rounded to float, then multiplied). e = exp(-|g|) never overflows: g >= 0 gives
+// g / (1 + e), g < 0 g e / (1 + e). Within a few ulp of torch's SiLU (silu(-inf) is -inf
+// here, NaN in torch). One pass instead of torch's two (silu_, mul_); both threads for a
+// decode step's [1536, 64].
+void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n, int num_threads) {
+  const int64_t vectors = n / 8;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  auto eight = [&](__m256 g, __m256 u) {
+    const __m256 e = exp_nonpos_exact(_mm256_or_ps(g, sign));  // exp(-|g|)
+    const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(g, e), g,
+                                        _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
+    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u);
+  };
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && n >= 16384) \
+    schedule(static)
+  for (int64_t b = 0; b < vectors; ++b)
+    _mm256_storeu_ps(out + 8 * b,
+                     eight(_mm256_loadu_ps(gate + 8 * b), _mm256_loadu_ps(up + 8 * b)));
+  if (const int64_t rest = n - vectors * 8) {  // the tail through padded copies, same math
+    alignas(32) float g[8] = {}, u[8] = {};
+    memcpy(g, gate + vectors * 8, rest * sizeof(float));
+    memcpy(u, up + vectors * 8, rest * sizeof(float));
+    _mm256_store_ps(g, eight(_mm256_load_ps(g), _mm256_load_ps(u)));
+    memcpy(out + vectors * 8, g, rest * sizeof(float));
+  }
 }
 
 // A layer's fused q/k/v projection output -> the token-major rows attention and the KV

@@ -1,7 +1,8 @@
 """Builds and loads the AVX2 kernels through ctypes: kernels/cpu_attention.cpp (paged decode
 attention over float32 / float16 / bfloat16 pools, fused residual add + RMSNorm, RoPE +
-q/k/v layout, KV write) and kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed
-weights), one library.
+q/k/v layout, KV write, SwiGLU), kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed
+weights) and kernels/cpu_decoder.cpp (a decode step's decoder layers in one call), one
+library.
 
 Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
 ``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
@@ -28,7 +29,8 @@ import kernels.numba_kernels  # noqa: F401  (promotes torch's libgomp first: one
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_gemm.cpp"))
+SOURCES = tuple(pathlib.Path(__file__).with_name(n)
+                for n in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # Pool element types the kernels read and write (cpu_attention.cpp's `kind`).
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -63,6 +65,11 @@ class NativeKernels:
         self._gemm.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,
                                ctypes.c_int]
         self._gemm.restype = None
+        self._silu_mul = lib.silu_mul_f32
+        self._silu_mul.argtypes, self._silu_mul.restype = [_PTR] * 3 + [_I64, ctypes.c_int], None
+        self._decode_layers = lib.decode_layers_f32
+        self._decode_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
+        self._decode_layers.restype = _I64
 
     def supports(self, head_dim: int) -> bool:
         return bool(self._supports(head_dim))
@@ -127,6 +134,16 @@ class NativeKernels:
         if bad:
             raise IndexError(f"{bad} KV slots outside the pool's {num_slots}")
 
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up (torch's SiLU to ~2 ulp), one pass; float32 contiguous CPU tensors
+        of one shape."""
+        assert gate.dtype == up.dtype == torch.float32 and gate.shape == up.shape
+        assert gate.is_contiguous() and up.is_contiguous()
+        out = torch.empty_like(gate)
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(),
+                       torch.get_num_threads())
+        return out
+
     def pack_weight(self, w: torch.Tensor) -> PackedWeight:
         """w [M, K] float32 CPU -> the GEMM's panel layout (cpu_gemm.cpp); w is not kept."""
         assert w.dtype == torch.float32 and w.dim() == 2 and w.device.type == "cpu"
@@ -170,6 +187,85 @@ class PackedWeight:
         out = torch.empty(x.shape[1], self.shape[0], dtype=torch.float32)
         self._lib.gemm(self, x, out, 1, out.stride(0))
         return out
+
+
+class _Layer(ctypes.Structure):  # cpu_decoder.cpp's DecoderLayer
+    _fields_ = [(n, _PTR) for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2")]
+
+
+class _Shape(ctypes.Structure):  # DecoderShape
+    _fields_ = [(n, _I64) for n in ("hidden", "inter", "num_heads", "num_kv_heads", "head_dim")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):  # DecodeStep
+    _fields_ = [("tokens", _I64), ("cos", _PTR), ("sin", _PTR), ("slots", _PTR), ("pool", _PTR),
+                ("num_blocks", _I64), ("block_size", _I64), ("kind", ctypes.c_int),
+                ("rows", _PTR), ("tables", _PTR), ("table_stride", _I64),
+                ("context_lens", _PTR), ("num_seqs", _I64), ("attention_threads", ctypes.c_int),
+                ("threads", ctypes.c_int)]
+
+
+class NativeDecoder:
+    """Every decoder layer of a decode-only step in one call (kernels/cpu_decoder.cpp): the
+    same kernels, in the same order, as the per-op forward in executor_svc/model.py, so the
+    same values; without its ~12 Python and torch calls per layer, each of which starts with
+    cold caches after the layer's GEMM and attention have streamed through them.
+
+    ``layers``: (attn_norm, wqkv, wo, ffn_norm, w13, w2) per layer, the norms float32 [H]
+    tensors, the projections PackedWeights. Holds references to all of them.
+
+    ``phase_seconds``: None, or a float64 array of len(PHASES) to which each call adds the
+    seconds spent in each phase (the bench's breakdown; ~20 ns per phase and layer).
+    """
+
+    PHASES = ("norms + residual", "layer matmuls", "rope + q/k/v layout", "KV write",
+              "attention", "SwiGLU")
+
+    def __init__(self, lib: NativeKernels, layers: list[tuple], hidden: int, inter: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> None:
+        self._lib = lib
+        self._keep = layers
+        self._layers = (_Layer * len(layers))()
+        for entry, parts in zip(self._layers, layers, strict=True):
+            ptrs = [p.data.data_ptr() if isinstance(p, PackedWeight) else p.data_ptr()
+                    for p in parts]
+            for (name, _), ptr in zip(_Layer._fields_, ptrs, strict=True):
+                setattr(entry, name, ptr)
+        self._shape = _Shape(hidden, inter, num_heads, num_kv_heads, head_dim, eps, scale)
+        self.num_layers = len(layers)
+        self.phase_seconds: np.ndarray | None = None
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, pool: torch.Tensor, rows: np.ndarray, tables: np.ndarray,
+                 context_lens: np.ndarray, attention_threads: int) -> None:
+        """x [H, T] (the embeddings) -> the residual stream after the last layer, in place.
+        cos / sin [D, T] float32, slots [T] int64, pool [layers, 2, N, block, Hkv, D] of a
+        KV_KINDS dtype, all contiguous CPU tensors; rows, context_lens [T] and tables [T, nb]
+        int64 C-contiguous arrays (kernels/numba_backend.py's decode rows): every one of
+        the T sequences decodes one token. IndexError for a slot outside the pool."""
+        tokens = x.shape[1]
+        assert x.dtype == cos.dtype == sin.dtype == torch.float32 and slots.dtype == torch.int64
+        assert all(t.is_contiguous() for t in (x, cos, sin, slots, pool))
+        assert pool.dim() == 6 and pool.shape[0] == self.num_layers and pool.shape[1] == 2
+        assert pool.shape[4:] == (self._shape.num_kv_heads, self._shape.head_dim)
+        assert slots.shape == (tokens,) and rows.shape == context_lens.shape == (tokens,)
+        assert rows.dtype == tables.dtype == context_lens.dtype == np.int64
+        assert tables.flags.c_contiguous and tables.shape[0] == tokens
+        step = _Step(tokens, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), pool.data_ptr(),
+                     pool.shape[2], pool.shape[3], KV_KINDS[pool.dtype], rows.ctypes.data,
+                     tables.ctypes.data, tables.shape[1], context_lens.ctypes.data, tokens,
+                     attention_threads, torch.get_num_threads())
+        phases = self.phase_seconds
+        if phases is not None:
+            assert phases.dtype == np.float64 and phases.shape == (len(self.PHASES),)
+        bad = self._lib._decode_layers(ctypes.addressof(self._layers), self.num_layers,
+                                       ctypes.addressof(self._shape), ctypes.addressof(step),
+                                       x.data_ptr(),
+                                       None if phases is None else phases.ctypes.data)
+        if bad:
+            raise IndexError(f"{bad} KV slots outside the pool's {pool.shape[2] * pool.shape[3]}")
 
 
 def _cpu_has_avx2_fma() -> bool:

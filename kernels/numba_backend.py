@@ -90,6 +90,17 @@ class NumbaAttentionBackend(AttentionBackend):
             threads=threads if parallel else 1,
         )
 
+    def native_decode_rows(self, prepared: _StepPlan, pool: torch.Tensor, head_dim: int):
+        """(rows, tables, context_lens, threads) of the AVX2 kernel when every sequence of
+        the step decodes one token and the kernel reads ``pool`` (the whole KV pool) — the
+        step's layers may then run in one native call (kernels/cpu_decoder.cpp); else None."""
+        native_ok = self.native is not None and self.native.supports(head_dim)
+        if not native_ok or prepared.chunks or len(prepared.rows) == 0:
+            return None
+        if pool.dtype not in native.KV_KINDS or not pool.is_contiguous():
+            return None
+        return prepared.rows, prepared.tables, prepared.context_lens, prepared.threads
+
     def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
         native_ok = self.native is not None and self.native.supports(q.shape[-1])
         if not _kernel_can_read(q, k_cache, v_cache, native_ok):

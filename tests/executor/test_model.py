@@ -99,3 +99,70 @@ def test_bfloat16_forward_runs_close_to_fp32(tiny_dir):
                         kv, torch.tensor([19]))
     assert got.dtype == torch.float32
     torch.testing.assert_close(got[0], want, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
+    """A decode-only step runs its layers in one native call (kernels/cpu_decoder.cpp): the
+    same logits and K/V, bit for bit, as the per-op loop; a step with a prefill chunk, or
+    another backend, keeps the loop."""
+    path, _ = tiny_dir
+    model = LlamaModel.load(path)
+    decoder = model._decoder
+    if decoder is None:
+        pytest.skip("no native kernels here: every step takes the per-op loop")
+    c, bs = model.config, 4
+    tables = [torch.randperm(60, generator=torch.Generator().manual_seed(3))[i::3][:12].tolist()
+              for i in range(3)]
+    prompts = [10, 5, 7]
+
+    def run(use_decoder: bool, backend) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+        calls: list[int] = []
+
+        def counting(x, *rest):
+            calls.append(x.shape[1])
+            return decoder(x, *rest)
+
+        model._decoder = counting if use_decoder else None
+        kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, bs), 60)
+        gen = torch.Generator().manual_seed(4)
+        lens = [0, 0, 0]
+        logits = []
+        try:
+            for step in range(4):  # a 3-sequence prefill, then three decode-only steps
+                new = prompts if step == 0 else [1, 1, 1]
+                ids = torch.randint(0, c.vocab_size, (sum(new),), generator=gen)
+                pos = torch.cat([torch.arange(n0, n0 + n) for n0, n in zip(lens, new, strict=True)])
+                owner = [i for i, n in enumerate(new) for _ in range(n)]
+                slots = torch.tensor([tables[i][p // bs] * bs + p % bs
+                                      for i, p in zip(owner, pos.tolist(), strict=True)])
+                lens = [n0 + n for n0, n in zip(lens, new, strict=True)]
+                meta = AttentionMetadata.build(new, lens, tables, bs)
+                rows = torch.tensor(list(torch.cumsum(torch.tensor(new), 0) - 1))
+                logits.append(model.forward(ids, pos, slots, meta, backend, kv, rows))
+        finally:
+            model._decoder = decoder
+        return logits, kv.device_pool.clone(), calls
+
+    fused, fused_pool, calls = run(True, make_backend("numba"))
+    assert calls == [3, 3, 3]  # the decode-only steps, not the prefill
+    looped, looped_pool, none = run(False, make_backend("numba"))
+    assert none == []
+    for a, b in zip(fused, looped, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_pool, looped_pool)
+    _, _, other = run(True, make_backend("torch"))  # not the AVX2 kernel: the loop
+    assert other == []
+
+
+def test_the_native_decoder_refuses_a_slot_outside_the_pool(tiny_dir):
+    path, _ = tiny_dir
+    model = LlamaModel.load(path)
+    if model._decoder is None:
+        pytest.skip("no native kernels here")
+    c = model.config
+    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 4), 8)
+    meta = AttentionMetadata.build([1], [3], [[1]], 4)
+    with pytest.raises(IndexError, match="outside the pool"):
+        model.forward(torch.tensor([5]), torch.tensor([2]), torch.tensor([32]), meta,
+                      make_backend("numba"), kv, torch.tensor([0]))

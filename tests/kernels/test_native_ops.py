@@ -1,8 +1,10 @@
-"""The native GEMM over packed weights (kernels/cpu_gemm.cpp) and the fused RoPE + q/k/v
-layout (rope_qkv_f32), against torch on the shapes a step produces and on the edges."""
+"""The native GEMM over packed weights (kernels/cpu_gemm.cpp), the fused RoPE + q/k/v
+layout (rope_qkv_f32) and SwiGLU (silu_mul_f32), against torch on the shapes a step
+produces and on the edges."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from executor_svc.model import apply_rope
 from kernels import native
@@ -77,3 +79,31 @@ def test_rope_qkv_is_bit_identical_to_the_torch_ops(lib, hq, hkv, dim, tokens):
     assert torch.equal(q, rows[:, : hq * dim].view(tokens, hq, dim))
     assert torch.equal(k, rows[:, hq * dim : n_qk].view(tokens, hkv, dim))
     assert torch.equal(v, rows[:, n_qk:].view(tokens, hkv, dim))
+
+
+@pytest.mark.parametrize("n", [1536 * 64, 8, 7, 1, 20_003])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_mul_matches_torch(lib, n, threads):
+    torch.manual_seed(n)
+    gate, up = torch.randn(n) * 6, torch.randn(n)
+    gate[:4] = torch.tensor([0.0, -0.0, 100.0, -100.0])[: min(4, n)]  # exp's clamp, both signs
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = lib.silu_mul(gate, up)
+    finally:
+        torch.set_num_threads(before)
+    want = F.silu(gate.double()) * up.double()
+    assert got.shape == gate.shape and got.dtype == torch.float32
+    # float32 rounding of the SiLU and the product: a few ulp of the result
+    assert ((got.double() - want).abs() <= 4e-7 * want.abs() + 1e-30).all()
+    assert torch.equal(gate[:2], torch.tensor([0.0, -0.0])[: min(2, n)])  # inputs untouched
+
+
+def test_silu_mul_propagates_nan_and_infinity(lib):
+    gate = torch.tensor([float("nan"), float("inf"), 1.0] * 3)
+    up = torch.tensor([1.0, 2.0, float("nan")] * 3)
+    got = lib.silu_mul(gate, up)
+    want = F.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()], want[~want.isnan()])
