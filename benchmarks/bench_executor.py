@@ -197,14 +197,23 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
     return ms
 
 
-def ours(model, backends: dict, args, clock) -> dict[tuple[str, int], float]:
-    """Seconds per decode step, per (backend, batch)."""
-    out = {}
+def ours(model, backends: dict, args, clock, headline: str,
+         ceilings: dict[int, dict[str, float]]) -> dict[tuple[str, int], float]:
+    """Seconds per decode step, per (backend, batch). The machine's ceilings are measured
+    again just before and just after each headline point; ``ceilings[batch]`` gets the best
+    of the two (the point's own roofline: this machine's speed moves by +-25 % from one
+    minute to the next, so a ceiling from the start of the run can belong to another
+    minute than the step it divides)."""
+    c, out = model.config, {}
     for batch in args.batches:
         for name, backend in backends.items():
             run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock,
                             KV_DTYPES[args.kv_cache_dtype])
+            before = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
             out[name, batch] = run.timed(args.warmup, args.steps)
+            if name == headline:
+                after = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+                ceilings[batch] = {k: max(before[k], after[k]) for k in before}
             print(f"  ours[{name}] batch {batch}: {out[name, batch] * 1e3:.1f} ms/step  "
                   f"({load()})", flush=True)
             del run
@@ -277,7 +286,8 @@ def main() -> None:
         print(f"backend {name}: ready in {time.perf_counter() - start:.2f} s", flush=True)
     headline = args.backends[0]
     prefill = {"ours": ours_prefill_tokens_per_s(model, backends[headline], 512, clock)}
-    step_s = ours(model, backends, args, clock)
+    point_ceilings: dict[int, dict[str, float]] = {}
+    step_s = ours(model, backends, args, clock, headline, point_ceilings)
 
     hf_s = {}
     if not args.no_hf:
@@ -294,7 +304,7 @@ def main() -> None:
             gc.collect()
         del hf
 
-    report(model, ceil, args, step_s, hf_s, headline)
+    report(model, ceil, point_ceilings, args, step_s, hf_s, headline)
     print("\nprefill, one 512-token prompt (tokens/s): "
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill.items()))
     if args.breakdown_batch:
@@ -308,26 +318,37 @@ def main() -> None:
             print(f"  {key:<24} {value:8.1f}  {value / ms['total']:6.1%}")
 
 
-def report(model, ceil, args, step_s, hf_s, headline: str) -> None:
+def report(model, ceil, point_ceilings, args, step_s, hf_s, headline: str) -> None:
+    """The table: "of bound" divides each point's bound (its own ceilings, measured around
+    it) by its step time; "at start" divides the bound from the run-start ceilings."""
     flops = model_flops_per_token(model, args.context)
+    kv_bytes = torch.empty((), dtype=KV_DTYPES[args.kv_cache_dtype]).element_size()
+
+    def bound_ms(batch: int, c: dict[str, float]) -> tuple[float, float]:
+        compute = batch * flops / (c["gflops_peak"] * 1e9) * 1e3
+        memory = step_bytes(model, batch, args.context, kv_bytes) / (c["read_gbs"] * 1e9)
+        return compute, memory * 1e3
+
     print(f"\ncontext {args.context}, {args.steps} timed steps after {args.warmup}; roofline: "
-          f"max({flops / 1e6:.0f} MFLOP/token / {ceil['gflops_peak']:.0f} GFLOP/s, "
-          f"bytes / {ceil['read_gbs']:.1f} GB/s) ({load()})")
+          f"max({flops / 1e6:.0f} MFLOP/token / GFLOP/s, bytes / GB/s), each point's ceilings "
+          f"the best of those measured just before and after it ({load()})")
     others = [name for name, _ in step_s if name != headline]
     cols = "".join(f" {name + ' ms':>10}" for name in dict.fromkeys(others))
     print(f"| batch | ours ms/step | ours tok/s |{cols} | HF ms/step | HF tok/s | vs HF "
-          f"| bound ms (flop/mem) | bound tok/s | of bound |")
+          f"| GFLOP/s · GB/s | bound ms (flop/mem) | bound tok/s | of bound | at start |")
     for batch in args.batches:
         ms = step_s[headline, batch] * 1e3
-        compute = batch * flops / (ceil["gflops_peak"] * 1e9) * 1e3
-        kv_bytes = torch.empty((), dtype=KV_DTYPES[args.kv_cache_dtype]).element_size()
-        memory = step_bytes(model, batch, args.context, kv_bytes) / (ceil["read_gbs"] * 1e9) * 1e3
+        c = point_ceilings[batch]
+        compute, memory = bound_ms(batch, c)
         bound = max(compute, memory)
+        at_start = max(bound_ms(batch, ceil))
         extra = "".join(f" {step_s[name, batch] * 1e3:>10.1f}" for name in dict.fromkeys(others))
         hf_ms = hf_s.get(batch, float("nan")) * 1e3
         print(f"| {batch} | {ms:.1f} | {batch / ms * 1e3:.0f} |{extra} | {hf_ms:.1f} "
-              f"| {batch / hf_ms * 1e3:.0f} | {hf_ms / ms:.2f}x | {bound:.0f} ({compute:.0f}/"
-              f"{memory:.0f}) | {batch / bound * 1e3:.0f} | {bound / ms:.0%} |")
+              f"| {batch / hf_ms * 1e3:.0f} | {hf_ms / ms:.2f}x "
+              f"| {c['gflops_peak']:.0f} · {c['read_gbs']:.1f} | {bound:.0f} ({compute:.0f}/"
+              f"{memory:.0f}) | {batch / bound * 1e3:.0f} | {bound / ms:.0%} "
+              f"| {at_start / ms:.0%} |")
 
 
 if __name__ == "__main__":
