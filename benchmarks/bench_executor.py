@@ -156,7 +156,7 @@ class Breakdown:
 def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]:
     """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
     KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute. A
-    decode-only step's layers run in one native call (kernels/cpu_decoder.cpp): its phases
+    step's layers run in one native call (kernels/cpu_decoder.cpp): its phases
     come from the decoder's own clock, the rest from wrapped Python functions."""
     b, r = Breakdown(run.clock), run.runner
     decoder = model._decoder

@@ -200,8 +200,8 @@ class LlamaModel:
     def _pack_weights(self, lib: native.NativeKernels) -> None:
         """Every projection and the LM head into the native GEMM's layout (the plain tensors
         are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here); and,
-        unless CONTINUUM_NATIVE_DECODER=0, the native decoder that runs a decode-only step's
-        layers in one call."""
+        unless CONTINUUM_NATIVE_DECODER=0, the native decoder that runs a step's layers in
+        one call."""
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 setattr(layer, name, lib.pack_weight(getattr(layer, name)))
@@ -214,16 +214,16 @@ class LlamaModel:
                 c.hidden_size, c.intermediate_size, self.num_heads, self.num_kv_heads,
                 c.head_dim, c.rms_norm_eps, self.scale)
 
-    def _decode_natively(self, x, cos, sin, slot_mapping, backend, prepared, kv) -> bool:
-        """Runs every layer in one native call when the step is decode-only and the backend's
-        AVX2 kernel reads the pool (same values as the loop in ``forward``); False if not."""
-        rows_of = getattr(backend, "native_decode_rows", None)
-        if self._decoder is None or rows_of is None or x.device.type != "cpu":
+    def _run_natively(self, x, cos, sin, slot_mapping, backend, prepared, kv) -> bool:
+        """Runs every layer in one native call when the backend's AVX2 kernel reads the pool
+        (same values as the loop in ``forward``); False if not."""
+        plan_of = getattr(backend, "native_plan", None)
+        if self._decoder is None or plan_of is None or x.device.type != "cpu":
             return False
-        decode = rows_of(prepared, kv.device_pool, self.config.head_dim)
-        if decode is None:
+        plan = plan_of(prepared, kv.device_pool, self.config.head_dim)
+        if plan is None:
             return False
-        self._decoder(x, cos, sin, slot_mapping.contiguous(), kv.device_pool, *decode)
+        self._decoder(x, cos, sin, slot_mapping.contiguous(), kv.device_pool, *plan)
         return True
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
@@ -290,7 +290,7 @@ class LlamaModel:
         x = x.t().contiguous()  # [H, T], hidden-major from here on
         cos, sin = self._rope(positions)  # [D, T] each
         prepared = backend.prepare(meta)
-        if not self._decode_natively(x, cos, sin, slot_mapping, backend, prepared, kv):
+        if not self._run_natively(x, cos, sin, slot_mapping, backend, prepared, kv):
             ffn = None  # a layer's FFN output, added to x by the next layer's first norm
             for i, layer in enumerate(self.layers):
                 ffn = layer.forward(self, x, ffn, cos, sin, i, slot_mapping, backend, prepared,

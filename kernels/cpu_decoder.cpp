@@ -1,4 +1,4 @@
-// Every decoder layer of a decode-only step in one native call; built by kernels/native.py
+// Every decoder layer of a step in one native call; built by kernels/native.py
 // into the same library as cpu_attention.cpp and cpu_gemm.cpp, whose exported functions it
 // calls in the order executor_svc/model.py's _Layer.forward calls them.
 //
@@ -51,9 +51,18 @@ struct DecoderShape {
   float eps, scale;
 };
 
-// The step's layout, as kernels/numba_backend.py prepares it: every sequence decodes one
-// token (query row rows[i]); pool [layers, 2, num_blocks, block_size, Hkv, D] contiguous,
-// element type `kind` (0 float32, 1 float16, 2 bfloat16).
+// Attention for the step's multi-token chunks (prefill), which the caller runs (torch's
+// SDPA: a matmul beats this library's decode kernel there): reads the step buffers q, k, v
+// and the pool's layer `layer`, writes the chunks' rows of o. Returns 0, or nonzero to
+// stop the step (the caller keeps the error).
+typedef int (*ChunkAttentionFn)(int64_t layer);
+
+// The step's layout, as kernels/numba_backend.py prepares it: sequence i of the num_seqs
+// that decode one token has query row rows[i]; every other row belongs to a chunk, whose
+// attention `chunks` computes (null when there are none). pool [layers, 2, num_blocks,
+// block_size, Hkv, D] contiguous, element type `kind` (0 float32, 1 float16, 2 bfloat16).
+// q, o [T, Hq, D] and k, v [T, Hkv, D]: the caller's buffers, so that `chunks` can read and
+// write them.
 struct DecodeStep {
   int64_t tokens;
   const float* cos;  // [D, T]
@@ -68,6 +77,8 @@ struct DecodeStep {
   const int64_t* context_lens;  // [num_seqs]
   int64_t num_seqs;
   int attention_threads, threads;
+  ChunkAttentionFn chunks;
+  float *q, *k, *v, *o;
 };
 
 // Where the time goes, when the caller asks (phase_seconds not null: seconds are added to
@@ -89,9 +100,10 @@ struct Clock {
 };
 
 // x [H, T] hidden-major, the embeddings on entry; on return the residual stream after the
-// last layer (its FFN output added), ready for the final norm. Returns 0, or the number of
+// last layer (its FFN output added), ready for the final norm. Returns 0; the number of
 // slots outside the pool (then nothing of that layer's K/V was written and x is partial: the
-// caller raises, as KVCache.write does). phase_seconds: null, or kPhases doubles (above).
+// caller raises, as KVCache.write does); or -1 if `chunks` failed. phase_seconds: null, or
+// kPhases doubles (above).
 int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
                           const DecoderShape* shape, const DecodeStep* step, float* x,
                           double* phase_seconds) {
@@ -102,20 +114,22 @@ int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
   const int64_t side_bytes = st.num_blocks * st.block_size * kvd * es;
   // Scratch kept across calls: a step allocates nothing once the batch size has been seen.
   static thread_local std::vector<float> buf;
-  const int64_t sizes[] = {s.hidden * t, (qd + 2 * kvd) * t, qd * t, kvd * t, kvd * t,
-                           qd * t, s.hidden * t, 2 * s.inter * t, s.inter * t, s.hidden * t};
+  constexpr int kPieces = 6;
+  const int64_t sizes[kPieces] = {s.hidden * t, (qd + 2 * kvd) * t, s.hidden * t,
+                                  2 * s.inter * t, s.inter * t, s.hidden * t};
   int64_t total = 0;
   for (int64_t n : sizes) total += (n + 15) / 16 * 16;  // 64-byte aligned pieces
   if (int64_t(buf.size()) < total + 16) buf.resize(total + 16);
   float* base = buf.data();
   base += (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;
-  float* piece[10];
-  for (int i = 0; i < 10; ++i) {
+  float* piece[kPieces];
+  for (int i = 0; i < kPieces; ++i) {
     piece[i] = base;
     base += (sizes[i] + 15) / 16 * 16;
   }
-  float *h = piece[0], *qkv = piece[1], *q = piece[2], *k = piece[3], *v = piece[4];
-  float *o = piece[5], *attn = piece[6], *gate_up = piece[7], *act = piece[8], *ffn = piece[9];
+  float *h = piece[0], *qkv = piece[1], *attn = piece[2], *gate_up = piece[3];
+  float *act = piece[4], *ffn = piece[5];
+  float *q = st.q, *k = st.k, *v = st.v, *o = st.o;
 
   Clock clock(phase_seconds);
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -135,6 +149,7 @@ int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
     paged_decode_kv(q, k_pool, v_pool, st.rows, st.tables, st.table_stride, st.context_lens,
                     st.num_seqs, s.num_heads, s.num_kv_heads, st.block_size, s.head_dim, s.scale,
                     o, st.attention_threads, st.kind);
+    if (st.chunks != nullptr && st.chunks(i) != 0) return -1;
     clock.lap(kAttention);
     // o [T, Hq D] read as its transpose [Hq D, T]: the GEMM packs it column by column.
     gemm_packed_f32(L.wo, s.hidden, qd, o, 1, qd, t, attn, t, 1, st.threads);

@@ -90,16 +90,16 @@ class NumbaAttentionBackend(AttentionBackend):
             threads=threads if parallel else 1,
         )
 
-    def native_decode_rows(self, prepared: _StepPlan, pool: torch.Tensor, head_dim: int):
-        """(rows, tables, context_lens, threads) of the AVX2 kernel when every sequence of
-        the step decodes one token and the kernel reads ``pool`` (the whole KV pool) — the
-        step's layers may then run in one native call (kernels/cpu_decoder.cpp); else None."""
+    def native_plan(self, prepared: _StepPlan, pool: torch.Tensor, head_dim: int):
+        """(rows, tables, context_lens, threads, chunks): the step's attention as this
+        backend runs it — decode rows through the AVX2 kernel, chunks through SDPA — when the
+        kernel reads ``pool`` (the whole KV pool); the step's layers may then run in one
+        native call (kernels/cpu_decoder.cpp). None when it does not."""
         native_ok = self.native is not None and self.native.supports(head_dim)
-        if not native_ok or prepared.chunks or len(prepared.rows) == 0:
+        if not native_ok or pool.dtype not in native.KV_KINDS or not pool.is_contiguous():
             return None
-        if pool.dtype not in native.KV_KINDS or not pool.is_contiguous():
-            return None
-        return prepared.rows, prepared.tables, prepared.context_lens, prepared.threads
+        return (prepared.rows, prepared.tables, prepared.context_lens, prepared.threads,
+                prepared.chunks)
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
         native_ok = self.native is not None and self.native.supports(q.shape[-1])

@@ -101,11 +101,16 @@ def test_bfloat16_forward_runs_close_to_fp32(tiny_dir):
     torch.testing.assert_close(got[0], want, atol=0.05, rtol=0.05)
 
 
+# Per step, the new tokens of each of 3 sequences: a prefill of the three (chunks), a mixed
+# step (two decodes and seq 2's second chunk over its cached prefix), two decode-only steps.
+STEPS = [[10, 5, 7], [1, 1, 4], [1, 1, 1], [1, 1, 1]]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
-    """A decode-only step runs its layers in one native call (kernels/cpu_decoder.cpp): the
-    same logits and K/V, bit for bit, as the per-op loop; a step with a prefill chunk, or
-    another backend, keeps the loop."""
+    """A step runs its layers in one native call (kernels/cpu_decoder.cpp), chunks' attention
+    called back per layer: the same logits and K/V, bit for bit, as the per-op loop; another
+    backend keeps the loop."""
     path, _ = tiny_dir
     model = LlamaModel.load(path)
     decoder = model._decoder
@@ -114,7 +119,6 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
     c, bs = model.config, 4
     tables = [torch.randperm(60, generator=torch.Generator().manual_seed(3))[i::3][:12].tolist()
               for i in range(3)]
-    prompts = [10, 5, 7]
 
     def run(use_decoder: bool, backend) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
         calls: list[int] = []
@@ -129,10 +133,10 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
         lens = [0, 0, 0]
         logits = []
         try:
-            for step in range(4):  # a 3-sequence prefill, then three decode-only steps
-                new = prompts if step == 0 else [1, 1, 1]
+            for new in STEPS:
                 ids = torch.randint(0, c.vocab_size, (sum(new),), generator=gen)
-                pos = torch.cat([torch.arange(n0, n0 + n) for n0, n in zip(lens, new, strict=True)])
+                pos = torch.cat([torch.arange(n0, n0 + n)
+                                 for n0, n in zip(lens, new, strict=True)])
                 owner = [i for i, n in enumerate(new) for _ in range(n)]
                 slots = torch.tensor([tables[i][p // bs] * bs + p % bs
                                       for i, p in zip(owner, pos.tolist(), strict=True)])
@@ -145,7 +149,7 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
         return logits, kv.device_pool.clone(), calls
 
     fused, fused_pool, calls = run(True, make_backend("numba"))
-    assert calls == [3, 3, 3]  # the decode-only steps, not the prefill
+    assert calls == [sum(new) for new in STEPS]
     looped, looped_pool, none = run(False, make_backend("numba"))
     assert none == []
     for a, b in zip(fused, looped, strict=True):
@@ -153,6 +157,25 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
     assert torch.equal(fused_pool, looped_pool)
     _, _, other = run(True, make_backend("torch"))  # not the AVX2 kernel: the loop
     assert other == []
+
+
+def test_an_error_in_a_chunks_attention_fails_the_step(tiny_dir, monkeypatch):
+    path, _ = tiny_dir
+    model = LlamaModel.load(path)
+    if model._decoder is None:
+        pytest.skip("no native kernels here")
+    import kernels.torch_backend
+
+    def broken(*args):
+        raise RuntimeError("chunk attention broke")
+
+    monkeypatch.setattr(kernels.torch_backend, "chunk_attention", broken)
+    c = model.config
+    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 4), 8)
+    meta = AttentionMetadata.build([3], [3], [[1]], 4)
+    with pytest.raises(RuntimeError, match="chunk attention broke"):
+        model.forward(torch.tensor([5, 6, 7]), torch.arange(3), torch.arange(4, 7), meta,
+                      make_backend("numba"), kv, torch.tensor([2]))
 
 
 def test_the_native_decoder_refuses_a_slot_outside_the_pool(tiny_dir):
