@@ -209,7 +209,8 @@ def ours(model, backends: dict, args, clock, headline: str,
         for name, backend in backends.items():
             run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock,
                             KV_DTYPES[args.kv_cache_dtype])
-            before = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+            if name == headline:
+                before = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
             out[name, batch] = run.timed(args.warmup, args.steps)
             if name == headline:
                 after = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
