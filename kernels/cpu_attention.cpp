@@ -177,7 +177,8 @@ void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t
 }
 
 // scores[j] <- softmax(scores[j]) for each head, in place; exact max, then exp and sum.
-void softmax_rows(float* scores, int64_t num_heads, int64_t ctx) {
+// stats (when not null): [2 j] = head j's max score, [2 j + 1] = its sum of exponentials.
+void softmax_rows(float* scores, int64_t num_heads, int64_t ctx, float* stats = nullptr) {
   for (int64_t j = 0; j < num_heads; ++j) {
     float* x = scores + j * ctx;
     float top = -INFINITY;
@@ -202,6 +203,7 @@ void softmax_rows(float* scores, int64_t num_heads, int64_t ctx) {
     }
     const float inv = 1.0f / sum;
     for (p = 0; p < ctx; ++p) x[p] *= inv;
+    if (stats != nullptr) stats[2 * j] = top, stats[2 * j + 1] = sum;
   }
 }
 
@@ -239,14 +241,15 @@ void value_pass(const float* weights, const T* v_cache, const int64_t* table, in
 
 template <int DV, typename T>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-            int64_t ctx, const Shape& s, float scale, float* out, std::vector<float>& scratch) {
+            int64_t ctx, const Shape& s, float scale, float* out, std::vector<float>& scratch,
+            float* stats) {
   const int64_t dim = DV * 8;
   scratch.resize(s.num_heads * (dim + ctx));
   float* qs = scratch.data();  // [Hq, D], pre-scaled
   float* scores = qs + s.num_heads * dim;  // [Hq, ctx]
   for (int64_t i = 0; i < s.num_heads * dim; ++i) qs[i] = q[i] * scale;
   score_pass<DV, T>(qs, k_cache, table, ctx, s, scores);
-  softmax_rows(scores, s.num_heads, ctx);
+  softmax_rows(scores, s.num_heads, ctx, stats);
   value_pass<DV, T>(scores, v_cache, table, ctx, s, out);
 }
 
@@ -306,7 +309,35 @@ __attribute__((optimize("fp-contract=off"))) void head_rows(const float* x, cons
 
 template <typename T>
 using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t,
-                          const Shape&, float, float*, std::vector<float>&);
+                          const Shape&, float, float*, std::vector<float>&, float*);
+
+// Contexts longer than this many positions are attended in parts of this size (whole blocks),
+// each part a task of its own, and the parts' outputs merged by their softmax statistics
+// (flash-decoding's split): one long sequence then keeps every thread busy instead of one.
+// The split depends on the sequence's own length only, never on the batch, so a sequence's
+// output does not depend on what else is in the step.
+constexpr int64_t kSplitPositions = 2048;
+
+// out [Hq, D] = the parts' outputs [parts][Hq, D], weighted by each part's share of the
+// softmax mass: sum_j exp(m_j - M) l_j o_j / sum_j exp(m_j - M) l_j, per head.
+void merge_parts(const float* outs, const float* stats, int64_t parts, int64_t num_heads,
+                 int64_t dim, float* out) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < parts; ++j) top = std::max(top, stats[j * 2 * num_heads + 2 * h]);
+    float total = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = 0.0f;
+    for (int64_t j = 0; j < parts; ++j) {
+      const float* st = stats + j * 2 * num_heads + 2 * h;
+      const float w = std::exp(st[0] - top) * st[1];
+      total += w;
+      const float* o = outs + (j * num_heads + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) out[h * dim + d] += w * o[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inv;
+  }
+}
 
 template <typename T>
 void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows,
@@ -321,13 +352,58 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
   const AttendFn<T> fn = by_dv[head_dim / 8];
   const Shape s{num_heads, num_kv_heads, block_size, table_stride};
   const int64_t q_row = num_heads * head_dim;
+  // Tasks: (sequence, first part, parts); a long sequence's parts write into `partial`
+  // (outputs, then statistics) at its offset, and are merged once all tasks are done.
+  const int64_t part_blocks = std::max<int64_t>(1, kSplitPositions / block_size);
+  const int64_t part_len = part_blocks * block_size;
+  struct Task { int64_t seq, part, offset; };
+  std::vector<Task> tasks;
+  std::vector<int64_t> split;  // sequences in parts, and where their parts' results start
+  int64_t slots = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t parts = context_lens[i] > kSplitPositions
+                              ? (context_lens[i] + part_len - 1) / part_len : 1;
+    if (parts == 1) {
+      tasks.push_back({i, -1, 0});
+      continue;
+    }
+    split.push_back(i);
+    for (int64_t j = 0; j < parts; ++j) tasks.push_back({i, j, slots + j});
+    slots += parts;
+  }
+  std::vector<float> partial(slots * num_heads * (head_dim + 2));
+  float* part_out = partial.data();
+  float* part_stats = part_out + slots * q_row;
+  std::vector<int64_t> first_slot(split.size());
+  for (size_t u = 0, at = 0; u < split.size(); ++u) {
+    first_slot[u] = at;
+    at += (context_lens[split[u]] + part_len - 1) / part_len;
+  }
+  const int64_t num_tasks = tasks.size(), num_split = split.size();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_seqs; ++i)
-      fn(q + rows[i] * q_row, k_cache, v_cache, tables + i * table_stride, context_lens[i], s,
-         scale, out + rows[i] * q_row, scratch);
+    for (int64_t u = 0; u < num_tasks; ++u) {
+      const Task& task = tasks[u];
+      const int64_t i = task.seq;
+      const int64_t* table = tables + i * table_stride;
+      if (task.part < 0) {
+        fn(q + rows[i] * q_row, k_cache, v_cache, table, context_lens[i], s, scale,
+           out + rows[i] * q_row, scratch, nullptr);
+        continue;
+      }
+      const int64_t p0 = task.part * part_len;
+      fn(q + rows[i] * q_row, k_cache, v_cache, table + task.part * part_blocks,
+         std::min(part_len, context_lens[i] - p0), s, scale, part_out + task.offset * q_row,
+         scratch, part_stats + task.offset * 2 * num_heads);
+    }
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < num_split; ++u) {
+      const int64_t i = split[u], parts = (context_lens[i] + part_len - 1) / part_len;
+      merge_parts(part_out + first_slot[u] * q_row, part_stats + first_slot[u] * 2 * num_heads,
+                  parts, num_heads, head_dim, out + rows[i] * q_row);
+    }
   }
 }
 

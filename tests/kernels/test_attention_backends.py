@@ -181,6 +181,40 @@ def test_numba_decodes_match_reference_at_context_lengths_1_to_600(numba_backend
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_long_contexts_attended_in_parts_match_reference(numba_backend, block_size):
+    # Past 2,048 positions the AVX2 kernel splits a sequence into parts on separate threads
+    # and merges them by their softmax statistics: part edges, a last part of one position,
+    # large scores (the merge must rescale), and short sequences beside them.
+    lengths = [2048, 2049, 4096 + 1, 5000, 300, 1]
+    batch = paged_batch(11, [(1, ctx) for ctx in lengths] + [(20, 2100)], block_size, 9, 3,
+                        64, poison=True)
+    batch = (batch[0] * 30, *batch[1:])
+    want = run(ReferenceAttentionBackend(), batch, 0.125)
+    got = run(numba_backend, batch, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_a_long_sequences_output_does_not_depend_on_the_batch():
+    # The split depends on the sequence's own length, not on the step: alone or beside
+    # others, in the calling thread or on the pool's, the same bits.
+    if native.load() is None:
+        pytest.skip("no native kernels here")
+    specs = [(1, 100), (1, 4100), (1, 700), (1, 2500)]
+    q, k, v, k_cache, v_cache, meta = paged_batch(12, specs, 16, 9, 3, 64)
+    together = {}
+    for kernel in ("serial", "parallel"):
+        backend = NumbaAttentionBackend(kernel=kernel)
+        together[kernel] = run(backend, (q, k, v, k_cache, v_cache, meta), 0.125)
+    assert torch.equal(together["serial"], together["parallel"])
+    for i in (1, 3):
+        alone = AttentionMetadata.build([1], [specs[i][1]], [meta.block_tables[i].tolist()], 16)
+        got = run(NumbaAttentionBackend(kernel="parallel"),
+                  (q[i : i + 1], k[i : i + 1], v[i : i + 1], k_cache, v_cache, alone), 0.125)
+        assert torch.equal(got[0], together["parallel"][i])
+
+
 def test_numba_backend_handles_large_scores_without_overflow(numba_backend):
     # Scores in the thousands: the online softmax must rescale, not exponentiate raw scores.
     batch = paged_batch(5, [(1, 200), (1, 33)], 16, 9, 3, 64)
