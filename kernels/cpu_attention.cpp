@@ -356,9 +356,10 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
   // (outputs, then statistics) at its offset, and are merged once all tasks are done.
   const int64_t part_blocks = std::max<int64_t>(1, kSplitPositions / block_size);
   const int64_t part_len = part_blocks * block_size;
-  struct Task { int64_t seq, part, offset; };
+  struct Task { int64_t seq, part, slot; };  // part -1: the whole sequence
+  struct Split { int64_t seq, first_slot, parts; };
   std::vector<Task> tasks;
-  std::vector<int64_t> split;  // sequences in parts, and where their parts' results start
+  std::vector<Split> split;
   int64_t slots = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t parts = context_lens[i] > kSplitPositions
@@ -367,18 +368,13 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
       tasks.push_back({i, -1, 0});
       continue;
     }
-    split.push_back(i);
+    split.push_back({i, slots, parts});
     for (int64_t j = 0; j < parts; ++j) tasks.push_back({i, j, slots + j});
     slots += parts;
   }
   std::vector<float> partial(slots * num_heads * (head_dim + 2));
   float* part_out = partial.data();
   float* part_stats = part_out + slots * q_row;
-  std::vector<int64_t> first_slot(split.size());
-  for (size_t u = 0, at = 0; u < split.size(); ++u) {
-    first_slot[u] = at;
-    at += (context_lens[split[u]] + part_len - 1) / part_len;
-  }
   const int64_t num_tasks = tasks.size(), num_split = split.size();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
@@ -395,14 +391,14 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
       }
       const int64_t p0 = task.part * part_len;
       fn(q + rows[i] * q_row, k_cache, v_cache, table + task.part * part_blocks,
-         std::min(part_len, context_lens[i] - p0), s, scale, part_out + task.offset * q_row,
-         scratch, part_stats + task.offset * 2 * num_heads);
+         std::min(part_len, context_lens[i] - p0), s, scale, part_out + task.slot * q_row,
+         scratch, part_stats + task.slot * 2 * num_heads);
     }
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < num_split; ++u) {
-      const int64_t i = split[u], parts = (context_lens[i] + part_len - 1) / part_len;
-      merge_parts(part_out + first_slot[u] * q_row, part_stats + first_slot[u] * 2 * num_heads,
-                  parts, num_heads, head_dim, out + rows[i] * q_row);
+      const Split& sp = split[u];
+      merge_parts(part_out + sp.first_slot * q_row, part_stats + sp.first_slot * 2 * num_heads,
+                  sp.parts, num_heads, head_dim, out + rows[sp.seq] * q_row);
     }
   }
 }

@@ -96,7 +96,7 @@ class NumbaAttentionBackend(AttentionBackend):
         kernel reads ``pool`` (the whole KV pool); the step's layers may then run in one
         native call (kernels/cpu_decoder.cpp). None when it does not."""
         native_ok = self.native is not None and self.native.supports(head_dim)
-        if not native_ok or pool.dtype not in native.KV_KINDS or not pool.is_contiguous():
+        if not native_ok or not _pools_readable((pool,), native_ok):
             return None
         return (prepared.rows, prepared.tables, prepared.context_lens, prepared.threads,
                 prepared.chunks)
@@ -142,6 +142,11 @@ def _kernel_can_read(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # The kernels take float32 queries and C-contiguous pools (KVCache's are) of float32 —
     # or, for the AVX2 kernel, float16 / bfloat16 (--kv-cache-dtype); any other layout would
     # make numba compile a new specialization mid-request.
+    return q.dtype == torch.float32 and _pools_readable((k_cache, v_cache), native_ok)
+
+
+def _pools_readable(pools: tuple[torch.Tensor, ...], native_ok: bool) -> bool:
+    """The pools share one dtype the kernel reads and are C-contiguous."""
     pool_types = tuple(native.KV_KINDS) if native_ok else (torch.float32,)
-    return q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and all(
-        t.dtype in pool_types and t.is_contiguous() for t in (k_cache, v_cache))
+    return len({t.dtype for t in pools}) == 1 and all(
+        t.dtype in pool_types and t.is_contiguous() for t in pools)
