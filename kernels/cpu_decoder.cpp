@@ -8,7 +8,7 @@
 // measured in the model, 40-230 us each instead of 5-90 hot, ~25 ms of a 280 ms batch-64
 // step, and a larger share of a batch-1 step. Here those calls are plain C++ calls over
 // buffers that stay put from step to step. The values are the per-op path's bit for bit:
-// the same kernels on the same inputs in the same order (tests/kernels check it).
+// the same kernels on the same inputs in the same order (tests/executor/test_model.py).
 
 #include <stdint.h>
 

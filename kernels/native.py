@@ -1,7 +1,7 @@
 """Builds and loads the AVX2 kernels through ctypes: kernels/cpu_attention.cpp (paged decode
 attention over float32 / float16 / bfloat16 pools, fused residual add + RMSNorm, RoPE +
 q/k/v layout, KV write, SwiGLU), kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed
-weights) and kernels/cpu_decoder.cpp (a decode step's decoder layers in one call), one
+weights) and kernels/cpu_decoder.cpp (a step's decoder layers in one call), one
 library.
 
 Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
