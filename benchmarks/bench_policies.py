@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import signal
 import socket
@@ -31,6 +32,7 @@ import grpc
 
 from continuum.bench import GrpcClient, add_arguments, build_workload, run_workload
 from continuum.bench import summarize_outcomes as summarize
+from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 POLICIES = ("static", "continuous", "chunked")
@@ -50,8 +52,12 @@ class Server:
         cmd = [sys.executable, "-m", "continuum", "serve", "--policy", policy,
                "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
                "--http-port", "-1", "--ipc", f"ipc://{workdir}/{policy}.sock", *engine_args]
+        # Our own secret for serve's internal planes, so that Stats can show it.
+        secret = internal_auth.new_secret()
+        self.metadata = internal_auth.metadata(secret.encode("ascii"))
+        env = {**os.environ, internal_auth.ENV_SECRET: secret}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+                                     text=True, env=env)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         if not self.proc.stdout.readline():  # "ready", or EOF if it died
@@ -60,7 +66,7 @@ class Server:
     def stats(self) -> scheduler_pb2.StatsResponse:
         with grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=10)
+            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=self.metadata)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)

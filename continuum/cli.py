@@ -20,6 +20,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API port (-1: none)")
     p.add_argument("--scheduler-port", type=int, default=50061, help="internal scheduler port")
+    p.add_argument("--scheduler-host", default="127.0.0.1",
+                   help="internal scheduler bind address (loopback unless gateways elsewhere "
+                        "use it; it always requires the internal secret)")
     p.add_argument("--api-keys-file", default=None,
                    help="require API keys: one KEY or KEY:TENANT per line "
                         "(also env CONTINUUM_API_KEYS)")

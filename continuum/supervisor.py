@@ -5,6 +5,13 @@ Start order: resolve the model (converting a GGUF once), then the scheduler
 gateway. A dead executor is restarted (the scheduler resumes its sequences by
 recompute); a dead scheduler or gateway stops the whole server with a clear
 message. SIGINT/SIGTERM stop all three cleanly.
+
+The internal planes (scheduler gRPC, executor Hello) need a secret: the one in
+serve's own environment (``CONTINUUM_INTERNAL_SECRET[_FILE]``) if set, else a
+fresh one per run. Children get it through their environment, never on argv
+(argv is world-readable in ``ps``). The executor's ipc socket lives in a
+private directory (mode 0700) unless ``--ipc`` names another, which must not be
+writable by others.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -21,6 +29,7 @@ import time
 import grpc
 
 from continuum.procs import port_is_free, spawn, stop_all
+from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 # A crash loop (more restarts than this within the window) stops the server.
@@ -50,22 +59,58 @@ def served_name(path: str | None) -> str:
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
+def internal_secret(environ: dict[str, str]) -> tuple[bytes | None, dict[str, str]]:
+    """The secret for this run and the environment the children get.
+
+    A configured secret (or the explicit opt-out) is used as is; otherwise a
+    fresh one is generated. Raises ServeError when the configured one is unusable."""
+    configured = environ.get(internal_auth.ENV_SECRET) or environ.get(internal_auth.ENV_SECRET_FILE)
+    if configured or environ.get(internal_auth.ENV_INSECURE) == "1":
+        try:
+            return internal_auth.load_secret(environ), dict(environ)
+        except internal_auth.SecretError as exc:
+            raise ServeError(str(exc)) from exc
+    secret = internal_auth.new_secret()
+    return secret.encode("ascii"), {**environ, internal_auth.ENV_SECRET: secret}
+
+
+def check_ipc_dir(ipc: str) -> None:
+    """Refuses an ``ipc://`` path whose directory others may write: anyone who can
+    create files there could take the socket's place."""
+    if not ipc.startswith("ipc://"):
+        return
+    directory = os.path.dirname(os.path.abspath(ipc.removeprefix("ipc://")))
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError as exc:
+        raise ServeError(f"--ipc {ipc}: cannot use its directory ({exc.strerror})") from exc
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ServeError(f"--ipc {ipc}: the directory {directory} is writable by other users "
+                         f"(mode {stat.S_IMODE(mode):o}); use a private one (chmod 700) "
+                         "or omit --ipc")
+
+
 class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workdir = tempfile.mkdtemp(prefix="continuum-")
+        if args.ipc:
+            check_ipc_dir(args.ipc)
+        self.secret, self.child_env = internal_secret(dict(os.environ))
+        self._metadata = internal_auth.metadata(self.secret)
+        self.workdir = tempfile.mkdtemp(prefix="continuum-")  # mode 0700
         self.ipc = args.ipc or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = False
 
     def run(self) -> int:
         a = self.args
-        ports = {a.port: "--port", a.scheduler_port: "--scheduler-port"}
+        ports = {(a.host, a.port): "--port",
+                 (a.scheduler_host, a.scheduler_port): "--scheduler-port"}
         if a.http_port > 0:
-            ports[a.http_port] = "--http-port"
-        for port, flag in ports.items():
-            if not port_is_free(a.host, port):
-                raise ServeError(f"port {port} on {a.host} is already in use; pass {flag}")
+            ports[a.host, a.http_port] = "--http-port"
+        for (host, port), flag in ports.items():
+            if not port_is_free(host, port):
+                raise ServeError(f"port {port} on {host} is already in use; pass {flag}")
         started = time.monotonic()
         self.model_dir = resolve_model(a.model)
         self.model_name = served_name(a.model)
@@ -80,6 +125,12 @@ class Supervisor:
         finally:
             self._shutdown()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def _scheduler_connect_host(self) -> str:
+        """Where the gateway and this supervisor reach the scheduler."""
+        host = self.args.scheduler_host
+        return "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
 
     def _on_signal(self, *_) -> None:
         if self._stop:  # a second Ctrl-C: stop waiting for the drain
@@ -98,9 +149,9 @@ class Supervisor:
 
     def _argv(self, name: str) -> list[str]:
         a = self.args
-        sched_addr = f"{a.host}:{a.scheduler_port}"
+        sched_addr = f"{self._scheduler_connect_host}:{a.scheduler_port}"
         if name == "scheduler":
-            return ["--ipc", self.ipc, "--host", a.host, "--port", str(a.scheduler_port),
+            return ["--ipc", self.ipc, "--host", a.scheduler_host, "--port", str(a.scheduler_port),
                     "--max-num-seqs", str(a.max_num_seqs),
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens),
                     "--chunk-size", str(a.chunk_size), "--policy", a.policy,
@@ -129,14 +180,14 @@ class Supervisor:
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
                   "gateway": "gateway"}[name]
-        self.procs[name] = spawn(module, self._argv(name))
+        self.procs[name] = spawn(module, self._argv(name), env=self.child_env)
 
     def _dead(self) -> str | None:
         return next((n for n, p in self.procs.items() if p.poll() is not None), None)
 
     def _wait_ready(self, started: float) -> None:
         """Returns once the scheduler has an executor and the gateway answers."""
-        addr = f"{self.args.host}:{self.args.scheduler_port}"
+        addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
         with grpc.insecure_channel(addr) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
@@ -146,7 +197,8 @@ class Supervisor:
                     raise ServeError(f"the {dead} exited with code {code} while starting "
                                      "(see its message above)")
                 try:
-                    if stub.Stats(scheduler_pb2.StatsRequest(), timeout=1).executor_ready:
+                    if stub.Stats(scheduler_pb2.StatsRequest(), timeout=1,
+                                  metadata=self._metadata).executor_ready:
                         break
                 except grpc.RpcError:
                     pass
@@ -174,7 +226,7 @@ class Supervisor:
 
     def _watch(self) -> int:
         restarts: list[float] = []
-        addr = f"{self.args.host}:{self.args.scheduler_port}"
+        addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
         with grpc.insecure_channel(addr) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
@@ -202,7 +254,8 @@ class Supervisor:
         """The scheduler declared our executor dead or hung while the process
         lives (SIGSTOP, a deadlock): kill it so the restart path replaces it."""
         try:
-            lost_pid = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2).last_lost_executor_pid
+            lost_pid = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2,
+                                  metadata=self._metadata).last_lost_executor_pid
         except grpc.RpcError:
             return
         proc = self.procs["executor"]

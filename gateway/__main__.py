@@ -21,6 +21,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.log_setup import configure_logging
 from gateway.server import BindError, start_gateway
 from gateway.tokenizer import ModelFilesError, Tokenizer
+from protos.internal_auth import SecretError, load_secret
 
 EXIT_USAGE = 2
 
@@ -118,11 +119,12 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> N
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
+        load_secret()  # fail fast; the ReplicaSet reads it again for its channels
         tokenizer = Tokenizer.from_dir(config.model_dir, max_model_len=config.max_model_len)
         keys = ApiKeys.load(config.api_keys_file)
         configure_logging()
         asyncio.run(serve(config, tokenizer, keys))
-    except (ConfigError, ModelFilesError, BindError) as exc:
+    except (ConfigError, ModelFilesError, BindError, SecretError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed

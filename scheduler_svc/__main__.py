@@ -2,6 +2,8 @@
 
 Binds the executor channel (ZeroMQ ROUTER on --ipc) and the internal gRPC
 Scheduler service (--host/--port), then runs the step loop until SIGTERM.
+Both planes need the per-deployment secret (``protos/internal_auth.py``):
+without one, and without the explicit opt-out, the process refuses to start.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import structlog
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2_grpc
+from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
@@ -72,13 +76,28 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-async def serve(args: argparse.Namespace, config: SchedulerConfig) -> None:
+def load_secret(host: str) -> bytes | None:
+    """The internal secret, or None under the opt-out (warned about off loopback)."""
+    try:
+        secret = internal_auth.load_secret()
+    except internal_auth.SecretError as exc:
+        fail(str(exc))
+    if secret is None:
+        log.warning("internal auth is OFF: anyone who can reach the port may submit, abort "
+                    "and read stats", opt_out=internal_auth.ENV_INSECURE, host=host,
+                    loopback=host in ("127.0.0.1", "localhost", "::1"))
+    return secret
+
+
+async def serve(args: argparse.Namespace, config: SchedulerConfig,
+                secret: bytes | None) -> None:
     loop = EngineLoop(config, args.ipc)
     try:
         loop.start()
     except zmq.ZMQError as exc:
         fail(f"cannot bind the executor channel {args.ipc}: {exc}")
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        interceptors=None if secret is None else [InternalAuthInterceptor(secret)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -135,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from(args)
     except ConfigError as exc:
         fail(str(exc))
-    asyncio.run(serve(args, config))
+    secret = load_secret(args.host)
+    asyncio.run(serve(args, config, secret))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """Shared fixtures. Factories here need no model or network; the model fixture
-converts the bundled GGUF once per machine (cached under CONTINUUM_CACHE_DIR)."""
+converts the bundled GGUF once per machine (cached under CONTINUUM_CACHE_DIR).
+
+Every service refuses to start without the internal secret, so the suite sets a
+fixed one at import time: every process a test starts (scheduler, gateway,
+executor, ``continuum serve``) inherits it, and a test calling the scheduler
+directly sends ``internal_auth.metadata(TEST_SECRET)``. A test that needs no
+secret (or another) passes its own ``env``."""
 
 from __future__ import annotations
 
@@ -7,6 +13,14 @@ import os
 import pathlib
 
 import pytest
+
+from protos import internal_auth
+
+TEST_SECRET = "continuum-test-internal-secret-0123456789"
+os.environ[internal_auth.ENV_SECRET] = TEST_SECRET
+os.environ.pop(internal_auth.ENV_SECRET_FILE, None)
+os.environ.pop(internal_auth.ENV_INSECURE, None)
+TEST_METADATA = internal_auth.metadata(TEST_SECRET.encode("ascii"))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.conftest import TEST_METADATA
 
 READY_TIMEOUT_S = 240
 
@@ -63,7 +64,7 @@ class Server:
     def stats(self) -> scheduler_pb2.StatsResponse:
         with grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}") as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
-            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
+            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
 
 
 def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Server:

@@ -1,0 +1,165 @@
+"""The scheduler's gRPC face as a real process (no executor: nothing here needs a step).
+
+Deny by default: every Scheduler method needs the internal secret, health stays
+open, and the process refuses to start without a secret or the opt-out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.replicas import ReplicaSet
+from protos import internal_auth
+from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.conftest import TEST_METADATA, TEST_SECRET
+
+START_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scheduler_cmd(tmp_path, port: int) -> list[str]:
+    return [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{tmp_path}/executor.sock",
+            "--port", str(port), "--grace-period", "0"]
+
+
+def wait_serving(port: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the scheduler did not start"
+                time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def scheduler_address(tmp_path_factory):
+    """A scheduler process with the suite's secret; yields its address."""
+    port = free_port()
+    proc = subprocess.Popen(scheduler_cmd(tmp_path_factory.mktemp("sched"), port),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_serving(port, proc)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def scheduler(scheduler_address):
+    with grpc.insecure_channel(scheduler_address) as channel:
+        yield channel
+
+
+def submit_request(request_id: str = "r1", **fields) -> scheduler_pb2.SubmitRequest:
+    fields.setdefault("sampling", sampling_pb2.SamplingParams(temperature=0.0))
+    fields.setdefault("max_tokens", 4)
+    return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=[1, 2, 3],
+                                       **fields)
+
+
+WRONG = ((internal_auth.METADATA_KEY, "not-the-secret-at-all-000000"),)
+
+
+@pytest.mark.parametrize("metadata", [(), WRONG], ids=["none", "wrong"])
+def test_every_method_needs_the_secret(scheduler, metadata):
+    stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
+    calls = {
+        "Stats": lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=metadata),
+        "Abort": lambda: stub.Abort(scheduler_pb2.AbortRequest(request_id="r1"), timeout=5,
+                                    metadata=metadata),
+        "Submit": lambda: stub.Submit(submit_request(), timeout=5, metadata=metadata),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as caught:
+            result = call()
+            if name == "Submit":
+                next(result)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert internal_auth.METADATA_KEY in caught.value.details()
+    # Refused calls queued nothing.
+    stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
+    assert stats.num_waiting == 0
+
+
+def test_health_is_open_and_the_secret_opens_stats(scheduler):
+    health = health_pb2_grpc.HealthStub(scheduler)
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
+    stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
+    assert not stats.executor_ready
+
+
+@pytest.mark.parametrize("secret", [TEST_SECRET.encode(), None], ids=["secret", "none"])
+def test_the_gateways_replica_channels_carry_the_secret(scheduler_address, secret):
+    """Stats (unary) and Submit (streaming) on ``replica.stub`` need no metadata of
+    their own: the channel adds it."""
+    async def calls():
+        replicas = ReplicaSet([scheduler_address], secret=secret)
+        stub = replicas.replicas[0].stub
+        codes = []
+        for call in (lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5),
+                     lambda: stub.Submit(submit_request(max_tokens=0), timeout=5).read()):
+            try:
+                await call()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+        await replicas.close()
+        return codes
+
+    codes = asyncio.run(asyncio.wait_for(calls(), 30))
+    if secret is None:
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
+    else:  # past auth: Stats answers, the Submit is judged on its merits
+        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+
+
+def _env_without_secret(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (
+        internal_auth.ENV_SECRET, internal_auth.ENV_SECRET_FILE, internal_auth.ENV_INSECURE)}
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize("module", ["scheduler_svc", "gateway"])
+def test_no_secret_no_opt_out_is_one_line_and_exit_2(tmp_path, model_dir, module):
+    if module == "scheduler_svc":
+        cmd = scheduler_cmd(tmp_path, free_port())
+    else:
+        cmd = [sys.executable, "-m", "gateway", "--model-dir", str(model_dir), "--scheduler",
+               f"127.0.0.1:{free_port()}", "--port", "0", "--http-port", "-1"]
+    done = subprocess.run(cmd, env=_env_without_secret(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    prefix = "scheduler" if module == "scheduler_svc" else "gateway"
+    assert done.stderr.startswith(f"{prefix}: no internal secret: set "
+                                  f"{internal_auth.ENV_SECRET}"), done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_a_short_secret_is_refused(tmp_path):
+    done = subprocess.run(scheduler_cmd(tmp_path, free_port()),
+                          env=_env_without_secret(**{internal_auth.ENV_SECRET: "short"}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "at least 16 characters" in done.stderr and done.stderr.count("\n") == 1
