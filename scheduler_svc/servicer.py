@@ -3,6 +3,10 @@
 Handlers validate, hand requests to the loop and stream the loop's events.
 A cancelled Submit (client gone, deadline passed) aborts the request, whose
 blocks are then free before the next plan is built.
+
+A request id is scoped to its tenant: the loop and the core know a request by
+``request_key(tenant, request_id)``, so one tenant can neither abort another's
+request nor learn (from ALREADY_EXISTS) that an id is in use.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ from scheduler_svc.core import QueueFull, Request
 from scheduler_svc.loop import EngineLoop
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+DEFAULT_TENANT = "default"
+# Joins tenant and request id in the internal key; validation keeps it (like
+# every non-printable character) out of both, so keys cannot collide.
+KEY_SEPARATOR = "\x1f"
+
+
+def request_key(tenant: str, request_id: str) -> str:
+    """The scheduler's id for ``request_id`` of ``tenant`` ("" is the default tenant)."""
+    return f"{tenant or DEFAULT_TENANT}{KEY_SEPARATOR}{request_id}"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -41,10 +54,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 first = False
         finally:
             if not finished:
-                self.loop.abort(request.request_id)
+                self.loop.abort(request_key(request.tenant, request.request_id))
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):  # noqa: N802
-        return scheduler_pb2.AbortResponse(aborted=self.loop.abort(request.request_id))
+        key = request_key(request.tenant, request.request_id)
+        return scheduler_pb2.AbortResponse(aborted=self.loop.abort(key))
 
     async def Stats(self, request, context):  # noqa: N802
         return stats_of(self.loop)
@@ -53,7 +67,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if self.loop.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "this scheduler replica is shutting down; retry on another")
-        if self.loop.is_known(request.request_id):
+        if self.loop.is_known(request_key(request.tenant, request.request_id)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request id {request.request_id!r} is already in flight")
         problem = validate_submit(request, self.loop)
@@ -82,7 +96,7 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
     sampling = sampling_pb2.SamplingParams()
     sampling.CopyFrom(r.sampling)
     return Request(
-        request_id=r.request_id,
+        request_id=request_key(r.tenant, r.request_id),
         seq_id=0,
         token_ids=list(r.prompt_token_ids),
         num_prompt_tokens=len(r.prompt_token_ids),
@@ -91,7 +105,7 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
         stop_token_ids=frozenset(r.sampling.stop_token_ids),
         ignore_eos=r.sampling.ignore_eos,
         min_tokens=r.sampling.min_tokens,
-        tenant=r.tenant or "default",
+        tenant=r.tenant or DEFAULT_TENANT,
         priority_tier=min(r.priority_tier, 2),
         arrival_time=time.monotonic(),
         num_resumed_output_tokens=r.num_resumed_output_tokens,

@@ -1,7 +1,8 @@
 """The scheduler's gRPC face as a real process (no executor: nothing here needs a step).
 
 Deny by default: every Scheduler method needs the internal secret, health stays
-open, and the process refuses to start without a secret or the opt-out.
+open, and the process refuses to start without a secret or the opt-out. A
+request id is scoped to its tenant.
 """
 
 from __future__ import annotations
@@ -133,6 +134,41 @@ def test_the_gateways_replica_channels_carry_the_secret(scheduler_address, secre
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
     else:  # past auth: Stats answers, the Submit is judged on its merits
         assert codes == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+
+
+def stats(stub) -> scheduler_pb2.StatsResponse:
+    return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
+
+
+def wait_waiting(stub, num_waiting: int) -> None:
+    deadline = time.monotonic() + 30
+    while stats(stub).num_waiting != num_waiting:
+        assert time.monotonic() < deadline, f"never {num_waiting} waiting"
+        time.sleep(0.05)
+
+
+def test_a_request_id_is_scoped_to_its_tenant(scheduler):
+    stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
+
+    def submit(tenant: str):
+        return stub.Submit(submit_request("same-id", tenant=tenant), timeout=60,
+                           metadata=TEST_METADATA)
+
+    def abort(tenant: str) -> bool:
+        request = scheduler_pb2.AbortRequest(request_id="same-id", tenant=tenant)
+        return stub.Abort(request, timeout=5, metadata=TEST_METADATA).aborted
+
+    mine, theirs = submit("x"), submit("")  # "" is the default tenant
+    wait_waiting(stub, 2)  # one id, two tenants: two requests (no executor: both wait)
+    with pytest.raises(grpc.RpcError) as caught:
+        next(submit("x"))
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert not abort("y"), "another tenant's abort must not find the request"
+    assert abort("default")
+    assert next(theirs).finish_reason == sampling_pb2.FINISH_REASON_ABORT
+    wait_waiting(stub, 1)  # the other tenant's request is untouched
+    mine.cancel()  # a cancelled Submit aborts its request
+    wait_waiting(stub, 0)
 
 
 def _env_without_secret(**extra: str) -> dict[str, str]:
