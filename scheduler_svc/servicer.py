@@ -18,6 +18,7 @@ import grpc
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import QueueFull, Request
 from scheduler_svc.loop import EngineLoop
+from scheduler_svc.validation import validate_submit
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 DEFAULT_TENANT = "default"
@@ -70,26 +71,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if self.loop.is_known(request_key(request.tenant, request.request_id)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request id {request.request_id!r} is already in flight")
-        problem = validate_submit(request, self.loop)
+        problem = validate_submit(request, self.loop.core)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-
-
-def validate_submit(request: scheduler_pb2.SubmitRequest, loop: EngineLoop) -> str | None:
-    """A message for the caller when the request can never be served, else None."""
-    if not request.request_id:
-        return "request_id must not be empty"
-    if not request.prompt_token_ids:
-        return "prompt_token_ids must not be empty"
-    if request.max_tokens <= 0:
-        return "max_tokens must be > 0"
-    if loop.executor is None:
-        return None  # limits are unknown until an executor registers; it waits
-    vocab = loop.executor.model.vocab_size
-    bad = next((t for t in request.prompt_token_ids if t >= vocab), None)
-    if bad is not None:
-        return f"token id {bad} is outside the vocabulary (size {vocab})"
-    return loop.core.admission_problem(len(request.prompt_token_ids), request.max_tokens)
 
 
 def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
@@ -106,7 +90,7 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
         ignore_eos=r.sampling.ignore_eos,
         min_tokens=r.sampling.min_tokens,
         tenant=r.tenant or DEFAULT_TENANT,
-        priority_tier=min(r.priority_tier, 2),
+        priority_tier=r.priority_tier,  # validated: < NUM_PRIORITY_TIERS
         arrival_time=time.monotonic(),
         num_resumed_output_tokens=r.num_resumed_output_tokens,
     )

@@ -5,11 +5,11 @@ open, and the process refuses to start without a secret or the opt-out. A
 request id is scoped to its tenant.
 """
 
+# ruff: noqa: F811 (the scheduler fixtures are imported from scheduler_process)
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,53 +22,12 @@ from gateway.replicas import ReplicaSet
 from protos import internal_auth
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import TEST_METADATA, TEST_SECRET
-
-START_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scheduler_cmd(tmp_path, port: int) -> list[str]:
-    return [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{tmp_path}/executor.sock",
-            "--port", str(port), "--grace-period", "0"]
-
-
-def wait_serving(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "the scheduler did not start"
-                time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def scheduler_address(tmp_path_factory):
-    """A scheduler process with the suite's secret; yields its address."""
-    port = free_port()
-    proc = subprocess.Popen(scheduler_cmd(tmp_path_factory.mktemp("sched"), port),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_serving(port, proc)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-@pytest.fixture
-def scheduler(scheduler_address):
-    with grpc.insecure_channel(scheduler_address) as channel:
-        yield channel
+from tests.scheduler.scheduler_process import (  # noqa: F401 (fixtures)
+    free_port,
+    scheduler,
+    scheduler_address,
+    scheduler_cmd,
+)
 
 
 def submit_request(request_id: str = "r1", **fields) -> scheduler_pb2.SubmitRequest:

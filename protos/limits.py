@@ -1,0 +1,24 @@
+"""Request limits that both the gateway and the scheduler enforce.
+
+The gateway checks a client's request against them; the scheduler checks every
+SubmitRequest again, because its internal plane must not trust whoever reaches
+it (a gateway with a bug, or a caller holding the internal secret). Services
+never import each other, so the numbers live here, next to the wire contracts.
+Limits that depend on the model (vocabulary, context) come from the executor's
+Hello instead.
+"""
+
+from __future__ import annotations
+
+# Identifiers: printable ASCII (" " to "~"), at most this many characters.
+MAX_REQUEST_ID_CHARS = 128
+MAX_TENANT_CHARS = 128
+# Top alternatives per generated token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+# Extra stop token ids per request: a stop list as large as the vocabulary
+# with min_tokens > 0 leaves the sampler nothing it may pick.
+MAX_STOP_TOKEN_IDS = 128
+# presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
+MAX_PENALTY = 2.0
+# Priority tiers: 0 premium, 1 standard, 2 best-effort.
+NUM_PRIORITY_TIERS = 3
