@@ -1,12 +1,22 @@
 """Optional API keys, shared by the gRPC and HTTP front ends.
 
-Keys come from `--api-keys-file` (one `KEY` or `KEY:TENANT` per line, `#`
-comments) and the `CONTINUUM_API_KEYS` environment variable (the same entries,
-comma-separated). With no keys configured, auth is off. With keys, every call
-must present one — gRPC metadata `authorization: Bearer KEY`, HTTP header
-`Authorization: Bearer KEY` — except health checks (gRPC health service, HTTP
-`/health` and `/live`). A key bound to a tenant accounts every request to that
-tenant; a request naming another tenant is refused.
+Keys come from `--api-keys-file` (one `KEY`, `KEY:TENANT` or
+`KEY:TENANT:TIERS` per line, `#` comments) and the `CONTINUUM_API_KEYS`
+environment variable (the same entries, comma-separated, so tiers there are
+joined with `+`). With no keys configured, auth is off. With
+keys, every call must present one — gRPC metadata `authorization: Bearer KEY`,
+HTTP header `Authorization: Bearer KEY` — except health checks (gRPC health
+service, HTTP `/health` and `/live`). A key bound to a tenant accounts every
+request to that tenant; a request naming another tenant is refused.
+
+Tiers: TIERS is a `+`- or `,`-separated subset of `premium`, `standard`,
+`best_effort` (e.g. `sk-...:acme:premium+standard+best_effort`; an empty
+TENANT, `sk-...::premium,standard`, leaves the key unbound). A key without
+TIERS may use `standard` and `best_effort`: premium is granted, never assumed.
+A request for a tier its key lacks is refused with PERMISSION_DENIED / HTTP
+403 naming the tier — refused rather than downgraded, so a client never gets
+silently worse service than it asked for and can fix its key or its request.
+With auth off, every tier is open (the loopback development default).
 
 Presented keys are compared with every configured key in constant time (SHA-256
 digests through `hmac.compare_digest`, no early exit), so timing reveals
@@ -19,6 +29,7 @@ import hashlib
 import hmac
 import os
 import pathlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +40,23 @@ from gateway.validation import RequestError
 
 ENV_VAR = "CONTINUUM_API_KEYS"
 _BEARER = "bearer "
+TIERS_BY_NAME = {"premium": 0, "standard": 1, "best_effort": 2}
+ALL_TIERS = frozenset(TIERS_BY_NAME.values())
+DEFAULT_KEY_TIERS = frozenset({1, 2})  # standard, best_effort
+
+
+def tier_names(tiers: Iterable[int]) -> list[str]:
+    names = {tier: name for name, tier in TIERS_BY_NAME.items()}
+    return [names[tier] for tier in sorted(tiers)]
+
+
+def _parse_tiers(text: str, source: str) -> frozenset[int]:
+    names = [name.strip() for name in re.split(r"[+,]", text) if name.strip()]
+    unknown = [name for name in names if name not in TIERS_BY_NAME]
+    if unknown or not names:
+        raise ConfigError(f"{source}: tiers {text!r} must list some of "
+                          f"{', '.join(TIERS_BY_NAME)} (separated by '+' or ',')")
+    return frozenset(TIERS_BY_NAME[name] for name in names)
 
 
 def _digest(key: str) -> bytes:
@@ -37,14 +65,18 @@ def _digest(key: str) -> bytes:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a valid key belongs to; `tenant` is "" for a key not bound to one."""
+    """Who a valid key belongs to; `tenant` is "" for a key not bound to one.
+
+    `tiers` are the priority tiers (0 premium, 1 standard, 2 best-effort) it may use."""
 
     tenant: str
+    tiers: frozenset[int] = ALL_TIERS
 
 
 @dataclass(frozen=True)
 class ApiKeys:
-    entries: tuple[tuple[bytes, str], ...] = ()  # (SHA-256 of key, tenant or "")
+    # (SHA-256 of key, principal)
+    entries: tuple[tuple[bytes, Principal], ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -57,13 +89,15 @@ class ApiKeys:
             spec = spec.strip()
             if not spec or spec.startswith("#"):
                 continue
-            key, _, tenant = spec.partition(":")
+            key, _, rest = spec.partition(":")
+            tenant, has_tiers, tiers_text = rest.partition(":")
             key, tenant = key.strip(), tenant.strip()
             if len(key) < 8:
                 raise ConfigError(f"{source}: API key {key[:2]!r}... is shorter than 8 characters")
             if tenant and not all(" " <= c <= "~" for c in tenant):
                 raise ConfigError(f"{source}: tenant {tenant!r} must be printable ASCII")
-            entries.append((_digest(key), tenant))
+            tiers = _parse_tiers(tiers_text, source) if has_tiers else DEFAULT_KEY_TIERS
+            entries.append((_digest(key), Principal(tenant, tiers)))
         return cls(tuple(entries))
 
     @classmethod
@@ -77,7 +111,7 @@ class ApiKeys:
                 raise ConfigError(f"--api-keys-file {keys_file}: {exc.strerror}") from exc
             specs += [(line, f"--api-keys-file {keys_file}") for line in lines]
         specs += [(item, ENV_VAR) for item in environ.get(ENV_VAR, "").split(",")]
-        entries: list[tuple[bytes, str]] = []
+        entries: list[tuple[bytes, Principal]] = []
         for spec, source in specs:
             entries += cls.parse([spec], source).entries
         if keys_file is not None and not entries:
@@ -87,17 +121,17 @@ class ApiKeys:
     def check(self, authorization: str | None) -> Principal | None:
         """The principal for an `authorization` value ("Bearer KEY"), or None if refused.
 
-        Always Principal("") when auth is off."""
+        Always Principal("") (every tier) when auth is off."""
         if not self.enabled:
             return Principal("")
         if not authorization or not authorization[: len(_BEARER)].lower() == _BEARER:
             return None
         presented = _digest(authorization[len(_BEARER):].strip())
-        found: str | None = None
-        for digest, tenant in self.entries:  # no early exit: same time for every key
+        found: Principal | None = None
+        for digest, principal in self.entries:  # no early exit: same time for every key
             if hmac.compare_digest(presented, digest):
-                found = tenant
-        return None if found is None else Principal(found)
+                found = principal
+        return found
 
 
 UNAUTHENTICATED_MESSAGE = (

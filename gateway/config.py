@@ -29,8 +29,25 @@ class GatewayConfig:
     http_port: int | None = None
     # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it).
     max_body_bytes: int = 4 * 1024 * 1024
-    # File of API keys (KEY or KEY:TENANT per line); see gateway/auth.py.
+    # File of API keys (KEY, KEY:TENANT or KEY:TENANT:TIERS per line); see gateway/auth.py.
     api_keys_file: pathlib.Path | None = None
+    # Connections cannot be held hostage (defaults after nginx's client_header_timeout
+    # and client_body_timeout, 60 s, tightened for an API whose requests are small):
+    # seconds a connection may take to send a complete request head, counted from
+    # its opening or from the end of its previous response (HTTP keep-alive idle
+    # time is the same clock), before it is closed;
+    http_header_timeout_s: float = 10.0
+    # seconds a request body may take to arrive in full (408 after that);
+    http_body_timeout_s: float = 30.0
+    # open HTTP connections at most; one more is answered 503 and closed
+    # (nginx's worker_connections default is 512 per worker; 2,048 per gateway);
+    http_max_connections: int = 2048
+    # concurrent gRPC streams per HTTP/2 connection: 100, the floor RFC 9113 §5.1.2
+    # recommends (nginx's http2_max_concurrent_streams is 128);
+    grpc_max_concurrent_streams: int = 100
+    # a gRPC connection with no call for this long is closed (GOAWAY), like
+    # grpc-go's MaxConnectionIdle; 0 disables.
+    grpc_max_connection_idle_s: float = 300.0
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -57,3 +74,16 @@ class GatewayConfig:
             raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
         if self.grace_period_s < 0:
             raise ConfigError(f"--grace-period must be >= 0, got {self.grace_period_s}")
+        for flag, value in (("--http-header-timeout", self.http_header_timeout_s),
+                            ("--http-body-timeout", self.http_body_timeout_s)):
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
+        if self.http_max_connections < 1:
+            raise ConfigError(
+                f"--http-max-connections must be >= 1, got {self.http_max_connections}")
+        if self.grpc_max_concurrent_streams < 1:
+            raise ConfigError("--grpc-max-concurrent-streams must be >= 1, got "
+                              f"{self.grpc_max_concurrent_streams}")
+        if self.grpc_max_connection_idle_s < 0:
+            raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
+                              f"{self.grpc_max_connection_idle_s}")

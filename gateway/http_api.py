@@ -26,26 +26,33 @@ import grpc
 import structlog
 from aiohttp import web
 
-from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, Principal, resolve_tenant
+from gateway import http_edge
+from gateway.admission import Admission
+from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, Principal
+from gateway.http_edge import HttpLimits, read_body
+from gateway.json_body import decode_json
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_api import (
+    CHAT,
+    COMPLETION,
     HTTP_STATUS,
     ApiRequest,
-    chat_logprobs,
-    completion_logprobs,
-    envelope,
+    Dialect,
     error_body,
     finish_reason,
     now_s,
-    parse_chat,
-    parse_completion,
     usage,
 )
 from gateway.relay import Relay, RelayError
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
 from gateway.upstream import RETRY_AFTER_KEY, ClientStatus
-from gateway.validation import RequestError, ValidatedRequest, validate
+from gateway.validation import (
+    MAX_REQUEST_ID_CHARS,
+    RequestError,
+    ValidatedRequest,
+    check_identifier,
+)
 
 _log = structlog.get_logger("gateway.http")
 _OPEN_PATHS = frozenset({"/health", "/live"})
@@ -80,6 +87,10 @@ def _request_error(exc: RequestError) -> web.Response:
     code = exc.error_code
     if exc.code == grpc.StatusCode.UNAUTHENTICATED:
         code = "invalid_api_key"
+    if exc.http_status is not None:
+        _, error_type = HTTP_STATUS.get(exc.code, (400, "invalid_request_error"))
+        return _json_response(exc.http_status, error_body(exc.message, error_type, exc.param,
+                                                          code))
     return _error_response(ClientStatus(exc.code, exc.message), exc.param, code)
 
 
@@ -114,26 +125,26 @@ class _Choices:
     def logprobs_of(self, response) -> dict | None:
         if not self.api.logprobs:
             return None
-        if self.api.kind == "chat":
-            return chat_logprobs(self.tokenizer, response)
         offset = self.offset.get(response.index, len(self.api.echo_text))
-        result = completion_logprobs(self.tokenizer, response, offset)
+        result = self.api.dialect.logprobs(self.tokenizer, response, offset)
         self.offset[response.index] = offset + len(response.text)
         return result
 
 
 class HttpApi:
-    def __init__(self, relay: Relay, tokenizer: Tokenizer, model_name: str, keys: ApiKeys,
-                 metrics: GatewayMetrics, replicas: ReplicaSet, max_body_bytes: int,
-                 max_model_len: int):
+    def __init__(self, relay: Relay, admission: Admission, tokenizer: Tokenizer,
+                 model_name: str, keys: ApiKeys, metrics: GatewayMetrics, replicas: ReplicaSet,
+                 limits: HttpLimits):
         self._relay = relay
+        self._admission = admission
         self._tokenizer = tokenizer
         self._model_name = model_name
         self._keys = keys
         self._metrics = metrics
         self._replicas = replicas
-        self._max_body_bytes = max_body_bytes
-        self._max_model_len = max_model_len
+        self.limits = limits
+        self._max_body_bytes = limits.max_body_bytes
+        self._max_model_len = tokenizer.info.max_model_len
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -221,12 +232,12 @@ class HttpApi:
     # --- generation -------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completion")
+        return await self._generate(request, COMPLETION)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat")
+        return await self._generate(request, CHAT)
 
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         if self.draining:
             return _error_response(ClientStatus(
                 grpc.StatusCode.UNAVAILABLE,
@@ -234,21 +245,20 @@ class HttpApi:
         self._in_flight += 1
         self._idle.clear()
         try:
-            return await self._generate_counted(request, kind)
+            return await self._generate_counted(request, dialect)
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
 
-    async def _generate_counted(self, request: web.Request, kind: str) -> web.StreamResponse:
+    async def _generate_counted(self, request: web.Request,
+                                dialect: Dialect) -> web.StreamResponse:
         try:
-            api, validated = await self._parse(request, kind)
+            validated, api = await self._admit(request, dialect)
         except RequestError as exc:
-            _log.info("request rejected", code=exc.code.name, reason=exc.message)
-            self._metrics.error(exc.code.name)
             return _request_error(exc)
         log = _log.bind(request_id=validated.request_id)
-        generation = self._relay.generate(validated, api=kind, stream=api.stream)
+        generation = self._relay.generate(validated, api=dialect.name, stream=api.stream)
         async with contextlib.aclosing(generation) as stream:
             try:
                 first = await anext(stream)
@@ -258,19 +268,25 @@ class HttpApi:
                 return await self._stream(request, api, validated, first, stream, log)
             return await self._collect(api, validated, first, stream)
 
-    async def _parse(self, request: web.Request, kind: str) -> tuple[ApiRequest, ValidatedRequest]:
+    async def _admit(self, request: web.Request,
+                     dialect: Dialect) -> tuple[ValidatedRequest, ApiRequest]:
+        """Reads the body (bounded in time and size), then the shared admit step decodes,
+        translates and validates it off the event loop."""
         try:
-            body = await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(f"the request body is not valid JSON ({exc})") from exc
-        if kind == "chat":
-            api = parse_chat(body, self._model_name)
-        else:
-            api = parse_completion(body, self._model_name, self._tokenizer)
-        api.proto.request_id = request.headers.get("X-Request-Id", "")
-        api.proto.tenant = resolve_tenant(request[_PRINCIPAL], api.proto.tenant)
-        validated = await asyncio.to_thread(validate, api.proto, self._tokenizer, self._model_name)
-        return api, validated
+            raw = await read_body(request, self.limits)
+            charset = request.charset  # LookupError-free: it is only a parsed header
+        except RequestError as exc:
+            self._metrics.error(exc.code.name)
+            raise
+        request_id = request.headers.get("X-Request-Id", "")
+
+        def build():
+            check_identifier(request_id, "X-Request-Id header", MAX_REQUEST_ID_CHARS)
+            api = dialect.parse(decode_json(raw, charset), self._model_name, self._tokenizer)
+            api.proto.request_id = request_id
+            return api.proto, api
+
+        return await self._admission.admit(request[_PRINCIPAL], build, api=dialect.name)
 
     def _chunk(self, api: ApiRequest, validated: ValidatedRequest, created: int,
                choices: _Choices, response) -> dict | None:
@@ -280,15 +296,10 @@ class HttpApi:
         logprobs = choices.logprobs_of(response)
         if not (text or reason or first or (logprobs and response.token_ids)):
             return None
-        choice: dict = {"index": response.index}
-        if api.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice["delta"] = delta if (text or first) else {}
-        else:
-            choice["text"] = text
+        choice = api.dialect.chunk_choice(response.index, text, first)
         choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
-        chunk = envelope(api.kind, validated.request_id, self._model_name, created, chunk=True)
+        chunk = api.dialect.envelope(validated.request_id, self._model_name, created, chunk=True)
         chunk["choices"] = [choice]
         if api.include_usage:
             chunk["usage"] = None
@@ -309,7 +320,7 @@ class HttpApi:
                     await response.write(_sse(chunk))
                 pending = await anext(stream, None)
             if api.include_usage:
-                final = envelope(api.kind, validated.request_id, self._model_name, created, True)
+                final = api.dialect.envelope(validated.request_id, self._model_name, created, True)
                 final["choices"] = []
                 final["usage"] = usage(choices.prompt_tokens, choices.completion_tokens)
                 await response.write(_sse(final))
@@ -338,42 +349,18 @@ class HttpApi:
                 pending = await anext(stream, None)
         except RelayError as exc:
             return _error_response(exc.status)
-        body = envelope(api.kind, validated.request_id, self._model_name, now_s(), chunk=False)
+        body = api.dialect.envelope(validated.request_id, self._model_name, now_s(), chunk=False)
         body["choices"] = [
-            self._final_choice(api, index, "".join(choices.text[index]),
-                               logprobs.get(index), choices.finish.get(index))
+            api.dialect.final_choice(index, "".join(choices.text[index]), logprobs.get(index),
+                                     choices.finish.get(index))
             for index in sorted(choices.text)
         ]
         body["usage"] = usage(choices.prompt_tokens, choices.completion_tokens)
         return _json_response(200, body, {"X-Request-Id": validated.request_id})
 
-    @staticmethod
-    def _final_choice(api: ApiRequest, index: int, text: str, parts: list | None,
-                      reason: str | None) -> dict:
-        if api.kind == "chat":
-            merged = None
-            if parts is not None:
-                merged = {"content": [c for part in parts for c in part["content"]]}
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": merged, "finish_reason": reason}
-        merged = None
-        if parts is not None:
-            merged = {key: [v for part in parts for v in part[key]]
-                      for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        return {"index": index, "text": text, "logprobs": merged, "finish_reason": reason}
-
 
 async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Starts serving; returns the runner and the bound port. Call `api.drain` before
-    `runner.cleanup()`, which cuts whatever is still running after a second."""
-    runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=1.0,
-                           access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=False)
-    try:
-        await site.start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    sockets = runner.addresses
-    return runner, sockets[0][1] if sockets else port
+    """Starts serving with the connection limits of `api.limits`; returns the runner and
+    the bound port. Call `api.drain` before `runner.cleanup()`, which cuts whatever is
+    still running after a second."""
+    return await http_edge.start_http(api.app(), host, port, api.limits)

@@ -21,9 +21,11 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, resolve_tenant
+from gateway.admission import Admission
+from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.config import GatewayConfig
 from gateway.http_api import HttpApi, start_http
+from gateway.http_edge import HttpLimits
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay, RelayError
 from gateway.replicas import ReplicaSet
@@ -33,7 +35,6 @@ from gateway.validation import (
     UndecodableRequest,
     ValidatedRequest,
     parse_request,
-    validate,
 )
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
 
@@ -60,11 +61,10 @@ def _authorization(metadata) -> str | None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Serves Generate for one model through the relay."""
+    """Serves Generate for one model through the shared admit step and the relay."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, relay: Relay, keys: ApiKeys):
-        self._tokenizer = tokenizer
-        self._model_name = model_name
+    def __init__(self, admission: Admission, relay: Relay, keys: ApiKeys):
+        self._admission = admission
         self._relay = relay
         self._keys = keys
 
@@ -86,18 +86,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             principal = self._keys.check(_authorization(context.invocation_metadata()))
             if principal is None:  # the interceptor refuses these first; kept as a backstop
                 raise RequestError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED)
-            if not isinstance(request, UndecodableRequest):
-                request.tenant = resolve_tenant(principal, request.tenant)
-            # Tokenizing a long prompt takes milliseconds; keep the event loop streaming.
-            return await asyncio.to_thread(validate, request, self._tokenizer, self._model_name)
-        except RequestError as exc:
-            _log.info(
-                "request rejected",
-                request_id=getattr(request, "request_id", ""),
-                code=exc.code.name,
-                reason=exc.message,
-            )
-            self._relay.metrics.error(exc.code.name)
+            validated, _ = await self._admission.admit(
+                principal, lambda: (request, None), api="grpc")
+            return validated
+        except RequestError as exc:  # admit logged and counted it
             await context.abort(exc.code, exc.message)  # raises: ends the call
             raise AssertionError("unreachable") from exc
         except Exception as exc:  # a bug of ours: INTERNAL with a generic message, logged
@@ -131,6 +123,28 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         }[(handler.request_streaming, handler.response_streaming)]
         return make(deny, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
+
+
+def _server_options(config: GatewayConfig) -> list[tuple[str, int]]:
+    """Channel arguments of the client-facing gRPC server (see GatewayConfig for the
+    references each default follows). Messages over max_body_bytes are
+    RESOURCE_EXHAUSTED before any of our code runs; streams past the per-connection
+    cap wait in the client (HTTP/2 flow control), they are not refused."""
+    options = [
+        # SO_REUSEPORT (grpc's default on Linux) would let a second gateway bind a
+        # port that is already in use and silently share its traffic.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", config.max_body_bytes),
+        ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
+        # Dead peers are found by pinging every minute (grpc-go servers: 2 h), and a
+        # connection that does not answer within 20 s is closed with its streams.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]
+    if config.grpc_max_connection_idle_s:
+        options.append(("grpc.max_connection_idle_ms",
+                        int(config.grpc_max_connection_idle_s * 1000)))
+    return options
 
 
 def _probe_bind(host: str, port: int) -> None:
@@ -209,13 +223,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                         keys: ApiKeys | None = None) -> RunningGateway:
     """Binds, starts serving and marks health SERVING; raises BindError."""
     keys = keys or ApiKeys()
-    # SO_REUSEPORT (grpc's default on Linux) would let a second gateway bind a
-    # port that is already in use and silently share its traffic.
     server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", config.max_body_bytes),
-        ],
+        options=_server_options(config),
         interceptors=[_AuthInterceptor(keys)] if keys.enabled else None,
     )
     port = _bind(server, config.host, config.port)
@@ -224,7 +233,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     replicas = ReplicaSet(config.scheduler_addresses)
     metrics = GatewayMetrics(config.model_name, replicas.snapshot)
     relay = Relay(tokenizer, replicas, metrics)
-    servicer = GenerationServicer(tokenizer, config.model_name, relay, keys)
+    admission = Admission(tokenizer, config.model_name, metrics)
+    servicer = GenerationServicer(admission, relay, keys)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -233,8 +243,12 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     )
     running = RunningGateway(server, health_servicer, replicas, port, metrics)
     if config.http_port is not None:
-        running.http = HttpApi(relay, tokenizer, config.model_name, keys, metrics, replicas,
-                               config.max_body_bytes, tokenizer.info.max_model_len)
+        limits = HttpLimits(max_body_bytes=config.max_body_bytes,
+                            header_timeout_s=config.http_header_timeout_s,
+                            body_timeout_s=config.http_body_timeout_s,
+                            max_connections=config.http_max_connections)
+        running.http = HttpApi(relay, admission, tokenizer, config.model_name, keys, metrics,
+                               replicas, limits)
         try:
             running.http_runner, running.http_port = await start_http(
                 running.http, config.host, config.http_port)

@@ -38,6 +38,9 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # The longest token's text in characters (at least 1): text longer than
+    # max_model_len x this cannot fit the context, so it is refused untokenized.
+    max_token_chars: int = 64
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -97,7 +100,11 @@ def _model_info(
     eos_ids = _as_id_tuple(config.get("eos_token_id"))
     if not eos_ids and eos_token is not None and backend.token_to_id(eos_token) is not None:
         eos_ids = (backend.token_to_id(eos_token),)
-    return ModelInfo(vocab_size=int(vocab_size), max_model_len=max_len, eos_token_ids=eos_ids)
+    # Vocabulary strings are the pre-decoding form (byte-level BPE writes a byte
+    # as one character), so a token's text is never more characters than this.
+    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+    return ModelInfo(vocab_size=int(vocab_size), max_model_len=max_len, eos_token_ids=eos_ids,
+                     max_token_chars=max(longest, 1))
 
 
 class Tokenizer:

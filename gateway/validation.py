@@ -3,6 +3,23 @@
 Every check produces a `RequestError` whose message tells the caller what to
 change; nothing a client sends may surface as INTERNAL. Cheap field checks run
 before tokenization so that a malformed request costs nothing.
+
+Caps (a request may not cost more than it pays for), checked by length before
+any template is rendered or text tokenized. Where other servers have a limit we
+follow it: 16 stop strings like vLLM's OpenAI server and OpenAI's 4 (raised),
+n <= 16 and top_logprobs <= 20 as OpenAI; TGI's `max_stop_sequences` (4) and
+`max_top_n_tokens` (5) are stricter. Ours beyond them:
+
+* stop_token_ids: at most 128 (vLLM has none; the whole vocabulary as stop ids
+  is a request whose every sampled token ends it, refused here with a message);
+* chat messages: at most 1,024 per request, their text bounded by the body
+  limit (`--max-body-bytes`: HTTP body and gRPC message alike);
+* prompt token ids: at most max_model_len (a longer prompt can never fit);
+* prompt text: at most max_model_len x the longest token in the vocabulary (in
+  characters) before tokenizing; any longer text is necessarily more tokens
+  than the context holds. Chat message text is bounded the same way before
+  the template is rendered;
+* request_id and tenant: 128 printable ASCII characters.
 """
 
 from __future__ import annotations
@@ -25,6 +42,8 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 128
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_STOP_TOKEN_IDS = 128
+MAX_CHAT_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -45,10 +64,13 @@ class RequestError(Exception):
         code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
         param: str | None = None,
         error_code: str | None = None,
+        http_status: int | None = None,
     ):
         super().__init__(message)
         self.code = code
         self.message = message
+        # Where HTTP has a more precise status than the gRPC code's (408 for a slow body).
+        self.http_status = http_status
         # The offending field, for OpenAI-style errors ("temperature", "messages", ...).
         self.param = param
         # A machine-readable reason where OpenAI defines one ("context_length_exceeded").
@@ -95,7 +117,7 @@ class ValidatedRequest:
         )
 
 
-def _check_identifier(value: str, field: str, max_chars: int) -> None:
+def check_identifier(value: str, field: str, max_chars: int) -> None:
     if len(value) > max_chars:
         raise RequestError(
             f"{field} is {len(value)} characters long; the limit is {max_chars}", param=field
@@ -112,13 +134,17 @@ def _check_range(field: str, value: float, low: float, high: float, closed_low: 
         raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}", param=field)
 
 
-def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int,
+                     max_len: int | None = None) -> None:
+    param = field.split(".")[-2 if field.endswith(".ids") else -1]
+    if max_len is not None and len(ids) > max_len:
+        raise RequestError(f"{field} holds {len(ids)} token ids; at most {max_len}", param=param)
     for index, token_id in enumerate(ids):
         if token_id >= vocab_size:
             raise RequestError(
                 f"{field}[{index}] = {token_id} is not a token id: the model's vocabulary "
                 f"has {vocab_size} tokens (ids 0..{vocab_size - 1})",
-                param=field.split(".")[-2 if field.endswith(".ids") else -1],
+                param=param,
             )
 
 
@@ -147,7 +173,8 @@ def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> No
             f"sampling.logprobs asks for {sampling.logprobs} alternatives; at most {MAX_LOGPROBS}",
             param="logprobs",
         )
-    _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size)
+    _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size,
+                     MAX_STOP_TOKEN_IDS)
 
 
 def check_stop_strings(stop: Sequence[str]) -> None:
@@ -169,9 +196,31 @@ def check_stop_strings(stop: Sequence[str]) -> None:
             )
 
 
-def _chat_messages(chat: generation_pb2.ChatInput) -> list[dict[str, str]]:
+def max_prompt_chars(tokenizer: Tokenizer) -> int:
+    """Text longer than this cannot tokenize to max_model_len tokens or fewer."""
+    return tokenizer.info.max_model_len * tokenizer.info.max_token_chars
+
+
+def _check_prompt_chars(field: str, num_chars: int, tokenizer: Tokenizer) -> None:
+    limit = max_prompt_chars(tokenizer)
+    if num_chars > limit:
+        raise RequestError(
+            f"{field} is {num_chars} characters long; at most {limit} "
+            f"({tokenizer.info.max_model_len} tokens of at most "
+            f"{tokenizer.info.max_token_chars} characters) can fit the model's context",
+            param="messages" if field.startswith("chat") else "prompt",
+            error_code="context_length_exceeded",
+        )
+
+
+def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list[dict[str, str]]:
     if not chat.messages:
         raise RequestError("chat has no messages; send at least one", param="messages")
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise RequestError(f"chat holds {len(chat.messages)} messages; at most "
+                           f"{MAX_CHAT_MESSAGES}", param="messages")
+    _check_prompt_chars("chat message text", sum(len(m.content) for m in chat.messages),
+                        tokenizer)
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(
@@ -190,10 +239,11 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
     if kind == "prompt":
         if not request.prompt:
             raise RequestError("prompt is empty", param="prompt")
+        _check_prompt_chars("prompt", len(request.prompt), tokenizer)
         ids = tokenizer.encode(request.prompt)
     elif kind == "chat":
         try:
-            ids = tokenizer.encode_chat(_chat_messages(request.chat))
+            ids = tokenizer.encode_chat(_chat_messages(request.chat, tokenizer))
         except ChatTemplateError as exc:
             raise RequestError(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
@@ -202,7 +252,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         ids = list(request.token_ids.ids)
         if not ids:
             raise RequestError("token_ids is empty", param="prompt")
-        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size)
+        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size,
+                         tokenizer.info.max_model_len)
     if not ids:
         raise RequestError(f"the {kind} tokenizes to zero tokens", param=kind)
     return ids
@@ -225,8 +276,8 @@ def resolve_max_tokens(requested: int, num_prompt_tokens: int, max_model_len: in
 
 def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) -> None:
     """Checks everything that needs no tokenizer."""
-    _check_identifier(request.request_id, "request_id", MAX_REQUEST_ID_CHARS)
-    _check_identifier(request.tenant, "tenant", MAX_TENANT_CHARS)
+    check_identifier(request.request_id, "request_id", MAX_REQUEST_ID_CHARS)
+    check_identifier(request.tenant, "tenant", MAX_TENANT_CHARS)
     if request.model and request.model != served_model:
         raise RequestError(
             f"model {request.model!r} is not served here; this gateway serves {served_model!r} "

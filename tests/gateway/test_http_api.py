@@ -53,7 +53,7 @@ VALIDATION_TABLE = [
     (_COMP, {"prompt": ""}, 400, "prompt", None, "prompt is empty"),
     (_COMP, {}, 400, "prompt", None, "prompt is required"),
     (_COMP, {"prompt": ["a", "b"]}, 400, "prompt", None, "one prompt per request"),
-    (_COMP, {"prompt": [1, 2, 10**7]}, 400, "token_ids", None, "vocabulary"),
+    (_COMP, {"prompt": [1, 2, 10**7]}, 400, "prompt", None, "vocabulary"),
     (_COMP, {"prompt": [1, -2]}, 400, "prompt", None, "negative"),
     (_COMP, {"prompt": "hi " * 9000}, 400, "prompt", "context_length_exceeded",
      "maximum context length is"),

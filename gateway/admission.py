@@ -1,0 +1,82 @@
+"""The one admit step both front ends (gRPC Generate, OpenAI HTTP) run on a request.
+
+`Admission.admit(principal, build, api=...)` does, in this order and off the
+event loop (one `asyncio.to_thread` hop): `build()` (for HTTP: decode the JSON
+body and translate it with its dialect; for gRPC: the already-decoded
+protobuf), the key's rights (tenant, priority tier), and `validation.validate`
+(cheap caps, then chat template and tokenization). A refusal is logged once and
+counted once in `continuum:request_errors_total{code=...}`, whichever API it
+came from, then re-raised as the `RequestError` for the front end to map to its
+status (gRPC code, or HTTP status with an OpenAI error body).
+
+Off the loop because a 4 MiB body takes ~0.1 s to parse and a long prompt
+milliseconds to render and tokenize; other streams keep flowing meanwhile
+(json's C parser holds the GIL while it runs, so the body limit bounds that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from gateway.auth import Principal, resolve_tenant, tier_names
+from gateway.metrics import GatewayMetrics, tier_name
+from gateway.tokenizer import Tokenizer
+from gateway.validation import (
+    PRIORITY_TIERS,
+    RequestError,
+    UndecodableRequest,
+    ValidatedRequest,
+    validate,
+)
+from protos.continuum.v1 import generation_pb2
+
+_log = structlog.get_logger("gateway")
+T = TypeVar("T")
+Built = tuple[generation_pb2.GenerateRequest | UndecodableRequest, T]
+
+
+def check_tier(principal: Principal, priority: int) -> None:
+    """PERMISSION_DENIED if the key may not use the request's priority tier."""
+    tier = PRIORITY_TIERS.get(priority)
+    if tier is None or tier in principal.tiers:
+        return  # an unknown Priority value is validation's INVALID_ARGUMENT
+    raise RequestError(
+        f"this API key may not use priority {tier_name(tier)!r}; it may use "
+        f"{', '.join(tier_names(principal.tiers))} (ask for a key with that tier, or send "
+        "another priority)",
+        grpc.StatusCode.PERMISSION_DENIED,
+        param="priority",
+    )
+
+
+class Admission:
+    """Turns what a client sent into a `ValidatedRequest`, or refuses it (RequestError)."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics):
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._metrics = metrics
+
+    async def admit(self, principal: Principal, build: Callable[[], Built[T]], *,
+                    api: str) -> tuple[ValidatedRequest, T]:
+        """`build()` returns the request and whatever the front end needs to answer it."""
+        try:
+            return await asyncio.to_thread(self._admit, principal, build)
+        except RequestError as exc:
+            _log.info("request rejected", api=api, code=exc.code.name, param=exc.param,
+                      reason=exc.message)
+            self._metrics.error(exc.code.name)
+            raise
+
+    def _admit(self, principal: Principal, build: Callable[[], Built[T]]
+               ) -> tuple[ValidatedRequest, T]:
+        request, extra = build()
+        if not isinstance(request, UndecodableRequest):
+            request.tenant = resolve_tenant(principal, request.tenant)
+            check_tier(principal, request.priority)
+        return validate(request, self._tokenizer, self._model_name), extra

@@ -1,0 +1,169 @@
+"""Typed readers for OpenAI request fields, and the fields both dialects share.
+
+Every reader checks the JSON type and a range that fits the protobuf field it
+feeds (uint32, uint64, float32), so no client value can make a protobuf
+assignment raise (ValueError past 2^32) or overflow to inf (a float32 holds
+about 3.4e38). Semantic limits that both APIs share (n <= 16, stop caps,
+vocabulary, context) are checked once, in `gateway/validation.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gateway.validation import MAX_STOP_TOKEN_IDS, RequestError
+from protos.continuum.v1 import generation_pb2
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+# Our proto fields say int32-range for these; the largest value both ends agree on.
+INT31_MAX = 2**31 - 1
+PRIORITIES = {
+    "premium": generation_pb2.PRIORITY_PREMIUM,
+    "standard": generation_pb2.PRIORITY_STANDARD,
+    "best_effort": generation_pb2.PRIORITY_BEST_EFFORT,
+}
+_UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "tool_choice", "function_call",
+                "audio", "modalities", "prediction")
+
+
+def bad(message: str, param: str | None = None) -> RequestError:
+    return RequestError(message, param=param)
+
+
+def number(body: dict, name: str, low: float, high: float, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad(f"{name} must be a number, got {type(value).__name__}", name)
+    if isinstance(value, int) and not low <= value <= high:  # may be too big for a float
+        raise bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
+    if not (math.isfinite(value) and low <= value <= high):
+        raise bad(f"{name} must be between {low:g} and {high:g}, got {value:g}", name)
+    return value
+
+
+def integer(body: dict, name: str, low: int, high: int, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{name} must be an integer, got {type(value).__name__}", name)
+    if not low <= value <= high:
+        raise bad(f"{name} must be between {low} and {high}, got {value}", name)
+    return value
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"{name} must be true or false, got {type(value).__name__}", name)
+    return value
+
+
+def string(body: dict, name: str, default: str = "") -> str:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise bad(f"{name} must be a string, got {type(value).__name__}", name)
+    return value
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise bad("stop must be a string or a list of strings", "stop")
+
+
+def is_token_id_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def token_ids(value: list, name: str, max_len: int, vocab_size: int) -> list[int]:
+    """A list of ints as token ids: length first (cheap), then each id's range."""
+    if len(value) > max_len:
+        raise bad(f"{name} holds {len(value)} token ids; at most {max_len}", name)
+    for index, token_id in enumerate(value):
+        if not 0 <= token_id < vocab_size:
+            kind = "a negative token id" if token_id < 0 else "not a token id"
+            raise bad(f"{name}[{index}] = {token_id} is {kind}: the model's vocabulary has "
+                      f"{vocab_size} tokens (ids 0..{vocab_size - 1})", name)
+    return value
+
+
+def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
+    priority = body.get("priority")
+    if priority is None:
+        return
+    if isinstance(priority, str) and priority in PRIORITIES:
+        proto.priority = PRIORITIES[priority]
+    elif isinstance(priority, int) and not isinstance(priority, bool) and 0 <= priority <= 2:
+        proto.priority = list(PRIORITIES.values())[priority]
+    else:
+        raise bad(f"priority must be one of {', '.join(PRIORITIES)} (or 0, 1, 2)", "priority")
+
+
+def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
+           vocab_size: int) -> None:
+    """Fields shared by completions and chat: model, sampling, stop, n, extensions."""
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, {}, []):
+            raise bad(f"{name} is not supported by this server; remove it", name)
+    proto.model = string(body, "model") or served_model
+    sampling = proto.sampling
+    temperature = number(body, "temperature", 0.0, 2.0)
+    if temperature is not None:
+        sampling.temperature = temperature
+    top_p = number(body, "top_p", 0.0, 1.0)
+    if top_p is not None:
+        if top_p == 0:
+            raise bad("top_p must be > 0 (use temperature 0 for greedy decoding)", "top_p")
+        sampling.top_p = top_p
+    sampling.presence_penalty = number(body, "presence_penalty", -2.0, 2.0, 0.0)
+    sampling.frequency_penalty = number(body, "frequency_penalty", -2.0, 2.0, 0.0)
+    seed = integer(body, "seed", 0, UINT64_MAX)
+    if seed is not None:
+        sampling.seed = seed
+    top_k = integer(body, "top_k", -1, INT31_MAX, 0)
+    sampling.top_k = max(top_k, 0)  # -1 (as in vLLM) and 0 both mean "no top-k"
+    sampling.min_p = number(body, "min_p", 0.0, 1.0, 0.0)
+    repetition_penalty = number(body, "repetition_penalty", 0.0, 1e6)
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    sampling.min_tokens = integer(body, "min_tokens", 0, INT31_MAX, 0)
+    sampling.ignore_eos = boolean(body, "ignore_eos")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if stop_ids != [] and not is_token_id_list(stop_ids):
+            raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+        sampling.stop_token_ids.extend(
+            token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
+    proto.stop.extend(stop_strings(body))
+    proto.n = integer(body, "n", 1, UINT32_MAX, 1)
+    best_of = integer(body, "best_of", 1, UINT32_MAX)
+    if best_of is not None and best_of != proto.n:
+        raise bad("best_of other than n is not supported; remove it", "best_of")
+    proto.tenant = string(body, "tenant")
+    _priority(body, proto)
+
+
+def stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    return boolean(options, "include_usage")
