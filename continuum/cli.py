@@ -83,13 +83,19 @@ def _bench_parser(sub) -> None:
     add_arguments(p)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``continuum`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = _serve_parser(sub)
     _generate_parser(sub)
     _capacity_parser(sub)
     _bench_parser(sub)
+    return parser, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, serve = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         check_device_arguments(serve, args)

@@ -12,7 +12,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import stat
 import sys
 import time
 
@@ -89,8 +91,26 @@ def load_secret(host: str) -> bytes | None:
     return secret
 
 
+def private_ipc_dir(ipc: str) -> None:
+    """Creates an ``ipc://`` socket's directory with mode 0700 when it is missing (the
+    Kubernetes layout names one inside the pod's shared emptyDir); warns when the
+    directory is writable by others, who could then take the socket's place."""
+    if not ipc.startswith("ipc://"):
+        return
+    directory = os.path.dirname(os.path.abspath(ipc.removeprefix("ipc://")))
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+    except OSError as exc:
+        fail(f"cannot use the directory of the executor channel {ipc}: {exc.strerror}")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.warning("the executor channel's directory is writable by other users; "
+                    "use a private one (mode 0700)", directory=directory, mode=f"{mode:o}")
+
+
 async def serve(args: argparse.Namespace, config: SchedulerConfig,
                 secret: bytes | None) -> None:
+    private_ipc_dir(args.ipc)
     loop = EngineLoop(config, args.ipc)
     try:
         loop.start()
