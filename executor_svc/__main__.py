@@ -10,6 +10,10 @@ that cannot be served exits 2 with one line on stderr.
 with ``--tp-rank``; executor_svc/tp_ranks.py), each loads its slice of the model
 (tp_shard.py) and its own KV pool, and rank 0 alone talks to the scheduler, passing every
 plan on (tp_serve.py). When any rank is lost, rank 0 exits 3 (EXIT_RANK_LOST).
+
+Rank 0 signs its Hello with the deployment's internal secret (protos/internal_auth.py:
+``CONTINUUM_INTERNAL_SECRET`` or ``_FILE``); without one, and without the explicit opt-out,
+it exits 2 before loading anything.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import load_sharded_model, shard_layout
 from kernels import BACKEND_NAMES, backend_for, make_backend
-from protos import wire
+from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor")
@@ -269,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        secret = internal_auth.load_secret()
+    except internal_auth.SecretError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         device = resolve_device(config.device, 0, config.tp_size)
         backend_for(config.attention_backend, device)  # before the minutes a model may take
         path = resolve_model(config.model)
@@ -279,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     incarnation = uuid.uuid4().hex
     if config.tp_size == 1:
-        return _serve(config, path, incarnation, stop, device)
+        return _serve(config, path, incarnation, stop, device, secret)
     workers = WorkerRanks(args, config.tp_size, incarnation, str(path))
     code = 1
     try:
-        code = _serve(config, path, incarnation, stop, device, workers.init_method)
+        code = _serve(config, path, incarnation, stop, device, secret, workers.init_method)
         return code
     finally:
         # Only a rank 0 that returned 0 has told the workers to STOP; otherwise kill them.
@@ -293,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: torch.device,
-           tp_init_method: str | None = None) -> int:
+           secret: bytes | None, tp_init_method: str | None = None) -> int:
     """Rank 0 (or the only rank): build, connect, serve until stopped; the exit status."""
     try:
         runner, hello = build(config, path, incarnation, tp_init_method, device)
@@ -316,7 +325,8 @@ def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: 
             return stop.requested
     stop.serving = True
     try:
-        ServeLoop(link, front, hello, should_stop).run()
+        ServeLoop(link, front, hello, should_stop, secret=secret,
+                  renew_incarnation=tp is None).run()
         if tp is not None:
             front.stop()
             tp.close()

@@ -8,24 +8,33 @@ Introductions: Hello goes out every time the connection is (re)established — z
 by itself when the scheduler restarts, and the new scheduler knows nobody — and again if the
 first one got no answer within ``hello_retry_s``, or a scheduler heartbeat names another
 incarnation. The scheduler treats every Hello as an empty executor, so sending one also
-drops this executor's sequence state.
+drops this executor's sequence state. A scheduler heartbeat marked ``detached`` (it no longer
+counts this executor as its own, e.g. after a stall past its deadline: SIGSTOP/SIGCONT)
+makes it re-register at once, under a new incarnation unless tensor-parallel ranks share the
+old one.
+
+Every Hello carries ``auth_tag``, the HMAC of the Hello under the deployment's secret
+(protos/internal_auth.py); the scheduler ignores an executor that cannot sign. Frames that
+are not one decodable SchedulerMessage are dropped and counted (``num_dropped_frames``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from executor_svc.runner import Runner
-from protos import wire
+from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor.link")
 CONNECTED = "connected"  # what recv() returns when the connection is (re)established
+JUNK = "junk"  # ... when a message had more parts than the protocol's one frame
 
 
 class SchedulerLink:
@@ -53,7 +62,10 @@ class SchedulerLink:
                 return CONNECTED
         if self._sock in ready:
             # A ROUTER peer may prepend an empty delimiter; the payload is the last frame.
-            return self._sock.recv_multipart()[-1]
+            parts = self._sock.recv_multipart()
+            if len(parts) == 1 or (len(parts) == 2 and not parts[0]):
+                return parts[-1]
+            return JUNK
         return None
 
     def close(self) -> None:
@@ -74,8 +86,15 @@ class ServeLoop:
         should_stop: Callable[[], bool],
         hello_retry_s: float = 2.0,
         poll_ms: int = 100,
+        secret: bytes | None = None,
+        renew_incarnation: bool = True,
     ) -> None:
+        """``secret``: signs every Hello (None: the insecure opt-out). ``renew_incarnation``
+        False keeps the incarnation on re-registration (tensor-parallel ranks check it)."""
         self.link, self.runner, self.hello = link, runner, hello
+        self.secret = secret
+        self.renew_incarnation = renew_incarnation
+        self.num_dropped_frames = 0
         self.should_stop = should_stop
         self.hello_retry_s = hello_retry_s
         self.poll_ms = poll_ms
@@ -90,6 +109,8 @@ class ServeLoop:
             frame = self.link.recv(self.poll_ms)
             if frame == CONNECTED:
                 self._send_hello("connected")
+            elif frame == JUNK:
+                self._drop("a message of more than one frame")
             elif frame is None:
                 if self._last_hello and not self._answered and not self._retried \
                         and self._since_hello() >= self.hello_retry_s:
@@ -103,7 +124,7 @@ class ServeLoop:
         try:
             kind, msg = wire.decode_from_scheduler(frame)
         except wire.WireError as exc:
-            log.warning("dropped frame: %s", exc)
+            self._drop(str(exc))
             return
         self._answered = True
         self.handle(kind, msg)
@@ -118,6 +139,10 @@ class ServeLoop:
             log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.seq_ids),
                       result.step_ms)
         elif kind == "heartbeat":
+            if msg.detached:
+                if self._since_hello() >= 1.0:  # one answer per Hello, however many come
+                    self._send_hello("the scheduler detached this executor", renew=True)
+                return
             if msg.incarnation != self.hello.incarnation and self._since_hello() >= 1.0:
                 self._send_hello(f"scheduler knows incarnation {msg.incarnation!r}")
             self.link.send("heartbeat", pb.Heartbeat(
@@ -130,9 +155,21 @@ class ServeLoop:
     def _since_hello(self) -> float:
         return time.monotonic() - self._last_hello
 
-    def _send_hello(self, why: str) -> None:
+    def _drop(self, why: str) -> None:
+        self.num_dropped_frames += 1
+        if self.num_dropped_frames <= 10 or self.num_dropped_frames % 1000 == 0:
+            log.warning("dropped frame #%d: %s", self.num_dropped_frames, why)
+
+    def _send_hello(self, why: str, renew: bool = False) -> None:
         self._result_sent_at = 0.0
-        self.runner.reset()
+        if renew and self.renew_incarnation:
+            self.hello.incarnation = uuid.uuid4().hex
+            self.runner.reset(self.hello.incarnation)
+        else:
+            self.runner.reset()
+        self.hello.ClearField("auth_tag")
+        if self.secret is not None:
+            self.hello.auth_tag = internal_auth.tag(self.secret, wire.hello_payload(self.hello))
         self.link.send("hello", self.hello)
         self._last_hello = time.monotonic()
         self._answered = False

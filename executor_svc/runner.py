@@ -9,12 +9,14 @@ its known tokens. A refused plan changes nothing; a failed forward drops every s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
 from executor_svc.batch import SequenceState, StepInputs, build_inputs
+from executor_svc.faults import FaultInjector
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import LlamaModel
 from executor_svc.plan_check import PlanError, PlanLimits, check_plan
@@ -46,10 +48,14 @@ class Runner:
         )
         self.seqs: dict[int, SequenceState] = {}
         self.last_step_id = 0  # of the last plan executed (for heartbeats)
+        self.faults = FaultInjector.from_env()  # test-only; inert unless configured
 
-    def reset(self) -> None:
-        """Forgets every sequence: the scheduler treats a (re-)introduced executor as empty."""
+    def reset(self, incarnation: str | None = None) -> None:
+        """Forgets every sequence: the scheduler treats a (re-)introduced executor as empty.
+        ``incarnation``: the new one plans will name (a re-registration)."""
         self.seqs.clear()
+        if incarnation is not None:
+            self.limits = dataclasses.replace(self.limits, incarnation=incarnation)
 
     def execute(self, plan: pb.BatchPlan) -> pb.StepResult:
         start = time.perf_counter()
@@ -64,6 +70,7 @@ class Runner:
         scheduled = self._apply(plan)
         try:
             self._copy_blocks(plan)
+            self.faults.check(plan)
             if scheduled:
                 self._run(scheduled, result)
         except Exception as exc:  # any failure here is a resync, never a crash

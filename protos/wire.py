@@ -57,3 +57,62 @@ def decode_from_scheduler(frame: bytes):
 def decode_from_executor(frame: bytes):
     """Returns ``(kind, message)`` for a frame an executor sent."""
     return _decode(pb.ExecutorMessage(), frame)
+
+
+# Bounds a Hello must respect to be believed: a peer announcing more is broken or
+# hostile (the scheduler would size its block pool and checks by these numbers).
+MAX_BLOCK_SIZE = 4096
+MAX_DEVICE_BLOCKS = 1 << 26
+MAX_VOCAB_SIZE = 1 << 24
+MAX_MODEL_LEN = 1 << 24
+
+
+def hello_payload(hello: pb.Hello) -> bytes:
+    """What the Hello's ``auth_tag`` signs: the Hello serialized deterministically with
+    the tag empty (both sides compute it the same way)."""
+    unsigned = pb.Hello()
+    unsigned.CopyFrom(hello)
+    unsigned.ClearField("auth_tag")
+    return unsigned.SerializeToString(deterministic=True)
+
+
+def hello_problem(hello: pb.Hello) -> str | None:
+    """Why a Hello cannot describe a real executor, or None."""
+    if hello.schema_version != SCHEMA_VERSION:
+        return f"schema version {hello.schema_version}, expected {SCHEMA_VERSION}"
+    if not hello.incarnation:
+        return "empty incarnation"
+    for name, limit in (("block_size", MAX_BLOCK_SIZE), ("num_device_blocks", MAX_DEVICE_BLOCKS),
+                        ("vocab_size", MAX_VOCAB_SIZE), ("max_model_len", MAX_MODEL_LEN)):
+        value = getattr(hello, name)
+        if not 1 <= value <= limit:
+            return f"{name} {value} is outside [1, {limit}]"
+    if hello.num_host_blocks > MAX_DEVICE_BLOCKS:
+        return f"num_host_blocks {hello.num_host_blocks} exceeds {MAX_DEVICE_BLOCKS}"
+    if any(t >= hello.vocab_size for t in hello.eos_token_ids):
+        return "an eos token id is outside the vocabulary"
+    return None
+
+
+def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
+    """Why a StepResult's columns cannot be applied (lengths that disagree, token ids
+    outside the vocabulary), or None. Unknown seq ids are the scheduler's to ignore."""
+    n = len(result.seq_ids)
+    if len(result.token_ids) != n:
+        return f"{n} seq_ids but {len(result.token_ids)} token_ids"
+    if result.logprobs and len(result.logprobs) != n:
+        return f"{n} seq_ids but {len(result.logprobs)} logprobs"
+    if result.top_n:
+        if len(result.top_n) != n or not result.logprobs:
+            return f"{n} seq_ids but {len(result.top_n)} top_n counts"
+        total = sum(result.top_n)
+        if len(result.top_token_ids) != total or len(result.top_logprobs) != total:
+            return (f"top_n sums to {total} but {len(result.top_token_ids)} top ids and "
+                    f"{len(result.top_logprobs)} top logprobs came")
+    elif result.top_token_ids or result.top_logprobs:
+        return "top alternatives without top_n"
+    if n and max(result.token_ids) >= vocab_size:
+        return f"token id {max(result.token_ids)} is outside the vocabulary ({vocab_size})"
+    if result.top_token_ids and max(result.top_token_ids) >= vocab_size:
+        return "a top token id is outside the vocabulary"
+    return None

@@ -22,6 +22,7 @@ class InFlight:
     out: SchedulerOutput
     answer: asyncio.Future[pb.StepResult | None]
     sent_at: float  # time.monotonic()
+    sent: bool = True  # False: the send failed, the executor never saw it
 
 
 class InFlightPlans:

@@ -2,6 +2,15 @@
 
 Executors connect DEALER sockets and introduce themselves with ``Hello``.
 The link only moves typed messages; what they mean is the loop's business.
+
+Nothing a peer sends can stop the reader: a frame that is malformed, has the
+wrong number of parts, or is a Hello with impossible fields or without a valid
+auth tag (protos/internal_auth.py) is dropped and counted
+(``num_dropped_frames``). A peer that is not the current executor (a forged
+one, or one detached after a stall) never becomes it without a valid Hello;
+its results and heartbeats are answered with a ``detached`` heartbeat (at most
+once per ``DETACHED_REPLY_EVERY_S`` each), which tells a real executor to
+re-register. Should a task of the link die anyway, ``on_fatal`` hears it.
 """
 
 from __future__ import annotations
@@ -14,10 +23,15 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from protos import wire
+from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = structlog.get_logger("scheduler.link")
+
+DETACHED_REPLY_EVERY_S = 1.0
+# Identities remembered for rate limits and log-once; a scan of many identities
+# forgets the oldest rather than growing without bound.
+MAX_REMEMBERED_PEERS = 1024
 
 
 class ExecutorLink:
@@ -25,7 +39,7 @@ class ExecutorLink:
 
     ``on_hello(identity, hello)`` and ``on_result(result)`` run on the event
     loop; ``last_seen`` is the monotonic time of the latest message from the
-    current peer.
+    current peer. ``secret`` None (the insecure opt-out) accepts unsigned Hellos.
     """
 
     def __init__(
@@ -34,11 +48,15 @@ class ExecutorLink:
         on_hello: Callable[[bytes, pb.Hello], None],
         on_result: Callable[[pb.StepResult], None],
         on_lost: Callable[[], None],
+        secret: bytes | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.address = address
         self._on_hello = on_hello
         self._on_result = on_result
         self._on_lost = on_lost
+        self._on_fatal = on_fatal
+        self._secret = secret
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a gone peer fail loudly
@@ -49,11 +67,17 @@ class ExecutorLink:
         self.peer_incarnation = ""
         self.executor_num_sequences = 0
         self.last_seen = 0.0
+        self.num_dropped_frames = 0
+        self._replied: dict[bytes, float] = {}  # identity → last detached reply
+        self._refused: dict[bytes, None] = {}  # identities whose bad Hello was logged
 
     def start(self) -> None:
         self._sock.bind(self.address)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._reader()), loop.create_task(self._watch())]
+        self._tasks = [loop.create_task(self._reader(), name="link.reader"),
+                       loop.create_task(self._watch(), name="link.watch")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -64,6 +88,14 @@ class ExecutorLink:
         self._sock.close(linger=0)
         self._ctx.term()
 
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        log.error("executor link task died", task=task.get_name(), error=repr(exc))
+        if self._on_fatal is not None:
+            self._on_fatal(f"{task.get_name()} died: {exc!r}")
+
     def send_plan(self, msg: pb.SchedulerMessage) -> bool:
         """Sends a plan frame (plan.build_plan_message) to the current peer; False if
         it is unreachable."""
@@ -73,14 +105,15 @@ class ExecutorLink:
         hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), last_step_id=last_step_id)
         return self._send(wire.encode_to_executor("heartbeat", hb))
 
-    def _send(self, frame: bytes) -> bool:
-        if self.peer is None:
+    def _send(self, frame: bytes, to: bytes | None = None) -> bool:
+        to = self.peer if to is None else to
+        if to is None:
             return False
         # A non-blocking send on a zmq.asyncio socket does not raise: it returns a future
         # that already holds the outcome (EHOSTUNREACH from ROUTER_MANDATORY for a gone
         # peer, EAGAIN at the high-water mark). Only a send queued behind another would
         # be pending, and every send here is non-blocking, so none is.
-        sent = self._sock.send_multipart([self.peer, frame], flags=zmq.NOBLOCK)
+        sent = self._sock.send_multipart([to, frame], flags=zmq.NOBLOCK)
         if not sent.done():
             sent.cancel()
             log.warning("executor unreachable", error="send would block")
@@ -105,19 +138,72 @@ class ExecutorLink:
 
     async def _reader(self) -> None:
         while True:
-            identity, frame = await self._sock.recv_multipart()
+            parts = await self._sock.recv_multipart()
+            if len(parts) != 2:  # [identity, frame]: anything else is not our protocol
+                self._drop(parts[0] if parts else b"", f"{len(parts) - 1} frames, expected 1")
+                continue
+            identity, frame = parts
             try:
                 kind, msg = wire.decode_from_executor(frame)
             except wire.WireError as exc:
-                log.error("dropped executor frame", error=str(exc))
+                self._drop(identity, str(exc))
                 continue
-            if kind == "hello":
-                self.peer, self.peer_incarnation = identity, msg.incarnation
-                self.last_seen = time.monotonic()
-                self._on_hello(identity, msg)
-            elif identity == self.peer:
-                self.last_seen = time.monotonic()
-                if kind == "result":
-                    self._on_result(msg)
-                elif kind == "heartbeat":
-                    self.executor_num_sequences = msg.num_sequences
+            try:
+                self._deliver(identity, kind, msg)
+            except Exception as exc:  # a callback's bug must not silence the channel
+                self.num_dropped_frames += 1
+                log.exception("executor message could not be handled", kind=kind,
+                              error=repr(exc))
+
+    def _deliver(self, identity: bytes, kind: str, msg) -> None:
+        if kind == "hello":
+            problem = self._hello_problem(msg)
+            if problem is not None:
+                self._refuse(identity, problem)
+                return
+            self.peer, self.peer_incarnation = identity, msg.incarnation
+            self.last_seen = time.monotonic()
+            self._on_hello(identity, msg)
+        elif identity == self.peer:
+            self.last_seen = time.monotonic()
+            if kind == "result":
+                self._on_result(msg)
+            elif kind == "heartbeat":
+                self.executor_num_sequences = msg.num_sequences
+        else:
+            self._tell_detached(identity)
+
+    def _hello_problem(self, hello: pb.Hello) -> str | None:
+        problem = wire.hello_problem(hello)
+        if problem is None and not internal_auth.check_tag(
+                self._secret, wire.hello_payload(hello), hello.auth_tag):
+            problem = ("missing auth tag" if not hello.auth_tag else "wrong auth tag") + \
+                f" (the executor needs this deployment's {internal_auth.ENV_SECRET})"
+        return problem
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        self.num_dropped_frames += 1
+        log.warning("dropped executor frame", identity=identity.hex()[:16], error=why)
+
+    def _refuse(self, identity: bytes, why: str) -> None:
+        """A Hello that is not believed: counted always, logged once per identity."""
+        self.num_dropped_frames += 1
+        if identity not in self._refused:
+            _remember(self._refused, identity, None)
+            log.error("executor hello refused", identity=identity.hex()[:16], error=why)
+
+    def _tell_detached(self, identity: bytes) -> None:
+        """A non-peer sent a result or heartbeat: say it is not registered (rate-limited)."""
+        now = time.monotonic()
+        if now - self._replied.get(identity, -DETACHED_REPLY_EVERY_S) < DETACHED_REPLY_EVERY_S:
+            return
+        _remember(self._replied, identity, now)
+        hb = pb.Heartbeat(sent_at=time.time(), detached=True)
+        self._send(wire.encode_to_executor("heartbeat", hb), to=identity)
+
+
+def _remember(seen: dict, key: bytes, value) -> None:
+    seen.pop(key, None)
+    seen[key] = value
+    while len(seen) > MAX_REMEMBERED_PEERS:
+        del seen[next(iter(seen))]

@@ -4,6 +4,13 @@ RPC handlers never touch the core directly while a step is being built:
 they call ``submit``/``abort`` (which only queue work and wake the loop) and
 read their request's event queue. Everything runs on one asyncio event loop,
 so there are no locks.
+
+Faults: a step the executor fails (it raised, missed its deadline, or was lost
+while running it) is blamed on the requests in it (Scheduler.step_failed: one
+that keeps failing is ended alone with ERROR, the rest recompute); a plan it
+refuses for another reason is resynchronized, and blamed too only after
+MAX_CONSECUTIVE_REFUSALS in a row. A task the loop depends on that dies
+resolves ``fatal``: the process must report NOT_SERVING and exit non-zero.
 """
 
 from __future__ import annotations
@@ -12,10 +19,12 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import os
 import time
 
 import structlog
 
+from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import (
     CostModel,
@@ -42,6 +51,13 @@ STEP_DEADLINE_FACTOR = 4.0
 # means the executor is hung.
 HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 5.0
+# Tests shorten the heartbeat timeout with this (seconds).
+ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
+# Refusals in a row (other than a failed forward) after which the refused plan's
+# requests are blamed as for a failed step: a plan the scheduler keeps getting
+# wrong for them must not resynchronize forever.
+MAX_CONSECUTIVE_REFUSALS = 3
+_FROM_ENV = object()
 
 
 @dataclasses.dataclass
@@ -60,10 +76,21 @@ class EngineLoop:
     ahead, see Scheduler.schedule). Without it, one step at a time.
     """
 
-    def __init__(self, config: SchedulerConfig, ipc_address: str) -> None:
+    def __init__(self, config: SchedulerConfig, ipc_address: str,
+                 secret: bytes | None | object = _FROM_ENV) -> None:
+        """``secret``: what an executor's Hello must be signed with; by default the
+        deployment's (internal_auth.load_secret: raises SecretError when none is set)."""
+        if secret is _FROM_ENV:
+            secret = internal_auth.load_secret()
         self.core = Scheduler(config)
         self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result,
-                                 self._on_lost)
+                                 self._on_lost, secret=secret, on_fatal=self._die)
+        self.heartbeat_timeout_s = float(os.environ.get(ENV_HEARTBEAT_TIMEOUT)
+                                         or HEARTBEAT_TIMEOUT_S)
+        # Resolved (with the reason) when a task the loop depends on died.
+        self.fatal: asyncio.Future[str] | None = None
+        self._consecutive_refusals = 0
+        self.num_failed_steps = 0
         self.executor: ExecutorInfo | None = None
         self.num_steps = 0
         # For the policy comparison: decode steps, and those that also carried prefill.
@@ -88,9 +115,22 @@ class EngineLoop:
     # -- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
-        self.link.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run()), loop.create_task(self._heartbeats())]
+        self.fatal = loop.create_future()
+        self.link.start()
+        self._tasks = [loop.create_task(self._run(), name="loop.run"),
+                       loop.create_task(self._heartbeats(), name="loop.heartbeats")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled():  # these loops never return: any end is a death
+            self._die(f"{task.get_name()} died: {task.exception()!r}")
+
+    def _die(self, why: str) -> None:
+        log.error("a task the scheduler depends on died; the process must restart", why=why)
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_result(why)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -122,6 +162,25 @@ class EngineLoop:
             self._wake.set()
         return event is not None
 
+    def abort_all(self, message: str) -> int:
+        """Ends every request still in flight with ABORT and ``message`` (``req.error``;
+        the servicer turns it into an UNAVAILABLE status, so a gateway continues the
+        request elsewhere): for a drain past its grace period, or a dying process.
+        Returns how many were ended."""
+        events = []
+        for request_id in list(self.core.requests):
+            event = self.core.abort(request_id)
+            if event is not None:
+                event[0].error = message
+                events.append(event)
+        self._dispatch(events)
+        self._wake.set()
+        return len(events)
+
+    @property
+    def num_dropped_frames(self) -> int:
+        return self.link.num_dropped_frames
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._streams
 
@@ -145,6 +204,15 @@ class EngineLoop:
     def _on_result(self, result: pb.StepResult) -> None:
         if self.executor is None or result.incarnation != self.executor.incarnation:
             return  # a stale incarnation's answer
+        problem = wire.result_problem(result, self.executor.model.vocab_size)
+        if problem is not None:  # dropped; its step is refused instead (resync)
+            self.link.num_dropped_frames += 1
+            log.error("dropped a malformed step result", step_id=result.step_id,
+                      error=problem)
+            result = pb.StepResult(
+                incarnation=result.incarnation, step_id=result.step_id,
+                error_code=pb.STEP_ERROR_CODE_MALFORMED_RESULT,
+                error_message=f"the executor's result was malformed: {problem}")
         self._inflight.answer(result)
 
     def _on_lost(self) -> None:
@@ -165,7 +233,7 @@ class EngineLoop:
             ex = self.executor
             if ex is None or self._stepping:
                 continue
-            if time.monotonic() - self.link.last_seen > HEARTBEAT_TIMEOUT_S:
+            if time.monotonic() - self.link.last_seen > self.heartbeat_timeout_s:
                 log.error("executor stopped answering heartbeats", incarnation=ex.incarnation)
                 self._lose_executor()
             elif not self.link.send_heartbeat(ex.incarnation, self.num_steps):
@@ -210,6 +278,7 @@ class EngineLoop:
             return False
         item = self._inflight.oldest()
         self._stepping = True
+        why = "the executor was lost during the step"
         try:
             deadline = self._step_deadline(item.out.num_batched_tokens)
             try:
@@ -217,21 +286,21 @@ class EngineLoop:
             except TimeoutError:
                 log.error("executor missed its step deadline", step_id=item.out.step_id,
                           deadline_s=round(deadline, 1))
-                result = None
+                result, why = None, f"the step ran past its {deadline:.0f} s deadline"
         finally:
             self._stepping = False
         if result is None:
+            if item.sent:  # it ran the step and hung or died in it
+                self._fail_step(item.out, why)
             self._inflight.void_all()
             if self._pending_hello is None:
                 self._detach()
             return False
         self._inflight.pop_oldest()
         if result.error_code:
-            log.error("executor refused plan; resynchronizing", code=result.error_code,
-                      message=result.error_message)
-            self._inflight.void_all()  # built on what the executor refused
-            self.core.resync()
+            self._refused(item.out, result)
             return True
+        self._consecutive_refusals = 0
         out = item.out
         now = time.monotonic()
         if out.num_prefill_tokens == 0:  # it started when sent or when the last one ended
@@ -249,8 +318,30 @@ class EngineLoop:
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         return True
 
+    def _refused(self, out, result: pb.StepResult) -> None:
+        """A failed forward blames the plan's requests at once; other refusals are the
+        plan's fault, so only MAX_CONSECUTIVE_REFUSALS in a row do. Then resync."""
+        log.error("executor refused plan; resynchronizing", code=result.error_code,
+                  message=result.error_message)
+        self._consecutive_refusals += 1
+        if result.error_code == pb.STEP_ERROR_CODE_INTERNAL or \
+                self._consecutive_refusals >= MAX_CONSECUTIVE_REFUSALS:
+            self._consecutive_refusals = 0
+            self._fail_step(out, result.error_message or "the step failed")
+        self._inflight.void_all()  # built on what the executor refused
+        self.core.resync()
+
+    def _fail_step(self, out, why: str) -> None:
+        self.num_failed_steps += 1
+        events = self.core.step_failed(out, why)
+        for req, _, _ in events:
+            log.error("request ended: it failed too many steps", request_id=req.request_id,
+                      why=why)
+        self._dispatch(events)
+
     def _send_plans(self) -> None:
-        depth = 2 if self.core.config.async_scheduling else 1
+        # While a suspect awaits its step of its own, nothing else may be in flight.
+        depth = 2 if self.core.config.async_scheduling and not self.core.isolating else 1
         while (len(self._inflight) < depth and self.executor is not None
                and self._pending_hello is None):
             out = self.core.schedule()
@@ -260,6 +351,7 @@ class EngineLoop:
             msg = build_plan_message(out, self.executor.incarnation, self.core.block_manager)
             item = self._inflight.add(out)
             if not self.link.send_plan(msg):
+                item.sent = False
                 item.answer.set_result(None)  # unreachable: lost, like a dead executor
                 return
 

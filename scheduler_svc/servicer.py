@@ -16,7 +16,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.core import QueueFull, Request
+from scheduler_svc.core import FinishReason, QueueFull, Request
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.validation import validate_submit
 
@@ -51,6 +51,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while not finished:
                 ev = await queue.get()
                 finished = ev[2] is not None
+                if finished and ev[0].error:  # ended by the server: a status says why
+                    code = (grpc.StatusCode.INTERNAL if ev[2] == FinishReason.ERROR
+                            else grpc.StatusCode.UNAVAILABLE)  # drained: go elsewhere
+                    await context.abort(code, ev[0].error)
                 yield _to_event(ev, first)
                 first = False
         finally:
@@ -143,6 +147,7 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         num_stalled_prefill_tokens=loop.num_stalled_prefill_tokens,
         num_columnar_updates=loop.core.num_columnar_updates,
         num_update_fallbacks=loop.core.num_update_fallbacks,
+        num_dropped_frames=loop.num_dropped_frames,
         num_running_by_tier=running_by_tier,
         num_waiting_by_tier=waiting_by_tier,
         **s,

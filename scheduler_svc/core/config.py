@@ -41,6 +41,10 @@ class SchedulerConfig:
     enable_prefix_caching: share full KV blocks between identical prefixes.
     async_scheduling: build and send step N+1 while step N runs (two plans in flight),
         so scheduler CPU time overlaps device time instead of adding to it.
+    max_step_failures: failed steps (the executor raised, hung or died in them) after
+        which a request is ended alone with an error; a request that failed runs in
+        steps of its own until one succeeds, so the culprit of a poisoned batch is
+        found in this many failures and healthy requests fail at most once.
     """
 
     policy: str = "chunked"
@@ -56,12 +60,13 @@ class SchedulerConfig:
     preemption_window_s: float = 60.0
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    max_step_failures: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size",
-                  "max_num_waiting", "max_preemptions")
+                  "max_num_waiting", "max_preemptions", "max_step_failures")
         _non_negative(self, "long_prefill_token_threshold", "max_num_waiting_per_tenant")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(

@@ -86,6 +86,14 @@ class Request:
     num_preemptions: int = 0
     preempt_times: list[float] = dataclasses.field(default_factory=list)
     protected: bool = False  # preempted too often: not chosen again until it finishes
+    # Failed steps it took part in (the executor raised, hung or died in them), and the
+    # steps of its own it must still complete before it batches again
+    # (Scheduler.step_failed).
+    num_failed_steps: int = 0
+    num_solo_steps_due: int = 0
+    # Why it ended without finishing (ERROR, or ABORT by the server): what the client
+    # is told. Empty for a normal end or a client's own abort.
+    error: str = ""
     # Chain hashes of its first full blocks under the current executor's block size,
     # filled by the block manager as it needs them: each block of a request is hashed
     # once in its lifetime (admission, registration and every resume reuse them).

@@ -48,6 +48,8 @@ _order_key = operator.attrgetter("_order_key")
 # (below it every step is a boundary).
 _DUE_START, _DUE_LEAVE = 0, 1
 _MIN_DECODE_MODE_BLOCK = 2
+# A suspect's steps of its own double with each failure, up to 2^this.
+_MAX_SOLO_SHIFT = 6
 
 
 class QueueFull(Exception):
@@ -101,6 +103,8 @@ class SchedulerOutput:
     # Sequences that left the running set while it was unanswered (their samples
     # need the per-sequence checks).
     removed: set[int] = dataclasses.field(default_factory=set)
+    # A suspect's step of its own (``Scheduler._isolate``): the only sequence in it.
+    isolated: Request | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -147,6 +151,8 @@ class Scheduler:
         # still counts (a synchronous scheduler would have had it before preempting).
         self._awaiting: dict[int, Request] = {}
         self._swap_out: list[tuple[int, int]] = []
+        # Requests in a failed step, not yet through a step of their own (step_failed).
+        self._suspects: dict[Request, None] = {}
         self._events: list[Event] = []
         self._step_id = 0
         self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
@@ -209,6 +215,104 @@ class Scheduler:
                 self.block_manager.free(req.seq_id)
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
         self.block_manager.forget_cached()
+
+    # -- poison requests -----------------------------------------------------------------
+
+    @property
+    def isolating(self) -> bool:
+        """Some request failed a step and has not yet completed its steps of its own: the
+        loop keeps one plan in flight, so such a step is built when nothing else runs."""
+        return bool(self._suspects)
+
+    def step_failed(self, out: SchedulerOutput, why: str) -> list[Event]:
+        """The executor raised, hung or died running ``out``: every request in it failed a
+        step. Call it before ``resync``/``detach_executor`` (which recompute the rest).
+
+        A request that failed becomes a suspect: it runs next in steps of its own (no
+        other sequence in them, ``_isolate``), 2^(f-1) of them after its f-th failure,
+        so a fault that only a later position of it triggers is met alone too. Only a
+        failure of a step it ran alone can end it: its ``max_step_failures``-th failure
+        ends it with ERROR and ``why``. A healthy request thus never fails alone because
+        of another, and a poisoned batch costs its culprit's K failures plus one step of
+        its own for each other request. Returns the ended requests' events."""
+        events: list[Event] = []
+        scheduled = [req for req, _, _ in out.scheduled() if not req.is_finished]
+        for req in scheduled:
+            req.num_failed_steps += 1
+            if len(scheduled) > 1 or req.num_failed_steps < self.config.max_step_failures:
+                req.num_solo_steps_due = 1 << min(req.num_failed_steps - 1, _MAX_SOLO_SHIFT)
+                self._suspects[req] = None
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self._remove_running(req, index=False)  # its blocks may hold no KV
+            else:
+                self.waiting.remove(req)
+            req.error = (f"the executor failed {req.num_failed_steps} times while "
+                         f"computing this request, the last time alone ({why}); it was "
+                         "ended so that the other requests could go on")
+            self._finish(req, FinishReason.ERROR)
+            events.append((req, None, FinishReason.ERROR))
+        return events
+
+    def _next_suspect(self) -> Request | None:
+        """The suspect whose steps of its own have begun, else the first waiting one."""
+        first = None
+        for req in self._suspects:
+            if req.status == RequestStatus.RUNNING:
+                return req
+            first = first or req
+        return first
+
+    def _isolate(self, out: SchedulerOutput, req: Request) -> bool:
+        """Plans a step of ``req`` alone (the running ones wait a step); False when it
+        cannot start yet (the pool or max_num_seqs is full: then steps without
+        admissions free room for it)."""
+        bm = self.block_manager
+        cap = self.policy.prefill_cap(self.config)
+        budget = self.config.max_num_batched_tokens
+        if req.status == RequestStatus.RUNNING:
+            return self._isolate_running(out, req, budget, cap)
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
+            self.waiting.remove(req)  # it can never resume in full (as in _admit)
+            self._finish(req, FinishReason.LENGTH)
+            self._events.append((req, None, FinishReason.LENGTH))
+            return False
+        if req.status == RequestStatus.SWAPPED:
+            n = self._swap_in(req, out, budget, cap, 0)
+        else:
+            n = self._start(req, out, budget, cap, 0)
+        if n:
+            out.isolated = req
+        return n > 0
+
+    def _isolate_running(self, out: SchedulerOutput, req: Request, budget: int,
+                         cap: int) -> bool:
+        """The next step of a running suspect (explicit: it never entered decode mode)."""
+        n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
+        if n <= 0:  # no sample came for it: nothing to run alone, let it batch
+            self._suspects.pop(req, None)
+            return False
+        if not self._make_room(req, req.num_computed_tokens + n):
+            return False  # preempted itself (or ended): it starts alone again later
+        new = self._advance(req, n)
+        out.cached.append(req)
+        out.cached_seq_ids.append(req.seq_id)
+        out.cached_prefills.append(req)  # samples iff it completes (_list_samplers)
+        out.cached_num_tokens.append(n)
+        out.cached_num_new_blocks.append(len(new))
+        out.cached_new_block_ids.extend(new)
+        out.num_batched_tokens = n
+        if n > 1 or req.num_computed_tokens < len(req.token_ids):
+            out.num_prefill_tokens += n
+        out.isolated = req
+        return True
+
+    def _solo_step_done(self, req: Request) -> None:
+        req.num_solo_steps_due -= 1
+        if req.num_solo_steps_due <= 0:
+            self._suspects.pop(req, None)
 
     def _reset_kv(self) -> None:
         for req in list(reversed(self.running)):
@@ -293,21 +397,31 @@ class Scheduler:
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
-        budget = self.config.max_num_batched_tokens
-        num_running_at_start = len(self.running)
-        preempts_before = self.num_preemptions
-        budget, prefills = self._schedule_decodes(out, budget, ahead=bool(self._unconfirmed))
-        budget = self._schedule_prefills(out, budget, prefills)
-        if self.num_preemptions == preempts_before and \
-                self.policy.admission_open(num_running_at_start):
-            budget = self._admit(out, budget, prefills)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        suspect = self._next_suspect() if self._suspects else None
+        if suspect is not None and not self._unconfirmed and self._isolate(out, suspect):
+            if out.new:
+                out.num_batched_tokens = out.new[0][1]
+        else:
+            self._schedule_batch(out, admit=suspect is None)
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         out.swap_out, self._swap_out = self._swap_out, []
         if not out.is_empty:  # an empty plan is never sent, so never answered
             self._unconfirmed.append(out)
             self._list_samplers(out)
         return out
+
+    def _schedule_batch(self, out: SchedulerOutput, admit: bool) -> None:
+        """Steps 2-5 of an iteration. ``admit`` False while a suspect waits for a step of
+        its own: nobody overtakes it, and the running sequences drain the pool for it."""
+        budget = self.config.max_num_batched_tokens
+        num_running_at_start = len(self.running)
+        preempts_before = self.num_preemptions
+        budget, prefills = self._schedule_decodes(out, budget, ahead=bool(self._unconfirmed))
+        budget = self._schedule_prefills(out, budget, prefills)
+        if admit and self.num_preemptions == preempts_before and \
+                self.policy.admission_open(num_running_at_start):
+            budget = self._admit(out, budget, prefills)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
 
     @staticmethod
     def _list_samplers(out: SchedulerOutput) -> None:
@@ -677,6 +791,8 @@ class Scheduler:
         was_open = any(unanswered is out for unanswered in confirmed)  # not voided
         while confirmed and confirmed[0].step_id <= out.step_id:
             confirmed.popleft()
+        if out.isolated is not None and was_open:  # its step of its own succeeded
+            self._solo_step_done(out.isolated)
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
         seq_ids, token_ids = list(seq_ids), list(token_ids)
         if was_open and seq_ids == out.sampler_ids:
@@ -849,6 +965,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+        if self._suspects:
+            self._suspects.pop(req, None)
         self.num_finished += 1
 
     # -- introspection -----------------------------------------------------------------

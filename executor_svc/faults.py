@@ -1,0 +1,62 @@
+"""Test-only fault injection: make one request's step fail on purpose.
+
+Inert unless ``CONTINUUM_FAULT_INJECT`` is set (never set it in production). Its value is
+one or more ``ACTION=TOKEN`` separated by commas, ACTION one of:
+
+* ``raise_on_token`` — the forward pass of a step raises when the plan sends in full a
+  sequence whose prompt contains token id TOKEN (the scheduler sees
+  STEP_ERROR_CODE_INTERNAL, as for a real forward failure);
+* ``exit_on_token`` — the executor process dies (``os._exit(1)``) in that step, as for a
+  request that crashes the device or the process.
+
+The poison-request tests (tests/integration/test_poison.py) use it to prove that such a
+request is ended alone after ``max_step_failures`` and that the rest of its batch goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from protos.continuum.v1 import executor_pb2 as pb
+
+ENV_FAULT_INJECT = "CONTINUUM_FAULT_INJECT"
+ACTIONS = ("raise_on_token", "exit_on_token")
+log = logging.getLogger("executor.faults")
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a step by ``raise_on_token``."""
+
+
+class FaultInjector:
+    """``check(plan)`` before a step's forward pass; does nothing unless configured."""
+
+    def __init__(self, faults: dict[int, str] | None = None) -> None:
+        self.faults = faults or {}  # token id → action
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector:
+        spec = environ.get(ENV_FAULT_INJECT, "")
+        faults = {}
+        for item in filter(None, spec.split(",")):
+            action, _, token = item.strip().partition("=")
+            if action not in ACTIONS or not token.isdigit():
+                raise ValueError(f"{ENV_FAULT_INJECT}={spec!r}: expected one or more of "
+                                 f"{', '.join(a + '=TOKEN_ID' for a in ACTIONS)}")
+            faults[int(token)] = action
+        if faults:
+            log.warning("TEST-ONLY fault injection is on: %s", spec)
+        return cls(faults)
+
+    def check(self, plan: pb.BatchPlan) -> None:
+        if not self.faults:
+            return
+        for new in plan.new_seqs:
+            for token in self.faults.keys() & set(new.token_ids[:new.num_prompt_tokens]):
+                action = self.faults[token]
+                log.error("injected fault (%s) for sequence %d", action, new.seq_id)
+                if action == "exit_on_token":
+                    os._exit(1)
+                raise InjectedFault(f"injected fault for token {token}")
