@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test protos lint bench bench-scheduler bench-executor bench-policies clean
+.PHONY: setup run test protos lint bench bench-scheduler bench-executor bench-policies reliability clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -57,6 +57,12 @@ bench-step-gap: setup
 # Recovery after kill -9 of the executor, and hang (SIGSTOP) detection time (~5 minutes).
 bench-recovery: setup
 	$(PY) -m benchmarks.bench_recovery $(ARGS)
+
+# Issue 15's evidence in one table: overload at 10x capacity, a soak with cancels and
+# disconnects, hypothesis fuzzing (HTTP, gRPC, ZeroMQ), the chaos matrix, hostile-traffic
+# ITL (~15 minutes; ARGS=--short is the CI form, ~3; ARGS=--long, ~1 hour).
+reliability: setup
+	$(PY) -m benchmarks.reliability $(ARGS)
 
 clean:
 	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info

@@ -1,0 +1,87 @@
+"""``make reliability [ARGS=--short|--long]``: every row, one summary table.
+
+    .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
+
+Rows: hostile, overload, soak, chaos, fuzz (in that order: the ITL baseline is taken on a
+fresh server, and fuzzing's rogue ZeroMQ peers come last). The default form runs them
+on one ``continuum serve`` plus the chaos matrix's own replicas and gateways (about
+10-15 minutes on a 2-core machine); ``--short`` is the CI form's sizes with a single
+chaos row on the serve (about 2-3 minutes); ``--long`` is bigger everywhere. The
+markdown table goes to stdout, every figure to ``--json``. Exit status 0 when every row
+met its target, 1 otherwise (the table says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+from benchmarks.reliability import chaos, fuzz, hostile, overload, procs, report, soak
+
+ROWS = ("hostile", "overload", "soak", "chaos", "fuzz")
+
+
+def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[dict]:
+    """Runs the chosen rows in order; a row that fails to run is reported, not fatal."""
+    results: list[dict] = []
+    serve = procs.start_serve(tmp / "serve")
+    try:
+        steps = [("hostile", lambda: [hostile.run(serve, size)]),
+                 ("overload", lambda: [overload.run(serve, size)]),
+                 ("soak", lambda: [soak.run(serve, size)]),
+                 ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
+                 ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
+        for name, step in steps:
+            if name not in only:
+                continue
+            started = time.monotonic()
+            log(f"[reliability] {name} ...", file=sys.stderr, flush=True)
+            rows = step()
+            if rows:
+                results += rows
+            log(f"[reliability] {name} done in {time.monotonic() - started:.0f} s",
+                file=sys.stderr, flush=True)
+    finally:
+        serve.stop()
+    if "chaos" in only and size != "short":
+        started = time.monotonic()
+        log("[reliability] chaos matrix ...", file=sys.stderr, flush=True)
+        results += chaos.run_matrix(tmp / "chaos", size)
+        log(f"[reliability] chaos matrix done in {time.monotonic() - started:.0f} s",
+            file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.reliability",
+                                description=__doc__.split("\n\n")[0])
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--short", action="store_true", help="the CI sizes (~2-3 minutes)")
+    form.add_argument("--long", action="store_true", help="bigger everywhere (~1 hour)")
+    p.add_argument("--only", default=",".join(ROWS),
+                   help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--json", type=pathlib.Path,
+                   default=pathlib.Path(tempfile.gettempdir()) / "continuum-reliability.json",
+                   help="where every figure goes (default: %(default)s)")
+    a = p.parse_args(argv)
+    size = "short" if a.short else "long" if a.long else "default"
+    only = set(a.only.split(","))
+    unknown = only - set(ROWS)
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+    procs.ensure_secret()
+    os.environ.setdefault("PYTHONPATH", os.getcwd())  # children import the benchmarks too
+    with tempfile.TemporaryDirectory(prefix="continuum-reliability-") as tmp:
+        rows = run_rows(pathlib.Path(tmp), size, only)
+    print(report.markdown(rows, size))
+    report.write_json(rows, size, a.json)
+    print(f"\nevery figure: {a.json}")
+    return 0 if all(report.summarize(r)[3] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The chaos matrix's processes: which replicas and gateways each row needs.
+
+* replica ``a`` (roomy pool) behind gateway ``g``: executor kill -9 / SIGSTOP during
+  prefill (long prompts, faulted while their first step runs) and during decode;
+* replica ``tight`` (a pool too small for the batch, a host swap pool) behind ``gt``:
+  the same two faults once the scheduler has preempted (swap is chosen when copying the
+  KV costs less than re-prefilling it, which holds for these prompt lengths);
+* gateway ``g2`` over replicas ``a`` and ``b``: scheduler kill -9 (then ``a`` is
+  replaced on its port) and SIGSTOP of one replica;
+* gateways ``g`` and ``gk`` on replica ``b``: kill -9 of ``gk``; ``g``'s streams must not
+  notice, ``gk``'s end (``ended``), and replica ``b`` frees their blocks.
+
+Each replica's executor is supervised like serve's (procs.Replica). After every row the
+involved replicas must go idle with every block free (``blocks_free_after``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import pathlib
+import signal
+
+from benchmarks.reliability import procs
+from benchmarks.reliability.chaos import (
+    Fault,
+    _cont,
+    _signal,
+    executor_faults,
+    in_decode,
+    in_prefill,
+    reference,
+    requests,
+    run_fault,
+)
+
+BLOCK_BYTES = 16 * 46080  # SmolLM2-135M, float32 KV, 16-token blocks
+ROOMY = ("--kv-cache-bytes", str(256 << 20))
+TIGHT = ("--kv-cache-bytes", str(60 * BLOCK_BYTES), "--host-kv-cache-bytes", str(64 << 20))
+
+
+def _idle_clean(*replicas: procs.Replica) -> bool:
+    for r in replicas:
+        try:
+            s = procs.wait_idle(r.port, 60)
+        except Exception:
+            return False
+        if not (s.num_running == 0 and s.num_waiting == 0
+                and s.num_free_blocks == s.num_total_blocks):
+            return False
+    return True
+
+
+def _start_all(tmp: pathlib.Path) -> dict[str, procs.Replica]:
+    specs = {"a": ((), ROOMY), "b": ((), ROOMY), "tight": (("--max-num-seqs", "8"), TIGHT)}
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futures = {n: pool.submit(procs.start_replica, tmp / n, s, e)
+                   for n, (s, e) in specs.items()}
+        return {n: f.result() for n, f in futures.items()}
+
+
+def matrix(tmp: pathlib.Path, cfg: dict) -> list[dict]:
+    replicas = _start_all(tmp)
+    a, b, tight = replicas["a"], replicas["b"], replicas["tight"]
+    gateways: list[procs.Gateway] = []
+    rows: list[dict] = []
+    hang = cfg["hang_s"]
+    try:
+        g, gt = procs.start_gateway([a.port]), procs.start_gateway([tight.port])
+        gateways += [g, gt]
+        short = requests(cfg["streams"], cfg["max_tokens"])
+        long = requests(cfg["streams"], cfg["max_tokens"], long_prompts=True)
+        ref, long_ref = reference([g.addr], short), reference([g.addr], long)
+
+        def executor_of(r: procs.Replica):
+            return lambda: r.executor.pid
+
+        for fault in executor_faults(executor_of(a), a.stats, "prefill", in_prefill):
+            rows.append(_row(run_fault([g.addr], long, long_ref, fault, hang), a))
+        for fault in executor_faults(executor_of(a), a.stats, "decode", in_decode):
+            rows.append(_row(run_fault([g.addr], short, ref, fault, hang), a))
+        for fault in executor_faults(executor_of(tight), tight.stats, "swap", None):
+            fault.ready = _preempted_since(_safe_preemptions(tight))  # this row's base
+            rows.append(_row(run_fault([gt.addr], long, long_ref, fault, hang), tight))
+
+        g2 = procs.start_gateway([a.port, b.port])
+        gateways.append(g2)
+        kill = Fault("scheduler kill -9 (1 of 2)", "decode",
+                     _signal(lambda: a.scheduler.pid, signal.SIGKILL), in_decode, b.stats)
+        rows.append(_row(run_fault([g2.addr], short, ref, kill, hang), b))
+        a.close()
+        a = replicas["a"] = procs.start_replica(tmp / "a2", (), ROOMY, port=a.port)
+        stop = _signal(lambda: a.scheduler.pid, signal.SIGSTOP)
+        hung = Fault("scheduler SIGSTOP (1 of 2)", "decode", stop, in_decode, b.stats,
+                     undo=_cont(stop))
+        rows.append(_row(run_fault([g2.addr], short, ref, hung, hang), a, b))
+
+        gk = procs.start_gateway([b.port])
+        gateways.append(gk)
+        gb = procs.start_gateway([b.port])
+        gateways.append(gb)
+        gone = Fault("gateway kill -9 (1 of 2)", "decode",
+                     _signal(lambda: gk.proc.pid, signal.SIGKILL), in_decode, b.stats,
+                     expect_end=lambda i: i % 2 == 0)
+        rows.append(_row(run_fault([gk.addr, gb.addr], short, ref, gone, hang), b))
+    finally:
+        for gw in gateways:
+            if gw.proc.poll() is None:
+                gw.proc.kill()
+            gw.proc.wait()
+        for r in replicas.values():
+            with contextlib.suppress(Exception):
+                r.close()
+    return rows
+
+
+def _row(row: dict, *replicas: procs.Replica) -> dict:
+    row["blocks_free_after"] = _idle_clean(*replicas)
+    row["executor_restarts_so_far"] = sum(r.num_restarts for r in replicas)
+    return row
+
+
+def _safe_preemptions(r: procs.Replica) -> int:
+    with contextlib.suppress(Exception):
+        return r.stats().num_preemptions
+    return 0
+
+
+def _preempted_since(base: int):
+    return lambda outs, stats: stats.num_preemptions > base

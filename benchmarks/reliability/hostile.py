@@ -1,0 +1,135 @@
+"""Row 5: a normal stream's inter-token latency with and without hostile-but-valid traffic.
+
+One normal client streams greedy completions back to back (gRPC) for ``seconds``; its
+ITL p99 (gaps between consecutive token messages) is measured twice: alone, and while
+``rate`` hostile requests per second arrive (Poisson, a rotating mix of the kinds below,
+every one of them valid input). The issue's target: the ratio stays <= 1.2.
+
+Hostile kinds: the most stop strings at the longest length, a chat of many messages, a
+prompt near the context limit, the most logprobs, ``n`` = 16 with ``max_tokens`` 1, a
+body near the 4 MiB limit (a long ``user`` field), the vocabulary's worth of stop token
+ids with ``min_tokens`` 1, and a stream cancelled right after it started.
+
+    .venv/bin/python -m benchmarks.reliability --only hostile [--long]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+
+import aiohttp
+import grpc
+
+from benchmarks.reliability import procs
+from benchmarks.reliability.streams import grpc_stream, http_stream, percentile, request
+from protos.continuum.v1 import generation_pb2_grpc
+
+SIZES = {"short": dict(seconds=12.0, rate=20.0), "default": dict(seconds=30.0, rate=20.0),
+         "long": dict(seconds=90.0, rate=20.0)}
+NORMAL_TOKENS = 48
+HOSTILE_TIMEOUT_S = 20.0
+BODY_LIMIT = 4 * 1024 * 1024
+
+
+def _hostile_bodies(max_model_len: int) -> list[tuple[str, str, dict]]:
+    """(kind, path, body) for every HTTP kind; all valid requests."""
+    near_limit = " ".join(["lorem"] * max(16, max_model_len - 300))  # ~1 token per word
+    return [
+        ("stop strings 16x256B", "completions",
+         {"prompt": "Hi", "max_tokens": 8, "stop": [f"{i:03d}" + "z" * 253 for i in range(16)]}),
+        ("chat 128 messages", "chat/completions",
+         {"messages": [{"role": "user" if i % 2 == 0 else "assistant",
+                        "content": f"message {i} " + "word " * 20} for i in range(127)]
+          + [{"role": "user", "content": "Sum it up."}], "max_tokens": 4}),
+        ("prompt near context limit", "completions", {"prompt": near_limit, "max_tokens": 1}),
+        ("top_logprobs 20", "chat/completions",
+         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+          "logprobs": True, "top_logprobs": 20}),
+        ("n=16 max_tokens=1", "completions", {"prompt": "Once upon a time", "n": 16,
+                                              "max_tokens": 1, "temperature": 1.0}),
+        ("body near 4 MiB", "completions",
+         {"prompt": "Hi", "max_tokens": 2, "user": "u" * (BODY_LIMIT - 4096)}),
+        ("stop_token_ids = vocabulary", "completions",
+         {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": list(range(49152))}),
+    ]
+
+
+async def _normal(serve: procs.Serve, end: float) -> list[float]:
+    itls: list[float] = []
+    async with grpc.aio.insecure_channel(serve.addr) as ch:
+        i = 0
+        while time.monotonic() < end:
+            out = await grpc_stream(serve.addr, request(f"Describe city number {i}.",
+                                                        NORMAL_TOKENS), channel=ch)
+            itls += [b - a for a, b in zip(out.token_times, out.token_times[1:], strict=False)]
+            i += 1
+    return itls
+
+
+async def _cancelled(serve: procs.Serve) -> str:
+    async with grpc.aio.insecure_channel(serve.addr) as ch:
+        call = generation_pb2_grpc.GenerationStub(ch).Generate(request("Hello", 64))
+        await asyncio.sleep(0.01)
+        call.cancel()
+    return "cancelled"
+
+
+async def _hostile(serve: procs.Serve, end: float, rate: float,
+                   seen: collections.Counter) -> None:
+    stats = serve.stats()
+    bodies = _hostile_bodies(stats.max_model_len or 8192)
+    rng = random.Random(20)
+    tasks = []
+    base = f"http://127.0.0.1:{serve.http_port}/v1/"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one(k: int) -> None:
+            if k % (len(bodies) + 1) == len(bodies):
+                seen["cancelled right away: " + await _cancelled(serve)] += 1
+                return
+            kind, path, body = bodies[k % (len(bodies) + 1)]
+            out = await http_stream(session, base + path, {"model": "", **body},
+                                    timeout=HOSTILE_TIMEOUT_S)
+            seen[f"{kind}: {out.status} {out.code}"] += 1
+        k = 0
+        while time.monotonic() < end:
+            tasks.append(asyncio.create_task(one(k)))
+            k += 1
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+
+
+async def _phase(serve: procs.Serve, seconds: float, rate: float | None,
+                 seen: collections.Counter) -> list[float]:
+    end = time.monotonic() + seconds
+    normal = asyncio.create_task(_normal(serve, end))
+    if rate:
+        await _hostile(serve, end, rate, seen)
+    return await normal
+
+
+def run(serve: procs.Serve, size: str = "default") -> dict:
+    cfg = SIZES[size]
+    seen: collections.Counter = collections.Counter()
+    asyncio.run(_phase(serve, 3.0, None, seen))  # warm the normal path
+    quiet = asyncio.run(_phase(serve, cfg["seconds"], None, seen))
+    loud = asyncio.run(_phase(serve, cfg["seconds"], cfg["rate"], seen))
+    idle = procs.wait_idle(serve.scheduler_port, 120)
+    p99_quiet, p99_loud = percentile(quiet, 99), percentile(loud, 99)
+    ratio = p99_loud / p99_quiet if p99_quiet and p99_loud else None
+    return {
+        "row": "hostile_itl", "seconds_per_phase": cfg["seconds"], "hostile_rps": cfg["rate"],
+        "itl_p99_ms_without": _ms(p99_quiet), "itl_p99_ms_with": _ms(p99_loud),
+        "itl_p50_ms_without": _ms(percentile(quiet, 50)),
+        "itl_p50_ms_with": _ms(percentile(loud, 50)),
+        "ratio_p99": None if ratio is None else round(ratio, 2), "target_ratio": 1.2,
+        "itl_samples": [len(quiet), len(loud)], "hostile_outcomes": dict(seen),
+        "server_errors": sum(v for k, v in seen.items() if "server_error" in k),
+        "idle_after": idle.num_running == 0 and idle.num_waiting == 0,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)

@@ -1,0 +1,65 @@
+"""The CI form of ``make reliability``: every row at its smallest, on one real server.
+
+Asserts what must hold on any machine, never how fast: no server errors, no lost
+stream, no duplicated or diverged token after an executor kill, a clean idle state
+after the soak (no running/waiting request, every block free, no executor sequence
+state, no fd growth), no fuzz input that gets a 5xx / INTERNAL / hang or kills a
+process. Figures that depend on the machine or on work still landing (refusal
+fractions, TTFT, the ITL ratio, RSS) are printed in the table, not asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.reliability import chaos, fuzz, overload, procs, report, soak
+
+pytestmark = pytest.mark.integration
+
+CI = "ci"
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    srv = procs.start_serve(tmp_path_factory.mktemp("reliability"))
+    yield srv
+    assert srv.stop() == 0, "".join(srv.log[-30:])
+
+
+@pytest.fixture(scope="module")
+def table():
+    rows: list[dict] = []
+    yield rows
+    print("\n" + report.markdown(rows, "CI"))
+
+
+def test_overload_answers_every_request_without_server_errors(serve, table):
+    row = overload.run(serve, CI)
+    table.append(row)
+    assert row["server_errors"] == 0, row["errors_seen"]
+    assert row["idle_after"], "requests were left running or waiting after the overload"
+    assert row["refused_with_retry_hint"] == round(row["refused_frac"] * row["offered"])
+
+
+def test_soak_leaves_a_clean_idle_state(serve, table):
+    row = soak.run(serve, CI)
+    table.append(row)
+    assert row["server_errors"] == 0, row["errors_seen"]
+    assert row["lost"] == 0 and row["completed_ok"] == row["by_action"]["complete"]
+    assert row["idle_clean_1"] and row["idle_clean_2"], row
+    assert row["fds_ok"], row["fd_growth"]
+
+
+def test_executor_kill_during_decode_loses_and_duplicates_nothing(serve, table):
+    [row] = chaos.run_serve(serve, CI)
+    table.append(row)
+    assert row["phase_hit"], "the streams never all reached decode"
+    assert (row["lost"], row["duplicated"], row["diverged"], row["errored"]) == (0, 0, 0, 0), row
+    assert row["identical"] == row["streams"]
+
+
+def test_fuzzing_finds_no_server_error(serve, table, tmp_path):
+    row = fuzz.run(serve, tmp_path, CI)
+    table.append(row)
+    assert row["failures"] == 0, row["reproducers"]
+    assert row["processes_survived"]
