@@ -67,14 +67,17 @@ class Server:
             return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
 
 
-def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str) -> Server:
+def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str,
+                 env: dict[str, str] | None = None) -> Server:
+    """``env``: serve's environment (default: the suite's, with its internal secret)."""
     port, sched_port, http_port = free_port(), free_port(), free_port()
     ipc = f"ipc://{tmp}/executor.sock"
     cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model_dir),
            "--port", str(port), "--scheduler-port", str(sched_port), "--ipc", ipc,
            "--http-port", str(http_port),
            *(extra or ("--kv-cache-bytes", str(96 << 20)))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     ready = threading.Event()

@@ -20,8 +20,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scheduler_cmd(tmp_path, port: int) -> list[str]:
-    return [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{tmp_path}/executor.sock",
+def scheduler_cmd(ipc_dir, port: int) -> list[str]:
+    return [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{ipc_dir}/executor.sock",
             "--port", str(port), "--grace-period", "0"]
 
 

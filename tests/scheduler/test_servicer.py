@@ -27,6 +27,7 @@ from tests.scheduler.scheduler_process import (  # noqa: F401 (fixtures)
     scheduler,
     scheduler_address,
     scheduler_cmd,
+    wait_serving,
 )
 
 
@@ -158,3 +159,18 @@ def test_a_short_secret_is_refused(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "at least 16 characters" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_missing_ipc_directory_is_created_private(tmp_path):
+    """The Kubernetes layout names a socket directory inside the pod's shared emptyDir
+    (mode 0777): the scheduler creates it with mode 0700."""
+    ipc_dir, port = tmp_path / "shared" / "private", free_port()
+    proc = subprocess.Popen(scheduler_cmd(ipc_dir, port), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_serving(port, proc)
+        assert ipc_dir.stat().st_mode & 0o777 == 0o700
+        assert (ipc_dir / "executor.sock").exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
