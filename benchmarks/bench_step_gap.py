@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import statistics
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from protos import internal_auth
 from scheduler_svc.core import Request, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 
@@ -91,6 +93,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--model", default="", help="HF dir; default: the bundled model")
     args = p.parse_args()
+    # The loop here and the executor child sign and check Hellos with one secret.
+    os.environ.setdefault(internal_auth.ENV_SECRET, internal_auth.new_secret())
     from executor_svc.model_files import resolve_model
     model_dir = str(resolve_model(args.model or None))
     print(f"{args.streams} streams × {args.max_tokens} tokens, greedy, median of "
