@@ -76,12 +76,15 @@ def internal_secret(environ: dict[str, str]) -> tuple[bytes | None, dict[str, st
 
 def check_ipc_dir(ipc: str) -> None:
     """Refuses an ``ipc://`` path whose directory others may write: anyone who can
-    create files there could take the socket's place."""
+    create files there could take the socket's place. A missing one is fine: the
+    scheduler creates it private."""
     if not ipc.startswith("ipc://"):
         return
     directory = os.path.dirname(os.path.abspath(ipc.removeprefix("ipc://")))
     try:
         mode = os.stat(directory).st_mode
+    except FileNotFoundError:
+        return  # the scheduler creates it, with mode 0700
     except OSError as exc:
         raise ServeError(f"--ipc {ipc}: cannot use its directory ({exc.strerror})") from exc
     if mode & (stat.S_IWGRP | stat.S_IWOTH):

@@ -72,3 +72,4 @@ def test_an_ipc_directory_others_may_write_is_refused(tmp_path, mode, ok):
         with pytest.raises(ServeError, match="writable by other users"):
             check_ipc_dir(f"ipc://{directory}/executor.sock")
     check_ipc_dir("tcp://127.0.0.1:5555")  # not a path: nothing to check
+    check_ipc_dir(f"ipc://{directory}/missing/executor.sock")  # the scheduler creates it
