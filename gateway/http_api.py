@@ -43,7 +43,7 @@ from gateway.openai_api import (
     now_s,
     usage,
 )
-from gateway.relay import Relay, RelayError
+from gateway.relay import END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
 from gateway.upstream import RETRY_AFTER_KEY, ClientStatus
@@ -53,6 +53,7 @@ from gateway.validation import (
     ValidatedRequest,
     check_identifier,
 )
+from gateway.watchdog import bound_send_buffer
 
 _log = structlog.get_logger("gateway.http")
 _OPEN_PATHS = frozenset({"/health", "/live"})
@@ -152,10 +153,13 @@ class HttpApi:
 
     async def drain(self, grace_s: float) -> None:
         """Refuses new requests with 503 (the listener stays open, so clients get an
-        answer, not a refused connection) until in-flight ones finish or grace_s passes."""
+        answer, not a refused connection) until in-flight ones finish or grace_s passes.
+        Streams still running then end with an SSE `error` event and `[DONE]` (the
+        relay raises UNAVAILABLE into them), so no accepted request sees a cut socket."""
         self.draining = True
+        await end_after_grace(self._relay, grace_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace_s)
+            await asyncio.wait_for(self._idle.wait(), END_S)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes,
@@ -312,6 +316,7 @@ class HttpApi:
         response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         response.headers["X-Request-Id"] = validated.request_id
         await response.prepare(request)
+        bound_send_buffer(request.transport)  # a client that stops reading holds little
         try:
             pending = first
             while pending is not None:
@@ -324,15 +329,20 @@ class HttpApi:
                 final["choices"] = []
                 final["usage"] = usage(choices.prompt_tokens, choices.completion_tokens)
                 await response.write(_sse(final))
-        except RelayError as exc:
-            log.warning("stream failed after it started", code=exc.status.code.name)
+            ending = _sse("[DONE]")
+        except RelayError as exc:  # drain past its grace period included: a terminal answer
+            log.warning("stream failed after it started", code=exc.status.code.name,
+                        reason=exc.status.message)
             _, error_type = HTTP_STATUS.get(exc.status.code, (500, "server_error"))
-            await response.write(_sse(error_body(exc.status.message, error_type)))
+            ending = _sse(error_body(exc.status.message, error_type)) + _sse("[DONE]")
         except ConnectionError:  # the client went away; closing the relay cancels upstream
             log.info("client disconnected")
             return response
-        await response.write(_sse("[DONE]"))
-        await response.write_eof()
+        try:
+            await response.write(ending)
+            await response.write_eof()
+        except ConnectionError:
+            log.info("client disconnected before the end of its stream")
         return response
 
     async def _collect(self, api: ApiRequest, validated: ValidatedRequest, first,

@@ -122,6 +122,12 @@ class GatewayMetrics:
         self.errors = Counter("continuum:request_errors",
                               "Requests ended with an error, by gRPC status code name.",
                               ["model_name", "code"], registry=self.registry)
+        self.interventions = Counter(
+            "continuum:stream_interventions",
+            "Streams the gateway ended or moved on its own: replica_stalled (moved to another "
+            "replica), slow_reader (client stopped reading: cancelled), shutdown (still "
+            "running when drain's grace period ran out: ended with an error).",
+            ["model_name", "reason"], registry=self.registry)
         if replicas is not None:
             self.registry.register(_ReplicaCollector(model_name, replicas))
 
@@ -130,6 +136,9 @@ class GatewayMetrics:
 
     def error(self, code_name: str) -> None:
         self.errors.labels(self.model_name, code_name).inc()
+
+    def intervention(self, reason: str) -> None:
+        self.interventions.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,7 @@ request's KV blocks by its next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,7 @@ from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
 from gateway.upstream import ClientStatus, client_status
 from gateway.validation import ValidatedRequest
+from gateway.watchdog import Completion, Stream, Watchdog
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 _log = structlog.get_logger("gateway")
@@ -46,6 +48,9 @@ _FINISH_NAMES = {
 }
 
 TimeRemaining = Callable[[], float | None]
+# After drain's grace period, how long the streams still running get to deliver
+# their terminal error before connections are cut.
+END_S = 2.0
 
 
 class RelayError(Exception):
@@ -58,6 +63,28 @@ class RelayError(Exception):
 
 class _EndedEarly(Exception):
     """The upstream stream ended without a finish reason (the replica went away)."""
+
+
+class _Stalled(Exception):
+    """The watchdog cut the upstream call: the replica stopped answering."""
+
+
+DRAINING = ClientStatus(grpc.StatusCode.UNAVAILABLE,
+                        "this gateway is shutting down; retry (another replica will serve it)")
+
+
+async def end_after_grace(relay: Relay, grace_s: float) -> None:
+    """Drain: refuses new streams with DRAINING at once, waits up to ``grace_s`` for
+    every stream to finish, then ends the rest with UNAVAILABLE and gives them END_S
+    to say so."""
+    relay.refuse_new(DRAINING)
+    finished = await relay.wait_idle(grace_s)
+    relay.end_all(ClientStatus(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the gateway is shutting down and its grace period of {grace_s:g} s is over; "
+        "retry the request (another gateway will serve it)"))
+    if not finished:
+        await relay.wait_idle(END_S)
 
 
 def finish_name(reason: int) -> str:
@@ -88,13 +115,52 @@ def _choice(request: ValidatedRequest, index: int) -> ValidatedRequest:
     )
 
 
+class _Timing:
+    """One completion's clock: TTFT and ITL are observed as its tokens arrive."""
+
+    __slots__ = ("accepted", "first_token_at", "itl", "last_token_at", "queue_time_s", "ttft")
+
+    def __init__(self, accepted: float, ttft, itl):
+        self.accepted = self.last_token_at = accepted
+        self.first_token_at: float | None = None
+        self.queue_time_s = 0.0
+        self.ttft, self.itl = ttft, itl  # labelled children, resolved once
+
+    def on_tokens(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.ttft.observe(now - self.accepted)
+        else:
+            self.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
+
+
 class Relay:
     """Serves validated requests for one model by relaying to scheduler replicas."""
 
-    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: GatewayMetrics):
+    def __init__(self, tokenizer: Tokenizer, replicas: ReplicaSet, metrics: GatewayMetrics,
+                 watchdog: Watchdog | None = None):
         self._tokenizer = tokenizer
         self._replicas = replicas
         self.metrics = metrics
+        # Every live stream, watched for a stalled replica or a client that stopped
+        # reading; drain ends what is left through it (see gateway/watchdog.py).
+        self.watchdog = watchdog or Watchdog(metrics.intervention)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no stream is live (False if ``timeout_s`` passed first)."""
+        return await self.watchdog.wait_idle(timeout_s)
+
+    def refuse_new(self, status: ClientStatus) -> None:
+        """From now on, new streams fail at once with ``status`` (drain's start)."""
+        self.watchdog.refusing = status
+
+    def end_all(self, status: ClientStatus) -> None:
+        """Ends every live stream, and refuses new ones, with ``status`` (drain's end)."""
+        self.watchdog.end_all(status)
+
+    async def close(self) -> None:
+        await self.watchdog.close()
 
     async def generate(
         self, request: ValidatedRequest, time_remaining: TimeRemaining = lambda: None,
@@ -108,26 +174,40 @@ class Relay:
                  prompt_tokens=len(request.prompt_token_ids), max_tokens=request.max_tokens)
         labels = self.metrics.labels(request.priority_tier)
         self.metrics.prompt_tokens.labels(*labels).inc(len(request.prompt_token_ids))
+        watch = Stream(asyncio.current_task(), request.request_id)
+        self.watchdog.add(watch)
         try:
+            refusal = self.watchdog.ended or self.watchdog.refusing
+            if refusal is not None:
+                raise RelayError(refusal)
             if request.n == 1:
-                async for response in self._one(request, 0, accepted, time_remaining, log):
-                    yield response
+                responses = self._one(request, 0, accepted, time_remaining, log, watch)
             else:
-                async for response in self._many(request, accepted, time_remaining, log):
+                responses = self._many(request, accepted, time_remaining, log, watch)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    # Parked while the consumer writes: a client that stops reading
+                    # shows up here, as a stream parked for too long.
+                    watch.parked_since = time.monotonic()
                     yield response
+                    watch.parked_since = None
         except RelayError as exc:
             self.metrics.error(exc.status.code.name)
             raise
+        finally:
+            self.watchdog.discard(watch)
 
-    async def _many(self, request, accepted, time_remaining, log):
+    async def _many(self, request, accepted, time_remaining, log, watch):
         """Runs the n completions side by side and interleaves their responses."""
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded, so that a slow consumer holds the pumps back instead of their
+        # responses piling up here.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=2 * request.n)
         done = object()
 
         async def pump(index: int) -> None:
             try:
                 async for response in self._one(
-                    _choice(request, index), index, accepted, time_remaining, log
+                    _choice(request, index), index, accepted, time_remaining, log, watch
                 ):
                     await queue.put(response)
             except Exception as exc:  # handed to the consumer, which re-raises it
@@ -157,19 +237,20 @@ class Relay:
         accepted: float,
         time_remaining: TimeRemaining,
         log,
+        watch: Stream,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """One completion, continued on another replica if its replica fails."""
+        """One completion, continued on another replica if its replica fails or stalls."""
         output = OutputStream(request, self._tokenizer)
         metrics, labels = self.metrics, self.metrics.labels(request.priority_tier)
-        # Resolved once: a labelled child costs a dict lookup under a lock per call.
-        itl = metrics.itl.labels(*labels)
+        timing = _Timing(accepted, metrics.ttft.labels(*labels), metrics.itl.labels(*labels))
+        leg = Completion()
+        watch.completions.append(leg)
         tried: set[str] = set()
         failure = ClientStatus(grpc.StatusCode.UNAVAILABLE,
                                f"no scheduler replica at {self._replicas.addresses}")
-        first_token_at: float | None = None
-        last_token_at = accepted
-        queue_time_s = 0.0
         while not output.finished:
+            if leg.ended is not None:
+                raise RelayError(leg.ended)
             replica = self._replicas.pick(tried)
             if replica is None:  # every replica failed: say how the last one did
                 raise RelayError(failure)
@@ -182,30 +263,15 @@ class Relay:
                 yield response
                 break
             call = replica.stub.Submit(submit, timeout=time_remaining())
+            leg.replica, leg.call, leg.stalled = replica, call, False
+            leg.heard_at = time.monotonic()
             try:
-                async for event in call:
-                    if event.queue_time_s and not queue_time_s:  # sent with the first event
-                        queue_time_s = event.queue_time_s
-                    response = output.on_event(event)
-                    response.index = index
-                    now = time.monotonic()
-                    if response.token_ids:
-                        if first_token_at is None:
-                            first_token_at = now
-                            metrics.ttft.labels(*labels).observe(now - accepted)
-                        else:
-                            itl.observe(now - last_token_at)
-                        last_token_at = now
-                    if output.finished:
-                        timing = response.timing
-                        timing.queue_time_s = queue_time_s
-                        timing.time_to_first_token_s = (first_token_at or now) - accepted
-                        timing.e2e_latency_s = now - accepted
+                async for response in self._attempt(call, leg, output, index, timing):
+                    leg.parked = True
                     yield response
-                    if output.finished:
-                        break
-                else:
-                    raise _EndedEarly
+                    leg.parked = False
+                    if leg.ended is not None and not output.finished:
+                        raise RelayError(leg.ended)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _REPLICA_FAILURES:
                     log.warning("upstream failed", code=exc.code().name, details=exc.details())
@@ -218,13 +284,58 @@ class Relay:
                                        f"{replica.address} ended the stream without finishing")
                 log.warning("replica ended the stream early; continuing elsewhere",
                             replica=replica.address, streamed=len(output.token_ids))
+            except _Stalled:
+                failure = ClientStatus(grpc.StatusCode.UNAVAILABLE, f"the scheduler at "
+                                       f"{replica.address} stopped responding")
+                log.warning("replica stalled; continuing elsewhere", replica=replica.address,
+                            streamed=len(output.token_ids))
             finally:
                 # Idempotent after a normal finish; essential on every early exit
                 # (client gone, deadline passed, stop string matched).
                 call.cancel()
+                leg.call, leg.parked = None, False
+        self._finished(request, index, output, timing, len(tried), log)
+
+    async def _attempt(self, call, leg: Completion, output: OutputStream, index: int,
+                       timing: _Timing) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The responses of one Submit call, until the completion finishes. Raises
+        _EndedEarly, _Stalled, RelayError (drain ended it) or the call's AioRpcError."""
+        while True:
+            try:
+                event = await call.read()
+            except asyncio.CancelledError:
+                # Cut by the watchdog or by drain, not by our own task's cancellation.
+                if asyncio.current_task().cancelling():
+                    raise
+                if leg.ended is not None:
+                    raise RelayError(leg.ended) from None
+                if leg.stalled:
+                    raise _Stalled from None
+                raise
+            if event is grpc.aio.EOF:
+                raise _EndedEarly
+            now = leg.heard_at = time.monotonic()
+            if event.queue_time_s and not timing.queue_time_s:  # sent with the first event
+                timing.queue_time_s = event.queue_time_s
+            response = output.on_event(event)
+            response.index = index
+            if response.token_ids:
+                timing.on_tokens(now)
+            if output.finished:
+                final = response.timing
+                final.queue_time_s = timing.queue_time_s
+                final.time_to_first_token_s = (timing.first_token_at or now) - timing.accepted
+                final.e2e_latency_s = now - timing.accepted
+                yield response
+                return
+            yield response
+
+    def _finished(self, request: ValidatedRequest, index: int, output: OutputStream,
+                  timing: _Timing, num_replicas: int, log) -> None:
+        metrics, labels = self.metrics, self.metrics.labels(request.priority_tier)
         finished = time.monotonic()
-        metrics.e2e.labels(*labels).observe(finished - accepted)
-        metrics.queue.labels(*labels).observe(queue_time_s)
+        metrics.e2e.labels(*labels).observe(finished - timing.accepted)
+        metrics.queue.labels(*labels).observe(timing.queue_time_s)
         metrics.generation_tokens.labels(*labels).inc(output.num_generated_tokens)
         metrics.success.labels(*labels, finish_name(output.finish_reason)).inc()
         log.info(
@@ -233,6 +344,6 @@ class Relay:
             finish_reason=finish_name(output.finish_reason),
             stop_string=output.stopped_by_string,
             completion_tokens=output.num_generated_tokens,
-            replicas=len(tried),
-            elapsed_s=round(finished - accepted, 4),
+            replicas=num_replicas,
+            elapsed_s=round(finished - timing.accepted, 4),
         )

@@ -27,7 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.http_api import HttpApi, start_http
 from gateway.http_edge import HttpLimits
 from gateway.metrics import GatewayMetrics
-from gateway.relay import Relay, RelayError
+from gateway.relay import DRAINING, END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
 from gateway.validation import (
@@ -205,17 +205,28 @@ class RunningGateway:
     http: HttpApi | None = None
     http_runner: web.AppRunner | None = None
     http_port: int | None = None
+    relay: Relay | None = None
 
     async def stop(self, grace_s: float) -> None:
+        """New calls are refused at once (UNAVAILABLE / 503); in-flight ones get grace_s
+        to finish. Whatever still runs then gets a terminal answer, not a cut
+        connection: gRPC streams end UNAVAILABLE with a message, SSE streams with an
+        `error` event and `[DONE]`; only a client that does not take even that within
+        END_S more is cut."""
+        if self.relay is not None:  # first, so that health NOT_SERVING implies refusal
+            self.relay.refuse_new(DRAINING)
         await self.health.enter_graceful_shutdown()
-        # New calls are refused from here on (UNAVAILABLE / 503); in-flight ones get
-        # grace_s to finish, then are cut.
-        stops = [self.server.stop(grace_s)]
-        if self.http is not None:
-            stops.append(self.http.drain(grace_s))
-        await asyncio.gather(*stops)
+        drains = [self.http.drain(grace_s)] if self.http is not None else []
+        if self.relay is not None:
+            drains.append(end_after_grace(self.relay, grace_s))
+        await asyncio.gather(*drains)
+        # The server is stopped only now: until here new calls got the relay's clear
+        # UNAVAILABLE, not a call cancelled by a server shutting down under it.
+        await self.server.stop(END_S if self.relay is not None else grace_s)
         if self.http_runner is not None:
             await self.http_runner.cleanup()
+        if self.relay is not None:
+            await self.relay.close()
         await self.replicas.close()
 
 
@@ -241,7 +252,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    running = RunningGateway(server, health_servicer, replicas, port, metrics)
+    running = RunningGateway(server, health_servicer, replicas, port, metrics, relay=relay)
     if config.http_port is not None:
         limits = HttpLimits(max_body_bytes=config.max_body_bytes,
                             header_timeout_s=config.http_header_timeout_s,

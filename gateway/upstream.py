@@ -12,10 +12,26 @@ RETRY_AFTER_KEY = "retry-after-ms"
 # UNAVAILABLE at once), but reconnect within about a second once it is back:
 # gRPC's default backoff grows to two minutes, which would keep a gateway
 # started before its scheduler refusing work long after the scheduler is up.
+#
+# Keepalive: a scheduler that hangs (SIGSTOP, a wedged host) keeps its TCP
+# connection open, and without pings gRPC would wait on it forever. Every
+# KEEPALIVE_TIME_MS the channel pings, also while idle, and gives the connection
+# up when no ack comes within KEEPALIVE_TIMEOUT_MS: its calls fail UNAVAILABLE
+# and the relay continues them elsewhere. 10 s is grpc-go's floor for client
+# pings; the scheduler's server must permit pings this often
+# (KEEPALIVE_OPTIONS in scheduler_svc/__main__.py), or it answers GOAWAY
+# "too_many_pings". The relay's watchdog (gateway/watchdog.py) notices a stalled
+# stream sooner; keepalive is the floor under it, and also covers idle channels.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that sends nothing
 )
 
 # Codes whose upstream details are meaningful to the client as they are.

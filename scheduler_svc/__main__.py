@@ -31,6 +31,15 @@ from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
 
 SERVICE_NAME = "continuum.v1.Scheduler"
+# Gateways ping every 10 s to notice a hung scheduler (gateway/upstream.py): permit
+# that (half the interval, so jitter is no strike), and ping gateways in turn, so
+# the streams of one that vanished without closing are cancelled and their KV freed.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
 log = structlog.get_logger("scheduler")
 
 
@@ -117,6 +126,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     except zmq.ZMQError as exc:
         fail(f"cannot bind the executor channel {args.ipc}: {exc}")
     server = grpc.aio.server(
+        options=KEEPALIVE_OPTIONS,
         interceptors=None if secret is None else [InternalAuthInterceptor(secret)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     health_servicer = health.aio.HealthServicer()
