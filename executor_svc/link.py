@@ -140,7 +140,9 @@ class ServeLoop:
                       result.step_ms)
         elif kind == "heartbeat":
             if msg.detached:
-                if self._since_hello() >= 1.0:  # one answer per Hello, however many come
+                # It names the incarnation it answers: echoes of one already renewed
+                # (messages sent before the new Hello) are old news.
+                if msg.incarnation in ("", self.hello.incarnation):
                     self._send_hello("the scheduler detached this executor", renew=True)
                 return
             if msg.incarnation != self.hello.incarnation and self._since_hello() >= 1.0:

@@ -171,7 +171,7 @@ class ExecutorLink:
             elif kind == "heartbeat":
                 self.executor_num_sequences = msg.num_sequences
         else:
-            self._tell_detached(identity)
+            self._tell_detached(identity, msg.incarnation)
 
     def _hello_problem(self, hello: pb.Hello) -> str | None:
         problem = wire.hello_problem(hello)
@@ -192,13 +192,14 @@ class ExecutorLink:
             _remember(self._refused, identity, None)
             log.error("executor hello refused", identity=identity.hex()[:16], error=why)
 
-    def _tell_detached(self, identity: bytes) -> None:
-        """A non-peer sent a result or heartbeat: say it is not registered (rate-limited)."""
+    def _tell_detached(self, identity: bytes, incarnation: str) -> None:
+        """A non-peer sent a result or heartbeat of ``incarnation``: say it is not
+        registered (rate-limited per identity)."""
         now = time.monotonic()
         if now - self._replied.get(identity, -DETACHED_REPLY_EVERY_S) < DETACHED_REPLY_EVERY_S:
             return
         _remember(self._replied, identity, now)
-        hb = pb.Heartbeat(sent_at=time.time(), detached=True)
+        hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), detached=True)
         self._send(wire.encode_to_executor("heartbeat", hb), to=identity)
 
 

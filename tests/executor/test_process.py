@@ -10,7 +10,7 @@ import sys
 import pytest
 import zmq
 
-from protos import wire
+from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -67,6 +67,8 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     assert hello.num_device_blocks == (8 << 20) // (46080 * 16)
     assert list(hello.eos_token_ids) == [2] and hello.vocab_size == 49152
     assert hello.prefill_tokens_per_s > 0 and hello.pid == proc.pid and hello.incarnation
+    secret = internal_auth.load_secret()  # tests/conftest.py sets the suite's
+    assert internal_auth.check_tag(secret, wire.hello_payload(hello), hello.auth_tag)
 
     plan = pb.BatchPlan(incarnation=hello.incarnation, step_id=1)
     plan.new_seqs.add(seq_id=3, token_ids=[1, 9690, 198, 2683], num_scheduled_tokens=4,
@@ -78,6 +80,7 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (1, [3], 1)
 
     scheduler.sock.send_multipart([scheduler.peer, b"\x00garbage"])  # logged and dropped
+    scheduler.sock.send_multipart([scheduler.peer, b"x", b"y", b"z"])  # 3 frames: dropped
     decode = pb.BatchPlan(incarnation=hello.incarnation, step_id=2, cached_seq_ids=[3],
                           cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0])
     scheduler.send("plan", decode)
@@ -88,6 +91,16 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     kind, beat = scheduler.recv()
     assert kind == "heartbeat" and beat.incarnation == hello.incarnation
     assert beat.last_step_id == 2
+
+    # Detached (as after a stall): it drops its state and registers as a new incarnation.
+    scheduler.send("heartbeat", pb.Heartbeat(incarnation=hello.incarnation, detached=True))
+    kind, fresh = scheduler.recv()
+    assert kind == "hello" and fresh.incarnation != hello.incarnation
+    assert internal_auth.check_tag(secret, wire.hello_payload(fresh), fresh.auth_tag)
+    scheduler.send("plan", decode)  # the old incarnation's plan: refused, state is gone
+    kind, result = scheduler.recv()
+    assert kind == "result" and result.error_code == pb.STEP_ERROR_CODE_STALE_INCARNATION
+    hello = fresh
 
     # The scheduler restarts: the executor reconnects and introduces itself again.
     scheduler.close()
@@ -120,6 +133,16 @@ def test_a_float16_kv_cache_doubles_the_blocks_and_still_generates(model_dir, tm
         proc.kill()
         proc.communicate()
         scheduler.close()
+
+
+def test_no_internal_secret_exits_2_with_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONTINUUM_INTERNAL")}
+    env["PYTHONPATH"] = os.getcwd()
+    proc = subprocess.run([sys.executable, "-m", "executor_svc", "--ipc",
+                           f"ipc://{tmp_path}/x.sock"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert internal_auth.ENV_SECRET in proc.stderr
 
 
 def test_bad_model_path_exits_2_with_one_line(tmp_path):

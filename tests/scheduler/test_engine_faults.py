@@ -63,7 +63,7 @@ def test_junk_and_forged_hellos_are_dropped_and_the_reader_survives(tmp_path):
             assert link.peer is None and hellos == []
             await peer.send("heartbeat", pb.Heartbeat(incarnation="x"))  # not the peer
             kind, msg = await peer.recv()
-            assert kind == "heartbeat" and msg.detached  # told to register
+            assert kind == "heartbeat" and msg.detached and msg.incarnation == "x"
             good = make_hello()
             await peer.say_hello(good)
             await until(lambda: hellos)
