@@ -13,6 +13,9 @@ from __future__ import annotations
 # Identifiers: printable ASCII (" " to "~"), at most this many characters.
 MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 128
+# What the scheduler accepts in SubmitRequest.request_id: room for the suffix the
+# gateway gives each choice of an n > 1 request ("-15").
+MAX_SUBMIT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS + 8
 # Top alternatives per generated token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
 # Extra stop token ids per request: a stop list as large as the vocabulary

@@ -73,7 +73,7 @@ def _envelope(r: scheduler_pb2.SubmitRequest) -> str | None:
     """Identifiers, sizes and tiers: the checks that need no model."""
     if not r.request_id:
         return "request_id must not be empty"
-    problem = (_identifier(r.request_id, "request_id", limits.MAX_REQUEST_ID_CHARS)
+    problem = (_identifier(r.request_id, "request_id", limits.MAX_SUBMIT_REQUEST_ID_CHARS)
                or _identifier(r.tenant, "tenant", limits.MAX_TENANT_CHARS))
     if problem:
         return problem

@@ -22,7 +22,7 @@ INF, NAN = float("inf"), float("nan")
 # (SubmitRequest fields, text the message must contain). None of these needs a model.
 WITHOUT_MODEL = [
     ({"request_id": ""}, "request_id must not be empty"),
-    ({"request_id": "x" * 129}, "request_id is 129 characters long; the limit is 128"),
+    ({"request_id": "x" * 137}, "request_id is 137 characters long; the limit is 136"),
     ({"request_id": "a\nb"}, "request_id must be printable ASCII"),
     ({"request_id": "a\x1fb"}, "request_id must be printable ASCII"),
     ({"request_id": "caf\u00e9"}, "request_id must be printable ASCII"),
@@ -91,6 +91,8 @@ def test_the_limits_themselves_pass():
     top = S(temperature=0.0, top_p=1.0, min_p=1.0, repetition_penalty=1e-3,
             presence_penalty=-2.0, frequency_penalty=2.0, logprobs=limits.MAX_LOGPROBS,
             stop_token_ids=[999] * limits.MAX_STOP_TOKEN_IDS, top_k=1000, seed=2**64 - 1)
-    edge = submit(request_id="~" * 128, tenant=" " * 128, priority_tier=2, sampling=top,
-                  prompt_token_ids=[999, 0, 5], num_resumed_output_tokens=3)
+    # 128 characters from a client, plus the gateway's suffix for choice 15 of n = 16 (and room).
+    edge = submit(request_id="~" * limits.MAX_SUBMIT_REQUEST_ID_CHARS, tenant=" " * 128,
+                  priority_tier=2, sampling=top, prompt_token_ids=[999, 0, 5],
+                  num_resumed_output_tokens=3)
     assert validate_submit(edge, make_scheduler()) is None
