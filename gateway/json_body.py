@@ -10,8 +10,9 @@ turned into a `RequestError` (400) that says what to fix:
   a RecursionError deep in the parser. `check_depth` finds the depth first in
   linear time with C-level string operations (strings removed by one regex,
   then one `str.replace` pass per level), before anything is parsed.
-* NaN, Infinity and -Infinity, which Python's json accepts but JSON forbids,
-  and number literals too large for a double (`1e400` would become inf).
+* NaN, Infinity and -Infinity, which Python's json accepts but JSON forbids.
+  A number literal too large for a double (`1e400`) parses as infinity, which
+  every numeric field reader refuses as out of its range, naming the field.
 * lone UTF-16 surrogates (`"\\ud800"`): valid JSON escapes, but not Unicode
   text; protobuf and the tokenizer raise on them. The message names the path.
 
@@ -22,7 +23,6 @@ field's range is checked where it is read (`gateway/openai_fields.py`).
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
@@ -79,14 +79,6 @@ def _constant(name: str) -> float:
     raise _bad(f"the request body contains {name}, which is not valid JSON; send a finite number")
 
 
-def _float(literal: str) -> float:
-    value = float(literal)
-    if not math.isfinite(value):
-        raise _bad(f"the number {literal[:32]} in the request body is too large for a double "
-                   "(about 1.8e308 at most)")
-    return value
-
-
 def _check_surrogates(value: Any) -> None:
     """Finds a string holding a lone surrogate anywhere in the body; names its path."""
     stack: list[tuple[str, Any]] = [("", value)]
@@ -119,7 +111,7 @@ def decode_json(raw: bytes, charset: str | None = None) -> Any:
                    f"offset {exc.start}); send JSON encoded as UTF-8") from exc
     check_depth(text)
     try:
-        value = json.loads(text, parse_constant=_constant, parse_float=_float)
+        value = json.loads(text, parse_constant=_constant)
     except RequestError:
         raise
     except RecursionError as exc:  # defence in depth: check_depth should have caught it

@@ -12,6 +12,7 @@ dependency). The files it reads:
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -165,6 +166,12 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         text = self.render_chat(messages)
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops."""
+        return frozenset(token_id for token_id, token
+                         in self._backend.get_added_tokens_decoder().items() if token.special)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

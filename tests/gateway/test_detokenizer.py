@@ -116,3 +116,63 @@ def test_special_tokens_are_skipped_by_default(tokenizer):
 
 def test_flush_on_empty_stream_is_empty(tokenizer):
     assert IncrementalDetokenizer(tokenizer).flush() == ""
+
+
+class _CountingTokenizer:
+    """The real tokenizer, counting how many ids `decode` is asked to decode."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.special_token_ids = tokenizer.special_token_ids
+        self.ids_decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.ids_decoded += len(ids)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _ids_decoded(tokenizer, ids, skip_special_tokens=True) -> tuple[int, str]:
+    counting = _CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, skip_special_tokens=skip_special_tokens)
+    text = "".join(detok.add([token_id]) for token_id in ids) + detok.flush()
+    return counting.ids_decoded, text
+
+
+def _pathological_streams(tokenizer):
+    """Streams whose text never settles: the quadratic cases before the hold was bounded."""
+    continuation = _byte_token(tokenizer, 0x80)  # a stray continuation byte: always U+FFFD
+    lead = _byte_token(tokenizer, 0xF0)  # lead bytes that never complete a character
+    emoji_head = [tid for b in b"\xf0\x9f\x98" for tid in _byte_token(tokenizer, b)]
+    return {
+        "continuation bytes": (continuation, True),
+        "lead bytes": (lead, True),
+        "truncated emojis": (emoji_head, True),
+        "skipped special tokens": ([1, 2, 0], True),
+        "special tokens kept": ([1, 2, 0], False),
+        "special tokens around a half character": ([*lead, 1, 2], True),
+    }
+
+
+@pytest.mark.parametrize("case", ["continuation bytes", "lead bytes", "truncated emojis",
+                                  "skipped special tokens", "special tokens kept",
+                                  "special tokens around a half character"])
+def test_decoding_work_is_linear_in_the_output(tokenizer, case):
+    """Counted, not timed: ids handed to decode per generated token stay bounded."""
+    unit, skip = _pathological_streams(tokenizer)[case]
+    per_token = []
+    for repeats in (300, 1200):
+        ids = unit * repeats
+        decoded, text = _ids_decoded(tokenizer, ids, skip)
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+        per_token.append(decoded / len(ids))
+    # Quadratic work would be ~len(ids)/2 ids per token (hundreds here) and grow 4x.
+    assert max(per_token) < 60, per_token
+    assert per_token[1] < 1.25 * per_token[0] + 1, per_token
+
+
+def test_normal_text_decodes_a_few_ids_per_token(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog. 日本語のテキスト 😀👍🏽 " * 40
+    ids = tokenizer.encode(text)
+    decoded, out = _ids_decoded(tokenizer, ids)
+    assert out == tokenizer.decode(ids)
+    assert decoded / len(ids) < 8
