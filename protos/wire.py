@@ -60,9 +60,11 @@ def decode_from_executor(frame: bytes):
 
 
 # Bounds a Hello must respect to be believed: a peer announcing more is broken or
-# hostile (the scheduler would size its block pool and checks by these numbers).
+# hostile (the scheduler sizes its block bookkeeping, ~40 bytes a block, and its checks
+# by these numbers). 2^23 blocks is over 40× what SmolLM2-135M with 16-token blocks
+# gets on a 141 GB GPU.
 MAX_BLOCK_SIZE = 4096
-MAX_DEVICE_BLOCKS = 1 << 26
+MAX_DEVICE_BLOCKS = 1 << 23
 MAX_VOCAB_SIZE = 1 << 24
 MAX_MODEL_LEN = 1 << 24
 

@@ -26,7 +26,10 @@ def make_hello(secret: bytes | None = SECRET, **fields) -> pb.Hello:
                      tp_size=1, max_model_len=256, vocab_size=VOCAB, eos_token_ids=[2],
                      prefill_tokens_per_s=1e4, pid=1)
     for name, value in fields.items():
-        setattr(hello, name, value)
+        if isinstance(value, list):
+            getattr(hello, name)[:] = value
+        else:
+            setattr(hello, name, value)
     if secret is not None:
         hello.auth_tag = internal_auth.tag(secret, wire.hello_payload(hello))
     return hello
