@@ -120,7 +120,7 @@ def private_ipc_dir(ipc: str) -> None:
 async def serve(args: argparse.Namespace, config: SchedulerConfig,
                 secret: bytes | None) -> None:
     private_ipc_dir(args.ipc)
-    loop = EngineLoop(config, args.ipc)
+    loop = EngineLoop(config, args.ipc, secret=secret)
     try:
         loop.start()
     except zmq.ZMQError as exc:
@@ -142,7 +142,10 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     health_task = asyncio.get_running_loop().create_task(report_health(loop, health_servicer))
-    await stop.wait()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopping, loop.fatal], return_when=asyncio.FIRST_COMPLETED)
+    if loop.fatal.done():
+        await die(loop, server, health_servicer, loop.fatal.result())
     await drain(loop, server, health_servicer, args.grace_period)
     health_task.cancel()
     await loop.stop()
@@ -173,8 +176,28 @@ async def drain(loop: EngineLoop, server, health_servicer, grace_s: float) -> No
     deadline = time.monotonic() + grace_s
     while loop.has_work and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    # Past the grace period every stream still open gets a terminal answer (UNAVAILABLE
+    # with this message: a gateway continues it on another replica), not a cut stream.
+    unfinished = loop.abort_all(f"this scheduler replica shut down before the request "
+                                f"finished (grace period {grace_s:g} s); retry on another")
     await server.stop(grace=1)
-    log.info("scheduler stopped", unfinished=len(loop.core.requests))
+    log.info("scheduler stopped", unfinished=unfinished)
+
+
+async def die(loop: EngineLoop, server, health_servicer, why: str) -> None:
+    """A task the loop depends on died (EngineLoop.fatal): report NOT_SERVING, end every
+    stream with UNAVAILABLE and exit 1, so the supervisor or Kubernetes restarts us."""
+    log.error("scheduler exiting after a fatal error", why=why)
+    loop.draining = True
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        loop.abort_all(f"this scheduler replica failed ({why}); retry on another")
+    except Exception:  # the state it would abort may be what broke
+        log.exception("could not end the open streams")
+    await server.stop(grace=1)
+    await loop.stop()
+    raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
