@@ -95,6 +95,8 @@ class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
 
+    @torch.inference_mode()  # logits come from the model's inference-mode forward; the
+    # in-place edits below (penalties, min_tokens bans) are refused outside that mode
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [S, V] float32, one row per entry of ``rows``; edited in place (the
         caller's fresh model output: copying 256 x 49k floats costs ~30 ms here)."""
