@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 POLICIES = ("chunked", "continuous", "static")
+# Per priority tier (0 premium, 1 standard, 2 best effort): its queue-time bound field.
+QUEUE_TIME_FIELDS = ("max_queue_time_premium_s", "max_queue_time_standard_s",
+                     "max_queue_time_best_effort_s")
 
 
 class ConfigError(ValueError):
@@ -41,6 +44,14 @@ class SchedulerConfig:
     enable_prefix_caching: share full KV blocks between identical prefixes.
     async_scheduling: build and send step N+1 while step N runs (two plans in flight),
         so scheduler CPU time overlaps device time instead of adding to it.
+    max_queue_time_{premium,standard,best_effort}_s: the longest a request of that
+        tier may be expected to wait for its first step; one that would wait longer,
+        by the throughput measured so far, is refused at Submit with a retry hint
+        (core/admission.py; 0 disables the tier's bound, and before any throughput is
+        measured only max_num_waiting applies). Premium's 2 s is the queue share of
+        the 3 s TTFT SLO of the capacity contract (docs/simulator.md); standard 5 s
+        keeps an interactive answer interactive; best effort 20 s stays below the
+        30 s at which aging makes it starving (3 x aging_s) and so passes everyone.
     max_step_failures: failed steps (the executor raised, hung or died in them) after
         which a request is ended alone with an error; a request that failed runs in
         steps of its own until one succeeds, so the culprit of a poisoned batch is
@@ -60,6 +71,9 @@ class SchedulerConfig:
     preemption_window_s: float = 60.0
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    max_queue_time_premium_s: float = 2.0
+    max_queue_time_standard_s: float = 5.0
+    max_queue_time_best_effort_s: float = 20.0
     max_step_failures: int = 2
 
     def __post_init__(self) -> None:
@@ -81,8 +95,19 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.watermark < 0.5:
             raise ConfigError(f"watermark must be in [0, 0.5), got {self.watermark}")
+        for tier in QUEUE_TIME_FIELDS:
+            value = getattr(self, tier)
+            if not isinstance(value, int | float) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{tier} must be a number of seconds >= 0 (0: no bound), "
+                                  f"got {value!r}")
         if self.aging_s <= 0 or self.preemption_window_s <= 0:
             raise ConfigError("aging_s and preemption_window_s must be > 0 seconds")
+
+
+def queue_time_bound(cfg: SchedulerConfig, tier: int) -> float:
+    """Tier ``tier``'s queue-time bound in seconds (0: none); tiers past best effort
+    share its bound."""
+    return getattr(cfg, QUEUE_TIME_FIELDS[min(max(tier, 0), len(QUEUE_TIME_FIELDS) - 1)])
 
 
 def _positive(cfg: SchedulerConfig, *names: str) -> None:

@@ -17,6 +17,13 @@ Order of admission (best first), computed for the head of each
    counter among waiting tenants, so idling banks no credit);
 5. then arrival time.
 
+Per-tenant state lives only while a tenant has requests: its FIFOs and its
+count go when its last waiting request leaves, and ``prune`` drops the served
+counters of tenants neither waiting nor running. A tenant that comes back is
+lifted to the smallest counter among waiting tenants anyway (4.), so what is
+forgotten is at most the credit idling may not bank — and a stream of unique
+tenant names costs neither memory nor per-step time.
+
 Bound on waiting: a request of tier t is starving after (t + 1) × aging_s;
 from then on only starving requests that arrived before it can go ahead of
 it. With at most ``max_num_waiting`` requests queued, it waits at most
@@ -27,6 +34,7 @@ however much higher-priority traffic keeps arriving.
 from __future__ import annotations
 
 import collections
+import collections.abc
 
 from scheduler_svc.core.request import Request, RequestStatus
 
@@ -37,7 +45,8 @@ class WaitingQueue:
     def __init__(self, aging_s: float) -> None:
         self.aging_s = aging_s
         self._fifos: dict[tuple[int, str], collections.deque[Request]] = {}
-        self._per_tenant: collections.Counter[str] = collections.Counter()
+        self._per_tenant: dict[str, int] = {}  # tenant → requests waiting (no zeros)
+        self._per_tier: collections.Counter[int] = collections.Counter()
         self.served: dict[str, float] = {}  # tenant → tokens computed for it
         self._len = 0
 
@@ -52,12 +61,29 @@ class WaitingQueue:
             yield from fifo
 
     def num_waiting(self, tenant: str) -> int:
-        return self._per_tenant[tenant]
+        return self._per_tenant.get(tenant, 0)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants with a request waiting."""
+        return len(self._per_tenant)
+
+    def num_waiting_up_to(self, tier: int) -> int:
+        """Requests waiting in tiers 0..``tier`` (those admitted before a fresh one of
+        ``tier``, aging aside)."""
+        return sum(n for t, n in self._per_tier.items() if t <= tier)
+
+    def prune(self, active: collections.abc.Container[str]) -> None:
+        """Forgets the served counters of tenants neither waiting nor in ``active``
+        (the running ones); see the module docstring for why that is fair."""
+        per_tenant = self._per_tenant
+        for tenant in [t for t in self.served if t not in per_tenant and t not in active]:
+            del self.served[tenant]
 
     def push(self, req: Request, front: bool = False) -> None:
         """Queues ``req``; ``front`` for a preempted request (it keeps its place)."""
-        if self._per_tenant[req.tenant] == 0:
-            waiting = [self.served.get(t, 0.0) for t, n in self._per_tenant.items() if n]
+        if req.tenant not in self._per_tenant:
+            waiting = [self.served.get(t, 0.0) for t in self._per_tenant]
             floor = min(waiting) if waiting else 0.0
             self.served[req.tenant] = max(self.served.get(req.tenant, 0.0), floor)
         key = (req.priority_tier, req.tenant)
@@ -68,7 +94,8 @@ class WaitingQueue:
             fifo.appendleft(req)
         else:
             fifo.append(req)
-        self._per_tenant[req.tenant] += 1
+        self._per_tenant[req.tenant] = self._per_tenant.get(req.tenant, 0) + 1
+        self._per_tier[req.priority_tier] += 1
         self._len += 1
 
     def remove(self, req: Request) -> None:
@@ -77,7 +104,12 @@ class WaitingQueue:
         fifo.remove(req)
         if not fifo:
             del self._fifos[key]
-        self._per_tenant[req.tenant] -= 1
+        left = self._per_tenant[req.tenant] - 1
+        if left:
+            self._per_tenant[req.tenant] = left
+        else:
+            del self._per_tenant[req.tenant]
+        self._per_tier[req.priority_tier] -= 1
         self._len -= 1
 
     def peek(self, now: float) -> Request | None:

@@ -31,8 +31,9 @@ import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from scheduler_svc.core.admission import ThroughputMeter, overload_refusal
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, queue_time_bound
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.preemption import CostModel, pick_victim, priority_key
 from scheduler_svc.core.queue import WaitingQueue
@@ -166,6 +167,7 @@ class Scheduler:
         self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
         self.reconfigure(config)
         self.waiting = WaitingQueue(config.aging_s)
+        self._throughput = ThroughputMeter()  # departures/s while saturated (admission)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Replaces the config between steps (hot reload)."""
@@ -344,11 +346,29 @@ class Scheduler:
             raise QueueFull(f"tenant {req.tenant!r} has {cap} requests waiting, its cap",
                             self._retry_after())
         req.arrival_time = req.arrival_time or self.clock()
+        self._refuse_overload(req)
         if self.block_manager is not None:  # hash the prompt now, not in a step
             self.block_manager.extend_hashes(req.token_ids, req.block_hashes,
                                              len(req.token_ids) // self.model.block_size)
         self.requests[req.request_id] = req
         self.waiting.push(req)
+
+    def _refuse_overload(self, req: Request) -> None:
+        """Raises QueueFull when ``req`` would wait past its tier's bound, by the
+        throughput measured so far (core/admission.py). Also prunes idle tenants'
+        fairness counters, amortized over Submits."""
+        cfg, waiting = self.config, self.waiting
+        free = cfg.max_num_seqs - len(self.running)
+        self._throughput.sample(req.arrival_time, self.num_finished,
+                                bool(waiting) or free <= 0)
+        refusal = overload_refusal(req.priority_tier,
+                                   queue_time_bound(cfg, req.priority_tier),
+                                   waiting.num_waiting_up_to(req.priority_tier), free,
+                                   self._throughput.rate)
+        if refusal is not None:
+            raise QueueFull(*refusal)
+        if len(waiting.served) > 2 * (waiting.num_tenants + len(self._running_per_tenant)) + 64:
+            waiting.prune(self._running_per_tenant)
 
     def _retry_after(self) -> float:
         # About one queue-turn: the queue drains max_num_seqs at a time.
@@ -953,7 +973,11 @@ class Scheduler:
         del self._running_keys[i]
         del self._by_seq[req.seq_id]
         del self._explicit[req]
-        self._running_per_tenant[req.tenant] -= 1
+        left = self._running_per_tenant[req.tenant] - 1
+        if left:
+            self._running_per_tenant[req.tenant] = left
+        else:  # no zero entries: unique tenant names must not grow the per-step loop
+            del self._running_per_tenant[req.tenant]
         for out in self._unconfirmed:  # its samples there need the full checks
             out.removed.add(req.seq_id)
 

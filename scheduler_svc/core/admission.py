@@ -1,0 +1,96 @@
+"""Overload is refused at Submit, from measured throughput, before anyone waits.
+
+A request that cannot start within its tier's queue-time bound is refused at
+once (QueueFull -> RESOURCE_EXHAUSTED / HTTP 429 with a retry hint) instead of
+joining a queue it would time out in. The estimate, for a request of tier t:
+
+    ahead = requests waiting in tiers 0..t     (a premium request counts only
+                                                premium; best effort counts all)
+    free  = max_num_seqs - running
+    wait  = 0                                  if ahead < free
+            (ahead - free + 1) / departures_per_s   otherwise
+
+``departures_per_s`` is how fast requests leave (finish or are aborted),
+measured only while the scheduler is saturated — something waiting, or every
+slot taken — so an idle spell does not read as a slow server. It is an
+exponentially weighted ratio of departures to time (time constant TAU_S),
+sampled on the core's own clock at Submit; with fewer than MIN_DEPARTURES
+measured (a cold start) there is no estimate and only the count caps
+(max_num_waiting, max_num_waiting_per_tenant) apply.
+
+Because lower tiers count everything ahead of them, they are refused first:
+in a queue full of best effort a premium request still sees an empty queue,
+while new best-effort work is refused. The retry hint is the time until the
+estimated wait fits the bound again (the backlog above the bound drained at
+the measured rate). Bounds come from the config (``max_queue_time_*_s``, 0
+disables a tier's): see SchedulerConfig for the defaults and why.
+"""
+
+from __future__ import annotations
+
+import math
+
+TAU_S = 10.0
+MIN_DEPARTURES = 8
+MIN_SAMPLE_S = 0.05  # Submit bursts: sample the counters at most this often
+MAX_RETRY_AFTER_S = 60.0
+
+
+class ThroughputMeter:
+    """Departures per second while saturated, from counters sampled on the core's clock."""
+
+    def __init__(self) -> None:
+        self._t: float | None = None
+        self._departed = 0
+        self._saturated = False
+        self._weighted_departures = 0.0
+        self._weighted_time = 0.0
+        self.measured_departures = 0
+
+    @property
+    def rate(self) -> float | None:
+        """Departures per second, or None before enough were measured."""
+        if self.measured_departures < MIN_DEPARTURES or self._weighted_time <= 0:
+            return None
+        return self._weighted_departures / self._weighted_time
+
+    def sample(self, now: float, departed: int, saturated: bool) -> None:
+        """``departed``: the core's running count of departures; ``saturated``: whether
+        capacity, not arrivals, limits departures from now on."""
+        if self._t is not None and now - self._t < MIN_SAMPLE_S:
+            self._saturated = self._saturated and saturated
+            return
+        if self._t is not None and self._saturated and now > self._t:
+            dt, n = now - self._t, departed - self._departed
+            decay = math.exp(-dt / TAU_S)
+            self._weighted_departures = self._weighted_departures * decay + n
+            self._weighted_time = self._weighted_time * decay + dt
+            self.measured_departures += n
+        self._t, self._departed, self._saturated = now, departed, saturated
+
+
+def estimated_wait(ahead: int, free_slots: int, rate: float) -> float:
+    """Seconds until a request with ``ahead`` requests before it is admitted."""
+    if ahead < free_slots:
+        return 0.0
+    if rate <= 0:
+        return math.inf
+    return (ahead - free_slots + 1) / rate
+
+
+def overload_refusal(tier: int, bound_s: float, ahead: int, free_slots: int,
+                     rate: float | None) -> tuple[str, float] | None:
+    """(message, retry-after seconds) when a tier-``tier`` request would wait longer
+    than ``bound_s``; None to accept (also with no bound or no measurement yet)."""
+    if bound_s <= 0 or rate is None:
+        return None
+    wait = estimated_wait(ahead, free_slots, rate)
+    if wait <= bound_s:
+        return None
+    retry = MAX_RETRY_AFTER_S if math.isinf(wait) else min(MAX_RETRY_AFTER_S,
+                                                             max(1.0, wait - bound_s))
+    shown = "an unbounded time" if math.isinf(wait) else f"about {wait:.1f} s"
+    message = (f"the server is overloaded: this request would wait {shown} in the queue "
+               f"(the limit for its priority tier {tier} is {bound_s:g} s, "
+               f"{ahead} requests are ahead of it); retry in {retry:.0f} s")
+    return message, retry

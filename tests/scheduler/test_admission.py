@@ -1,0 +1,142 @@
+"""Overload refused at Submit from measured throughput (core/admission.py), and idle
+tenants' state pruned — the scheduler core on a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.core import ConfigError, QueueFull, SchedulerConfig
+from scheduler_svc.core.admission import MIN_DEPARTURES, ThroughputMeter, overload_refusal
+from tests.scheduler.factories import Clock, make_request, make_scheduler, step
+
+PREMIUM, STANDARD, BEST_EFFORT = 0, 1, 2
+
+
+def test_the_meter_measures_only_saturated_time():
+    meter = ThroughputMeter()
+    assert meter.rate is None  # cold: no estimate, the count caps alone apply
+    meter.sample(0.0, 0, saturated=False)
+    meter.sample(100.0, 5, saturated=True)  # idle before: those 100 s say nothing
+    assert meter.rate is None
+    meter.sample(110.0, 5 + 20, saturated=True)  # 20 departures in 10 saturated seconds
+    assert meter.rate == pytest.approx(2.0)
+    assert meter.measured_departures == 20
+
+
+def test_refusal_needs_a_bound_and_a_measurement():
+    assert overload_refusal(STANDARD, 5.0, ahead=100, free_slots=0, rate=None) is None
+    assert overload_refusal(STANDARD, 0.0, ahead=100, free_slots=0, rate=1.0) is None
+    assert overload_refusal(STANDARD, 5.0, ahead=3, free_slots=4, rate=0.001) is None
+    message, retry = overload_refusal(STANDARD, 5.0, ahead=29, free_slots=0, rate=2.0)
+    assert "overloaded" in message and "15.0 s" in message
+    assert retry == pytest.approx(10.0)  # the backlog beyond the 5 s bound, at 2/s
+
+
+def _flooded(clock: Clock, **config):
+    """A scheduler whose throughput was measured: 2 slots, 3-step requests, one step per
+    clock second, with a queue of best-effort requests kept non-empty while
+    MIN_DEPARTURES+ requests finished."""
+    sched = make_scheduler(clock=clock, max_num_seqs=2, max_num_batched_tokens=64, chunk_size=64,
+                           max_num_waiting=10_000, **config)
+    arrivals = 0
+    while sched.num_finished < 2 * MIN_DEPARTURES:
+        while len(sched.waiting) < 4:
+            arrivals += 1
+            sched.add_request(make_request(8, 3, request_id=f"warm{arrivals}",
+                                           priority_tier=BEST_EFFORT))
+        step(sched)
+        clock.now += 1.0
+    return sched
+
+
+def test_a_flood_is_refused_at_once_with_a_retry_hint_and_accepted_work_completes():
+    clock = Clock(0.0)
+    sched = _flooded(clock)
+    rate = sched._throughput.rate
+    assert rate == pytest.approx(2 / 3, rel=0.3)  # 2 slots, a request every 3 steps each
+    accepted, refused = [], []
+    for i in range(100):
+        req = make_request(8, 3, request_id=f"flood{i}")
+        try:
+            sched.add_request(req)
+            accepted.append(req)
+        except QueueFull as exc:
+            refused.append(exc)
+    # The standard bound (5 s) at ~0.67/s admits only a few beyond the 4 already queued.
+    assert refused and len(accepted) <= 5
+    assert all("overloaded" in str(exc) and exc.retry_after_s >= 1.0 for exc in refused)
+    # The hint grows with what is queued and is the time until the wait fits again.
+    assert refused[-1].retry_after_s < 60.0
+    while sched.has_work():
+        step(sched)
+        clock.now += 1.0
+    assert all(req.is_finished for req in accepted)
+    sched.add_request(make_request(8, 3, request_id="after"))  # drained: accepted again
+
+
+def test_lower_tiers_are_refused_first():
+    """Best effort counts everything queued ahead of it, standard and premium only their
+    own tiers and above: once new best-effort work is refused, the others still get in."""
+    sched = _flooded(Clock(0.0))
+    queued = len(sched.waiting)
+    accepted_be = 0
+    for i in range(100):
+        try:
+            sched.add_request(make_request(8, 3, request_id=f"be{i}", priority_tier=BEST_EFFORT))
+            accepted_be += 1
+        except QueueFull:
+            break
+    assert 0 < accepted_be < 100  # up to its 20 s bound, then refused
+    sched.add_request(make_request(8, 3, request_id="std", priority_tier=STANDARD))
+    sched.add_request(make_request(8, 3, request_id="vip", priority_tier=PREMIUM))
+    with pytest.raises(QueueFull):
+        sched.add_request(make_request(8, 3, request_id="be-more", priority_tier=BEST_EFFORT))
+    for i in range(100):  # standard has its own, tighter bound
+        try:
+            sched.add_request(make_request(8, 3, request_id=f"std{i}", priority_tier=STANDARD))
+        except QueueFull:
+            break
+    else:
+        raise AssertionError("standard was never refused")
+    assert len(sched.waiting) == queued + accepted_be + 2 + i
+
+
+def test_cold_start_falls_back_to_the_count_caps():
+    sched = make_scheduler(clock=Clock(0.0), max_num_seqs=2, max_num_waiting=20)
+    for i in range(20):
+        sched.add_request(make_request(8, 3, request_id=f"r{i}"))
+    with pytest.raises(QueueFull, match="queue is full"):
+        sched.add_request(make_request(8, 3, request_id="one-too-many"))
+
+
+def test_bounds_are_validated():
+    with pytest.raises(ConfigError, match="max_queue_time_standard_s"):
+        SchedulerConfig(max_queue_time_standard_s=-1)
+    with pytest.raises(ConfigError, match="max_queue_time_premium_s"):
+        SchedulerConfig(max_queue_time_premium_s=float("nan"))
+    disabled = _flooded(Clock(0.0), max_queue_time_standard_s=0)
+    for i in range(100):  # 0: no bound for the tier, only the count caps
+        disabled.add_request(make_request(8, 3, request_id=f"any{i}"))
+
+
+def test_idle_tenants_leave_no_state_behind():
+    """10,000 unique tenants come and go: the per-tenant dicts stay small, so neither
+    memory nor the per-step loop over running tenants grows with the names seen."""
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=8, max_num_batched_tokens=64, chunk_size=64,
+                           max_num_waiting=10_000)
+    for i in range(10_000):
+        sched.add_request(make_request(4, 1, request_id=f"t{i}", tenant=f"tenant-{i}"))
+        if i % 8 == 7:
+            while sched.has_work():
+                step(sched)
+            clock.now += 0.1
+    while sched.has_work():
+        step(sched)
+    assert sched.num_finished == 10_000
+    assert len(sched._running_per_tenant) == 0
+    assert sched.waiting.num_tenants == 0
+    assert len(sched.waiting.served) <= 64 + 8 * 3  # pruned as Submits arrive
+    # A returning tenant is lifted to the floor of those waiting, as before pruning.
+    sched.add_request(make_request(4, 1, request_id="again", tenant="tenant-0"))
+    assert sched.waiting.served["tenant-0"] >= 0.0
