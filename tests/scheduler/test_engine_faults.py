@@ -5,6 +5,9 @@ failing steps are survived, a poison request ends alone, and a dead task is fata
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ from scheduler_svc import link as link_module
 from scheduler_svc.core import FinishReason, SchedulerConfig
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.loop import EngineLoop
+from tests.integration.conftest import free_port
 from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
 
@@ -196,3 +200,22 @@ def test_abort_all_ends_every_stream_with_a_reason(tmp_path):
             await loop.stop()
 
     asyncio.run(go())
+
+
+def test_a_dead_task_makes_the_scheduler_process_exit_1(tmp_path):
+    """`python -m scheduler_svc` whose heartbeat task dies at once: it logs why and exits
+    non-zero (for its supervisor or Kubernetes to restart it) instead of wedging."""
+    code = ("import asyncio, sys\n"
+            "import scheduler_svc.loop as loop\n"
+            "async def boom(self):\n"
+            "    raise RuntimeError('heartbeat bug')\n"
+            "loop.EngineLoop._heartbeats = boom\n"
+            "from scheduler_svc.__main__ import main\n"
+            "main(sys.argv[1:])\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--ipc", f"ipc://{tmp_path}/s.sock",
+         "--port", str(free_port())],
+        env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 1
+    assert "heartbeat bug" in proc.stderr and "fatal" in proc.stderr
