@@ -32,7 +32,7 @@ from collections.abc import Callable
 from benchmarks.reliability import procs
 from benchmarks.reliability.streams import Outcome, grpc_stream, request
 
-SIZES = {"ci": dict(streams=4, max_tokens=16, hang_s=10.0),
+SIZES = {"ci": dict(streams=4, max_tokens=12, hang_s=10.0),
          "short": dict(streams=6, max_tokens=24, hang_s=20.0),
          "default": dict(streams=8, max_tokens=32, hang_s=30.0),
          "long": dict(streams=16, max_tokens=64, hang_s=60.0)}
@@ -45,7 +45,7 @@ def requests(n: int, max_tokens: int, long_prompts: bool = False) -> list:
     for i in range(n):
         text = f"Tell a short story about the number {i}."
         if long_prompts:  # several hundred tokens: prefill spans steps, swaps move many blocks
-            text += " Background: " + " ".join(f"fact {i}.{k} is true;" for k in range(90))
+            text += " Background: " + " ".join(f"fact {i}.{k} is true;" for k in range(30))
         seed = None if i % 2 == 0 else 1000 + i
         out.append(request(text, max_tokens, seed=seed, temperature=0.0 if seed is None
                            else 0.9))

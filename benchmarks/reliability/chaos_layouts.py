@@ -16,7 +16,6 @@ involved replicas must go idle with every block free (``blocks_free_after``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import pathlib
 import signal
@@ -52,11 +51,15 @@ def _idle_clean(*replicas: procs.Replica) -> bool:
 
 
 def _start_all(tmp: pathlib.Path) -> dict[str, procs.Replica]:
+    """All three at once (they load the model in parallel), from this thread."""
     specs = {"a": ((), ROOMY), "b": ((), ROOMY), "tight": (("--max-num-seqs", "8"), TIGHT)}
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futures = {n: pool.submit(procs.start_replica, tmp / n, s, e)
-                   for n, (s, e) in specs.items()}
-        return {n: f.result() for n, f in futures.items()}
+    launched = {n: procs.launch_replica(tmp / n, s, e) for n, (s, e) in specs.items()}
+    try:
+        return {n: procs.ready(r) for n, r in launched.items()}
+    except procs.ServerError:
+        for r in launched.values():
+            r.close()
+        raise
 
 
 def matrix(tmp: pathlib.Path, cfg: dict) -> list[dict]:

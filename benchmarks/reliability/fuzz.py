@@ -295,7 +295,7 @@ def _run(prop, target: str, tally: Tally) -> None:
                                "reproducer": notes[:2000]})
 
 
-SIZES = {"ci": 12, "short": 25, "default": 150, "long": 1000}  # examples per target
+SIZES = {"ci": 8, "short": 25, "default": 150, "long": 1000}  # examples per target
 
 
 def run(serve, tmp, size: str = "short") -> dict:
@@ -325,7 +325,7 @@ def run(serve, tmp, size: str = "short") -> dict:
     fuzz_grpc(serve.addr, tally, examples)
     check_serving("grpc")
     fuzz_zmq.fuzz_scheduler_end(serve, tally, examples, check_serving)
-    fuzz_zmq.fuzz_executor_end(tmp, tally, max(10, examples // 2))
+    fuzz_zmq.fuzz_executor_end(tmp, tally, max(6, examples // 2))
     survived = {r: serve.pid(r) == p for r, p in pids.items()} if serve.proc.poll() is None \
         else dict.fromkeys(pids, False)
     return {

@@ -7,8 +7,9 @@ every one of them valid input). The issue's target: the ratio stays <= 1.2.
 
 Hostile kinds: the most stop strings at the longest length, a chat of many messages, a
 prompt near the context limit, the most logprobs, ``n`` = 16 with ``max_tokens`` 1, a
-body near the 4 MiB limit (a long ``user`` field), the vocabulary's worth of stop token
-ids with ``min_tokens`` 1, and a stream cancelled right after it started.
+body near the 4 MiB limit (a long ``user`` field), the most stop token ids with
+``min_tokens`` 1, and a stream cancelled right after it started. Sizes follow the
+gateway's caps, the context and the KV pool, so every one is accepted as valid.
 
     .venv/bin/python -m benchmarks.reliability --only hostile [--long]
 """
@@ -34,17 +35,29 @@ HOSTILE_TIMEOUT_S = 20.0
 BODY_LIMIT = 4 * 1024 * 1024
 
 
-def _hostile_bodies(max_model_len: int) -> list[tuple[str, str, dict]]:
-    """(kind, path, body) for every HTTP kind; all valid requests."""
-    near_limit = " ".join(["lorem"] * max(16, max_model_len - 300))  # ~1 token per word
+def _caps() -> tuple[int, int]:
+    """(most chat messages, most stop token ids) the gateway accepts."""
+    from gateway import validation
+
+    return (getattr(validation, "MAX_CHAT_MESSAGES", 1024),
+            getattr(validation, "MAX_STOP_TOKEN_IDS", 49152))
+
+
+def _hostile_bodies(max_model_len: int, pool_tokens: int) -> list[tuple[str, str, dict]]:
+    """(kind, path, body) for every HTTP kind; all valid, each as large as the caps, the
+    context and the KV pool allow (so none is refused as bad input)."""
+    room = max(64, min(max_model_len, pool_tokens) - 96)
+    max_messages, max_stop_ids = _caps()
+    num_messages = max(2, min(max_messages, room // 10) // 2 * 2 - 1)  # ~9 tokens a turn
     return [
         ("stop strings 16x256B", "completions",
          {"prompt": "Hi", "max_tokens": 8, "stop": [f"{i:03d}" + "z" * 253 for i in range(16)]}),
-        ("chat 128 messages", "chat/completions",
-         {"messages": [{"role": "user" if i % 2 == 0 else "assistant",
-                        "content": f"message {i} " + "word " * 20} for i in range(127)]
+        (f"chat {num_messages + 1} messages", "chat/completions",
+         {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+                       for i in range(num_messages)]
           + [{"role": "user", "content": "Sum it up."}], "max_tokens": 4}),
-        ("prompt near context limit", "completions", {"prompt": near_limit, "max_tokens": 1}),
+        (f"prompt of ~{room} tokens", "completions",
+         {"prompt": "the " * room, "max_tokens": 1}),
         ("top_logprobs 20", "chat/completions",
          {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
           "logprobs": True, "top_logprobs": 20}),
@@ -52,8 +65,9 @@ def _hostile_bodies(max_model_len: int) -> list[tuple[str, str, dict]]:
                                               "max_tokens": 1, "temperature": 1.0}),
         ("body near 4 MiB", "completions",
          {"prompt": "Hi", "max_tokens": 2, "user": "u" * (BODY_LIMIT - 4096)}),
-        ("stop_token_ids = vocabulary", "completions",
-         {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": list(range(49152))}),
+        (f"{min(max_stop_ids, 49152)} stop token ids, min_tokens 1", "completions",
+         {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
+          "stop_token_ids": list(range(min(max_stop_ids, 49152)))}),
     ]
 
 
@@ -80,7 +94,8 @@ async def _cancelled(serve: procs.Serve) -> str:
 async def _hostile(serve: procs.Serve, end: float, rate: float,
                    seen: collections.Counter) -> None:
     stats = serve.stats()
-    bodies = _hostile_bodies(stats.max_model_len or 8192)
+    bodies = _hostile_bodies(stats.max_model_len or 8192,
+                             stats.num_total_blocks * stats.block_size)
     rng = random.Random(20)
     tasks = []
     base = f"http://127.0.0.1:{serve.http_port}/v1/"

@@ -29,7 +29,7 @@ from benchmarks.reliability.streams import (
 )
 
 SIZES = {  # closed-loop concurrency, capacity seconds, offer seconds, most offered, deadline
-    "ci": dict(concurrency=4, capacity_s=3.0, offer_s=2.0, max_offered=60, deadline_s=20.0),
+    "ci": dict(concurrency=4, capacity_s=2.0, offer_s=2.0, max_offered=40, deadline_s=15.0),
     "short": dict(concurrency=8, capacity_s=4.0, offer_s=4.0, max_offered=300, deadline_s=30.0),
     "default": dict(concurrency=16, capacity_s=8.0, offer_s=8.0, max_offered=800,
                     deadline_s=60.0),

@@ -239,10 +239,14 @@ class Replica:
             proc.wait()
 
 
-def start_replica(tmp: pathlib.Path, scheduler_flags: tuple[str, ...] = (),
-                  executor_flags: tuple[str, ...] = (), port: int | None = None) -> Replica:
-    """``port``: the scheduler's (a replacement for a dead replica takes its port, so
-    the gateways that know the address find it again)."""
+def launch_replica(tmp: pathlib.Path, scheduler_flags: tuple[str, ...] = (),
+                   executor_flags: tuple[str, ...] = (), port: int | None = None) -> Replica:
+    """Spawns a scheduler and its executor without waiting (``ready`` waits). Call it
+    from the thread that will outlive them: children die with the thread that spawned
+    them (PR_SET_PDEATHSIG), so a worker thread must not start a replica.
+
+    ``port``: the scheduler's (a replacement for a dead replica takes its port, so the
+    gateways that know the address find it again)."""
     ensure_secret()
     tmp.mkdir(parents=True, exist_ok=True)
     port, ipc = port or free_port(), f"ipc://{tmp}/executor.sock"
@@ -253,19 +257,28 @@ def start_replica(tmp: pathlib.Path, scheduler_flags: tuple[str, ...] = (),
     argv = ["--model", str(model_dir()), "--ipc", ipc, "--device", "cpu",
             "--kv-cache-bytes", str(96 << 20), *executor_flags]
     executor = spawn("executor_svc", argv, stderr=subprocess.DEVNULL)
-    replica = Replica(scheduler, executor, port, ipc, argv, lines)
+    return Replica(scheduler, executor, port, ipc, argv, lines)
+
+
+def ready(replica: Replica) -> Replica:
+    """Waits until the scheduler has its executor, then starts supervising it."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
         with contextlib.suppress(grpc.RpcError):
             if replica.stats().executor_ready:
                 break
-        if scheduler.poll() is not None or executor.poll() is not None or \
+        if replica.scheduler.poll() is not None or replica.executor.poll() is not None or \
                 time.monotonic() > deadline:
             replica.close()
-            raise ServerError("replica did not become ready:\n" + "".join(lines[-30:]))
+            raise ServerError("replica did not become ready:\n" + "".join(replica.log[-30:]))
         time.sleep(0.3)
     replica.supervise()
     return replica
+
+
+def start_replica(tmp: pathlib.Path, scheduler_flags: tuple[str, ...] = (),
+                  executor_flags: tuple[str, ...] = (), port: int | None = None) -> Replica:
+    return ready(launch_replica(tmp, scheduler_flags, executor_flags, port))
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from benchmarks.reliability.streams import (
     request,
 )
 
-SIZES = {"ci": dict(clients=4, seconds=10.0), "short": dict(clients=6, seconds=16.0),
+SIZES = {"ci": dict(clients=4, seconds=8.0), "short": dict(clients=6, seconds=16.0),
          "default": dict(clients=12, seconds=60.0), "long": dict(clients=24, seconds=600.0)}
 ACTIONS = ("complete", "grpc_cancel", "http_close", "deadline", "abandon")
 FD_TOLERANCE = 8  # per process: a reconnecting channel or a lazily opened file
