@@ -115,7 +115,9 @@ class ServeLoop:
                 if self._last_hello and not self._answered and not self._retried \
                         and self._since_hello() >= self.hello_retry_s:
                     self._retried = True
-                    self._send_hello("no answer yet")
+                    # A scheduler drops a Hello it cannot verify without a word.
+                    self._send_hello("no answer yet: if none comes, check that this "
+                                     "executor has the scheduler's internal secret")
             else:
                 self._receive(frame)
 
