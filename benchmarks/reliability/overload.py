@@ -106,7 +106,7 @@ def run(serve: procs.Serve, size: str = "short") -> dict:
     accepted = [o for o in outcomes if o.status == "ok"]
     return {
         "row": "overload_10x", "capacity_rps": round(cap, 2), "offered_rps": round(rate, 1),
-        "offered": len(outcomes),
+        "offered": len(outcomes), "refused": len(refused),
         "refused_frac": round(len(refused) / max(1, len(outcomes)), 3),
         "refused_with_retry_hint": sum(o.retry_hint for o in refused),
         "refuse_p99_s": _round(percentile([o.elapsed_s for o in refused], 99)),

@@ -43,7 +43,7 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
                 f"{row['rss_mib_before']} -> peak {row['rss_mib_peak']} -> "
                 f"{row['rss_mib_after']}",
                 "excess refused at once with a retry hint; 0 unanswered; 0 server errors",
-                refused > 0 and row["refused_with_retry_hint"] == round(refused * row["offered"])
+                refused > 0 and row["refused_with_retry_hint"] == row["refused"]
                 and row["no_answer"] == 0 and row["server_errors"] == 0)
     if kind == "soak":
         ok = (row["lost"] == 0 and row["server_errors"] == 0 and row["idle_clean_1"]
