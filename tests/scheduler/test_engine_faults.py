@@ -14,6 +14,7 @@ import pytest
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc import link as link_module
+from scheduler_svc import loop as loop_module
 from scheduler_svc.core import FinishReason, SchedulerConfig
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.loop import EngineLoop
@@ -219,3 +220,45 @@ def test_a_dead_task_makes_the_scheduler_process_exit_1(tmp_path):
         timeout=120)
     assert proc.returncode == 1
     assert "heartbeat bug" in proc.stderr and "fatal" in proc.stderr
+
+
+def test_a_request_whose_step_hangs_the_executor_is_ended_alone(tmp_path, monkeypatch):
+    """The executor never answers a step holding the poison request: the step deadline
+    (shortened here) or the replacement's Hello fails it; a fresh executor registers each
+    time, and after its step alone hangs too the poison is ended; the others finish."""
+    monkeypatch.setattr(loop_module, "STEP_DEADLINE_FLOOR_S", 0.3)
+
+    async def go():
+        loop, address = _engine(tmp_path, max_step_failures=2)
+        loop.start()
+        peer = FakePeer(address)
+        try:
+            await peer.say_hello(make_hello())
+            queues = {rid: loop.submit(make_request(prompt_len=5 + i, max_tokens=3,
+                                                    request_id=rid))
+                      for i, rid in enumerate(["p", "a", "b"])}
+            poison = loop.core.requests["p"].seq_id
+
+            async def serve():
+                while True:
+                    kind, msg = await peer.recv(60)
+                    if kind != "plan":
+                        continue
+                    if any(n.seq_id == poison for n in msg.new_seqs):
+                        await asyncio.sleep(1.0)  # hung; then a new executor starts
+                        peer.seqs.clear()
+                        await peer.say_hello(make_hello())
+                    else:
+                        await peer.send("result", peer.answer(msg))
+
+            server = asyncio.create_task(serve())
+            ends = {rid: (await drain(q))[-1] for rid, q in queues.items()}
+            server.cancel()
+            assert ends.pop("p")[2] == FinishReason.ERROR
+            assert {reason for _, _, reason in ends.values()} == {FinishReason.LENGTH}
+            assert loop.core.requests == {} and not loop.fatal.done()
+        finally:
+            peer.close()
+            await loop.stop()
+
+    asyncio.run(go())
