@@ -39,6 +39,9 @@ class GatewayConfig:
     http_header_timeout_s: float = 10.0
     # seconds a request body may take to arrive in full (408 after that);
     http_body_timeout_s: float = 30.0
+    # after answering a request whose body was not read in full (408, 413), how
+    # long the rest is still read before the connection is closed;
+    http_lingering_s: float = 5.0
     # open HTTP connections at most; one more is answered 503 and closed
     # (nginx's worker_connections default is 512 per worker; 2,048 per gateway);
     http_max_connections: int = 2048

@@ -90,8 +90,10 @@ def _request_error(exc: RequestError) -> web.Response:
         code = "invalid_api_key"
     if exc.http_status is not None:
         _, error_type = HTTP_STATUS.get(exc.code, (400, "invalid_request_error"))
-        return _json_response(exc.http_status, error_body(exc.message, error_type, exc.param,
-                                                          code))
+        response = _json_response(exc.http_status, error_body(exc.message, error_type,
+                                                              exc.param, code))
+        response.force_close()  # a 408's connection is not kept alive
+        return response
     return _error_response(ClientStatus(exc.code, exc.message), exc.param, code)
 
 

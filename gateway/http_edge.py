@@ -7,8 +7,10 @@
   `keepalive_timeout=header_timeout_s` gives exactly that (a slowloris head
   that trickles a byte a second is closed on time; data does not reset it).
 * Request body: `read_body` reads it within `body_timeout_s`; a lying
-  Content-Length or a body that trickles gets 408 and the connection closed
-  (no lingering read of the rest).
+  Content-Length or a body that trickles gets 408 at once, and the connection
+  is closed after at most `lingering_s` more (aiohttp keeps reading an unread
+  body that long so that a client still sending sees the answer instead of a
+  reset; nginx's lingering_timeout is 5 s).
 * Open connections: at most `max_connections`; the next one is answered a
   plain 503 with a JSON body and closed before any request is read.
 * Head sizes: aiohttp's parser limits (8,190-byte lines and fields, 128
@@ -33,6 +35,7 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 2048
+    lingering_s: float = 5.0
 
 
 def _refusal(status: str, message: str) -> bytes:
@@ -72,8 +75,6 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
     try:
         return await asyncio.wait_for(request.read(), limits.body_timeout_s)
     except TimeoutError as exc:
-        if request.transport is not None:
-            request.protocol.force_close()  # do not linger reading the rest
         raise RequestError(
             f"the request body did not arrive within {limits.body_timeout_s:g} s "
             "(Content-Length larger than the body sent?)",
@@ -84,7 +85,8 @@ async def start_http(app: web.Application, host: str, port: int, limits: HttpLim
                      ) -> tuple[web.AppRunner, int]:
     """Starts serving `app`; returns the runner and the bound port."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
-                           access_log=None, keepalive_timeout=limits.header_timeout_s)
+                           access_log=None, keepalive_timeout=limits.header_timeout_s,
+                           lingering_time=limits.lingering_s)
     await runner.setup()
     assert runner.server is not None
     _cap_connections(runner.server, limits.max_connections)

@@ -1,0 +1,113 @@
+"""Connections cannot be held hostage: a real gateway (HTTP on aiohttp) with shortened
+timeouts, driven over raw loopback sockets. Waits are for conditions with generous
+deadlines; nothing asserts how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from gateway.config import GatewayConfig
+from gateway.server import _server_options
+
+from .harness import FakeScheduler, fake_scheduler, gateway, run
+
+GENEROUS_S = 20.0
+
+
+@contextlib.asynccontextmanager
+async def _http_gateway(tokenizer, **config):
+    async with fake_scheduler(FakeScheduler()) as address, \
+            gateway(tokenizer, address, http_port=0, **config) as (running, _):
+        yield running.http_port
+
+
+async def _read_until_closed(reader: asyncio.StreamReader) -> bytes:
+    data = b""
+    while chunk := await reader.read(65536):
+        data += chunk
+    return data
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_and_a_closed_connection(tokenizer):
+    async def scenario():
+        async with _http_gateway(tokenizer, http_body_timeout_s=0.5,
+                                 http_lingering_s=0.5) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+            await writer.drain()
+            answer = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
+            writer.close()
+            return answer
+
+    answer = run(scenario())
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    error = json.loads(body)["error"]
+    assert "did not arrive within 0.5 s" in error["message"]
+    # _read_until_closed returned: the server closed the connection itself.
+
+
+def test_a_request_head_that_trickles_in_is_cut(tokenizer):
+    """Slowloris: one header byte at a time, never finishing the head."""
+    async def scenario():
+        async with _http_gateway(tokenizer, http_header_timeout_s=0.5) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            closed = asyncio.ensure_future(_read_until_closed(reader))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + GENEROUS_S
+            sent = 0
+            while not closed.done() and loop.time() < deadline:
+                with contextlib.suppress(ConnectionError):
+                    writer.write(b"a")
+                    await writer.drain()
+                    sent += 1
+                await asyncio.sleep(0.05)
+            writer.close()
+            return closed.done(), sent
+
+    closed, sent = run(scenario(), timeout_s=GENEROUS_S + 10)
+    assert closed, "the server kept a never-finished request head open"
+    assert sent > 0
+
+
+def test_connections_past_the_cap_get_503_and_the_cap_frees_up(tokenizer):
+    async def scenario():
+        async with _http_gateway(tokenizer, http_max_connections=2) as port:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            await asyncio.sleep(0.1)  # both accepted before the third arrives
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            refused = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
+            writer.close()
+            for _, held_writer in held:
+                held_writer.close()
+            # Once the held ones are gone, a request is served again.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + GENEROUS_S
+            while loop.time() < deadline:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answer = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
+                writer.close()
+                if answer.startswith(b"HTTP/1.1 200"):
+                    return refused, answer
+                await asyncio.sleep(0.1)
+            return refused, b""
+
+    refused, served = run(scenario(), timeout_s=2 * GENEROUS_S + 10)
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), refused[:200]
+    assert "limit of 2 open connections" in json.loads(body)["error"]["message"]
+    assert served.startswith(b"HTTP/1.1 200")
+
+
+def test_grpc_server_options_bound_streams_and_idle_connections(tmp_path):
+    config = GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1",
+                           grpc_max_concurrent_streams=100, grpc_max_connection_idle_s=300)
+    options = dict(_server_options(config))
+    assert options["grpc.max_concurrent_streams"] == 100
+    assert options["grpc.max_connection_idle_ms"] == 300_000
+    assert options["grpc.max_receive_message_length"] == config.max_body_bytes
