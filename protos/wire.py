@@ -97,8 +97,9 @@ def hello_problem(hello: pb.Hello) -> str | None:
 
 
 def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
-    """Why a StepResult's columns cannot be applied (lengths that disagree, token ids
-    outside the vocabulary), or None. Unknown seq ids are the scheduler's to ignore."""
+    """Why a StepResult's columns cannot be applied (lengths that disagree, a sequence
+    twice, token ids outside the vocabulary), or None. Unknown seq ids are the
+    scheduler's to ignore (a sequence aborted while the step ran)."""
     n = len(result.seq_ids)
     if len(result.token_ids) != n:
         return f"{n} seq_ids but {len(result.token_ids)} token_ids"
@@ -113,6 +114,8 @@ def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
                     f"{len(result.top_logprobs)} top logprobs came")
     elif result.top_token_ids or result.top_logprobs:
         return "top alternatives without top_n"
+    if len(set(result.seq_ids)) != n:  # one sample per sequence and step
+        return "a seq id appears twice"
     if n and max(result.token_ids) >= vocab_size:
         return f"token id {max(result.token_ids)} is outside the vocabulary ({vocab_size})"
     if result.top_token_ids and max(result.top_token_ids) >= vocab_size:

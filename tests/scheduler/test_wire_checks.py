@@ -25,6 +25,7 @@ def result(**fields) -> pb.StepResult:
     ({"logprobs": [-0.1, -0.2], "top_n": [2, 0], "top_token_ids": [3]}, "top_n sums"),
     ({"top_token_ids": [3]}, "without top_n"),
     ({"token_ids": [5, 1000]}, "vocabulary"),
+    ({"seq_ids": [1, 1]}, "twice"),
     ({"logprobs": [-0.1, -0.2], "top_n": [1, 0], "top_token_ids": [4000],
       "top_logprobs": [-0.5]}, "vocabulary"),
 ])
