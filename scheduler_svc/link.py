@@ -29,6 +29,7 @@ from protos.continuum.v1 import executor_pb2 as pb
 log = structlog.get_logger("scheduler.link")
 
 DETACHED_REPLY_EVERY_S = 1.0
+MAX_FRAME_BYTES = 64 << 20
 # Identities remembered for rate limits and log-once; a scan of many identities
 # forgets the oldest rather than growing without bound.
 MAX_REMEMBERED_PEERS = 1024
@@ -61,6 +62,9 @@ class ExecutorLink:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sends to a gone peer fail loudly
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A result or Hello is kilobytes; a peer that sends more is cut off by zmq
+        # before the bytes are held (a real executor never comes near this).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks: list[asyncio.Task] = []
         self.peer: bytes | None = None

@@ -80,6 +80,31 @@ def test_junk_and_forged_hellos_are_dropped_and_the_reader_survives(tmp_path):
     asyncio.run(go())
 
 
+def test_an_oversized_frame_is_refused_by_zmq_and_the_link_goes_on(tmp_path):
+    address = f"ipc://{tmp_path}/s.sock"
+    hellos = []
+
+    async def go():
+        link = ExecutorLink(address, lambda i, h: hellos.append(h), lambda r: None,
+                            lambda: None, secret=SECRET)
+        link.start()
+        peer = FakePeer(address)
+        try:
+            await peer.send_raw(b"\0" * (link_module.MAX_FRAME_BYTES + 1))
+            for _ in range(200):  # zmq cuts the connection and the DEALER reconnects: a
+                await peer.say_hello(make_hello())  # Hello sent meanwhile may be lost
+                await asyncio.sleep(0.1)
+                if hellos:
+                    break
+            assert hellos  # had the big frame been read, it was counted before this
+            assert link.num_dropped_frames == 0  # the big frame was never read
+        finally:
+            peer.close()
+            await link.close()
+
+    asyncio.run(go())
+
+
 def _engine(tmp_path, **config) -> tuple[EngineLoop, str]:
     address = f"ipc://{tmp_path}/s.sock"
     config.setdefault("watermark", 0.0)
