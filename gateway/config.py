@@ -33,10 +33,12 @@ class GatewayConfig:
     api_keys_file: pathlib.Path | None = None
     # Connections cannot be held hostage (defaults after nginx's client_header_timeout
     # and client_body_timeout, 60 s, tightened for an API whose requests are small):
-    # seconds a connection may take to send a complete request head, counted from
-    # its opening or from the end of its previous response (HTTP keep-alive idle
-    # time is the same clock), before it is closed;
+    # seconds a request head may take to arrive in full once it has begun, before
+    # the connection is closed;
     http_header_timeout_s: float = 10.0
+    # seconds an idle keep-alive connection stays open (nginx's keepalive_timeout;
+    # longer than the 60 s idle timeout of common proxies in front of us);
+    http_keepalive_timeout_s: float = 75.0
     # seconds a request body may take to arrive in full (408 after that);
     http_body_timeout_s: float = 30.0
     # after answering a request whose body was not read in full (408, 413), how
@@ -78,7 +80,8 @@ class GatewayConfig:
         if self.grace_period_s < 0:
             raise ConfigError(f"--grace-period must be >= 0, got {self.grace_period_s}")
         for flag, value in (("--http-header-timeout", self.http_header_timeout_s),
-                            ("--http-body-timeout", self.http_body_timeout_s)):
+                            ("--http-body-timeout", self.http_body_timeout_s),
+                            ("--http-keepalive-timeout", self.http_keepalive_timeout_s)):
             if not value > 0:
                 raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
         if self.http_max_connections < 1:

@@ -1,11 +1,13 @@
 """The HTTP server's connection-level defences: connections cannot be held hostage.
 
-* Request head: a connection must send a complete request head within
-  `header_timeout_s` of opening (or of its previous response ending), else it
-  is closed. aiohttp's keep-alive timer already runs from connection_made and
-  closes a connection whose next request has not been parsed when it fires, so
-  `keepalive_timeout=header_timeout_s` gives exactly that (a slowloris head
-  that trickles a byte a second is closed on time; data does not reset it).
+* Request head: once a request head starts to arrive, it must be complete
+  within `header_timeout_s`, else the connection is closed (a slowloris head
+  that trickles a byte a second is closed on time: data does not reset the
+  clock). aiohttp has no such timer, so `_Handler` adds one per connection.
+* Idle keep-alive connections (and ones that never send a byte) are closed
+  after `keepalive_s` by aiohttp's own keep-alive timer (75 s, nginx's
+  keepalive_timeout: longer than the 60 s idle timeout of common proxies, so a
+  proxy never reuses a connection we are closing).
 * Request body: `read_body` reads it within `body_timeout_s`; a lying
   Content-Length or a body that trickles gets 408 at once, and the connection
   is closed after at most `lingering_s` more (aiohttp keeps reading an unread
@@ -36,6 +38,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     max_connections: int = 2048
     lingering_s: float = 5.0
+    keepalive_s: float = 75.0
 
 
 def _refusal(status: str, message: str) -> bytes:
@@ -46,26 +49,61 @@ def _refusal(status: str, message: str) -> bytes:
             ).encode() + body
 
 
-def _cap_connections(server: web.Server, max_connections: int) -> None:
-    """Makes aiohttp's connection manager refuse connections past `max_connections`.
+class _Handler(web_protocol.RequestHandler):
+    """aiohttp's per-connection protocol, closing the connection when a request head,
+    once begun, is not complete within `head_timeout_s`.
 
-    Wraps the instance's `connection_made` (which every new RequestHandler calls
-    with its transport) rather than subclassing, so aiohttp's runner internals
-    stay untouched."""
-    admit = server.connection_made
+    The parent waits on `_waiter` while no complete request has been parsed and
+    counts parsed requests in `_request_count` (aiohttp 3.14, pinned); a head is
+    complete when either moves."""
 
-    def connection_made(handler: web_protocol.RequestHandler,
+    __slots__ = ("_head_timeout_s", "_head_timer")
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def _waiting_for_a_head(self) -> bool:
+        return self._waiter is not None and not self._waiter.done()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_timer is None and self._waiting_for_a_head():
+            self._head_timer = self._loop.call_later(
+                self._head_timeout_s, self._head_expired, self._request_count)
+
+    def _head_expired(self, count: int) -> None:
+        self._head_timer = None
+        if self._request_count == count and self._waiting_for_a_head():
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+class _Server(web.Server):
+    """aiohttp's connection manager (its class swapped in by `start_http`), making
+    `_Handler`s and refusing connections past `limits.max_connections`."""
+
+    limits: HttpLimits
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _Handler(self, loop=self._loop, head_timeout_s=self.limits.header_timeout_s,
+                        **self._kwargs)
+
+    def connection_made(self, handler: web_protocol.RequestHandler,
                         transport: asyncio.Transport) -> None:
-        if len(server.connections) >= max_connections:
+        if len(self._connections) >= self.limits.max_connections:
             transport.write(_refusal(
                 "503 Service Unavailable",
-                f"this gateway holds its limit of {max_connections} open connections; "
-                "retry shortly or on another gateway"))
+                f"this gateway holds its limit of {self.limits.max_connections} open "
+                "connections; retry shortly or on another gateway"))
             handler.force_close()  # closes the transport once the bytes are written
             return
-        admit(handler, transport)
-
-    server.connection_made = connection_made  # type: ignore[method-assign]
+        super().connection_made(handler, transport)
 
 
 async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
@@ -85,11 +123,12 @@ async def start_http(app: web.Application, host: str, port: int, limits: HttpLim
                      ) -> tuple[web.AppRunner, int]:
     """Starts serving `app`; returns the runner and the bound port."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
-                           access_log=None, keepalive_timeout=limits.header_timeout_s,
+                           access_log=None, keepalive_timeout=limits.keepalive_s,
                            lingering_time=limits.lingering_s)
     await runner.setup()
-    assert runner.server is not None
-    _cap_connections(runner.server, limits.max_connections)
+    assert type(runner.server) is web.Server  # what AppRunner makes; ours only adds
+    runner.server.__class__ = _Server
+    runner.server.limits = limits
     site = web.TCPSite(runner, host, port, reuse_port=False)
     try:
         await site.start()

@@ -258,7 +258,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                             header_timeout_s=config.http_header_timeout_s,
                             body_timeout_s=config.http_body_timeout_s,
                             max_connections=config.http_max_connections,
-                            lingering_s=config.http_lingering_s)
+                            lingering_s=config.http_lingering_s,
+                            keepalive_s=config.http_keepalive_timeout_s)
         running.http = HttpApi(relay, admission, tokenizer, config.model_name, keys, metrics,
                                replicas, limits)
         try:

@@ -34,15 +34,17 @@ from google.protobuf.message import DecodeError
 
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
+from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
+# The limits the scheduler enforces again on its internal plane live in protos/limits.py.
+MAX_REQUEST_ID_CHARS = limits.MAX_REQUEST_ID_CHARS
+MAX_TENANT_CHARS = limits.MAX_TENANT_CHARS
+MAX_LOGPROBS = limits.MAX_LOGPROBS
+MAX_STOP_TOKEN_IDS = limits.MAX_STOP_TOKEN_IDS
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_BYTES = 256
-MAX_REQUEST_ID_CHARS = 128
-MAX_TENANT_CHARS = 128
-MAX_LOGPROBS = 20
 MAX_N = 16
-MAX_STOP_TOKEN_IDS = 128
 MAX_CHAT_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"

@@ -111,3 +111,25 @@ def test_grpc_server_options_bound_streams_and_idle_connections(tmp_path):
     assert options["grpc.max_concurrent_streams"] == 100
     assert options["grpc.max_connection_idle_ms"] == 300_000
     assert options["grpc.max_receive_message_length"] == config.max_body_bytes
+
+
+def test_an_idle_keep_alive_connection_outlives_the_header_timeout(tokenizer):
+    """The head timer runs only while a head is arriving, not between requests."""
+    request = b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def scenario():
+        async with _http_gateway(tokenizer, http_header_timeout_s=0.2) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            for _ in range(2):
+                writer.write(request)
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GENEROUS_S)
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                answers.append(head + await reader.readexactly(length))
+                await asyncio.sleep(1.0)  # idle for 5 header timeouts
+            writer.close()
+            return answers
+
+    answers = run(scenario())
+    assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers)
