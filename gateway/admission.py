@@ -63,13 +63,14 @@ class Admission:
         self._metrics = metrics
 
     async def admit(self, principal: Principal, build: Callable[[], Built[T]], *,
-                    api: str) -> tuple[ValidatedRequest, T]:
-        """`build()` returns the request and whatever the front end needs to answer it."""
+                    api: str, request_id: str = "") -> tuple[ValidatedRequest, T]:
+        """`build()` returns the request and whatever the front end needs to answer it;
+        `request_id` is the caller's id as far as it is known, for the log."""
         try:
             return await asyncio.to_thread(self._admit, principal, build)
         except RequestError as exc:
-            _log.info("request rejected", api=api, code=exc.code.name, param=exc.param,
-                      reason=exc.message)
+            _log.info("request rejected", api=api, request_id=request_id[:128],
+                      code=exc.code.name, param=exc.param, reason=exc.message)
             self._metrics.error(exc.code.name)
             raise
 

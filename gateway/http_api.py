@@ -292,7 +292,8 @@ class HttpApi:
             api.proto.request_id = request_id
             return api.proto, api
 
-        return await self._admission.admit(request[_PRINCIPAL], build, api=dialect.name)
+        return await self._admission.admit(request[_PRINCIPAL], build, api=dialect.name,
+                                           request_id=ascii(request_id)[1:-1])
 
     def _chunk(self, api: ApiRequest, validated: ValidatedRequest, created: int,
                choices: _Choices, response) -> dict | None:

@@ -87,7 +87,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if principal is None:  # the interceptor refuses these first; kept as a backstop
                 raise RequestError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED)
             validated, _ = await self._admission.admit(
-                principal, lambda: (request, None), api="grpc")
+                principal, lambda: (request, None), api="grpc",
+                request_id=getattr(request, "request_id", ""))
             return validated
         except RequestError as exc:  # admit logged and counted it
             await context.abort(exc.code, exc.message)  # raises: ends the call
