@@ -281,7 +281,9 @@ class HttpApi:
         try:
             raw = await read_body(request, self.limits)
             charset = request.charset  # LookupError-free: it is only a parsed header
-        except RequestError as exc:
+        except RequestError as exc:  # a body too slow: refused before the admit step
+            _log.info("request rejected", api=dialect.name, code=exc.code.name,
+                      reason=exc.message)
             self._metrics.error(exc.code.name)
             raise
         request_id = request.headers.get("X-Request-Id", "")
