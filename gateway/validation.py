@@ -5,13 +5,15 @@ change; nothing a client sends may surface as INTERNAL. Cheap field checks run
 before tokenization so that a malformed request costs nothing.
 
 Caps (a request may not cost more than it pays for), checked by length before
-any template is rendered or text tokenized. Where other servers have a limit we
-follow it: 16 stop strings like vLLM's OpenAI server and OpenAI's 4 (raised),
-n <= 16 and top_logprobs <= 20 as OpenAI; TGI's `max_stop_sequences` (4) and
-`max_top_n_tokens` (5) are stricter. Ours beyond them:
+any template is rendered or text tokenized. Where trusted servers have a limit
+we follow or tighten it: top_logprobs <= 20 as OpenAI; stop strings 16 x 256
+bytes (OpenAI allows 4 stop sequences, TGI's max_stop_sequences defaults to 4,
+vLLM has no cap); n <= 16 (OpenAI allows 128, but each completion here is a
+running sequence). Ours beyond them:
 
-* stop_token_ids: at most 128 (vLLM has none; the whole vocabulary as stop ids
-  is a request whose every sampled token ends it, refused here with a message);
+* stop_token_ids: at most 128 (vLLM has none). The whole vocabulary as stop ids
+  with min_tokens > 0 bans every token the sampler may pick, and costs a
+  vocabulary-sized ban list per step: refused here with a message;
 * chat messages: at most 1,024 per request, their text bounded by the body
   limit (`--max-body-bytes`: HTTP body and gRPC message alike);
 * prompt token ids: at most max_model_len (a longer prompt can never fit);
