@@ -41,6 +41,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="queue cap; beyond it requests get RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-num-waiting-per-tenant", type=int, default=None,
                    help="per-tenant queue cap")
+    for tier in ("premium", "standard", "best-effort"):
+        p.add_argument(f"--max-queue-time-{tier}-s", type=float, default=None,
+                       help=f"refuse a {tier} request (429) that would wait longer than this "
+                            "for its first step, by measured throughput (0: no bound; "
+                            "default: the scheduler's)")
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")

@@ -37,6 +37,16 @@ MAX_EXECUTOR_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
 
 
+
+def _queue_time_flags(args) -> list[str]:
+    """The scheduler's per-tier queue-time bounds that were given on serve's command line."""
+    flags = []
+    for tier in ("premium", "standard", "best_effort"):
+        value = getattr(args, f"max_queue_time_{tier}_s", None)
+        if value is not None:
+            flags += [f"--max-queue-time-{tier.replace('_', '-')}-s", str(value)]
+    return flags
+
 class ServeError(Exception):
     """Ends ``serve`` with one line on stderr and exit code 2."""
 
@@ -162,7 +172,8 @@ class Supervisor:
                     *(["--max-num-waiting", str(a.max_num_waiting)]
                       if a.max_num_waiting is not None else []),
                     *(["--max-num-waiting-per-tenant", str(a.max_num_waiting_per_tenant)]
-                      if a.max_num_waiting_per_tenant is not None else [])]
+                      if a.max_num_waiting_per_tenant is not None else []),
+                    *_queue_time_flags(a)]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,

@@ -9,7 +9,8 @@ at all of them every ``TICK_S``:
 
 * A completion that has heard nothing from its replica for
   ``progress_timeout_s`` has that replica probed (one ``Stats`` call per
-  replica, ``PROBE_TIMEOUT_S``). A replica that does not answer is stalled:
+  replica, ``PROBE_TIMEOUT_S``). A replica that misses ``PROBE_STRIKES`` probes in
+  a row (one slow answer on a loaded host is no hang) is stalled:
   each of its silent streams is cancelled upstream and the relay continues it
   on another replica, exactly as for a dead one (or ends it UNAVAILABLE when
   none is left). A replica that answers is only slow — a long queue, an
@@ -45,6 +46,7 @@ from protos.continuum.v1 import scheduler_pb2
 
 TICK_S = 0.5
 PROBE_TIMEOUT_S = 3.0
+PROBE_STRIKES = 2
 # Silence before a replica is probed. Short is safe: a replica that answers its
 # probe is never failed over, so this only bounds how soon a hang is noticed.
 PROGRESS_TIMEOUT_S = 5.0
@@ -113,6 +115,7 @@ class Watchdog:
         self.refusing: ClientStatus | None = None  # new streams get this (draining)
         self._on_intervention = on_intervention
         self._task: asyncio.Task | None = None
+        self._strikes: dict[Replica, int] = {}  # probes missed in a row, per replica
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -182,12 +185,16 @@ class Watchdog:
                         and c.replica is not None and now - c.heard_at > self.progress_timeout_s):
                     silent.setdefault(c.replica, []).append(c)
         if not silent:
+            self._strikes.clear()
             return
         replicas = list(silent)
         alive = await asyncio.gather(*(self._answers(r) for r in replicas))
+        self._strikes = {r: n for r, n in self._strikes.items() if r in silent}
         for replica, ok in zip(replicas, alive, strict=True):
-            if ok:
+            strikes = self._strikes[replica] = 0 if ok else self._strikes.get(replica, 0) + 1
+            if strikes < PROBE_STRIKES:
                 continue
+            del self._strikes[replica]
             waiting = [c for c in silent[replica]
                        if c.replica is replica and not c.parked and c.heard_at <= now]
             _log.warning("scheduler replica stopped answering; moving its streams",

@@ -12,7 +12,8 @@ joining a queue it would time out in. The estimate, for a request of tier t:
 
 ``departures_per_s`` is how fast requests leave (finish or are aborted),
 measured only while the scheduler is saturated — something waiting, or every
-slot taken — so an idle spell does not read as a slow server. It is an
+slot taken, at both ends of a sampling interval — so an idle spell does not
+read as a slow server. It is an
 exponentially weighted ratio of departures to time (time constant TAU_S),
 sampled on the core's own clock at Submit; with fewer than MIN_DEPARTURES
 measured (a cold start) there is no estimate and only the count caps
@@ -60,7 +61,9 @@ class ThroughputMeter:
         if self._t is not None and now - self._t < MIN_SAMPLE_S:
             self._saturated = self._saturated and saturated
             return
-        if self._t is not None and self._saturated and now > self._t:
+        # Only an interval saturated at both ends counts: one that starts saturated
+        # and ends idle may hold an idle spell (the queue drained, no Submit since).
+        if self._t is not None and self._saturated and saturated and now > self._t:
             dt, n = now - self._t, departed - self._departed
             decay = math.exp(-dt / TAU_S)
             self._weighted_departures = self._weighted_departures * decay + n
