@@ -295,7 +295,7 @@ def _run(prop, target: str, tally: Tally) -> None:
                                "reproducer": notes[:2000]})
 
 
-SIZES = {"ci": 8, "short": 25, "default": 150, "long": 1000}  # examples per target
+SIZES = {"ci": 8, "short": 25, "default": 100, "long": 1000}  # examples per target
 
 
 def run(serve, tmp, size: str = "short") -> dict:
