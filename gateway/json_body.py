@@ -60,9 +60,9 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
     the maximum depth by exactly one; what is left after `limit` passes nests
     deeper than `limit` (or is unbalanced, which the parser refuses anyway).
     """
+    if text.count("[") + text.count("{") <= limit:
+        return  # cannot nest deeper than it has openers (the common case, ~1 ms per MiB)
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    if brackets.count("[") + brackets.count("{") <= limit:
-        return  # cannot nest deeper than it has openers (the common case)
     brackets = brackets.replace("{", "[").replace("}", "]")
     for _ in range(limit):
         shorter = brackets.replace("[]", "")
