@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import socket
 
@@ -21,6 +22,7 @@ from .harness import FakeScheduler, collect, fake_scheduler, gateway, generation
 
 GenerateRequest = generation_pb2.GenerateRequest
 TEXT = "one two three four five six seven eight"
+ENDLESS = 4000
 
 
 @pytest.fixture(autouse=True)
@@ -72,15 +74,21 @@ class Freezing(FakeScheduler):
 
 @dataclasses.dataclass
 class Endless(FakeScheduler):
-    """Streams one token after another until cancelled (as fast as it may write)."""
+    """Streams one token after another (as fast as it may write): until cancelled for a
+    request of ENDLESS max_tokens, else max_tokens of them."""
 
     token_id: int = 0
 
     async def Submit(self, request, context):
         self.submitted.append(request)
         try:
-            while True:
-                yield scheduler_pb2.TokenEvent(token_ids=[self.token_id])
+            for n in itertools.count(1):
+                event = scheduler_pb2.TokenEvent(token_ids=[self.token_id])
+                if n == request.max_tokens < ENDLESS:
+                    event.finish_reason = sampling_pb2.FINISH_REASON_LENGTH
+                    yield event
+                    return
+                yield event
         except (asyncio.CancelledError, GeneratorExit):  # grpc closes it when the call ends
             self.cancelled.set()
             raise
@@ -151,17 +159,21 @@ def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer):
             reader = socket.socket()
             reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             reader.connect(("127.0.0.1", running.http_port))
-            body = json.dumps({"model": "smollm2", "prompt": "hi", "stream": True}).encode()
+            body = json.dumps({"model": "smollm2", "prompt": "hi", "stream": True,
+                               "max_tokens": ENDLESS}).encode()
             reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                            b"Content-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             try:
+                normal = await collect(generation_stub(channel).Generate(
+                    GenerateRequest(prompt="hi", max_tokens=5), timeout=20))
                 await asyncio.wait_for(endless.cancelled.wait(), 20)
             finally:
                 reader.close()
-            return running.metrics.render().decode()
+            return normal, running.metrics.render().decode()
 
-    metrics = run(scenario())
+    normal, metrics = run(scenario())
+    assert normal[-1].usage.completion_tokens == 5  # served while the other was stuck
     assert 'continuum:stream_interventions_total{model_name="smollm2",reason="slow_reader"} 1.0' \
         in metrics
 

@@ -106,5 +106,7 @@ def server(tmp_path_factory, model_dir):
     yield srv
     code = stop_server(srv)
     assert code == 0, "".join(srv.stderr_lines[-30:])
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10  # children exit just after serve: wait, do not guess
+    while processes_mentioning(srv.ipc) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert processes_mentioning(srv.ipc) == [], "a child process outlived `continuum serve`"
