@@ -37,6 +37,7 @@ from gateway.openai_api import (
     COMPLETION,
     HTTP_STATUS,
     ApiRequest,
+    Choices,
     Dialect,
     error_body,
     finish_reason,
@@ -100,38 +101,6 @@ def _request_error(exc: RequestError) -> web.Response:
 def _sse(payload: dict | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
-
-
-class _Choices:
-    """Per-choice state while relaying: text so far, first chunk sent, logprobs."""
-
-    def __init__(self, api: ApiRequest, tokenizer: Tokenizer):
-        self.api = api
-        self.tokenizer = tokenizer
-        self.text: dict[int, list[str]] = {}
-        self.offset: dict[int, int] = {}
-        self.finish: dict[int, str | None] = {}
-        self.completion_tokens = 0
-        self.prompt_tokens = 0
-
-    def text_of(self, response) -> tuple[str, bool]:
-        """The response's text (with echo on a choice's first), and whether it is the first."""
-        first = response.index not in self.text
-        text = (self.api.echo_text if first else "") + response.text
-        self.text.setdefault(response.index, []).append(text)
-        if response.finish_reason:
-            self.finish[response.index] = finish_reason(response)
-            self.completion_tokens += response.usage.completion_tokens
-            self.prompt_tokens = response.usage.prompt_tokens
-        return text, first
-
-    def logprobs_of(self, response) -> dict | None:
-        if not self.api.logprobs:
-            return None
-        offset = self.offset.get(response.index, len(self.api.echo_text))
-        result = self.api.dialect.logprobs(self.tokenizer, response, offset)
-        self.offset[response.index] = offset + len(response.text)
-        return result
 
 
 class HttpApi:
@@ -298,7 +267,7 @@ class HttpApi:
                                            request_id=ascii(request_id)[1:-1])
 
     def _chunk(self, api: ApiRequest, validated: ValidatedRequest, created: int,
-               choices: _Choices, response) -> dict | None:
+               choices: Choices, response) -> dict | None:
         """The SSE chunk for one response, or None when it carries nothing to send."""
         text, first = choices.text_of(response)
         reason = finish_reason(response)
@@ -317,7 +286,7 @@ class HttpApi:
     async def _stream(self, request: web.Request, api: ApiRequest, validated: ValidatedRequest,
                       first, stream: AsyncIterator, log) -> web.StreamResponse:
         created = now_s()
-        choices = _Choices(api, self._tokenizer)
+        choices = Choices(api, self._tokenizer)
         response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         response.headers["X-Request-Id"] = validated.request_id
         await response.prepare(request)
@@ -352,7 +321,7 @@ class HttpApi:
 
     async def _collect(self, api: ApiRequest, validated: ValidatedRequest, first,
                        stream: AsyncIterator) -> web.Response:
-        choices = _Choices(api, self._tokenizer)
+        choices = Choices(api, self._tokenizer)
         logprobs: dict[int, list] = {}
         pending = first
         try:

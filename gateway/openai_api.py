@@ -237,6 +237,39 @@ COMPLETION = CompletionDialect()
 CHAT = ChatDialect()
 
 
+class Choices:
+    """Per-choice state of one response being relayed (streamed or collected): text so
+    far, whether a choice's first chunk was sent, logprob offsets, usage."""
+
+    def __init__(self, api: ApiRequest, tokenizer: Tokenizer):
+        self.api = api
+        self.tokenizer = tokenizer
+        self.text: dict[int, list[str]] = {}
+        self.offset: dict[int, int] = {}
+        self.finish: dict[int, str | None] = {}
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+
+    def text_of(self, response) -> tuple[str, bool]:
+        """The response's text (with echo on a choice's first), and whether it is the first."""
+        first = response.index not in self.text
+        text = (self.api.echo_text if first else "") + response.text
+        self.text.setdefault(response.index, []).append(text)
+        if response.finish_reason:
+            self.finish[response.index] = finish_reason(response)
+            self.completion_tokens += response.usage.completion_tokens
+            self.prompt_tokens = response.usage.prompt_tokens
+        return text, first
+
+    def logprobs_of(self, response) -> dict | None:
+        if not self.api.logprobs:
+            return None
+        offset = self.offset.get(response.index, len(self.api.echo_text))
+        result = self.api.dialect.logprobs(self.tokenizer, response, offset)
+        self.offset[response.index] = offset + len(response.text)
+        return result
+
+
 # --- shared response pieces -------------------------------------------------------------
 
 
