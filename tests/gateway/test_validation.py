@@ -139,6 +139,36 @@ BAD_REQUESTS = {
         INVALID,
         "priority 7 is not a known Priority value",
     ),
+    "stop token ids past the cap": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(stop_token_ids=range(49152))),
+        INVALID,
+        "sampling.stop_token_ids holds 49152 token ids; at most 128",
+    ),
+    "more token ids than the context": (
+        GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5] * 8193)),
+        INVALID,
+        "token_ids.ids holds 8193 token ids; at most 8192",
+    ),
+    "too many chat messages": (
+        GenerateRequest(chat=_chat(*[("user", "hi")] * 1025)),
+        INVALID,
+        "chat holds 1025 messages; at most 1024",
+    ),
+    "prompt text past any context": (
+        GenerateRequest(prompt="x" * (8192 * 81 + 1)),
+        INVALID,
+        "prompt is 663553 characters long; at most 663552 (8192 tokens of at most 81",
+    ),
+    "chat text past any context": (
+        GenerateRequest(chat=_chat(("user", "x" * 400_000), ("user", "y" * 300_000))),
+        INVALID,
+        "chat message text is 700000 characters long",
+    ),
+    "penalty past float32": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(presence_penalty=1e39)),
+        INVALID,
+        "sampling.presence_penalty must be in [-2, 2], got inf",
+    ),
 }
 
 
