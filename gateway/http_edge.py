@@ -57,25 +57,29 @@ class _Handler(web_protocol.RequestHandler):
     counts parsed requests in `_request_count` (aiohttp 3.14, pinned); a head is
     complete when either moves."""
 
-    __slots__ = ("_head_timeout_s", "_head_timer")
+    __slots__ = ("_head_timeout_s", "_head_timer", "_head_count")
 
     def __init__(self, *args, head_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_count = 0  # requests parsed when the running timer started
 
     def _waiting_for_a_head(self) -> bool:
         return self._waiter is not None and not self._waiter.done()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self._head_timer is not None and self._request_count != self._head_count:
+            self._head_timer.cancel()  # that head is complete; the next one gets its own
+            self._head_timer = None
         if self._head_timer is None and self._waiting_for_a_head():
-            self._head_timer = self._loop.call_later(
-                self._head_timeout_s, self._head_expired, self._request_count)
+            self._head_count = self._request_count
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_expired)
 
-    def _head_expired(self, count: int) -> None:
+    def _head_expired(self) -> None:
         self._head_timer = None
-        if self._request_count == count and self._waiting_for_a_head():
+        if self._request_count == self._head_count and self._waiting_for_a_head():
             self.force_close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
