@@ -132,6 +132,8 @@ class Watchdog:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no stream is live; False if ``timeout_s`` passed first."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), max(timeout_s, 0.0))
         except TimeoutError:

@@ -6,7 +6,8 @@ joining a queue it would time out in. The estimate, for a request of tier t:
 
     ahead = requests waiting in tiers 0..t     (a premium request counts only
                                                 premium; best effort counts all)
-    free  = max_num_seqs - running
+    free  = max_num_seqs - running, or 0 while anything waits (then the KV
+            pool or the token budget, not the slots, is what holds requests back)
     wait  = 0                                  if ahead < free
             (ahead - free + 1) / departures_per_s   otherwise
 

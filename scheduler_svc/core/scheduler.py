@@ -358,7 +358,9 @@ class Scheduler:
         throughput measured so far (core/admission.py). Also prunes idle tenants'
         fairness counters, amortized over Submits."""
         cfg, waiting = self.config, self.waiting
-        free = cfg.max_num_seqs - len(self.running)
+        # With anything waiting, free slots are not what holds it back (the KV pool
+        # or the token budget is): a new request waits for departures like the rest.
+        free = 0 if waiting else cfg.max_num_seqs - len(self.running)
         self._throughput.sample(req.arrival_time, self.num_finished,
                                 bool(waiting) or free <= 0)
         refusal = overload_refusal(req.priority_tier,

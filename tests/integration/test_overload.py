@@ -1,10 +1,14 @@
 """Backpressure on the real stack: a full queue is refused at once — HTTP 429 with
 Retry-After through the official `openai` client, gRPC RESOURCE_EXHAUSTED with a
-retry delay — while admitted requests complete; /metrics tells the story."""
+retry delay — while admitted requests complete; /metrics tells the story. With the
+default caps, a flood past measured capacity is refused by the queue-time bound."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import math
+import statistics
 import time
 import urllib.request
 
@@ -13,6 +17,7 @@ import openai
 import pytest
 
 from protos.continuum.v1 import generation_pb2 as gen
+from protos.continuum.v1 import sampling_pb2
 
 from .conftest import start_server, stop_server
 
@@ -85,3 +90,70 @@ def test_metrics_count_what_happened(tiny_server):
                  "prompt_tokens_total", "generation_tokens_total", "num_requests_running",
                  "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
         assert f"continuum:{name}{{" in text, name
+
+
+@pytest.fixture(scope="module")
+def bounded_server(tmp_path_factory, model_dir):
+    """Default queue caps; two slots and a 1 s queue-time bound for standard requests,
+    so that ten times what fits is a small flood on any machine."""
+    srv = start_server(tmp_path_factory.mktemp("flood"), model_dir,
+                       "--kv-cache-bytes", str(96 << 20), "--max-num-seqs", "2",
+                       "--max-queue-time-standard-s", "1")
+    yield srv
+    assert stop_server(srv) == 0
+
+
+async def _attempt(stub, max_tokens: int, priority=gen.PRIORITY_STANDARD):
+    """(code, seconds to the outcome, retry-after-ms or None, responses)."""
+    request = gen.GenerateRequest(prompt="Count to ten:", max_tokens=max_tokens,
+                                  priority=priority,
+                                  sampling={"temperature": 0.0, "ignore_eos": True})
+    started = time.monotonic()
+    responses = []
+    try:
+        async for response in stub.Generate(request, timeout=300):
+            responses.append(response)
+    except grpc.aio.AioRpcError as exc:
+        retry = dict(exc.trailing_metadata() or ()).get("retry-after-ms")
+        return exc.code(), time.monotonic() - started, retry, responses
+    return grpc.StatusCode.OK, time.monotonic() - started, None, responses
+
+
+def test_a_flood_is_refused_at_once_from_measured_throughput(bounded_server):
+    """Sustained load first (four best-effort clients on two slots: its 20 s bound lets
+    them queue), so the scheduler measures what it serves; then ten times what fits in
+    standard's 1 s bound at once: the excess gets RESOURCE_EXHAUSTED with a retry hint
+    before any work, the rest completes."""
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(bounded_server.addr) as channel:
+            stub = bounded_server.generation_stub(channel)
+            served = []
+            began = time.monotonic()
+
+            async def client():
+                while len(served) < 12:
+                    code, _, retry, _ = await _attempt(stub, 8, gen.PRIORITY_BEST_EFFORT)
+                    if code == grpc.StatusCode.OK:
+                        served.append(time.monotonic())
+                    else:  # honour the hint, as a client should
+                        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry
+                        await asyncio.sleep(int(retry) / 1000)
+
+            await asyncio.gather(*(client() for _ in range(4)))
+            per_s = len(served) / (served[-1] - began)
+            flood = max(40, math.ceil(10 * (per_s * 1.0 + 2)))
+            return await asyncio.gather(*(_attempt(stub, 16) for _ in range(flood)))
+
+    results = asyncio.run(scenario())
+    refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    served = [r for r in results if r[0] == grpc.StatusCode.OK]
+    assert len(refused) + len(served) == len(results), {r[0] for r in results}
+    assert served and len(refused) > len(results) // 2
+    for _, _, retry, responses in refused:
+        assert int(retry) >= 1000 and not responses  # a hint; refused before any work
+    for _, _, _, responses in served:
+        assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        assert responses[-1].usage.completion_tokens == 16
+    # Refused at Submit, not after queueing: typically sooner than a served one ends.
+    assert statistics.median(r[1] for r in refused) < statistics.median(r[1] for r in served)
