@@ -73,7 +73,9 @@ def test_no_client_deadline_means_none_upstream(tokenizer):
 
 
 def test_stop_string_ends_stream_and_cancels_upstream(tokenizer):
-    text = "Paris is nice. Question: more text"
+    # Plenty after the stop string, so upstream cannot finish before the cancel lands
+    # however slow the machine.
+    text = "Paris is nice. Question: " + "more text " * 100
     scheduler = FakeScheduler(events=_events(tokenizer, text), delay_s=0.05)
     request = GenerateRequest(prompt="hi", stop=["Question:"])
     responses = run(_generate(tokenizer, scheduler, request, wait_for_cancel=True))
