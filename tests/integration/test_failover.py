@@ -1,9 +1,12 @@
-"""A gateway with two scheduler replicas: kill -9 one while it streams, and
-every client stream completes through the other, without duplicates."""
+"""A gateway with two scheduler replicas: kill -9 one while it streams, or SIGSTOP
+it (a hung replica: its connections stay open), and every client stream completes
+through the other, without a lost or duplicated token; with no other replica left,
+a hung one's streams end UNAVAILABLE instead of hanging."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
 import signal
@@ -20,7 +23,9 @@ from tests.integration.test_serve import chat, collect
 
 pytestmark = pytest.mark.integration
 
-QUESTIONS = [f"Tell me about planet number {i}." for i in range(6)]
+QUESTIONS = [f"Tell me about planet number {i}." for i in range(4)]
+# Long enough that some are still streaming through a when it is seen running.
+TOKENS = 64
 
 
 def pid_of(module: str, marker: str) -> int:
@@ -35,46 +40,88 @@ def pid_of(module: str, marker: str) -> int:
     raise AssertionError(f"no {module} process with {marker}")
 
 
-def run(server, questions):
+def run(server, questions, max_tokens=32):
     with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
         runs = list(pool.map(
-            lambda q: collect(server, chat(q, max_tokens=32, ignore_eos=True)), questions))
+            lambda q: collect(server, chat(q, max_tokens=max_tokens, ignore_eos=True)),
+            questions))
     for responses in runs:
         assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
-        assert responses[-1].usage.completion_tokens == 32
+        assert responses[-1].usage.completion_tokens == max_tokens
     return [[t for r in responses for t in r.token_ids] for responses in runs]
 
 
-def test_streams_continue_on_another_replica(tmp_path, model_dir):
+@contextlib.contextmanager
+def two_replicas(tmp_path, model_dir):
+    """(a, b, a gateway in front of both); every process is stopped on the way out."""
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     a = start_server(tmp_path / "a", model_dir)
     b = start_server(tmp_path / "b", model_dir)
     port = free_port()
+    log = open(tmp_path / "gateway.log", "w+")  # noqa: SIM115 (closed below)
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--model-dir", str(model_dir), "--port", str(port),
          "--http-port", "0",
          "--scheduler", f"127.0.0.1:{a.scheduler_port},127.0.0.1:{b.scheduler_port}"],
-        stderr=subprocess.DEVNULL)
+        stderr=log, stdout=log)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             grpc.channel_ready_future(ch).result(timeout=60)
-        both = Server(gateway, port, 0, "", [])
-        baseline = run(b, QUESTIONS)
-
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            streams = pool.submit(run, both, QUESTIONS)
-            deadline = time.monotonic() + 60
-            while a.stats().num_running == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert a.stats().num_running > 0, "some streams should have gone to replica a"
-            time.sleep(1.0)  # let them stream a few tokens through a
-            os.kill(pid_of("scheduler_svc", a.ipc), signal.SIGKILL)
-            tokens = streams.result(timeout=300)
-        assert tokens == baseline
+        yield a, b, Server(gateway, port, 0, "", [])
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
+        log.close()
         a.proc.kill()
         a.proc.wait()
         stop_server(b)
+
+
+def test_streams_of_a_hung_replica_continue_on_another(tmp_path, model_dir):
+    """SIGSTOP one of two schedulers mid-stream: the gateway's keepalive and progress
+    watchdog give it up, and every stream ends through the other with the tokens of
+    a reference run; a stream whose gateway knows only the hung replica gets
+    UNAVAILABLE, not a hang."""
+    with two_replicas(tmp_path, model_dir) as (a, b, both):
+        baseline = run(b, QUESTIONS, max_tokens=TOKENS)
+
+        def alone():  # through a's own gateway, whose only replica is a; never finishes
+            try:
+                collect(a, chat("Tell me a long story.", max_tokens=3000, ignore_eos=True))
+            except grpc.RpcError as exc:
+                return exc.code(), exc.details()
+            return grpc.StatusCode.OK, ""
+
+        hung = pid_of("scheduler_svc", a.ipc)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            lone = pool.submit(alone)
+            streams = pool.submit(run, both, QUESTIONS, TOKENS)
+            deadline = time.monotonic() + 120
+            while a.stats().num_running < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert a.stats().num_running >= 2, "streams of both gateways should run on a"
+            os.kill(hung, signal.SIGSTOP)
+            try:
+                tokens = streams.result(timeout=240)
+                code, details = lone.result(timeout=240)
+            finally:
+                os.kill(hung, signal.SIGCONT)
+        assert tokens == baseline  # nothing lost, nothing twice
+        assert code == grpc.StatusCode.UNAVAILABLE, details
+        assert "stopped responding" in details or "reachable" in details
+
+
+def test_streams_continue_on_another_replica(tmp_path, model_dir):
+    with two_replicas(tmp_path, model_dir) as (a, b, both):
+        baseline = run(b, QUESTIONS, max_tokens=TOKENS)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streams = pool.submit(run, both, QUESTIONS, TOKENS)
+            deadline = time.monotonic() + 60
+            while a.stats().num_running == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert a.stats().num_running > 0, "some streams should have gone to replica a"
+            os.kill(pid_of("scheduler_svc", a.ipc), signal.SIGKILL)
+            tokens = streams.result(timeout=300)
+        assert tokens == baseline
