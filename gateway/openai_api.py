@@ -98,7 +98,7 @@ class CompletionDialect(Dialect):
         if isinstance(prompt, str):
             proto.prompt = prompt
             echo_text = prompt
-        elif fields.is_token_id_list(prompt):
+        elif fields.looks_like_token_ids(prompt):
             info = tokenizer.info
             ids = fields.token_ids(prompt, "prompt", info.max_model_len, info.vocab_size)
             proto.token_ids.ids.extend(ids)

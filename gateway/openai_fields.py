@@ -85,16 +85,23 @@ def stop_strings(body: dict) -> list[str]:
     raise bad("stop must be a string or a list of strings", "stop")
 
 
-def is_token_id_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def looks_like_token_ids(value: Any) -> bool:
+    """A non-empty list starting with an integer (`token_ids` checks the rest)."""
+    return isinstance(value, list) and bool(value) and _is_int(value[0])
 
 
 def token_ids(value: list, name: str, max_len: int, vocab_size: int) -> list[int]:
-    """A list of ints as token ids: length first (cheap), then each id's range."""
+    """A list of ints as token ids: length first (cheap), then each id's type and range."""
     if len(value) > max_len:
         raise bad(f"{name} holds {len(value)} token ids; at most {max_len}", name)
     for index, token_id in enumerate(value):
+        if not _is_int(token_id):
+            raise bad(f"{name}[{index}] must be a token id (an integer), got "
+                      f"{type(token_id).__name__}", name)
         if not 0 <= token_id < vocab_size:
             kind = "a negative token id" if token_id < 0 else "not a token id"
             raise bad(f"{name}[{index}] = {token_id} is {kind}: the model's vocabulary has "
@@ -145,7 +152,7 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
     sampling.ignore_eos = boolean(body, "ignore_eos")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if stop_ids != [] and not is_token_id_list(stop_ids):
+        if not isinstance(stop_ids, list):
             raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling.stop_token_ids.extend(
             token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
