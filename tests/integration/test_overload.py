@@ -145,7 +145,8 @@ def test_a_flood_is_refused_at_once_from_measured_throughput(bounded_server):
             flood = max(40, math.ceil(10 * (per_s * 1.0 + 2)))
         # A connection each 50 streams: the gateway caps concurrent streams per
         # connection (grpc_max_concurrent_streams, 100), which is not what this tests.
-        channels = [grpc.aio.insecure_channel(bounded_server.addr)
+        channels = [grpc.aio.insecure_channel(bounded_server.addr,
+                                              options=[("grpc.use_local_subchannel_pool", 1)])
                     for _ in range(math.ceil(flood / 50))]
         try:
             stubs = [bounded_server.generation_stub(c) for c in channels]
