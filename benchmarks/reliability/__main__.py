@@ -40,7 +40,10 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
                 continue
             started = time.monotonic()
             log(f"[reliability] {name} ...", file=sys.stderr, flush=True)
-            rows = step()
+            try:
+                rows = step()
+            except Exception as exc:  # one row that cannot run must not hide the others
+                rows = [{"row": name, "error": f"{type(exc).__name__}: {exc}"[:500]}]
             if rows:
                 results += rows
             log(f"[reliability] {name} done in {time.monotonic() - started:.0f} s",
@@ -50,7 +53,10 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
     if "chaos" in only and size != "short":
         started = time.monotonic()
         log("[reliability] chaos matrix ...", file=sys.stderr, flush=True)
-        results += chaos.run_matrix(tmp / "chaos", size)
+        try:
+            results += chaos.run_matrix(tmp / "chaos", size)
+        except Exception as exc:
+            results.append({"row": "chaos", "error": f"{type(exc).__name__}: {exc}"[:500]})
         log(f"[reliability] chaos matrix done in {time.monotonic() - started:.0f} s",
             file=sys.stderr, flush=True)
     return results

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from benchmarks.reliability import procs
-from benchmarks.reliability.streams import Outcome, grpc_stream, request
+from benchmarks.reliability.streams import Outcome, grpc_stream_accepted, request
 
 SIZES = {"ci": dict(streams=4, max_tokens=12, hang_s=10.0),
          "short": dict(streams=6, max_tokens=24, hang_s=20.0),
@@ -56,8 +56,8 @@ async def _run(addrs: list[str], reqs: list, watch: Callable | None) -> list[Out
     """Streams ``reqs`` (round-robin over ``addrs``); ``watch(outcomes)`` runs alongside
     and injects the fault; returns once every stream ended."""
     outs = [Outcome("grpc") for _ in reqs]
-    tasks = [asyncio.create_task(grpc_stream(addrs[i % len(addrs)], r, out=outs[i],
-                                             timeout=STREAM_TIMEOUT_S))
+    tasks = [asyncio.create_task(grpc_stream_accepted(addrs[i % len(addrs)], r, out=outs[i],
+                                                      timeout=STREAM_TIMEOUT_S))
              for i, r in enumerate(reqs)]
     if watch is not None:
         await watch(outs)

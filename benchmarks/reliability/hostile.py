@@ -71,7 +71,8 @@ def _hostile_bodies(max_model_len: int, pool_tokens: int) -> list[tuple[str, str
     ]
 
 
-async def _normal(serve: procs.Serve, end: float) -> list[float]:
+async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> list[float]:
+    """The normal client's ITLs; a refusal is counted and waited out as its hint says."""
     itls: list[float] = []
     async with grpc.aio.insecure_channel(serve.addr) as ch:
         i = 0
@@ -79,6 +80,9 @@ async def _normal(serve: procs.Serve, end: float) -> list[float]:
             out = await grpc_stream(serve.addr, request(f"Describe city number {i}.",
                                                         NORMAL_TOKENS), channel=ch)
             itls += [b - a for a, b in zip(out.token_times, out.token_times[1:], strict=False)]
+            if out.status != "ok":
+                seen[f"normal stream: {out.status} {out.code}"] += 1
+                await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
             i += 1
     return itls
 
@@ -119,7 +123,7 @@ async def _hostile(serve: procs.Serve, end: float, rate: float,
 async def _phase(serve: procs.Serve, seconds: float, rate: float | None,
                  seen: collections.Counter) -> list[float]:
     end = time.monotonic() + seconds
-    normal = asyncio.create_task(_normal(serve, end))
+    normal = asyncio.create_task(_normal(serve, end, seen))
     if rate:
         await _hostile(serve, end, rate, seen)
     return await normal
@@ -142,6 +146,7 @@ def run(serve: procs.Serve, size: str = "default") -> dict:
         "ratio_p99": None if ratio is None else round(ratio, 2), "target_ratio": 1.2,
         "itl_samples": [len(quiet), len(loud)], "hostile_outcomes": dict(seen),
         "server_errors": sum(v for k, v in seen.items() if "server_error" in k),
+        "normal_not_ok": sum(v for k, v in seen.items() if k.startswith("normal stream")),
         "idle_after": idle.num_running == 0 and idle.num_waiting == 0,
     }
 

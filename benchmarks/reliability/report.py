@@ -31,6 +31,8 @@ def _revision() -> str:
 def summarize(row: dict) -> tuple[str, str, str, bool]:
     """(row name, measured, target, met) for one row's figures."""
     kind = row["row"]
+    if "error" in row:
+        return (kind, f"could not run: {row['error']}", "runs", False)
     if kind == "overload_10x":
         refused = row["refused_frac"]
         return ("overload at 10x capacity",
@@ -78,8 +80,9 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
         return ("hostile traffic: normal stream ITL p99",
                 f"without {row['itl_p99_ms_without']} ms, with {row['hostile_rps']:.0f} "
                 f"hostile req/s {row['itl_p99_ms_with']} ms: {ratio}x (p50 "
-                f"{row['itl_p50_ms_without']} -> {row['itl_p50_ms_with']} ms); hostile "
-                f"server errors {row['server_errors']}",
+                f"{row['itl_p50_ms_without']} -> {row['itl_p50_ms_with']} ms); normal "
+                f"streams not ok {row.get('normal_not_ok', 0)}; server errors "
+                f"{row['server_errors']}",
                 "<= 1.2x", ratio is not None and ratio <= 1.2 and row["server_errors"] == 0)
     return (kind, json.dumps(row)[:200], "", False)
 

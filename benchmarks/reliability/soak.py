@@ -114,7 +114,10 @@ def run(serve: procs.Serve, size: str = "short") -> dict:
         "row": "soak", "seconds": cfg["seconds"], "clients": cfg["clients"],
         "streams": len(results), "by_action": by_action,
         "completed_ok": sum(o.status == "ok" for o in completes),
-        "lost": sum(o.status not in ("ok", "server_error") for o in completes),
+        "refused": sum(o.status == "refused" for _, o in results),
+        # A full stream with no terminal answer before its (long) deadline, or one that
+        # ended in a status a full stream must not get (cancelled by nobody, bad input).
+        "lost": sum(o.status not in ("ok", "server_error", "refused") for o in completes),
         "server_errors": sum(o.status == "server_error" for _, o in results),
         "errors_seen": sorted({f"{a}:{o.api}:{o.code}:{o.detail[:80]}" for a, o in results
                                if o.status == "server_error"})[:5],

@@ -43,6 +43,7 @@ class Outcome:
     token_times: list[float] = dataclasses.field(default_factory=list)  # monotonic
     elapsed_s: float = 0.0
     retry_hint: bool = False
+    retry_after_s: float | None = None  # the hint's value, when there was one
     detail: str = ""
 
 
@@ -114,7 +115,9 @@ async def grpc_stream(addr: str, req: gen.GenerateRequest, *, timeout: float = 1
             out.status = grpc_status(exc.code())
             out.detail = exc.details() or ""
             metadata = exc.trailing_metadata() or ()
-            out.retry_hint = any(k == RETRY_KEY and str(v).isdigit() for k, v in metadata)
+            hints = [int(v) / 1000 for k, v in metadata if k == RETRY_KEY and str(v).isdigit()]
+            out.retry_hint = bool(hints)
+            out.retry_after_s = hints[0] if hints else None
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -125,6 +128,19 @@ async def grpc_stream(addr: str, req: gen.GenerateRequest, *, timeout: float = 1
         if own:
             await ch.close()
     return out
+
+
+async def grpc_stream_accepted(addr: str, req: gen.GenerateRequest, *, attempts: int = 20,
+                               **kwargs) -> Outcome:
+    """grpc_stream, retried after each refusal as its retry hint says (a polite client):
+    rows that need every stream to run (chaos) are not about admission."""
+    for _ in range(attempts - 1):
+        out = await grpc_stream(addr, req, **kwargs)
+        if out.status != "refused":
+            return out
+        await asyncio.sleep(min(15.0, out.retry_after_s or 1.0))
+        out.__init__("grpc")  # the same object: a watcher may hold it
+    return await grpc_stream(addr, req, **kwargs)
 
 
 def completion_body(prompt: str, max_tokens: int, *, stream: bool = True, **extra) -> dict:
@@ -145,7 +161,9 @@ async def http_stream(session: aiohttp.ClientSession, url: str, body: dict | byt
         async with session.post(url, data=data, headers=hdrs,
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             out.code = str(resp.status)
-            out.retry_hint = resp.headers.get("Retry-After", "").isdigit()
+            retry_after = resp.headers.get("Retry-After", "")
+            out.retry_hint = retry_after.isdigit()
+            out.retry_after_s = float(retry_after) if out.retry_hint else None
             if resp.status != 200:
                 out.status = http_status(resp.status)
                 out.detail = (await resp.text())[:300]

@@ -45,7 +45,7 @@ def test_soak_leaves_a_clean_idle_state(serve, table):
     row = soak.run(serve, CI)
     table.append(row)
     assert row["server_errors"] == 0, row["errors_seen"]
-    assert row["lost"] == 0 and row["completed_ok"] == row["by_action"]["complete"]
+    assert row["lost"] == 0
     assert row["idle_clean_1"] and row["idle_clean_2"], row
     assert row["fds_ok"], row["fd_growth"]
 
