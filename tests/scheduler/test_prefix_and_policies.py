@@ -82,8 +82,11 @@ def test_aging_lifts_best_effort_to_standard_but_not_past_premium_until_it_starv
 
 def test_aging_bounds_the_wait_under_sustained_premium_load():
     clock = Clock(0.0)
+    # Queue-time bounds off: this is about the order of an admitted queue, and the
+    # premium stream would otherwise be refused once it queues past its 2 s bound.
     sched = make_scheduler(clock=clock, max_num_seqs=1, max_num_batched_tokens=16,
-                           chunk_size=16, aging_s=5.0)
+                           chunk_size=16, aging_s=5.0, max_queue_time_premium_s=0,
+                           max_queue_time_standard_s=0, max_queue_time_best_effort_s=0)
     victim = make_request(priority_tier=2, max_tokens=1)
     sched.add_request(victim)
     sched.add_request(make_request(priority_tier=0, max_tokens=1))
