@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import importlib
 import io
 import itertools
@@ -165,9 +166,15 @@ def load_trace_lengths() -> list[tuple[int, int]]:
 def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None,
                    mean_context: float = 64 + 208 + 104):
     api = api or current_api()
+    # The bench keeps its queue full by construction: no queue-time bound may refuse
+    # (fields an older revision, under --against, may not have).
+    names = {f.name for f in dataclasses.fields(api.SchedulerConfig)}
+    unbounded = {name: 0 for name in ("max_queue_time_premium_s", "max_queue_time_standard_s",
+                                      "max_queue_time_best_effort_s") if name in names}
     cfg = api.SchedulerConfig(max_num_seqs=num_seqs,
                               max_num_batched_tokens=max(2048, 2 * num_seqs),
-                              chunk_size=512, watermark=0.01, max_num_waiting=100_000)
+                              chunk_size=512, watermark=0.01, max_num_waiting=100_000,
+                              **unbounded)
     sched = api.Scheduler(cfg)
     # A fraction of what the running set would need at its mean length.
     blocks = int(num_seqs * mean_context / 16 * kv_fraction)
