@@ -59,8 +59,11 @@ async def capacity(serve: procs.Serve, concurrency: int, seconds: float) -> floa
             nonlocal done
             i = k
             while time.monotonic() < end:
-                if (await _one(serve, session, i, 120.0)).status == "ok":
+                out = await _one(serve, session, i, 120.0)
+                if out.status == "ok":
                     done += 1
+                elif out.status == "refused":  # wait as the hint says, not a hot loop
+                    await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
                 i += concurrency
         started = time.monotonic()
         await asyncio.gather(*(client(k) for k in range(concurrency)))

@@ -52,7 +52,8 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
               and row["idle_clean_2"] and row["fds_ok"] and row["rss_ok"])
         return ("soak: cancels, disconnects, deadlines",
                 f"{row['streams']} streams / {row['seconds']:.0f} s ({row['by_action']}); "
-                f"lost {row['lost']}, server errors {row['server_errors']}; idle: blocks free "
+                f"refused {row.get('refused', 0)}, lost {row['lost']}, server errors "
+                f"{row['server_errors']}; idle: blocks free "
                 f"{row['blocks_free']}, running/waiting {row['running_waiting']}, executor "
                 f"sequences {row['executor_sequences']}; fd growth {row['fd_growth']}, "
                 f"RSS growth MiB {row['rss_growth_mib']}",

@@ -70,7 +70,10 @@ async def _soak(serve: procs.Serve, clients: int, seconds: float, seed: int) -> 
             rng = random.Random(seed * 1000 + k)
             i = k
             while time.monotonic() < end:
-                results.append(await _action(serve, session, rng, i))
+                action, out = await _action(serve, session, rng, i)
+                results.append((action, out))
+                if out.status == "refused":  # a polite client waits as the hint says
+                    await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
                 i += clients
         await asyncio.gather(*(client(k) for k in range(clients)))
     return results
