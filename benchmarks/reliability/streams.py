@@ -29,6 +29,7 @@ from protos.continuum.v1 import generation_pb2_grpc, sampling_pb2
 SERVER_ERROR_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                                 grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNIMPLEMENTED})
 RETRY_KEY = "retry-after-ms"
+LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)
 
 
 @dataclasses.dataclass
@@ -93,7 +94,9 @@ async def grpc_stream(addr: str, req: gen.GenerateRequest, *, timeout: float = 1
     out = out or Outcome("grpc")
     started = time.monotonic()
     own = channel is None
-    ch = grpc.aio.insecure_channel(addr) if own else channel
+    # A channel of its own is a connection of its own (grpc shares one between channels
+    # unless told not to, and the gateway caps the streams on one connection).
+    ch = grpc.aio.insecure_channel(addr, options=LOCAL_POOL) if own else channel
     try:
         call = generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout)
         try:
