@@ -24,7 +24,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.output_stream import OutputStream
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
-from gateway.upstream import ClientStatus, client_status
+from gateway.upstream import ClientStatus, client_status, request_failed
 from gateway.validation import ValidatedRequest
 from gateway.watchdog import Completion, Stream, Watchdog
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
@@ -273,7 +273,7 @@ class Relay:
                     if leg.ended is not None and not output.finished:
                         raise RelayError(leg.ended)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _REPLICA_FAILURES:
+                if exc.code() not in _REPLICA_FAILURES or request_failed(exc):
                     log.warning("upstream failed", code=exc.code().name, details=exc.details())
                     raise RelayError(client_status(exc, replica.address)) from exc
                 failure = client_status(exc, replica.address)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import grpc
 
 RETRY_AFTER_KEY = "retry-after-ms"
+# The scheduler's trailer on a request that failed by itself (a poison request):
+# continuing it on another replica would only fail, or kill, that one too.
+REQUEST_FAILED_KEY = "request-failed"
 
 # Fail fast while the scheduler is down (no wait_for_ready: the client gets
 # UNAVAILABLE at once), but reconnect within about a second once it is back:
@@ -78,3 +81,8 @@ def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
         grpc.StatusCode.UNAVAILABLE,
         f"the scheduler at {address} failed the request ({code.name}: {details})",
     )
+
+
+def request_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the scheduler ended the request because of the request itself."""
+    return any(key == REQUEST_FAILED_KEY for key, _ in exc.trailing_metadata() or ())

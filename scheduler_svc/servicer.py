@@ -21,6 +21,10 @@ from scheduler_svc.loop import EngineLoop
 from scheduler_svc.validation import validate_submit
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+# Trailer on an INTERNAL that ended a request the executor kept failing on (a
+# poison request): the request itself is the cause, so a gateway must not
+# continue it on another replica, where it would fail (or kill) again.
+REQUEST_FAILED_KEY = "request-failed"
 DEFAULT_TENANT = "default"
 # Joins tenant and request id in the internal key; validation keeps it (like
 # every non-printable character) out of both, so keys cannot collide.
@@ -54,7 +58,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if finished and ev[0].error:  # ended by the server: a status says why
                     code = (grpc.StatusCode.INTERNAL if ev[2] == FinishReason.ERROR
                             else grpc.StatusCode.UNAVAILABLE)  # drained: go elsewhere
-                    await context.abort(code, ev[0].error)
+                    trailer = (((REQUEST_FAILED_KEY, "poison"),)
+                               if ev[2] == FinishReason.ERROR else ())
+                    await context.abort(code, ev[0].error, trailer)
                 yield _to_event(ev, first)
                 first = False
         finally:

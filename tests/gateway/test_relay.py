@@ -12,7 +12,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
-from .harness import FakeScheduler, collect, gateway, gateway_with_fake, generation_stub, run
+from .harness import (
+    FakeScheduler,
+    collect,
+    fake_scheduler,
+    gateway,
+    gateway_with_fake,
+    generation_stub,
+    run,
+)
 
 GenerateRequest = generation_pb2.GenerateRequest
 
@@ -185,3 +193,34 @@ def test_shutdown_lets_in_flight_calls_finish_and_refuses_new_ones(tokenizer):
     assert "".join(r.text for r in responses) == "one two three four"
     assert responses[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_poison_request_is_not_continued_on_another_replica(tokenizer, marked):
+    """INTERNAL with the scheduler's request-failed trailer ends the request: another
+    replica would only fail (or lose its executor) on it too. Without the trailer an
+    INTERNAL is the replica's failure and the request continues on the other one."""
+    trailer = (("request-failed", "poison"),) if marked else ()
+    failing = FakeScheduler(events=[scheduler_pb2.TokenEvent(token_ids=[42])],
+                            error=(grpc.StatusCode.INTERNAL, "the executor failed", trailer))
+    other = FakeScheduler(events=_events(tokenizer, " there"))
+
+    async def scenario():
+        async with fake_scheduler(failing) as a, fake_scheduler(other) as b, \
+                gateway(tokenizer, f"{a},{b}") as (running, channel):
+            for replica in running.replicas.replicas:  # route to `failing` first
+                replica.load = (0.0, 0.0, 0.0) if replica.address == a else (1.0, 0.0, 0.0)
+            call = generation_stub(channel).Generate(GenerateRequest(prompt="hi"), timeout=10)
+            try:
+                return await collect(call), None
+            except grpc.aio.AioRpcError as exc:
+                return None, exc
+
+    responses, error = run(scenario())
+    if marked:
+        assert error is not None and error.code() == grpc.StatusCode.INTERNAL
+        assert "the executor failed" in error.details()
+        assert other.submitted == []
+    else:
+        assert error is None and responses[-1].finish_reason
+        assert len(other.submitted) == 1
