@@ -2,8 +2,9 @@
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: hostile, overload, soak, chaos, fuzz (in that order: the ITL baseline is taken on a
-fresh server, and fuzzing's rogue ZeroMQ peers come last). The default form runs them
+Rows: overload, hostile, soak, chaos, fuzz (in that order: capacity is measured on a fresh
+server, whose admission has not yet seen a flood, and fuzzing's rogue ZeroMQ peers come
+last). The default form runs them
 on one ``continuum serve`` plus the chaos matrix's own replicas and gateways (about
 10-15 minutes on a 2-core machine); ``--short`` is the CI form's sizes with a single
 chaos row on the serve (about 2-3 minutes); ``--long`` is bigger everywhere. The
@@ -22,7 +23,7 @@ import time
 
 from benchmarks.reliability import chaos, fuzz, hostile, overload, procs, report, soak
 
-ROWS = ("hostile", "overload", "soak", "chaos", "fuzz")
+ROWS = ("overload", "hostile", "soak", "chaos", "fuzz")
 
 
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[dict]:
@@ -30,8 +31,8 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
     results: list[dict] = []
     serve = procs.start_serve(tmp / "serve")
     try:
-        steps = [("hostile", lambda: [hostile.run(serve, size)]),
-                 ("overload", lambda: [overload.run(serve, size)]),
+        steps = [("overload", lambda: [overload.run(serve, size)]),
+                 ("hostile", lambda: [hostile.run(serve, size)]),
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
