@@ -29,7 +29,8 @@ ROWS = ("overload", "hostile", "soak", "chaos", "fuzz")
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[dict]:
     """Runs the chosen rows in order; a row that fails to run is reported, not fatal."""
     results: list[dict] = []
-    serve = procs.start_serve(tmp / "serve")
+    on_serve = only - ({"chaos"} if size != "short" else set())
+    serve = procs.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
                  ("hostile", lambda: [hostile.run(serve, size)]),
@@ -37,7 +38,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
         for name, step in steps:
-            if name not in only:
+            if name not in on_serve:
                 continue
             started = time.monotonic()
             log(f"[reliability] {name} ...", file=sys.stderr, flush=True)
@@ -50,7 +51,8 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
             log(f"[reliability] {name} done in {time.monotonic() - started:.0f} s",
                 file=sys.stderr, flush=True)
     finally:
-        serve.stop()
+        if serve is not None:
+            serve.stop()
     if "chaos" in only and size != "short":
         started = time.monotonic()
         log("[reliability] chaos matrix ...", file=sys.stderr, flush=True)
