@@ -46,6 +46,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                        help=f"refuse a {tier} request (429) that would wait longer than this "
                             "for its first step, by measured throughput (0: no bound; "
                             "default: the scheduler's)")
+    p.add_argument("--max-step-failures", type=int, default=None,
+                   help="failed steps after which a request (a poison request) ends with an "
+                        "error, the last one run alone (default: the scheduler's, 2)")
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")

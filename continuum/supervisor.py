@@ -173,6 +173,8 @@ class Supervisor:
                       if a.max_num_waiting is not None else []),
                     *(["--max-num-waiting-per-tenant", str(a.max_num_waiting_per_tenant)]
                       if a.max_num_waiting_per_tenant is not None else []),
+                    *(["--max-step-failures", str(a.max_step_failures)]
+                      if a.max_step_failures is not None else []),
                     *_queue_time_flags(a)]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,

@@ -73,3 +73,21 @@ def test_an_ipc_directory_others_may_write_is_refused(tmp_path, mode, ok):
             check_ipc_dir(f"ipc://{directory}/executor.sock")
     check_ipc_dir("tcp://127.0.0.1:5555")  # not a path: nothing to check
     check_ipc_dir(f"ipc://{directory}/missing/executor.sock")  # the scheduler creates it
+
+
+def test_serve_hands_the_poison_and_queue_time_limits_to_the_scheduler():
+    argv = ["serve", "--port", "1", "--http-port", "2", "--max-step-failures", "3",
+            "--max-queue-time-premium-s", "0"]
+    args, _ = build_parser()[0].parse_known_args(argv)
+    sup = Supervisor(args)
+    try:
+        sup.model_dir, sup.model_name = "/models/m", "m"
+        scheduler = sup._argv("scheduler")
+        assert scheduler[scheduler.index("--max-step-failures") + 1] == "3"
+        assert scheduler[scheduler.index("--max-queue-time-premium-s") + 1] == "0.0"
+        plain, _ = build_parser()[0].parse_known_args(argv[:5])
+        default = Supervisor(plain)
+        shutil.rmtree(default.workdir)
+        assert "--max-step-failures" not in default._argv("scheduler")
+    finally:
+        shutil.rmtree(sup.workdir)
