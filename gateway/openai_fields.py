@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gateway.validation import MAX_STOP_TOKEN_IDS, RequestError
+from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError
 from protos.continuum.v1 import generation_pb2
 
 UINT32_MAX = 2**32 - 1
@@ -157,7 +157,7 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
         sampling.stop_token_ids.extend(
             token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
     proto.stop.extend(stop_strings(body))
-    proto.n = integer(body, "n", 1, UINT32_MAX, 1)
+    proto.n = integer(body, "n", 1, MAX_N, 1)
     best_of = integer(body, "best_of", 1, UINT32_MAX)
     if best_of is not None and best_of != proto.n:
         raise bad("best_of other than n is not supported; remove it", "best_of")

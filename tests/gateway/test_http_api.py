@@ -72,7 +72,7 @@ VALIDATION_TABLE = [
     (_COMP, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", None, "> 0"),
     (_COMP, {"prompt": "hi", "seed": -1}, 400, "seed", None, "seed"),
     (_COMP, {"prompt": "hi", "n": 0}, 400, "n", None, "n must be"),
-    (_COMP, {"prompt": "hi", "n": 17}, 400, "n", None, "at most 16"),
+    (_COMP, {"prompt": "hi", "n": 17}, 400, "n", None, "between 1 and 16"),
     (_COMP, {"prompt": "hi", "logprobs": 6}, 400, "logprobs", None, "logprobs"),
     (_COMP, {"prompt": "hi", "stop": 5}, 400, "stop", None, "stop must be"),
     (_COMP, {"prompt": "hi", "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, 400, "stop", None,

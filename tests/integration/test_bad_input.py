@@ -150,7 +150,7 @@ ROWS = [
      400, "not valid JSON"),
     # HTTP: integers past the protobuf field types
     ("n past 2^32", http_row(COMP, {"prompt": "hi", "n": 2**32}), 400, "n must be between"),
-    ("n 17", http_row(COMP, {"prompt": "hi", "n": 17}), 400, "at most 16"),
+    ("n 17", http_row(COMP, {"prompt": "hi", "n": 17}), 400, "between 1 and 16"),
     ("prompt id past 2^32", http_row(COMP, {"prompt": [1, 2**32]}), 400,
      "prompt[1] = 4294967296 is not a token id"),
     ("negative prompt id", http_row(COMP, {"prompt": [5, -1]}), 400, "negative token id"),
