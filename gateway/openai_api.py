@@ -16,6 +16,7 @@ Continuum's `priority` ("premium" | "standard" | "best_effort") and `tenant`.
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-class Dialect:
+class Dialect(abc.ABC):
     """One OpenAI endpoint's request parsing and response shapes."""
 
     name = ""  # "completion" | "chat": the `api` label of logs
@@ -58,26 +59,28 @@ class Dialect:
     chunk_object_name = ""
     id_prefix = ""
 
+    @abc.abstractmethod
     def parse(self, body: Any, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
-        raise NotImplementedError
+        """The request for `body`; raises RequestError naming the offending field."""
 
     def envelope(self, request_id: str, model: str, created: int, chunk: bool) -> dict:
         return {"id": self.id_prefix + request_id,
                 "object": self.chunk_object_name if chunk else self.object_name,
                 "created": created, "model": model}
 
+    @abc.abstractmethod
     def logprobs(self, tokenizer: Tokenizer, response: generation_pb2.GenerateResponse,
                  offset: int) -> dict:
         """The logprobs of one response's tokens; `offset` is the choice's text length so far."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def chunk_choice(self, index: int, text: str, first: bool) -> dict:
-        raise NotImplementedError
+        """One streamed chunk's choice."""
 
+    @abc.abstractmethod
     def final_choice(self, index: int, text: str, parts: list[dict] | None,
                      reason: str | None) -> dict:
         """A non-streamed choice; `parts` are its responses' `logprobs` objects in order."""
-        raise NotImplementedError
 
 
 class CompletionDialect(Dialect):
