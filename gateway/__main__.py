@@ -27,6 +27,10 @@ EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None) -> GatewayConfig:
+    return _config_from(_parser().parse_args(argv))
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model-dir",
@@ -79,7 +83,10 @@ def parse_args(argv: list[str] | None) -> GatewayConfig:
         help="seconds in-flight calls may run on after SIGTERM",
     )
     _add_connection_flags(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _config_from(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         model_dir=args.model_dir,
         scheduler_address=args.scheduler,

@@ -135,6 +135,26 @@ class _Timing:
         self.last_token_at = now
 
 
+def _replica_failure(exc: Exception, address: str, streamed: int, log) -> ClientStatus:
+    """How the replica at `address` failed, when the request may continue on another;
+    raises RelayError when the failure is the request's own (a bad request, a poison one)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() not in _REPLICA_FAILURES or request_failed(exc):
+            log.warning("upstream failed", code=exc.code().name, details=exc.details())
+            raise RelayError(client_status(exc, address)) from exc
+        log.warning("replica failed; continuing elsewhere", replica=address,
+                    code=exc.code().name, streamed=streamed)
+        return client_status(exc, address)
+    if isinstance(exc, _Stalled):
+        log.warning("replica stalled; continuing elsewhere", replica=address, streamed=streamed)
+        return ClientStatus(grpc.StatusCode.UNAVAILABLE,
+                            f"the scheduler at {address} stopped responding")
+    log.warning("replica ended the stream early; continuing elsewhere", replica=address,
+                streamed=streamed)
+    return ClientStatus(grpc.StatusCode.UNAVAILABLE,
+                        f"the scheduler at {address} ended the stream without finishing")
+
+
 class Relay:
     """Serves validated requests for one model by relaying to scheduler replicas."""
 
@@ -272,23 +292,8 @@ class Relay:
                     leg.parked = False
                     if leg.ended is not None and not output.finished:
                         raise RelayError(leg.ended)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _REPLICA_FAILURES or request_failed(exc):
-                    log.warning("upstream failed", code=exc.code().name, details=exc.details())
-                    raise RelayError(client_status(exc, replica.address)) from exc
-                failure = client_status(exc, replica.address)
-                log.warning("replica failed; continuing elsewhere", replica=replica.address,
-                            code=exc.code().name, streamed=len(output.token_ids))
-            except _EndedEarly:
-                failure = ClientStatus(grpc.StatusCode.UNAVAILABLE, f"the scheduler at "
-                                       f"{replica.address} ended the stream without finishing")
-                log.warning("replica ended the stream early; continuing elsewhere",
-                            replica=replica.address, streamed=len(output.token_ids))
-            except _Stalled:
-                failure = ClientStatus(grpc.StatusCode.UNAVAILABLE, f"the scheduler at "
-                                       f"{replica.address} stopped responding")
-                log.warning("replica stalled; continuing elsewhere", replica=replica.address,
-                            streamed=len(output.token_ids))
+            except (grpc.aio.AioRpcError, _EndedEarly, _Stalled) as exc:
+                failure = _replica_failure(exc, replica.address, len(output.token_ids), log)
             finally:
                 # Idempotent after a normal finish; essential on every early exit
                 # (client gone, deadline passed, stop string matched).
