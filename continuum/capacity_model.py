@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from continuum.capacity import Contract, RequestClass
+from continuum.contract import Contract, RequestClass
 
 INF = math.inf
 

@@ -6,9 +6,10 @@ import pathlib
 
 import pytest
 
-from continuum.capacity import AuditError, RequestClass, audit, parse_contract
+from continuum.capacity import audit
 from continuum.capacity_model import decide, evaluate
 from continuum.cli import main as cli_main
+from continuum.contract import AuditError, RequestClass, parse_contract
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "capacity"
 
