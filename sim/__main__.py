@@ -20,7 +20,8 @@ from pathlib import Path
 from scheduler_svc.core import SchedulerConfig
 from sim import report
 from sim.cost_model import StepCostModel
-from sim.workload import default_trace, load_trace
+from sim.data import TraceError, default_trace
+from sim.workload import load_trace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except TraceError as exc:
+        print(f"python -m sim: --trace {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     cost = StepCostModel()
     trace = args.trace or default_trace()
     policies = report.POLICIES if args.policy == "all" else (args.policy,)

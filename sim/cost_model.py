@@ -32,22 +32,15 @@ from __future__ import annotations
 import bisect
 import csv
 import dataclasses
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from sim.data import data_dir
 
 GIB = 1 << 30
 _NON_ATTENTION_OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
                       "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj",
                       "add")
-
-
-def data_dir() -> Path:
-    """``$CONTINUUM_DATA_DIR``, else ``../shared/data`` beside the repository."""
-    env = os.environ.get("CONTINUUM_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,13 +7,16 @@ the trace says nothing about shared prefixes).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from sim.cost_model import data_dir
+# default_trace is re-exported: benchmarks.bench_scheduler imports it from here.
+from sim.data import default_trace, read_trace
+
+__all__ = ["TraceRequest", "default_trace", "load_trace", "merge", "poisson_class",
+           "split_classes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,29 +31,22 @@ class TraceRequest:
     tenant: str = "default"
 
 
-def default_trace() -> Path:
-    return data_dir() / "traces" / "azure_conv_2023.csv"
-
-
 def load_trace(path: Path, rate_scale: float = 1.0, duration_s: float | None = None,
                klass: str = "default", priority_tier: int = 1,
                tenant: str = "default") -> list[TraceRequest]:
-    """Rows ``arrived_at, num_prefill_tokens, num_decode_tokens``, sorted by arrival.
+    """The trace's rows (``sim.data.read_trace``) as requests, sorted by arrival.
 
     ``rate_scale`` compresses time (2.0 = twice the offered load, same length mix);
-    ``duration_s`` keeps the arrivals of the first seconds *after* scaling.
+    ``duration_s`` keeps the arrivals of the first seconds *after* scaling. Raises
+    ``sim.data.TraceError`` for a file that cannot be used.
     """
     if rate_scale <= 0:
         raise ValueError(f"rate_scale must be > 0, got {rate_scale}")
     out = []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            arrival = float(row["arrived_at"]) / rate_scale
-            if duration_s is not None and arrival >= duration_s:
-                continue
-            out.append(TraceRequest(arrival, int(row["num_prefill_tokens"]),
-                                    int(row["num_decode_tokens"]), klass, priority_tier,
-                                    tenant))
+    for arrived_at, prompt, output in read_trace(path):
+        arrival = arrived_at / rate_scale
+        if duration_s is None or arrival < duration_s:
+            out.append(TraceRequest(arrival, prompt, output, klass, priority_tier, tenant))
     out.sort(key=lambda r: r.arrival_s)
     return out
 

@@ -52,7 +52,7 @@ def test_an_unknown_revision_is_one_clear_error():
 
 
 def test_the_trace_mix_has_the_traces_lengths():
-    from sim.workload import default_trace
+    from sim.data import default_trace
 
     if not default_trace().exists():
         pytest.skip("the Azure trace is not under ../shared/data")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.cost_model import StepCostModel, data_dir
+from sim.cost_model import StepCostModel
+from sim.data import data_dir
 
 
 @pytest.fixture(scope="session")
