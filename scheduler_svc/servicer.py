@@ -36,6 +36,18 @@ def request_key(tenant: str, request_id: str) -> str:
     return f"{tenant or DEFAULT_TENANT}{KEY_SEPARATOR}{request_id}"
 
 
+def _server_end(req, reason: FinishReason) -> tuple:
+    """(code, message, trailer) for a request the server ended: a poison request
+    (INTERNAL, not to be retried elsewhere), one shed from an overloaded queue
+    (RESOURCE_EXHAUSTED with a retry hint), one drained (UNAVAILABLE: go elsewhere)."""
+    if reason == FinishReason.ERROR:
+        return grpc.StatusCode.INTERNAL, req.error, ((REQUEST_FAILED_KEY, "poison"),)
+    if req.retry_after_s > 0:
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED, req.error,
+                ((RETRY_AFTER_MS_KEY, str(int(req.retry_after_s * 1000))),))
+    return grpc.StatusCode.UNAVAILABLE, req.error, ()
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
@@ -56,11 +68,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 ev = await queue.get()
                 finished = ev[2] is not None
                 if finished and ev[0].error:  # ended by the server: a status says why
-                    code = (grpc.StatusCode.INTERNAL if ev[2] == FinishReason.ERROR
-                            else grpc.StatusCode.UNAVAILABLE)  # drained: go elsewhere
-                    trailer = (((REQUEST_FAILED_KEY, "poison"),)
-                               if ev[2] == FinishReason.ERROR else ())
-                    await context.abort(code, ev[0].error, trailer)
+                    await context.abort(*_server_end(ev[0], ev[2]))
                 yield _to_event(ev, first)
                 first = False
         finally:

@@ -20,6 +20,19 @@ sampled on the core's own clock at Submit; with fewer than MIN_DEPARTURES
 measured (a cold start) there is no estimate and only the count caps
 (max_num_waiting, max_num_waiting_per_tenant) apply.
 
+The estimate counts requests, not their work: a queue whose head holds out for a
+prompt as long as the KV pool drains far slower than the departures of short
+requests say. Two checks on what the queue actually does close that gap:
+
+* **head of line**: a request is also refused while the longest-waiting request
+  of its tier or higher has already waited past its bound (nobody overtakes the
+  head, so the newcomer would wait at least as long);
+* **shedding**: a request the estimate let in that has waited SHED_FACTOR times
+  its bound without starting is ended with the same refusal (RESOURCE_EXHAUSTED /
+  429 with a retry hint) instead of being left to its client's deadline. Only
+  requests whose client has seen no token are shed (never a preempted stream or
+  a continuation from another replica).
+
 Because lower tiers count everything ahead of them, they are refused first:
 in a queue full of best effort a premium request still sees an empty queue,
 while new best-effort work is refused. The retry hint is the time until the
@@ -36,6 +49,10 @@ TAU_S = 10.0
 MIN_DEPARTURES = 8
 MIN_SAMPLE_S = 0.05  # Submit bursts: sample the counters at most this often
 MAX_RETRY_AFTER_S = 60.0
+# A queued request is shed after waiting this many times its tier's bound: the bound
+# is what admission promised from an estimate; twice it is a promise broken.
+SHED_FACTOR = 2.0
+SHED_CHECK_S = 0.25  # how often the queue is scanned for requests to shed
 
 
 class ThroughputMeter:
@@ -98,3 +115,23 @@ def overload_refusal(tier: int, bound_s: float, ahead: int, free_slots: int,
                f"(the limit for its priority tier {tier} is {bound_s:g} s, "
                f"{ahead} requests are ahead of it); retry in {retry:.0f} s")
     return message, retry
+
+
+def head_of_line_refusal(tier: int, bound_s: float, head_waited_s: float | None
+                         ) -> tuple[str, float] | None:
+    """(message, retry-after seconds) when the longest-waiting request of tiers
+    0..``tier`` has already waited past ``bound_s``; None to accept."""
+    if bound_s <= 0 or head_waited_s is None or head_waited_s <= bound_s:
+        return None
+    retry = min(MAX_RETRY_AFTER_S, max(1.0, bound_s))
+    return (f"the server is overloaded: the queue for priority tier {tier} is not moving "
+            f"(its oldest request has waited {head_waited_s:.1f} s, the limit is "
+            f"{bound_s:g} s); retry in {retry:.0f} s"), retry
+
+
+def shed_message(tier: int, waited_s: float, bound_s: float) -> tuple[str, float]:
+    """(message, retry-after seconds) for a queued request shed after ``waited_s``."""
+    retry = min(MAX_RETRY_AFTER_S, max(1.0, bound_s))
+    return (f"the server is overloaded: this request waited {waited_s:.1f} s in the queue "
+            f"without starting (the limit for its priority tier {tier} is {bound_s:g} s); "
+            f"retry in {retry:.0f} s"), retry

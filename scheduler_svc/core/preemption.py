@@ -31,13 +31,21 @@ def priority_key(req: Request) -> tuple[int, int]:
     return (req.priority_tier, req.admit_seq)
 
 
+def victim_key(req: Request) -> tuple[int, bool, int]:
+    """Larger is preempted first: lower tier, then a sequence whose client has seen no
+    token yet (preempting it costs only time to first token, while preempting a decode
+    stalls a stream mid-answer), then the most recently admitted."""
+    silent = req.num_output_tokens == 0 and req.num_resumed_output_tokens == 0
+    return (req.priority_tier, silent, req.admit_seq)
+
+
 def pick_victim(running: list[Request], needy: Request, step: int) -> Request:
-    """The lowest-priority sequence among ``needy`` and those running that
-    have not been scheduled this step (``running`` is in priority order).
+    """The sequence to preempt among ``needy`` and those running that have not been
+    scheduled this step (``running`` is in priority order): see ``victim_key``.
 
     Protected sequences are passed over while any other choice exists.
     """
     candidates = [r for r in running if r.scheduled_step != step and r is not needy]
     candidates.append(needy)
     unprotected = [r for r in candidates if not r.protected]
-    return max(unprotected or candidates, key=priority_key)
+    return max(unprotected or candidates, key=victim_key)

@@ -73,6 +73,31 @@ class WaitingQueue:
         ``tier``, aging aside)."""
         return sum(n for t, n in self._per_tier.items() if t <= tier)
 
+    def oldest_arrival_up_to(self, tier: int) -> float | None:
+        """Arrival time of the longest-waiting request in tiers 0..``tier``, or None."""
+        times = [fifo[0].arrival_time for (t, _), fifo in self._fifos.items() if t <= tier]
+        return min(times) if times else None
+
+    def overdue(self, now: float, limit_s: collections.abc.Callable[[int], float]
+                ) -> list[Request]:
+        """Fresh requests (never run, no client has seen a token of theirs) that have
+        waited longer than ``limit_s(tier)`` (0: no limit), oldest first per FIFO.
+        A FIFO holds fresh requests in arrival order behind any preempted ones, so the
+        scan stops at its first fresh request that is not overdue."""
+        found = []
+        for (tier, _), fifo in self._fifos.items():
+            limit = limit_s(tier)
+            if limit <= 0:
+                continue
+            for req in fifo:
+                if req.num_preemptions or req.num_resumed_output_tokens or \
+                        req.status != RequestStatus.WAITING:
+                    continue
+                if now - req.arrival_time <= limit:
+                    break
+                found.append(req)
+        return found
+
     def prune(self, active: collections.abc.Container[str]) -> None:
         """Forgets the served counters of tenants neither waiting nor in ``active``
         (the running ones); see the module docstring for why that is fair."""

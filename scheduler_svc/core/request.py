@@ -94,6 +94,9 @@ class Request:
     # Why it ended without finishing (ERROR, or ABORT by the server): what the client
     # is told. Empty for a normal end or a client's own abort.
     error: str = ""
+    # With ``error``, set when the server shed it from the queue (overload): the client
+    # is told RESOURCE_EXHAUSTED and to retry after this many seconds.
+    retry_after_s: float = 0.0
     # Chain hashes of its first full blocks under the current executor's block size,
     # filled by the block manager as it needs them: each block of a request is hashed
     # once in its lifetime (admission, registration and every resume reuse them).

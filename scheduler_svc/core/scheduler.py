@@ -31,7 +31,14 @@ import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from scheduler_svc.core.admission import ThroughputMeter, overload_refusal
+from scheduler_svc.core.admission import (
+    SHED_CHECK_S,
+    SHED_FACTOR,
+    ThroughputMeter,
+    head_of_line_refusal,
+    overload_refusal,
+    shed_message,
+)
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig, queue_time_bound
 from scheduler_svc.core.policy import make_policy
@@ -168,6 +175,8 @@ class Scheduler:
         self.reconfigure(config)
         self.waiting = WaitingQueue(config.aging_s)
         self._throughput = ThroughputMeter()  # departures/s while saturated (admission)
+        self.num_shed = 0  # queued requests ended for waiting past their bound
+        self._next_shed_check = 0.0
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Replaces the config between steps (hot reload)."""
@@ -363,14 +372,35 @@ class Scheduler:
         free = 0 if waiting else cfg.max_num_seqs - len(self.running)
         self._throughput.sample(req.arrival_time, self.num_finished,
                                 bool(waiting) or free <= 0)
-        refusal = overload_refusal(req.priority_tier,
-                                   queue_time_bound(cfg, req.priority_tier),
-                                   waiting.num_waiting_up_to(req.priority_tier), free,
+        tier = req.priority_tier
+        bound = queue_time_bound(cfg, tier)
+        refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free,
                                    self._throughput.rate)
+        if refusal is None and bound > 0 and waiting:
+            oldest = waiting.oldest_arrival_up_to(tier)
+            waited = None if oldest is None else req.arrival_time - oldest
+            refusal = head_of_line_refusal(tier, bound, waited)
         if refusal is not None:
             raise QueueFull(*refusal)
         if len(waiting.served) > 2 * (waiting.num_tenants + len(self._running_per_tenant)) + 64:
             waiting.prune(self._running_per_tenant)
+
+    def _shed_overdue(self) -> None:
+        """Ends queued requests that waited SHED_FACTOR x their tier's bound without
+        starting, with a refusal and a retry hint (core/admission.py); at most every
+        SHED_CHECK_S."""
+        now = self.clock()
+        if now < self._next_shed_check:
+            return
+        self._next_shed_check = now + SHED_CHECK_S
+        cfg = self.config
+        for req in self.waiting.overdue(now, lambda t: SHED_FACTOR * queue_time_bound(cfg, t)):
+            self.waiting.remove(req)
+            req.error, req.retry_after_s = shed_message(
+                req.priority_tier, now - req.arrival_time, queue_time_bound(cfg, req.priority_tier))
+            self._finish(req, FinishReason.ABORT)
+            self._events.append((req, None, FinishReason.ABORT))
+            self.num_shed += 1
 
     def _retry_after(self) -> float:
         # About one queue-turn: the queue drains max_num_seqs at a time.
@@ -419,6 +449,8 @@ class Scheduler:
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
+        if self.waiting:
+            self._shed_overdue()
         suspect = self._next_suspect() if self._suspects else None
         if suspect is not None and not self._unconfirmed and self._isolate(out, suspect):
             if out.new:
@@ -706,8 +738,11 @@ class Scheduler:
         """Steps 4–5: resumed, then fresh requests, in the waiting queue's order."""
         bm = self.block_manager
         cap = self.policy.prefill_cap(self.config)
-        reserve = self._watermark_blocks()
-        # Projected demand: blocks the running prefills will still take.
+        # Kept free for the running: the watermark, and at least a block for each
+        # running decode's next one (admitting into that block would preempt a stream
+        # mid-answer at its next block boundary), plus the blocks the running prefills
+        # will still take.
+        reserve = max(self._watermark_blocks(), len(self.running) - len(prefills))
         reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
         now = self.clock()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:

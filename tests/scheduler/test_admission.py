@@ -140,3 +140,65 @@ def test_idle_tenants_leave_no_state_behind():
     # A returning tenant is lifted to the floor of those waiting, as before pruning.
     sched.add_request(make_request(4, 1, request_id="again", tenant="tenant-0"))
     assert sched.waiting.served["tenant-0"] >= 0.0
+
+
+def test_a_queue_whose_head_is_stuck_refuses_newcomers():
+    """A prompt as long as the pool stuck at the head of the queue: the departure rate of
+    short requests says the queue moves, the head's age says it does not."""
+    clock = Clock(0.0)
+    sched = make_scheduler(num_blocks=16, block_size=4, clock=clock, max_num_seqs=4,
+                           max_num_batched_tokens=64, chunk_size=64)
+    runner = make_request(40, 200, request_id="runner")  # holds 10 + growing blocks
+    sched.add_request(runner)
+    step(sched)
+    stuck = make_request(60, 1, request_id="stuck")  # 15 blocks: waits for the runner
+    sched.add_request(stuck)
+    step(sched)
+    clock.now += 5.5  # past the standard bound (5 s), and it has not started
+    step(sched)
+    assert stuck.status.name == "WAITING"
+    with pytest.raises(QueueFull, match="not moving") as refused:
+        sched.add_request(make_request(4, 2, request_id="newcomer"))
+    assert refused.value.retry_after_s >= 1.0
+    # Premium counts only premium ahead of it: its queue is empty, so it gets in.
+    sched.add_request(make_request(4, 2, request_id="vip", priority_tier=PREMIUM))
+
+
+def test_a_request_queued_past_twice_its_bound_is_shed_with_a_retry_hint():
+    clock = Clock(0.0)
+    sched = make_scheduler(num_blocks=16, block_size=4, clock=clock, max_num_seqs=4,
+                           max_num_batched_tokens=64, chunk_size=64)
+    sched.add_request(make_request(40, 200, request_id="runner"))
+    step(sched)
+    stuck = make_request(60, 1, request_id="stuck")
+    be = make_request(60, 1, request_id="be", priority_tier=BEST_EFFORT)
+    sched.add_request(stuck)
+    sched.add_request(be)
+    clock.now += 10.5  # past 2 x 5 s (standard); best effort's 2 x 20 s is far off
+    out = sched.schedule()
+    events = sched.take_events()
+    shed = [ev for ev in events if ev[0] is stuck]
+    assert shed and shed[0][2] is not None and stuck.is_finished
+    assert "overloaded" in stuck.error and stuck.retry_after_s >= 1.0
+    assert not be.is_finished and sched.num_shed == 1
+    assert "stuck" not in sched.requests
+    sched.assert_invariants(out)
+
+
+def test_only_requests_whose_client_saw_nothing_are_shed():
+    from scheduler_svc.core.queue import WaitingQueue
+
+    queue = WaitingQueue(aging_s=10.0)
+    fresh = make_request(8, 4, request_id="fresh", arrival_time=0.0)
+    preempted = make_request(8, 4, request_id="preempted", arrival_time=0.0)
+    preempted.num_preemptions = 1
+    continuation = make_request(8, 4, request_id="cont", arrival_time=0.0,
+                                num_resumed_output_tokens=3)
+    young = make_request(8, 4, request_id="young", arrival_time=50.0)
+    queue.push(fresh)
+    queue.push(preempted, front=True)
+    queue.push(continuation)
+    queue.push(young)
+    assert queue.overdue(60.0, lambda tier: 20.0) == [fresh]
+    assert queue.overdue(60.0, lambda tier: 0.0) == []  # 0: no bound, nobody shed
+    assert queue.oldest_arrival_up_to(1) == 0.0 and queue.oldest_arrival_up_to(0) is None

@@ -52,7 +52,7 @@ from scheduler_svc.core import (
     SchedulerOutput,
 )
 from scheduler_svc.core.policy import make_policy
-from scheduler_svc.core.preemption import priority_key
+from scheduler_svc.core.preemption import priority_key, victim_key
 from tests.scheduler.factories import (
     EOS,
     Clock,
@@ -127,9 +127,10 @@ class Track:
 
 class VictimSpy:
     """Wraps the scheduler's ``pick_victim`` while a machine runs and checks each choice
-    against DESIGN.md §3: among the needy sequence and the running ones not yet scheduled
-    this step, the lowest priority (tier, then most recently admitted), never a protected
-    one while another candidate is not."""
+    against DESIGN.md §3 as refined in core/preemption.py: among the needy sequence and the
+    running ones not yet scheduled this step, the lowest tier, then one whose client has
+    seen no token, then the most recently admitted; never a protected one while another
+    candidate is not."""
 
     def __init__(self) -> None:
         real = scheduler_module.pick_victim
@@ -146,7 +147,7 @@ class VictimSpy:
             assert all(r.protected for r in candidates), "a protected victim, with a choice"
             self.forced.append(victim)
         lower = [r for r in candidates if r.protected == victim.protected
-                 and priority_key(r) > priority_key(victim)]
+                 and victim_key(r) > victim_key(victim)]
         assert not lower, f"victim {victim.request_id} outranks {lower[0].request_id}"
         return victim
 
