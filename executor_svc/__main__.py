@@ -26,22 +26,24 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
-from executor_svc.device import gpu_kv_blocks, resolve_device
+from executor_svc.device import fit_gpu_kv_cache, resolve_device
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import SchedulerLink, ServeLoop
-from executor_svc.model import LlamaModel, ModelConfig
+from executor_svc.model import LlamaModel
+from executor_svc.model_config import ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
-from executor_svc.runner import Runner, measure_prefill_tokens_per_s, profile_activation_bytes
+from executor_svc.runner import Runner, measure_prefill_tokens_per_s
+from executor_svc.settings import Switches
 from executor_svc.tp_comm import TPComm
 from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
-from executor_svc.tp_shard import load_sharded_model, shard_layout
+from executor_svc.tp_shard import shard_layout
 from kernels import BACKEND_NAMES, backend_for, make_backend
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
@@ -51,9 +53,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_CACHE_BYTES = 1 << 30  # --kv-cache-bytes on the CPU, where nothing sizes it better
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
-    """Validated once in parse_args; components get the fields they need."""
+    """The flags, validated once in parse_args, and the environment's ``switches``
+    (executor_svc/settings.py lists every variable); components get the fields they need."""
 
     model: str | None
     ipc: str
@@ -75,9 +78,10 @@ class ExecutorConfig:
     device: str = "auto"  # as given; each rank resolves its own (executor_svc/device.py)
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # the profiled step on a GPU
+    switches: Switches = field(default_factory=Switches)
 
 
-def parse_args(argv: list[str] | None) -> ExecutorConfig:
+def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="", help="GGUF file or HF dir; empty: bundled SmolLM2")
     p.add_argument("--ipc", required=True, help="scheduler address, e.g. ipc:///tmp/c.sock")
@@ -121,11 +125,19 @@ def parse_args(argv: list[str] | None) -> ExecutorConfig:
         p.error("--tp-rank is set by rank 0 for its workers only")
     if not a.ipc.startswith(("ipc://", "tcp://", "inproc://")):
         p.error(f"--ipc must be a zmq address such as ipc:///tmp/continuum.sock, got {a.ipc!r}")
-    return ExecutorConfig(a.model or None, a.ipc, a.kv_cache_bytes, a.host_kv_cache_bytes,
-                          a.block_size, a.dtype, a.threads, a.model_id, a.warmup_tokens,
-                          a.attention_backend, a.tp_size, a.tp_timeout_s, a.tp_rank,
-                          a.tp_init_method, a.incarnation, a.kv_cache_dtype, a.device,
-                          a.gpu_memory_utilization, a.max_num_batched_tokens)
+    try:
+        switches = Switches.from_env(environ)
+    except ValueError as exc:
+        p.error(str(exc))
+    return ExecutorConfig(
+        model=a.model or None, ipc=a.ipc, kv_cache_bytes=a.kv_cache_bytes,
+        host_kv_cache_bytes=a.host_kv_cache_bytes, block_size=a.block_size, dtype=a.dtype,
+        threads=a.threads, model_id=a.model_id, warmup_tokens=a.warmup_tokens,
+        attention_backend=a.attention_backend, tp_size=a.tp_size, tp_timeout_s=a.tp_timeout_s,
+        tp_rank=a.tp_rank, tp_init_method=a.tp_init_method, incarnation=a.incarnation,
+        kv_cache_dtype=a.kv_cache_dtype, device=a.device,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_batched_tokens=a.max_num_batched_tokens, switches=switches)
 
 
 def build(
@@ -149,14 +161,16 @@ def build(
     # Under tp every rank sizes its pool by the largest KV share, so a block id means the
     # same on every rank; the byte budget is per rank.
     sizing = dataclasses.replace(spec, num_kv_heads=pool_kv_heads)
-    backend = make_backend(config.attention_backend, device)
+    native = config.switches.native_options()
+    backend = make_backend(config.attention_backend, device, native)
     fit_to_gpu = device.type == "cuda" and config.kv_cache_bytes is None
     if model.tp is not None and fit_to_gpu:  # the profiling step makes collectives
         model.tp.connect(tp_init_method, config.tp_timeout_s, device)
-    num_blocks = (_fit_gpu_kv_cache(config, model, spec, backend) if fit_to_gpu else
+    num_blocks = (fit_gpu_kv_cache(model, spec, backend, config.max_num_batched_tokens,
+                                   config.gpu_memory_utilization) if fit_to_gpu else
                   sizing.num_blocks(config.kv_cache_bytes or CPU_KV_CACHE_BYTES))
     kv = _allocate_kv(config, spec, num_blocks, sizing.num_blocks(config.host_kv_cache_bytes),
-                      device)
+                      device, native)
     if model.tp is not None and not fit_to_gpu:
         # Joined only now: the slowest rank's load must not time out.
         model.tp.connect(tp_init_method, config.tp_timeout_s, device)
@@ -175,53 +189,14 @@ def build(
              "%d threads", time.perf_counter() - start, hello.model_id, kv.num_blocks,
              config.block_size, kv.num_blocks * spec.block_bytes / 2**20, prefill_tps,
              torch.get_num_threads())
-    return Runner(model, kv, backend, incarnation, sampler=sampler), hello
-
-
-def _fit_gpu_kv_cache(config: ExecutorConfig, model: LlamaModel, spec: KVCacheSpec,
-                      backend) -> int:
-    """KV blocks for this rank's GPU (executor_svc/device.py's arithmetic), the smallest
-    count of any rank under tp so that a block id means the same on every rank.
-
-    The profiling step writes its K/V into a scratch pool of its own size. What stays in
-    use is read from the driver only after that pool and the step's memory are handed back:
-    it then counts weights, the CUDA context, NCCL's and cuBLAS's buffers and other
-    processes, and nothing twice.
-    """
-    device = model.embed.device
-    weights = torch.cuda.memory_allocated(device)
-    tokens = config.max_num_batched_tokens
-    scratch = KVCache(spec, -(-tokens // spec.block_size), device=device)
-    activations = profile_activation_bytes(model, scratch, backend, tokens)
-    del scratch
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    one_sequence = -(-model.config.max_position_embeddings // spec.block_size)
-    error, blocks = None, 0
-    try:
-        blocks = gpu_kv_blocks(total, total - free, activations, config.gpu_memory_utilization,
-                               spec.block_bytes, one_sequence)
-    except ValueError as exc:  # raised after the collective, which every rank must join
-        error = exc
-    if model.tp is not None:
-        blocks = model.tp.min_over_ranks(blocks)
-    if error is not None:
-        raise error
-    if blocks == 0:
-        raise ValueError("another tensor-parallel rank has no room for the KV cache "
-                         "(see its error)")
-    log.info("%s: %.2f GiB, %.2f in use after loading (weights %.2f); a %d-token step's "
-             "activations %.2f GiB; KV cache %d blocks = %.2f GiB (--gpu-memory-utilization "
-             "%g)", device, total / 2**30, (total - free) / 2**30, weights / 2**30, tokens,
-             activations / 2**30, blocks, blocks * spec.block_bytes / 2**30,
-             config.gpu_memory_utilization)
-    return blocks
+    return Runner(model, kv, backend, incarnation, sampler=sampler,
+                  faults=config.switches.faults), hello
 
 
 def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,
-                 num_host_blocks: int, device: torch.device) -> KVCache:
+                 num_host_blocks: int, device: torch.device, native) -> KVCache:
     try:
-        return KVCache(spec, num_blocks, num_host_blocks, device)
+        return KVCache(spec, num_blocks, num_host_blocks, device, native_options=native)
     except torch.OutOfMemoryError as exc:
         if device.type != "cuda":
             raise
@@ -233,18 +208,18 @@ def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,
 
 def _load(config: ExecutorConfig, path, device: torch.device):
     """(model, sampler or None for the default, KV heads that size the pool)."""
-    dtype = DTYPES[config.dtype]
+    dtype, options = DTYPES[config.dtype], config.switches.model_options()
     if config.tp_size == 1:
         if config.threads:
             torch.set_num_threads(config.threads)
-        model = LlamaModel.load(path, dtype=dtype, device=device)
+        model = LlamaModel.load(path, dtype=dtype, device=device, **options)
         return model, None, model.num_kv_heads
     # Ranks share the cores unless told otherwise.
     torch.set_num_threads(config.threads or max(1, len(os.sched_getaffinity(0)) // config.tp_size))
     model_config = ModelConfig.from_dir(path)
     layout = shard_layout(model_config, config.tp_size, config.tp_rank)
     comm = TPComm(layout)
-    model = load_sharded_model(path, model_config, dtype, device, comm)
+    model = LlamaModel.load(path, dtype, device, comm, **options)
     return model, make_sampler(model_config.eos_token_ids, comm), layout.max_kv_heads
 
 
@@ -280,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(config.device, 0, config.tp_size)
         backend_for(config.attention_backend, device)  # before the minutes a model may take
-        path = resolve_model(config.model)
+        path = resolve_model(config.model, config.switches.cache_dir)
         if config.tp_size > 1:  # refuse an impossible split before starting anyone
             shard_layout(ModelConfig.from_dir(path), config.tp_size, 0)
     except (ModelError, ValueError) as exc:
@@ -346,8 +321,8 @@ def _worker_main(config: ExecutorConfig) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = resolve_device(config.device, config.tp_rank, config.tp_size)
-        runner, _ = build(config, resolve_model(config.model), config.incarnation,
-                          config.tp_init_method, device)
+        path = resolve_model(config.model, config.switches.cache_dir)
+        runner, _ = build(config, path, config.incarnation, config.tp_init_method, device)
     except (ModelError, ValueError) as exc:
         print(f"error: rank {config.tp_rank}: {exc}", file=sys.stderr)
         return 2

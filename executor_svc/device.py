@@ -8,12 +8,17 @@ fixed budget would either waste most of a large GPU or not fit a small one.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from executor_svc.flags import DEVICE_PATTERN
+from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.model import LlamaModel
+from executor_svc.runner import profile_activation_bytes
 
+log = logging.getLogger("executor")
 _GIB = 1 << 30
 
 
@@ -64,4 +69,43 @@ def gpu_kv_blocks(
             "--gpu-memory-utilization, use a smaller model (or a narrower --dtype / "
             "--kv-cache-dtype), or split it over more GPUs with --tp-size"
         )
+    return blocks
+
+
+def fit_gpu_kv_cache(model: LlamaModel, spec: KVCacheSpec, backend, tokens: int,
+                     utilization: float) -> int:
+    """KV blocks for this rank's GPU (``gpu_kv_blocks`` after a profiled step of ``tokens``,
+    --max-num-batched-tokens), the smallest count of any rank under tp so that a block id
+    means the same on every rank.
+
+    The profiling step writes its K/V into a scratch pool of its own size. What stays in
+    use is read from the driver only after that pool and the step's memory are handed back:
+    it then counts weights, the CUDA context, NCCL's and cuBLAS's buffers and other
+    processes, and nothing twice.
+    """
+    device = model.embed.device
+    weights = torch.cuda.memory_allocated(device)
+    scratch = KVCache(spec, -(-tokens // spec.block_size), device=device)
+    activations = profile_activation_bytes(model, scratch, backend, tokens)
+    del scratch
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    one_sequence = -(-model.config.max_position_embeddings // spec.block_size)
+    error, blocks = None, 0
+    try:
+        blocks = gpu_kv_blocks(total, total - free, activations, utilization, spec.block_bytes,
+                               one_sequence)
+    except ValueError as exc:  # raised after the collective, which every rank must join
+        error = exc
+    if model.tp is not None:
+        blocks = model.tp.min_over_ranks(blocks)
+    if error is not None:
+        raise error
+    if blocks == 0:
+        raise ValueError("another tensor-parallel rank has no room for the KV cache "
+                         "(see its error)")
+    log.info("%s: %.2f GiB, %.2f in use after loading (weights %.2f); a %d-token step's "
+             "activations %.2f GiB; KV cache %d blocks = %.2f GiB (--gpu-memory-utilization "
+             "%g)", device, total / 2**30, (total - free) / 2**30, weights / 2**30, tokens,
+             activations / 2**30, blocks, blocks * spec.block_bytes / 2**30, utilization)
     return blocks

@@ -1,6 +1,7 @@
 """Test-only fault injection: make one request's step fail on purpose.
 
-Inert unless ``CONTINUUM_FAULT_INJECT`` is set (never set it in production). Its value is
+Inert unless ``CONTINUUM_FAULT_INJECT`` is set (never set it in production; the executor
+reads it at start, executor_svc/settings.py, and hands the Runner its injector). Its value is
 one or more ``ACTION=TOKEN`` separated by commas, ACTION one of:
 
 * ``raise_on_token`` — the forward pass of a step raises when the plan sends in full a
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 
 from protos.continuum.v1 import executor_pb2 as pb
 
@@ -37,8 +37,9 @@ class FaultInjector:
         self.faults = faults or {}  # token id → action
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector:
-        spec = environ.get(ENV_FAULT_INJECT, "")
+    def parse(cls, spec: str) -> FaultInjector:
+        """From ``CONTINUUM_FAULT_INJECT``'s value (read in executor_svc/settings.py; "": inert);
+        ValueError naming the variable if it is malformed."""
         faults = {}
         for item in filter(None, spec.split(",")):
             action, _, token = item.strip().partition("=")
@@ -46,9 +47,10 @@ class FaultInjector:
                 raise ValueError(f"{ENV_FAULT_INJECT}={spec!r}: expected one or more of "
                                  f"{', '.join(a + '=TOKEN_ID' for a in ACTIONS)}")
             faults[int(token)] = action
-        if faults:
-            log.warning("TEST-ONLY fault injection is on: %s", spec)
         return cls(faults)
+
+    def __repr__(self) -> str:  # as the variable's value
+        return ",".join(f"{action}={token}" for token, action in self.faults.items())
 
     def check(self, plan: pb.BatchPlan) -> None:
         if not self.faults:

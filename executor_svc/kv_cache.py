@@ -75,7 +75,8 @@ class KVCache:
     """
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0, device="cpu"
+        self, spec: KVCacheSpec, num_blocks: int, num_host_blocks: int = 0, device="cpu", *,
+        native_options: native.NativeOptions | None = None,  # the executor's (settings.py)
     ) -> None:
         if num_blocks < 1:
             raise ValueError(
@@ -92,7 +93,7 @@ class KVCache:
         # On the CPU, writes go through one native call (~2 us) instead of two index_copy_
         # (~60 us each: 7 ms of a batch-64 step), for every pool dtype the kernels take.
         native_pool = self.device_pool.device.type == "cpu" and spec.dtype in native.KV_KINDS
-        self._native = native.load() if native_pool else None
+        self._native = native.load(native_options) if native_pool else None
         # With a GPU pool the host pool is pinned: swaps are then DMA transfers, not copies
         # staged through a driver buffer.
         self._pinned = self.device_pool.device.type == "cuda"

@@ -15,9 +15,7 @@ slices. With ``tp`` None (tp_size 1) the forward makes no collective call and no
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,54 +25,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from executor_svc.kv_cache import KVCache
+from executor_svc.model_config import ModelConfig
+from executor_svc.tp_shard import load_shard
 from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from executor_svc.tp_comm import TPComm
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The fields of an HF Llama config.json this forward pass needs."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    name: str
-
-    @staticmethod
-    def from_dir(path: pathlib.Path) -> ModelConfig:
-        raw = json.loads((path / "config.json").read_text())
-        heads = raw["num_attention_heads"]
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        eos = raw.get("eos_token_id")
-        return ModelConfig(
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            vocab_size=raw["vocab_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=rope if rope.get("rope_type", rope.get("type")) == "llama3" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            name=raw.get("_name_or_path") or path.name,
-        )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
@@ -169,8 +126,11 @@ class LlamaModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device,
-        tp: TPComm | None = None,
+        tp: TPComm | None = None, *, native_options: native.NativeOptions | None = None,
+        native_gemm: bool = True, native_decoder: bool = True,
     ):
+        """``native_*``: the executor's switches (executor_svc/settings.py); the defaults use
+        the C++ library, its GEMM and its decoder wherever they apply (fp32 on the CPU)."""
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -192,21 +152,21 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
-        self._native = native.load() if cpu_fp32 else None
+        self._native = native.load(native_options) if cpu_fp32 else None
         self._decoder: native.NativeDecoder | None = None
-        if self._native is not None and os.environ.get("CONTINUUM_NATIVE_GEMM", "1") != "0":
-            self._pack_weights(self._native)
+        if self._native is not None and native_gemm:
+            self._pack_weights(self._native, native_decoder)
 
-    def _pack_weights(self, lib: native.NativeKernels) -> None:
+    def _pack_weights(self, lib: native.NativeKernels, decoder: bool) -> None:
         """Every projection and the LM head into the native GEMM's layout (the plain tensors
         are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here); and,
-        unless CONTINUUM_NATIVE_DECODER=0, the native decoder that runs a step's layers in
+        if ``decoder`` (and not under tp), the native decoder that runs a step's layers in
         one call."""
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
                 setattr(layer, name, lib.pack_weight(getattr(layer, name)))
         self.lm_head = lib.pack_weight(self.lm_head)
-        if self.tp is None and os.environ.get("CONTINUUM_NATIVE_DECODER", "1") != "0":
+        if self.tp is None and decoder:
             c = self.config
             self._decoder = native.NativeDecoder(
                 lib, [(lay.attn_norm, lay.wqkv, lay.wo, lay.ffn_norm, lay.w13, lay.w2)
@@ -260,12 +220,18 @@ class LlamaModel:
                 rows[:, n_qk:].view(t, num_kv_heads, dim))
 
     @staticmethod
-    def load(path: pathlib.Path, dtype=torch.float32, device="cpu") -> LlamaModel:
+    def load(path: pathlib.Path, dtype=torch.float32, device="cpu", tp: TPComm | None = None,
+             **switches) -> LlamaModel:
+        """The checkpoint in ``path``; under tp only this rank's slices are read
+        (tp_shard.load_shard: a rank never holds the whole model). ``switches``: __init__'s."""
         config = ModelConfig.from_dir(path)
+        if tp is not None:
+            return LlamaModel(config, load_shard(path, config, tp.layout), dtype, device, tp,
+                              **switches)
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(path.glob("*.safetensors")):
             weights.update(load_file(str(file)))
-        return LlamaModel(config, weights, dtype, device)
+        return LlamaModel(config, weights, dtype, device, **switches)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32

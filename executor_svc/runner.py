@@ -33,6 +33,7 @@ class Runner:
     def __init__(
         self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str,
         sampler: Sampler | None = None,  # tensor parallelism swaps in its own (tp_serve.py)
+        faults: FaultInjector | None = None,  # test-only (executor_svc/faults.py); None: inert
     ) -> None:
         self.model = model
         self.kv = kv
@@ -48,7 +49,9 @@ class Runner:
         )
         self.seqs: dict[int, SequenceState] = {}
         self.last_step_id = 0  # of the last plan executed (for heartbeats)
-        self.faults = FaultInjector.from_env()  # test-only; inert unless configured
+        self.faults = faults or FaultInjector()
+        if self.faults.faults:
+            log.warning("TEST-ONLY fault injection is on: %r", self.faults)
 
     def reset(self, incarnation: str | None = None) -> None:
         """Forgets every sequence: the scheduler treats a (re-)introduced executor as empty.

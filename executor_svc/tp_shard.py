@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from executor_svc.model import LlamaModel, ModelConfig
+from executor_svc.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,3 @@ def load_shard(path: pathlib.Path, config: ModelConfig, layout: ShardLayout) -> 
                     weights[name] = f.get_slice(name)[:, part[1].start : part[1].stop]
     return {name: t.contiguous() for name, t in weights.items()}
 
-
-def load_sharded_model(path: pathlib.Path, config: ModelConfig, dtype, device, tp) -> LlamaModel:
-    """``tp``: this rank's TPComm (its layout says which slice to load)."""
-    return LlamaModel(config, load_shard(path, config, tp.layout), dtype, device, tp=tp)

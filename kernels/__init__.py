@@ -29,15 +29,16 @@ def backend_for(name: str | None, device="cpu") -> str:
     return name
 
 
-def make_backend(name: str | None = DEFAULT_BACKEND, device="cpu"):
+def make_backend(name: str | None = DEFAULT_BACKEND, device="cpu", native_options=None):
     """An AttentionBackend by name (checked by ``backend_for``) for tensors on ``device``;
     imports only the one asked for. ``numba`` compiles its kernel here (or loads it from
-    numba's on-disk cache), not on the first request."""
+    numba's on-disk cache), not on the first request, and loads the AVX2 kernel as
+    ``native_options`` say (kernels/native.py; None: the defaults)."""
     name = backend_for(name, device)
     if name == "numba":
         from kernels.numba_backend import NumbaAttentionBackend
 
-        return NumbaAttentionBackend()
+        return NumbaAttentionBackend(native_options=native_options)
     if name == "torch":
         from kernels.torch_backend import TorchAttentionBackend
 

@@ -5,10 +5,12 @@ weights) and kernels/cpu_decoder.cpp (a step's decoder layers in one call), one
 library.
 
 Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
-``kernels/__pycache__/`` (or ``CONTINUUM_KERNEL_CACHE``, or a temporary directory where
+``kernels/__pycache__/`` (or ``NativeOptions.cache_dir``, or a temporary directory where
 neither is writable); later processes load the cached library in milliseconds. ``load()``
 returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA/F16C, there is
-no compiler, the build fails or ``CONTINUUM_NATIVE_KERNELS=0``; it never raises.
+no compiler, the build fails or ``NativeOptions.enabled`` is False; it never raises. This
+module reads no environment: the executor reads its switches once (executor_svc/settings.py)
+and passes them in a ``NativeOptions``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,6 +39,15 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-s
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativeOptions:
+    """Whether and how ``load`` builds the library; the defaults are every switch unset."""
+
+    enabled: bool = True  # False: no library, the numba kernel and torch's ops instead
+    cache_dir: str | None = None  # tried before kernels/__pycache__/ and the temp directory
+    compiler: str | None = None  # None: g++, else c++, from PATH
 
 
 class NativeKernels:
@@ -317,11 +329,9 @@ def _cpu_has_avx2_fma() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags.split())
 
 
-def _cache_dirs() -> list[pathlib.Path]:
-    dirs = [pathlib.Path(os.environ["CONTINUUM_KERNEL_CACHE"])] if os.environ.get(
-        "CONTINUUM_KERNEL_CACHE") else []
-    return dirs + [SOURCES[0].parent / "__pycache__",
-                   pathlib.Path(tempfile.gettempdir()) / "continuum-kernels"]
+def _cache_dirs(first: str | None) -> list[pathlib.Path]:
+    return [*([pathlib.Path(first)] if first else []), SOURCES[0].parent / "__pycache__",
+            pathlib.Path(tempfile.gettempdir()) / "continuum-kernels"]
 
 
 def _build(target: pathlib.Path, compiler: str) -> None:
@@ -337,15 +347,17 @@ def _build(target: pathlib.Path, compiler: str) -> None:
             os.unlink(tmp)
 
 
-def load() -> NativeKernels | None:
-    """The compiled kernels (building them if no cached copy exists), or None."""
-    if os.environ.get("CONTINUUM_NATIVE_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+def load(options: NativeOptions | None = None) -> NativeKernels | None:
+    """The compiled kernels (building them if no cached copy exists), or None. ``options``:
+    None for the defaults (no switch set)."""
+    options = options or NativeOptions()
+    if not options.enabled or not _cpu_has_avx2_fma():
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = options.compiler or shutil.which("g++") or shutil.which("c++")
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     name = f"cpu_attention-{key}.so"
-    for directory in _cache_dirs():
+    for directory in _cache_dirs(options.cache_dir):
         path = directory / name
         try:
             if not path.exists():

@@ -45,16 +45,18 @@ class _StepPlan:
 class NumbaAttentionBackend(AttentionBackend):
     """Decode rows through the numba kernels, chunks through SDPA; CPU tensors only."""
 
-    def __init__(self, kernel: str = "auto", warm_up: bool = True,
-                 use_native: bool = True) -> None:
+    def __init__(self, kernel: str = "auto", warm_up: bool = True, use_native: bool = True,
+                 native_options: native.NativeOptions | None = None) -> None:
         """``kernel``: "auto" (threads for big steps), "parallel" or "serial" (for tests).
-        ``use_native``: the AVX2 kernel where it builds (False: numba only, for tests)."""
+        ``use_native``: the AVX2 kernel where it builds (False: numba only, for tests);
+        ``native_options``: how it loads (the executor's switches; None: the defaults)."""
         if kernel not in ("auto", "parallel", "serial"):
             raise ValueError(f"kernel must be auto, parallel or serial, not {kernel!r}")
         self.kernel = kernel
         self._torch = TorchAttentionBackend()
         start = time.perf_counter()
-        self.native = native.load() if use_native else None  # builds it on a first start
+        # Built on a first start, loaded from the cache later.
+        self.native = native.load(native_options) if use_native else None
         self.native_s = time.perf_counter() - start
         self.warm_up_s = self.warm_up() if warm_up else 0.0
 

@@ -13,7 +13,6 @@ the machine code next to this file (or under ``NUMBA_CACHE_DIR``); later process
 from __future__ import annotations
 
 import ctypes
-import os
 import pathlib
 
 import numba
@@ -33,10 +32,11 @@ def _share_torch_openmp() -> str:
     its OpenMP pool makes that pool's GOMP_* calls bind to torch's runtime: one team of
     threads for both. Without a bundled libgomp (e.g. a torch built with Intel or LLVM
     OpenMP) numba gets "workqueue", which cannot be entered from two threads at once: the
-    runner has one. NUMBA_THREADING_LAYER, if set, wins.
+    runner has one. A layer the user chose (NUMBA_THREADING_LAYER, which numba reads into
+    its config) wins.
     """
-    if "NUMBA_THREADING_LAYER" in os.environ:
-        return os.environ["NUMBA_THREADING_LAYER"]
+    if numba.config.THREADING_LAYER != "default":
+        return numba.config.THREADING_LAYER
     bundled = sorted((pathlib.Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
     if bundled:
         ctypes.CDLL(str(bundled[0]), mode=ctypes.RTLD_GLOBAL)

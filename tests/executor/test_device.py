@@ -14,7 +14,8 @@ from executor_svc import __main__ as executor_main
 from executor_svc.batch import SequenceState, build_inputs
 from executor_svc.device import gpu_kv_blocks, resolve_device
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel, ModelConfig
+from executor_svc.model import LlamaModel
+from executor_svc.model_config import ModelConfig
 from executor_svc.sampler import SamplingConfig
 from kernels import backend_for, make_backend
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel, ModelConfig, rope_inv_freq
+from executor_svc.model import LlamaModel, rope_inv_freq
+from executor_svc.model_config import ModelConfig
 from kernels import make_backend, native
 from kernels.attention import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
@@ -48,10 +49,10 @@ def test_llama3_rope_frequencies_match_transformers(tiny_dir):
 
 @pytest.mark.parametrize("backend_name", ["torch", "numba"])
 @pytest.mark.parametrize("gemm", ["native", "torch"])  # packed weights (where they build) or not
-def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm, monkeypatch):
+def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm):
     path, hf = tiny_dir
-    monkeypatch.setenv("CONTINUUM_NATIVE_GEMM", "1" if gemm == "native" else "0")
-    model = LlamaModel.load(path)
+    # CONTINUUM_NATIVE_GEMM=1 / 0, as the executor passes it on (executor_svc/settings.py).
+    model = LlamaModel.load(path, native_gemm=gemm == "native")
     assert model.lm_head is not model.embed
     packed = isinstance(model.layers[0].w13, native.PackedWeight)
     assert packed == (gemm == "native" and native.load() is not None)

@@ -1,0 +1,74 @@
+"""The executor's environment switches: every variable is read in executor_svc/settings.py
+(and only there), lands in the frozen config, and means what it meant before."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from executor_svc import __main__ as executor_main
+from executor_svc.settings import Switches
+from kernels import native
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+IPC = ["--ipc", "ipc:///tmp/continuum-test-settings.sock"]
+
+
+def test_nothing_set_is_every_default():
+    s = Switches.from_env({})
+    assert s == Switches(faults=s.faults) and not s.faults.faults
+    assert s.native_kernels and s.native_gemm and s.native_decoder
+    assert s.kernel_cache is s.compiler is s.cache_dir is None
+    assert s.native_options() == native.NativeOptions()
+    assert executor_main.parse_args(IPC, {}).switches.native_options() == native.NativeOptions()
+
+
+def test_each_variable_lands_in_its_field():
+    env = {"CONTINUUM_NATIVE_KERNELS": "0", "CONTINUUM_KERNEL_CACHE": "/k", "CXX": "clang++",
+           "CONTINUUM_NATIVE_GEMM": "0", "CONTINUUM_NATIVE_DECODER": "0",
+           "CONTINUUM_CACHE_DIR": "/models", "CONTINUUM_FAULT_INJECT": "raise_on_token=7"}
+    s = executor_main.parse_args(IPC, env).switches
+    assert s.native_options() == native.NativeOptions(enabled=False, cache_dir="/k",
+                                                      compiler="clang++")
+    assert s.model_options() == {"native_options": s.native_options(), "native_gemm": False,
+                                 "native_decoder": False}
+    assert s.cache_dir == "/models" and s.faults.faults == {7: "raise_on_token"}
+
+
+@pytest.mark.parametrize("value", ["1", "", "yes"])
+def test_only_zero_turns_a_native_switch_off(value):
+    env = dict.fromkeys(("CONTINUUM_NATIVE_KERNELS", "CONTINUUM_NATIVE_GEMM",
+                         "CONTINUUM_NATIVE_DECODER"), value)
+    s = Switches.from_env(env)
+    assert s.native_kernels and s.native_gemm and s.native_decoder
+
+
+def test_a_malformed_switch_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit) as info:
+        executor_main.parse_args(IPC, {"CONTINUUM_FAULT_INJECT": "explode=now"})
+    assert info.value.code == 2
+    assert "CONTINUUM_FAULT_INJECT='explode=now': expected" in capsys.readouterr().err
+
+
+def test_the_config_is_built_by_keyword_and_frozen():
+    config = executor_main.parse_args(IPC, {})
+    with pytest.raises(TypeError):
+        executor_main.ExecutorConfig(None, "ipc:///x")  # by position: refused
+    with pytest.raises(AttributeError):
+        config.block_size = 1
+
+
+def test_no_other_module_reads_the_environment():
+    # __main__ hands os.environ to settings.py; tp_ranks.py hands it to the rank processes it
+    # starts: neither reads a switch.
+    allowed = {"executor_svc/settings.py", "executor_svc/__main__.py", "executor_svc/tp_ranks.py"}
+    readers = []
+    for path in sorted([*ROOT.glob("executor_svc/**/*.py"), *ROOT.glob("kernels/**/*.py")]):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if name in ("environ", "getenv") and rel not in allowed:
+                readers.append(f"{rel}:{node.lineno}")
+    assert readers == []
