@@ -202,4 +202,9 @@ class Simulation:
             if rec.token_times is not None:
                 rec.token_times.append(now)
         if reason is not None:
-            rec.finish_s = now
+            if req.error:
+                # Shed from the queue (overload, core/admission.py): the client is told
+                # RESOURCE_EXHAUSTED and saw no token, so it counts as refused, not served.
+                rec.rejected = req.error
+            else:
+                rec.finish_s = now
