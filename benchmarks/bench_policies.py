@@ -30,8 +30,10 @@ import time
 
 import grpc
 
-from continuum.bench import GrpcClient, add_arguments, build_workload, run_workload
-from continuum.bench import summarize_outcomes as summarize
+from continuum.bench import add_arguments
+from continuum.bench_clients import GrpcClient, run_workload
+from continuum.bench_report import summarize_outcomes as summarize
+from continuum.bench_workload import build_workload
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -36,6 +36,19 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def tpot(ttft_s: float, e2e_s: float, num_output_tokens: int) -> float | None:
+    """Time per output token after the first: (E2E − TTFT) ÷ (output tokens − 1).
+
+    The one definition every table uses (simulator, ``continuum bench``, the
+    benchmarks). None for a request with fewer than two output tokens: it has no
+    gap after its first token, so it has no TPOT (and is left out of TPOT
+    statistics rather than counted as zero).
+    """
+    if num_output_tokens < 2:
+        return None
+    return (e2e_s - ttft_s) / (num_output_tokens - 1)
+
+
 def _stats(name: str, values_s: Sequence[float], percentiles: Iterable[float],
            into: dict[str, float]) -> None:
     """mean / median / pNN of ``values_s``, reported in milliseconds."""
@@ -70,14 +83,15 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
         ttft, e2e = first - arrival, finish - arrival
         ttfts.append(ttft)
         e2es.append(e2e)
-        tpot = (e2e - ttft) / (n_out - 1) if n_out > 1 else None
-        if tpot is not None:
-            tpots.append(tpot)
+        per_token = tpot(ttft, e2e, n_out)
+        if per_token is not None:
+            tpots.append(per_token)
         if len(req) > 4 and req[4]:
             times = req[4]
             itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
         good = ((slo_ttft_ms is None or ttft * 1e3 <= slo_ttft_ms)
-                and (slo_tpot_ms is None or tpot is None or tpot * 1e3 <= slo_tpot_ms)
+                and (slo_tpot_ms is None or per_token is None
+                     or per_token * 1e3 <= slo_tpot_ms)
                 and (slo_e2e_ms is None or e2e * 1e3 <= slo_e2e_ms))
         num_good += good
     if duration_s is None:
