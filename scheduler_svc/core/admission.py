@@ -11,14 +11,18 @@ joining a queue it would time out in. The estimate, for a request of tier t:
     wait  = 0                                  if ahead < free
             (ahead - free + 1) / departures_per_s   otherwise
 
-``departures_per_s`` is how fast requests leave (finish or are aborted),
+``departures_per_s`` is the smaller of two estimates (either alone when only one
+exists): how fast requests leave (finish or are aborted),
 measured only while the scheduler is saturated — something waiting, or every
 slot taken, at both ends of a sampling interval — so an idle spell does not
 read as a slow server. It is an
 exponentially weighted ratio of departures to time (time constant TAU_S),
-sampled on the core's own clock at Submit; with fewer than MIN_DEPARTURES
-measured (a cold start) there is no estimate and only the count caps
-(max_num_waiting, max_num_waiting_per_tenant) apply.
+sampled on the core's own clock at Submit, once MIN_DEPARTURES were measured; and
+Little's law, running / the mean time a finished request spent running (first step
+to finish; measured in any regime, so a server that was never saturated still has an
+estimate when a flood arrives; aborted requests, which leave without being served,
+do not count). With neither (a cold start) only the count caps (max_num_waiting,
+max_num_waiting_per_tenant) apply.
 
 The estimate counts requests, not their work: a queue whose head holds out for a
 prompt as long as the KV pool drains far slower than the departures of short
@@ -52,6 +56,7 @@ MAX_RETRY_AFTER_S = 60.0
 # A queued request is shed after waiting this many times its tier's bound: the bound
 # is what admission promised from an estimate; twice it is a promise broken.
 SHED_FACTOR = 2.0
+SERVICE_WEIGHT = 0.05  # ServiceTimes: about the last 20 finished requests
 SHED_CHECK_S = 0.25  # how often the queue is scanned for requests to shed
 
 
@@ -88,6 +93,33 @@ class ThroughputMeter:
             self._weighted_time = self._weighted_time * decay + dt
             self.measured_departures += n
         self._t, self._departed, self._saturated = now, departed, saturated
+
+
+class ServiceTimes:
+    """How long finished requests ran (first step to finish), exponentially weighted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._mean = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        weight = max(1.0 / self.count, SERVICE_WEIGHT)
+        self._mean += weight * (max(0.0, seconds) - self._mean)
+
+    def rate(self, num_running: int) -> float | None:
+        """Departures per second by Little's law with ``num_running`` in service, or
+        None before MIN_DEPARTURES requests finished."""
+        if self.count < MIN_DEPARTURES or num_running <= 0:
+            return None
+        return num_running / max(self._mean, 1e-3)
+
+
+def departure_rate(measured: float | None, little: float | None) -> float | None:
+    """The admission estimate: the smaller of the two, or whichever exists."""
+    if measured is None or little is None:
+        return little if measured is None else measured
+    return min(measured, little)
 
 
 def estimated_wait(ahead: int, free_slots: int, rate: float) -> float:

@@ -34,7 +34,9 @@ from collections.abc import Callable, Iterator, Sequence
 from scheduler_svc.core.admission import (
     SHED_CHECK_S,
     SHED_FACTOR,
+    ServiceTimes,
     ThroughputMeter,
+    departure_rate,
     head_of_line_refusal,
     overload_refusal,
     shed_message,
@@ -175,8 +177,10 @@ class Scheduler:
         self.reconfigure(config)
         self.waiting = WaitingQueue(config.aging_s)
         self._throughput = ThroughputMeter()  # departures/s while saturated (admission)
+        self._service = ServiceTimes()  # how long finished requests ran (admission)
         self.num_shed = 0  # queued requests ended for waiting past their bound
         self._next_shed_check = 0.0
+        self._now = 0.0  # the clock at the last admission (step-granular timestamps)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Replaces the config between steps (hot reload)."""
@@ -374,8 +378,8 @@ class Scheduler:
                                 bool(waiting) or free <= 0)
         tier = req.priority_tier
         bound = queue_time_bound(cfg, tier)
-        refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free,
-                                   self._throughput.rate)
+        rate = departure_rate(self._throughput.rate, self._service.rate(len(self.running)))
+        refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
         if refusal is None and bound > 0 and waiting:
             oldest = waiting.oldest_arrival_up_to(tier)
             waited = None if oldest is None else req.arrival_time - oldest
@@ -385,12 +389,11 @@ class Scheduler:
         if len(waiting.served) > 2 * (waiting.num_tenants + len(self._running_per_tenant)) + 64:
             waiting.prune(self._running_per_tenant)
 
-    def _shed_overdue(self) -> None:
+    def _shed_overdue(self, now: float) -> None:
         """Ends queued requests that waited SHED_FACTOR x their tier's bound without
         starting, with a refusal and a retry hint (core/admission.py); at most every
-        SHED_CHECK_S."""
-        now = self.clock()
-        if now < self._next_shed_check:
+        SHED_CHECK_S, when admission runs."""
+        if not self.waiting or now < self._next_shed_check:
             return
         self._next_shed_check = now + SHED_CHECK_S
         cfg = self.config
@@ -449,8 +452,6 @@ class Scheduler:
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         out = SchedulerOutput(self._step_id)
-        if self.waiting:
-            self._shed_overdue()
         suspect = self._next_suspect() if self._suspects else None
         if suspect is not None and not self._unconfirmed and self._isolate(out, suspect):
             if out.new:
@@ -744,7 +745,8 @@ class Scheduler:
         # will still take.
         reserve = max(self._watermark_blocks(), len(self.running) - len(prefills))
         reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
-        now = self.clock()
+        now = self._now = self.clock()
+        self._shed_overdue(now)
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek(now)
             if req is None:
@@ -1025,6 +1027,8 @@ class Scheduler:
             self.block_manager.free(req.seq_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if reason <= FinishReason.LENGTH and req.first_scheduled_time is not None:
+            self._service.add(self._now - req.first_scheduled_time)  # step granularity
         del self.requests[req.request_id]
         if self._suspects:
             self._suspects.pop(req, None)

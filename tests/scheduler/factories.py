@@ -24,6 +24,13 @@ def make_model(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 5
                      num_host_blocks, cost)
 
 
+# The default test clock ticks a second per reading, so waits are counted in readings,
+# not in load: queue-time bounds (admission's refusals and shedding) would refuse by the
+# tick. Tests of admission pass a clock of their own and keep the bounds.
+TICKING_CLOCK_CONFIG = dict(max_queue_time_premium_s=0.0, max_queue_time_standard_s=0.0,
+                            max_queue_time_best_effort_s=0.0)
+
+
 class Clock:
     """A virtual clock tests advance by hand (one tick per call by default)."""
 
@@ -39,6 +46,8 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, clock=None,
                    num_host_blocks: int = 0, cost: CostModel = NO_COST,
                    **config) -> Scheduler:
     config.setdefault("watermark", 0.0)
+    if clock is None:
+        config = {**TICKING_CLOCK_CONFIG, **config}
     sched = Scheduler(SchedulerConfig(**config), clock=clock or Clock(1.0))
     sched.attach_executor(make_model(num_blocks, block_size, num_host_blocks=num_host_blocks,
                                      cost=cost))

@@ -20,7 +20,7 @@ from protos import wire
 from scheduler_svc.core import CostModel, FinishReason, Request, Scheduler, SchedulerConfig
 from scheduler_svc.plan import build_plan_message
 from scheduler_svc.plan import prepare as prepare_plan_entry
-from tests.scheduler.factories import EOS, Clock, make_model
+from tests.scheduler.factories import EOS, TICKING_CLOCK_CONFIG, Clock, make_model
 
 BLOCK_SIZE = 4
 SYSTEM_PROMPT = [3 + (7 * i) % 90 for i in range(2 * BLOCK_SIZE)]
@@ -154,7 +154,8 @@ def run(requests, config: dict, num_blocks: int, host: int, depth: int,
         incidents: dict[int, tuple[str | None, int | None]]):
     model = make_model(num_blocks, BLOCK_SIZE, num_host_blocks=host,
                        cost=SWAP_COST if host else CostModel())
-    sched = Scheduler(SchedulerConfig(watermark=0.0, **config), clock=Clock(1.0))
+    sched = Scheduler(SchedulerConfig(watermark=0.0, **{**TICKING_CLOCK_CONFIG, **config}),
+                      clock=Clock(1.0))
     sched.attach_executor(model)
     clients: dict[str, Client] = {}
     for i, (prompt_len, max_tokens, eos_at, shared, tier) in enumerate(requests):
@@ -247,7 +248,8 @@ def test_ahead_plans_decode_without_waiting_for_the_result():
     """With one step unanswered, every sequence that step samples is scheduled again
     (one token, no token ids: the executor has it) unless that sample is its last."""
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, chunk_size=32,
-                                      watermark=0.0), clock=Clock(1.0))
+                                      watermark=0.0, **TICKING_CLOCK_CONFIG),
+                      clock=Clock(1.0))
     sched.attach_executor(make_model(64, BLOCK_SIZE))
     a = Request("a", 1, list(range(10, 16)), 6, max_tokens=8)
     last = Request("last", 2, list(range(20, 25)), 5, max_tokens=1)
@@ -267,7 +269,8 @@ def test_ahead_plans_decode_without_waiting_for_the_result():
 
 def test_a_sequence_preempted_while_its_sample_is_pending_keeps_that_sample():
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, chunk_size=16,
-                                      watermark=0.0), clock=Clock(1.0))
+                                      watermark=0.0, **TICKING_CLOCK_CONFIG),
+                      clock=Clock(1.0))
     sched.attach_executor(make_model(4, BLOCK_SIZE))  # 16 token slots
     hi = Request("hi", 1, list(range(10, 18)), 8, max_tokens=10, priority_tier=0)
     lo = Request("lo", 2, list(range(30, 37)), 7, max_tokens=10, priority_tier=2)

@@ -51,6 +51,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler_svc.core.config import queue_time_bound
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.preemption import priority_key, victim_key
 from tests.scheduler.factories import (
@@ -327,9 +328,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             sched.add_request(req)
         except QueueFull as exc:
             cap = self.config.max_num_waiting_per_tenant
-            # A count cap, or the measured-throughput bound (core/admission.py), which
-            # needs a measurement first.
-            overloaded = sched._throughput.rate is not None and "overloaded" in str(exc)
+            # A count cap, or the queue-time bound (core/admission.py), which needs a
+            # measured departure rate or a queue head already waiting past the bound.
+            bound = queue_time_bound(self.config, req.priority_tier)
+            oldest = sched.waiting.oldest_arrival_up_to(req.priority_tier)
+            stuck = oldest is not None and self.clock.now - oldest > bound
+            measured = sched._throughput.rate is not None or sched._service.count > 0
+            overloaded = (measured or stuck) and "overloaded" in str(exc)
             assert overloaded or waiting_before >= self.config.max_num_waiting or (
                 cap and sched.waiting.num_waiting(tenant) >= cap)
             self.stats["queue_full"] += 1
