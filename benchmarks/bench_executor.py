@@ -30,6 +30,7 @@ from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, project
 from executor_svc.model_files import resolve_model
 from executor_svc.runner import Runner
+from executor_svc.settings import Switches
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
@@ -41,12 +42,12 @@ def load() -> str:
     return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
-def machine_ceilings(hidden: int, inter: int, clock) -> dict[str, float]:
+def machine_ceilings(hidden: int, inter: int, clock, native_options=None) -> dict[str, float]:
     """fp32 GFLOP/s of a layer's matmul shape at 64 and 512 tokens, through MKL (``project``
     on a plain tensor) and through the native GEMM (a packed weight) where it builds; the
     compute ceiling is the best of them. Read GB/s (sum)."""
     w = torch.randn(inter, hidden)
-    lib = native.load()
+    lib = native.load(native_options)
     weights = {"mkl": w, **({"native": lib.pack_weight(w)} if lib is not None else {})}
     out = {}
     for name, weight in weights.items():
@@ -83,12 +84,13 @@ class DecodeRun:
     """``batch`` sequences at ``context`` tokens, decoding one token per step via plans."""
 
     def __init__(self, model: LlamaModel, backend, batch: int, context: int, steps: int,
-                 clock=time.perf_counter, kv_dtype: torch.dtype = torch.float32):
+                 clock=time.perf_counter, kv_dtype: torch.dtype = torch.float32,
+                 native_options=None):
         c, bs = model.config, 16
         self.clock = clock
         self.blocks_per_seq = -(-(context + steps + 1) // bs)
         spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, bs)
-        kv = KVCache(spec, batch * self.blocks_per_seq)
+        kv = KVCache(spec, batch * self.blocks_per_seq, native_options=native_options)
         self.runner = Runner(model, kv, backend, INCARNATION)
         self.batch, self.context, self.step_id = batch, context, 0
         self.vocab = c.vocab_size
@@ -204,16 +206,18 @@ def ours(model, backends: dict, args, clock, headline: str,
     of the two (the point's own roofline: this machine's speed moves by +-25 % from one
     minute to the next, so a ceiling from the start of the run can belong to another
     minute than the step it divides)."""
-    c, out = model.config, {}
+    c, out, native_options = model.config, {}, args.switches.native_options()
     for batch in args.batches:
         for name, backend in backends.items():
             run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock,
-                            KV_DTYPES[args.kv_cache_dtype])
+                            KV_DTYPES[args.kv_cache_dtype], native_options)
             if name == headline:
-                before = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+                before = machine_ceilings(c.hidden_size, c.intermediate_size, clock,
+                                          native_options)
             out[name, batch] = run.timed(args.warmup, args.steps)
             if name == headline:
-                after = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+                after = machine_ceilings(c.hidden_size, c.intermediate_size, clock,
+                                         native_options)
                 ceilings[batch] = {k: max(before[k], after[k]) for k in before}
             print(f"  ours[{name}] batch {batch}: {out[name, batch] * 1e3:.1f} ms/step  "
                   f"({load()})", flush=True)
@@ -222,10 +226,11 @@ def ours(model, backends: dict, args, clock, headline: str,
     return out
 
 
-def ours_prefill_tokens_per_s(model, backend, num_tokens: int, clock) -> float:
+def ours_prefill_tokens_per_s(model, backend, num_tokens: int, clock,
+                              native_options=None) -> float:
     """One ``num_tokens`` prompt in one plan (chunk = whole prompt), best of two."""
     def once():
-        run = DecodeRun(model, backend, 1, num_tokens, 0)
+        run = DecodeRun(model, backend, 1, num_tokens, 0, native_options=native_options)
         plan = pb.BatchPlan(incarnation=INCARNATION, step_id=1)
         plan.new_seqs.add(seq_id=0, token_ids=[5] * num_tokens, num_scheduled_tokens=num_tokens,
                           block_ids=range(run.blocks_per_seq), num_prompt_tokens=num_tokens,
@@ -258,7 +263,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cpu-time", action="store_true",
                    help="time with this process's CPU time, not wall time: robust on a busy "
                         "shared machine with --threads 1 (with more threads it counts spinning)")
-    return p.parse_args()
+    args = p.parse_args()
+    args.switches = Switches.from_env()  # CONTINUUM_NATIVE_* etc., as the executor reads them
+    return args
 
 
 def main() -> None:
@@ -272,10 +279,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{'CPU' if args.cpu_time else 'wall'} time, {env or 'default OpenMP env'}, {load()}",
           flush=True)
-    path = resolve_model(None)
-    model = LlamaModel.load(path)
-    c = model.config
-    ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock)
+    path = resolve_model(None, args.switches.cache_dir)
+    model = LlamaModel.load(path, **args.switches.model_options())
+    c, native_options = model.config, args.switches.native_options()
+    ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock, native_options)
     rates = ", ".join(f"{k.removeprefix('gflops_').replace('_', ' at ')} rows {v:.0f}"
                       for k, v in ceil.items() if k.startswith("gflops_") and k != "gflops_peak")
     print(f"matmul fp32 {c.intermediate_size}x{c.hidden_size} @ {c.hidden_size}xrows, GFLOP/s:"
@@ -283,10 +290,11 @@ def main() -> None:
     backends = {}
     for name in args.backends:
         start = time.perf_counter()
-        backends[name] = make_backend(name)
+        backends[name] = make_backend(name, native_options=native_options)
         print(f"backend {name}: ready in {time.perf_counter() - start:.2f} s", flush=True)
     headline = args.backends[0]
-    prefill = {"ours": ours_prefill_tokens_per_s(model, backends[headline], 512, clock)}
+    prefill = {"ours": ours_prefill_tokens_per_s(model, backends[headline], 512, clock,
+                                                 native_options)}
     point_ceilings: dict[int, dict[str, float]] = {}
     step_s = ours(model, backends, args, clock, headline, point_ceilings)
 
@@ -310,7 +318,8 @@ def main() -> None:
           + ", ".join(f"{k} {v:.0f}" for k, v in prefill.items()))
     if args.breakdown_batch:
         run = DecodeRun(model, backends[headline], args.breakdown_batch, args.context,
-                        args.warmup + args.steps, clock, KV_DTYPES[args.kv_cache_dtype])
+                        args.warmup + args.steps, clock, KV_DTYPES[args.kv_cache_dtype],
+                        native_options)
         run.timed(args.warmup, 1)
         ms = breakdown(run, model, args.steps)
         print(f"\nwhere a batch-{args.breakdown_batch} step goes ({headline}; ms/step, "
