@@ -20,7 +20,7 @@ from pathlib import Path
 from scheduler_svc.core import SchedulerConfig
 from sim import report
 from sim.cost_model import StepCostModel
-from sim.data import TraceError, default_trace
+from sim.data import TraceError, data_dir, default_trace
 from sim.workload import load_trace
 
 
@@ -63,14 +63,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _run(args)
+        cost = StepCostModel()
+    except FileNotFoundError as exc:  # the operator profiles it is built from
+        print(f"python -m sim: {exc.filename}: no such file (the data directory is "
+              f"{data_dir()}; set CONTINUUM_DATA_DIR to the one holding profiles/ and "
+              "traces/)", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, cost)
     except TraceError as exc:
         print(f"python -m sim: --trace {exc}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    cost = StepCostModel()
+def _run(args: argparse.Namespace, cost: StepCostModel) -> int:
     trace = args.trace or default_trace()
     policies = report.POLICIES if args.policy == "all" else (args.policy,)
     started = time.perf_counter()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sim.metrics import percentile, summarize
+from sim.metrics import percentile, summarize, tpot
 
 
 def test_percentile_interpolates_between_closest_ranks():
@@ -75,3 +75,11 @@ def test_no_requests_gives_nans_not_errors():
     s = summarize([])
     assert s["completed"] == 0
     assert math.isnan(s["ttft_p99_ms"])
+
+
+def test_tpot_is_the_mean_gap_after_the_first_token():
+    """The one TPOT definition (sim.metrics.tpot), as summarize() and every table use it."""
+    assert tpot(0.5, 2.5, 5) == pytest.approx(0.5)  # request A: (2.5 - 0.5) / 4
+    assert tpot(0.2, 0.2, 1) is None  # one token: no gap, no TPOT
+    assert tpot(0.2, 0.2, 0) is None
+    assert summarize([A, B])["tpot_mean_ms"] == pytest.approx(tpot(0.5, 2.5, 5) * 1e3)
