@@ -84,8 +84,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     args = p.parse_args()
     from executor_svc.model_files import resolve_model
+    from executor_svc.settings import Switches
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(pathlib.Path(tmp), resolve_model(None))
+        server = start_server(pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir))
         try:
             pid = executor_pid(server)
             _, gaps, _ = run_fault(server, args.streams, args.max_tokens,

@@ -96,7 +96,8 @@ def main() -> None:
     # The loop here and the executor child sign and check Hellos with one secret.
     os.environ.setdefault(internal_auth.ENV_SECRET, internal_auth.new_secret())
     from executor_svc.model_files import resolve_model
-    model_dir = str(resolve_model(args.model or None))
+    from executor_svc.settings import Switches
+    model_dir = str(resolve_model(args.model or None, Switches.from_env().cache_dir))
     print(f"{args.streams} streams × {args.max_tokens} tokens, greedy, median of "
           f"{args.repeats} runs")
     print(f"{'async scheduling':>16} {'steps':>6} {'idle p50 ms':>11} {'idle mean':>9} "

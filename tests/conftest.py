@@ -29,5 +29,7 @@ def model_dir() -> pathlib.Path:
     or of ``$CONTINUUM_TEST_MODEL`` (a .gguf or HF directory): scripts/gpu_check.sh points
     it at a smaller copy where the whole model cannot be carried."""
     from executor_svc.model_files import resolve_model
+    from executor_svc.settings import Switches  # $CONTINUUM_CACHE_DIR, as the executor's
 
-    return resolve_model(os.environ.get("CONTINUUM_TEST_MODEL") or None)
+    return resolve_model(os.environ.get("CONTINUUM_TEST_MODEL") or None,
+                         Switches.from_env().cache_dir)

@@ -62,8 +62,9 @@ def free_port() -> int:
 
 def model_dir() -> pathlib.Path:
     from executor_svc.model_files import resolve_model
+    from executor_svc.settings import Switches  # $CONTINUUM_CACHE_DIR, as the executor's
 
-    return pathlib.Path(resolve_model(None))
+    return pathlib.Path(resolve_model(None, Switches.from_env().cache_dir))
 
 
 def scheduler_stats(port: int, timeout: float = 5.0) -> scheduler_pb2.StatsResponse:
