@@ -96,23 +96,28 @@ class ThroughputMeter:
 
 
 class ServiceTimes:
-    """How long finished requests ran (first step to finish), exponentially weighted."""
+    """How long finished requests ran (first step to finish) and how many ran beside
+    them when they finished, exponentially weighted: Little's law's W and L."""
 
     def __init__(self) -> None:
         self.count = 0
         self._mean = 0.0
+        self._mean_running = 0.0
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, num_running: int) -> None:
         self.count += 1
         weight = max(1.0 / self.count, SERVICE_WEIGHT)
         self._mean += weight * (max(0.0, seconds) - self._mean)
+        self._mean_running += weight * (num_running - self._mean_running)
 
     def rate(self, num_running: int) -> float | None:
-        """Departures per second by Little's law with ``num_running`` in service, or
-        None before MIN_DEPARTURES requests finished."""
-        if self.count < MIN_DEPARTURES or num_running <= 0:
+        """Departures per second, L / W with L the larger of ``num_running`` and the
+        number that ran when the measured requests finished (a flood into an idle
+        server is served as concurrently as the last requests were); None before
+        MIN_DEPARTURES requests finished."""
+        if self.count < MIN_DEPARTURES:
             return None
-        return num_running / max(self._mean, 1e-3)
+        return max(num_running, self._mean_running, 1.0) / max(self._mean, 1e-3)
 
 
 def departure_rate(measured: float | None, little: float | None) -> float | None:

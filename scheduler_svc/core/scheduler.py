@@ -1028,7 +1028,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if reason <= FinishReason.LENGTH and req.first_scheduled_time is not None:
-            self._service.add(self._now - req.first_scheduled_time)  # step granularity
+            self._service.add(self._now - req.first_scheduled_time, len(self.running) + 1)
         del self.requests[req.request_id]
         if self._suspects:
             self._suspects.pop(req, None)

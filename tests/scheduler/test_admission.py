@@ -202,3 +202,26 @@ def test_only_requests_whose_client_saw_nothing_are_shed():
     assert queue.overdue(60.0, lambda tier: 20.0) == [fresh]
     assert queue.overdue(60.0, lambda tier: 0.0) == []  # 0: no bound, nobody shed
     assert queue.oldest_arrival_up_to(1) == 0.0 and queue.oldest_arrival_up_to(0) is None
+
+
+def test_a_server_never_saturated_still_refuses_a_flood_at_once():
+    """Requests arrive one at a time and finish (nothing ever waits, so no saturated
+    interval is measured); the service times alone say how fast a queue would drain."""
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=2, max_num_batched_tokens=64,
+                           chunk_size=64, max_num_waiting=10_000)
+    for i in range(2 * MIN_DEPARTURES):
+        sched.add_request(make_request(8, 3, request_id=f"calm{i}"))
+        while sched.has_work():
+            step(sched)
+            clock.now += 1.0
+    assert sched._throughput.rate is None  # never saturated
+    refused = 0
+    for i in range(100):
+        try:
+            sched.add_request(make_request(8, 3, request_id=f"flood{i}"))
+        except QueueFull as exc:
+            assert "overloaded" in str(exc) and exc.retry_after_s >= 1.0
+            refused += 1
+    # 2 running at ~3 s each: ~0.67/s, so the 5 s bound holds a handful, not 100.
+    assert 80 <= refused < 100
