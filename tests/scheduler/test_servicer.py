@@ -174,3 +174,25 @@ def test_a_missing_ipc_directory_is_created_private(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_how_a_request_the_server_ended_is_told_to_its_client():
+    """Shed from an overloaded queue: RESOURCE_EXHAUSTED with the retry hint the gateway
+    turns into 429 + Retry-After; poison: INTERNAL, marked not to retry elsewhere;
+    drained: UNAVAILABLE, so the gateway continues it on another replica."""
+    from scheduler_svc.core import FinishReason
+    from scheduler_svc.servicer import _server_end
+    from tests.scheduler.factories import make_request
+
+    shed = make_request(request_id="shed")
+    shed.error, shed.retry_after_s = "the server is overloaded: ...", 5.0
+    code, message, trailer = _server_end(shed, FinishReason.ABORT)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in message
+    assert dict(trailer) == {"retry-after-ms": "5000"}
+    poison = make_request(request_id="poison")
+    poison.error = "the executor failed"
+    code, _, trailer = _server_end(poison, FinishReason.ERROR)
+    assert code == grpc.StatusCode.INTERNAL and dict(trailer) == {"request-failed": "poison"}
+    drained = make_request(request_id="drained")
+    drained.error = "shutting down"
+    assert _server_end(drained, FinishReason.ABORT)[0] == grpc.StatusCode.UNAVAILABLE
