@@ -21,7 +21,16 @@ import sys
 import tempfile
 import time
 
-from benchmarks.reliability import chaos, fuzz, hostile, overload, procs, report, soak
+from benchmarks.reliability import (
+    chaos,
+    chaos_layouts,
+    fuzz,
+    hostile,
+    overload,
+    procs,
+    report,
+    soak,
+)
 
 ROWS = ("overload", "hostile", "soak", "chaos", "fuzz")
 
@@ -57,7 +66,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
         started = time.monotonic()
         log("[reliability] chaos matrix ...", file=sys.stderr, flush=True)
         try:
-            results += chaos.run_matrix(tmp / "chaos", size)
+            results += chaos_layouts.run_matrix(tmp / "chaos", size)
         except Exception as exc:
             results.append({"row": "chaos", "error": f"{type(exc).__name__}: {exc}"[:500]})
         log(f"[reliability] chaos matrix done in {time.monotonic() - started:.0f} s",

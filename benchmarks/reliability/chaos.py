@@ -16,7 +16,8 @@ at a chosen moment, and sorts each stream into exactly one column:
 ``recovery_s``: fault to the first token after it, worst stream. A SIGSTOPped
 scheduler is held for ``hang_s`` and then SIGCONTed: when its streams waited for the
 SIGCONT, recovery shows that wait (the hang was not detected). Layouts: ``run_serve``
-takes a ``continuum serve`` (CI); ``run_matrix`` starts replicas and gateways itself.
+takes a ``continuum serve`` (CI); ``chaos_layouts.run_matrix`` starts replicas and
+gateways itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import pathlib
 import signal
 import time
 from collections.abc import Callable
@@ -195,8 +195,3 @@ def run_serve(serve: procs.Serve, size: str = "short") -> list[dict]:
     procs.wait_idle(serve.scheduler_port, 60)
     return [row]
 
-
-def run_matrix(tmp: pathlib.Path, size: str = "default") -> list[dict]:
-    from benchmarks.reliability.chaos_layouts import matrix
-
-    return matrix(tmp, SIZES[size])

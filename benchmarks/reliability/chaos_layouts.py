@@ -22,6 +22,7 @@ import signal
 
 from benchmarks.reliability import procs
 from benchmarks.reliability.chaos import (
+    SIZES,
     Fault,
     _cont,
     _signal,
@@ -63,6 +64,12 @@ def _start_all(tmp: pathlib.Path) -> dict[str, procs.Replica]:
         for r in launched.values():
             r.close()
         raise
+
+
+def run_matrix(tmp: pathlib.Path, size: str = "default") -> list[dict]:
+    """The whole matrix at ``size`` (chaos.SIZES), on processes it starts itself. It lives
+    here, not in chaos.py, so that this module imports chaos and not the other way round."""
+    return matrix(tmp, SIZES[size])
 
 
 def matrix(tmp: pathlib.Path, cfg: dict) -> list[dict]:

@@ -16,15 +16,15 @@ ZeroMQ channel's two ends.
 
 from __future__ import annotations
 
-import collections
 import json
 import socket
 import time
 
 import grpc
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.reliability.fuzz_common import PHASES, UINT32, UINT64, Tally, run_property
 from benchmarks.reliability.streams import SERVER_ERROR_CODES
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
@@ -36,9 +36,6 @@ RAW = {  # JSON text no json.dumps writes: spliced in where a string "\x00RAW<k>
     7: "NaN", 8: "Infinity", 9: "18446744073709551616", 10: "-9223372036854775809",
     11: "4294967296", 12: "1.5", 13: "true",
 }
-# No shrinking: one failing input is reported as drawn (shrinking replays inputs, and a
-# hang costs TIMEOUT_S per replay).
-PHASES = (Phase.explicit, Phase.generate)
 SMALL_INT = st.integers(-2, 6)
 EXTREME_INT = st.sampled_from([2**31, 2**32, 2**63, 2**64, -(2**63), 10**30])
 SCALAR = st.one_of(st.none(), st.booleans(), SMALL_INT, EXTREME_INT,
@@ -62,20 +59,6 @@ CHAT_ONLY = ["max_completion_tokens", "top_logprobs", "response_format", "tools"
 # null means "the default length" (up to the context limit for chat): a valid request
 # that would take minutes here, so these stay set (every other value is drawn).
 LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
-
-
-class Tally:
-    """Statuses seen per target, and each failure's reproducer."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, collections.Counter] = collections.defaultdict(
-            collections.Counter)
-        self.failures: list[dict] = []
-        self.examples = 0
-
-    def add(self, target: str, status: str) -> None:
-        self.counts[target][status] += 1
-        self.examples += 1
 
 
 def _splice(body: object) -> bytes:
@@ -155,7 +138,7 @@ HEADER_VALUE = st.one_of(
 
 def fuzz_http(port: int, tally: Tally, examples: int) -> None:
     for path in ("/v1/completions", "/v1/chat/completions"):
-        _run(_http_property(port, path, tally, examples), f"http {path}", tally)
+        run_property(_http_property(port, path, tally, examples), f"http {path}", tally)
 
 
 def _http_property(port: int, path: str, tally: Tally, examples: int):
@@ -176,8 +159,6 @@ def _http_property(port: int, path: str, tally: Tally, examples: int):
 
 # --- gRPC -----------------------------------------------------------------------------
 
-UINT32 = st.one_of(st.integers(0, 8), st.sampled_from([2**31 - 1, 2**31, 2**32 - 1]))
-UINT64 = st.one_of(st.integers(0, 8), st.sampled_from([2**32, 2**63, 2**64 - 1]))
 FLOAT = st.floats(width=32, allow_nan=True, allow_infinity=True)
 
 
@@ -267,8 +248,8 @@ def fuzz_grpc(addr: str, tally: Tally, examples: int) -> None:
             tally.add("grpc raw bytes", code)
             assert not _grpc_failed(code), f"raw bytes {data!r} answered {code}"
 
-        _run(typed, "grpc GenerateRequest", tally)
-        _run(raw_bytes, "grpc raw bytes", tally)
+        run_property(typed, "grpc GenerateRequest", tally)
+        run_property(raw_bytes, "grpc raw bytes", tally)
 
 
 def _mutated(req: gen.GenerateRequest) -> st.SearchStrategy:
@@ -283,16 +264,6 @@ def _apply(data: bytes, edits: list[tuple[int, int]]) -> bytes:
         if at < len(out):
             out[at] = value
     return bytes(out)
-
-
-def _run(prop, target: str, tally: Tally) -> None:
-    """Runs a property; a falsified one is recorded with hypothesis's reproducer."""
-    try:
-        prop()
-    except Exception as exc:  # hypothesis re-raises the shrunk failure
-        notes = "\n".join(getattr(exc, "__notes__", []))
-        tally.failures.append({"target": target, "error": str(exc)[:600],
-                               "reproducer": notes[:2000]})
 
 
 SIZES = {"ci": 8, "short": 25, "default": 100, "long": 1000}  # examples per target

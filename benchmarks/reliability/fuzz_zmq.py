@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.reliability import procs
-from benchmarks.reliability.fuzz import PHASES, UINT32, UINT64, Tally, _run
+from benchmarks.reliability.fuzz_common import PHASES, UINT32, UINT64, Tally, run_property
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
@@ -130,7 +130,7 @@ def fuzz_scheduler_end(serve: procs.Serve, tally: Tally, examples: int,
             f"a process died after frames {parts!r}")
 
     try:
-        _run(prop, target, tally)
+        run_property(prop, target, tally)
         time.sleep(1.0)
         after = serve.stats().executor_incarnation
         if after != before:
@@ -169,7 +169,7 @@ def fuzz_executor_end(tmp: pathlib.Path, tally: Tally, examples: int) -> None:
             tally.add(target, f"{len(parts)} frame(s)")
             assert proc.poll() is None, f"the executor died after frames {parts!r}"
 
-        _run(prop, target, tally)
+        run_property(prop, target, tally)
         if proc.poll() is None and not _serves_a_plan(router, peer, hello.incarnation):
             tally.failures.append({"target": target, "reproducer": "",
                                    "error": "the executor no longer answers a valid plan"})
