@@ -29,6 +29,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.tp_shard import load_shard
 from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.native_decoder import NativeDecoder
 
 if TYPE_CHECKING:
     from executor_svc.tp_comm import TPComm
@@ -153,7 +154,7 @@ class LlamaModel:
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         self._native = native.load(native_options) if cpu_fp32 else None
-        self._decoder: native.NativeDecoder | None = None
+        self._decoder: NativeDecoder | None = None
         if self._native is not None and native_gemm:
             self._pack_weights(self._native, native_decoder)
 
@@ -168,7 +169,7 @@ class LlamaModel:
         self.lm_head = lib.pack_weight(self.lm_head)
         if self.tp is None and decoder:
             c = self.config
-            self._decoder = native.NativeDecoder(
+            self._decoder = NativeDecoder(
                 lib, [(lay.attn_norm, lay.wqkv, lay.wo, lay.ffn_norm, lay.w13, lay.w2)
                       for lay in self.layers],
                 c.hidden_size, c.intermediate_size, self.num_heads, self.num_kv_heads,
