@@ -32,6 +32,7 @@ from executor_svc.model_files import resolve_model
 from executor_svc.runner import Runner
 from executor_svc.settings import Switches
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
+from kernels.native_decoder import NativeDecoder
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -162,7 +163,7 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
     come from the decoder's own clock, the rest from wrapped Python functions."""
     b, r = Breakdown(run.clock), run.runner
     decoder = model._decoder
-    phases = np.zeros(len(native.NativeDecoder.PHASES)) if decoder is not None else None
+    phases = np.zeros(len(NativeDecoder.PHASES)) if decoder is not None else None
     if decoder is not None:
         decoder.phase_seconds = phases
     head = model.lm_head
@@ -186,7 +187,7 @@ def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]
         if decoder is not None:
             decoder.phase_seconds = None
     ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
-    for name, seconds in zip(native.NativeDecoder.PHASES, phases if phases is not None else (),
+    for name, seconds in zip(NativeDecoder.PHASES, phases if phases is not None else (),
                              strict=False):
         ms[name] = ms.get(name, 0.0) + seconds * 1e3 / steps
     inner = sum(ms.setdefault(k, 0.0) for k in ("layer matmuls", "LM head", "attention",
