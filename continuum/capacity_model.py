@@ -91,23 +91,9 @@ def evaluate(contract: Contract, classes: Sequence[RequestClass]) -> Evaluation:
     if total > k.max_utilization:
         violations.append("utilization")
 
-    # Iteration time and concurrency: N = Σ λ (prefill iterations + output) × T(N).
     prefill_per_iter = max(1, min(k.chunk_size, k.max_num_batched_tokens - b_max))
     worst_iter = decode_step_s(k, b_max, context) + (k.max_num_batched_tokens - b_max) / r_p
-    n, t_iter = 1.0, decode_step_s(k, 1, context)
-    if rho_p < 1:
-        for _ in range(200):
-            t_iter = min(decode_step_s(k, n, context) / (1 - rho_p), worst_iter)
-            n_next = sum(c.rate_per_s * (math.ceil(c.prompt_tokens_mean / prefill_per_iter)
-                                         + _effective_output(c)) for c in classes) * t_iter
-            if n_next > 4 * b_max:
-                n = n_next
-                break
-            if abs(n_next - n) < 1e-6:
-                break
-            n = max(n_next, 1.0)
-    else:
-        n, t_iter = INF, worst_iter
+    n, t_iter = _iteration(k, classes, context, rho_p, prefill_per_iter, worst_iter)
     if n > b_max:
         violations.append("active_slots")
     tokens_per_iter = sum(c.rate_per_s * c.prompt_tokens_mean for c in classes) * t_iter
@@ -116,12 +102,44 @@ def evaluate(contract: Contract, classes: Sequence[RequestClass]) -> Evaluation:
     if worst_iter * 1e3 > k.slo_tpot_ms and any(not c.best_effort for c in classes):
         violations.append("tpot")
 
+    results = _per_class(k, classes, service, rho, prefill_per_iter, t_iter)
+    peak_kv = sum(c.peak_kv_bytes for c in results)
+    if peak_kv > k.kv_memory_bytes:
+        violations.append("kv_memory")
+    return Evaluation(total, rho_p, rho_d, n, t_iter * 1e3, worst_iter * 1e3, peak_kv,
+                      results, violations)
+
+
+def _iteration(k: Contract, classes: Sequence[RequestClass], context: float, rho_p: float,
+               prefill_per_iter: int, worst_iter: float) -> tuple[float, float]:
+    """(concurrency N, iteration seconds T) at the fixed point N = Σ λ (prefill
+    iterations + output) × T(N), T(N) = t(N) ÷ (1 − ρ_prefill) capped at the worst
+    iteration; N is infinite when prefill alone saturates the device."""
+    n, t_iter = 1.0, decode_step_s(k, 1, context)
+    if rho_p >= 1:
+        return INF, worst_iter
+    for _ in range(200):
+        t_iter = min(decode_step_s(k, n, context) / (1 - rho_p), worst_iter)
+        n_next = sum(c.rate_per_s * (math.ceil(c.prompt_tokens_mean / prefill_per_iter)
+                                     + _effective_output(c)) for c in classes) * t_iter
+        if n_next > 4 * k.max_num_seqs:
+            return n_next, t_iter
+        if abs(n_next - n) < 1e-6:
+            break
+        n = max(n_next, 1.0)
+    return n, t_iter
+
+
+def _per_class(k: Contract, classes: Sequence[RequestClass], service: dict[str, float],
+               rho: dict[str, float], prefill_per_iter: int, t_iter: float
+               ) -> list[ClassResult]:
+    """Queue delay, TTFT floor, concurrency and KV of each class, most important first."""
     # Queue delay per priority tier: non-preemptive priority M/G/1 (Cobham's formula),
     # service spread of an exponential (E[S²] = 2 E[S]²).
     w0 = sum(c.rate_per_s * 2 * service[c.name] ** 2 for c in classes) / 2
     tiers = sorted({c.priority for c in classes})
     sigma = {t: sum(rho[c.name] for c in classes if c.priority <= t) for t in tiers}
-    results, peak_kv = [], 0.0
+    results = []
     for c in sorted(classes, key=lambda c: c.priority):
         i = tiers.index(c.priority)
         above = sigma[tiers[i - 1]] if i else 0.0
@@ -134,7 +152,6 @@ def evaluate(contract: Contract, classes: Sequence[RequestClass]) -> Evaluation:
         kv = conc * (c.prompt_tokens_p99 + c.output_tokens_p99) * k.kv_bytes_per_token
         kv += (c.rate_per_s * c.cancel_fraction * c.cancel_lag_ms / 1e3
                * (c.prompt_tokens_mean + c.output_tokens_mean / 2) * k.kv_bytes_per_token)
-        peak_kv += kv
         bad = []
         if not c.best_effort:
             if wait * 1e3 > k.slo_queue_delay_ms:
@@ -143,10 +160,7 @@ def evaluate(contract: Contract, classes: Sequence[RequestClass]) -> Evaluation:
                 bad.append("ttft")
         results.append(ClassResult(c.name, c.priority, c.rate_per_s, rho[c.name], wait * 1e3,
                                    ttft * 1e3, conc, kv, bad))
-    if peak_kv > k.kv_memory_bytes:
-        violations.append("kv_memory")
-    return Evaluation(total, rho_p, rho_d, n, t_iter * 1e3, worst_iter * 1e3, peak_kv,
-                      results, violations)
+    return results
 
 
 @dataclasses.dataclass
