@@ -176,7 +176,7 @@ class Simulation:
             if not pairs and not out.finished_seq_ids:
                 # Nothing fits and nothing runs to free room: wait for the next arrival.
                 for event in sched.take_events():
-                    self._record(*event)
+                    self._record(event)
                 if i >= n:
                     break
                 clock.now = max(clock.now, arrivals[i])
@@ -187,11 +187,14 @@ class Simulation:
                 stalled += out.num_prefill_tokens > 0
             clock.now += cost.step_time(pairs, len(sampled))
             for event in sched.update(out, sampled, [SAMPLED] * len(sampled)):
-                self._record(*event)
+                self._record(event)
         return SimResult(records, clock.now, time.perf_counter() - start, steps, decode_steps,
                          stalled, sched.num_preemptions, self.num_output_tokens)
 
-    def _record(self, req: Request, token: int | None, reason) -> None:
+    def _record(self, event) -> None:
+        """One core event: (request, token or None, finish reason or None[, logprob]);
+        read by position, so a 3-tuple and the core's Event both work."""
+        req, token, reason = event[0], event[1], event[2]
         rec = self.records[req.seq_id]
         now = self.clock.now
         if token is not None:
