@@ -29,6 +29,7 @@ import time
 import grpc
 
 from continuum.procs import port_is_free, spawn, stop_all
+from gateway import edge_flags
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -191,7 +192,8 @@ class Supervisor:
                 "--scheduler", sched_addr,
                 "--host", a.host, "--port", str(a.port), "--grace-period", str(a.grace_period),
                 "--http-port", str(a.http_port),
-                *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else [])]
+                *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
+                *edge_flags.to_argv(a)]
 
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",

@@ -16,6 +16,7 @@ import sys
 
 import structlog
 
+from gateway import edge_flags
 from gateway.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
 from gateway.log_setup import configure_logging
@@ -82,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight calls may run on after SIGTERM",
     )
-    _add_connection_flags(parser)
+    edge_flags.add_flags(parser)
     return parser
 
 
@@ -98,37 +99,8 @@ def _config_from(args: argparse.Namespace) -> GatewayConfig:
         http_port=None if args.http_port < 0 else args.http_port,
         max_body_bytes=args.max_body_bytes,
         api_keys_file=args.api_keys_file,
-        http_header_timeout_s=args.http_header_timeout,
-        http_body_timeout_s=args.http_body_timeout,
-        http_keepalive_timeout_s=args.http_keepalive_timeout,
-        http_max_connections=args.http_max_connections,
-        grpc_max_concurrent_streams=args.grpc_max_concurrent_streams,
-        grpc_max_connection_idle_s=args.grpc_max_connection_idle,
+        **edge_flags.config_fields(args),
     )
-
-
-def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    """Connection limits (defaults and the servers they follow: gateway/config.py)."""
-    defaults = GatewayConfig(model_dir=pathlib.Path("."), scheduler_address="127.0.0.1:1")
-    parser.add_argument(
-        "--http-header-timeout", type=float, default=defaults.http_header_timeout_s,
-        help="seconds a request head may take to arrive once begun")
-    parser.add_argument(
-        "--http-keepalive-timeout", type=float, default=defaults.http_keepalive_timeout_s,
-        help="seconds an idle keep-alive HTTP connection stays open")
-    parser.add_argument(
-        "--http-body-timeout", type=float, default=defaults.http_body_timeout_s,
-        help="seconds a request body may take to arrive (408 after that)")
-    parser.add_argument(
-        "--http-max-connections", type=int, default=defaults.http_max_connections,
-        help="open HTTP connections at most (one more gets 503)")
-    parser.add_argument(
-        "--grpc-max-concurrent-streams", type=int,
-        default=defaults.grpc_max_concurrent_streams,
-        help="concurrent gRPC streams per connection")
-    parser.add_argument(
-        "--grpc-max-connection-idle", type=float, default=defaults.grpc_max_connection_idle_s,
-        help="seconds before an idle gRPC connection is closed (0: never)")
 
 
 async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> None:

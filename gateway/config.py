@@ -53,6 +53,14 @@ class GatewayConfig:
     # a gRPC connection with no call for this long is closed (GOAWAY), like
     # grpc-go's MaxConnectionIdle; 0 disables.
     grpc_max_connection_idle_s: float = 300.0
+    # A stream silent this long has its replica probed; two missed probes and it
+    # continues elsewhere (a replica that answers is only slow). None: the watchdog's
+    # default, gateway/watchdog.py's PROGRESS_TIMEOUT_S (5 s).
+    stream_progress_timeout_s: float | None = None
+    # A client that leaves one response unread this long has its request cancelled
+    # (gRPC's flow-control window, or SSE's 64 KiB send buffer, is full). None: the
+    # watchdog's WRITE_STALL_S (30 s).
+    slow_reader_timeout_s: float | None = None
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -90,6 +98,10 @@ class GatewayConfig:
         if self.grpc_max_concurrent_streams < 1:
             raise ConfigError("--grpc-max-concurrent-streams must be >= 1, got "
                               f"{self.grpc_max_concurrent_streams}")
+        for flag, value in (("--stream-progress-timeout", self.stream_progress_timeout_s),
+                            ("--slow-reader-timeout", self.slow_reader_timeout_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
         if self.grpc_max_connection_idle_s < 0:
             raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
                               f"{self.grpc_max_connection_idle_s}")

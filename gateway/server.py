@@ -36,6 +36,7 @@ from gateway.validation import (
     ValidatedRequest,
     parse_request,
 )
+from gateway.watchdog import Watchdog
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
 
 _log = structlog.get_logger("gateway")
@@ -244,7 +245,9 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
         _probe_bind(config.host, config.http_port)
     replicas = ReplicaSet(config.scheduler_addresses)
     metrics = GatewayMetrics(config.model_name, replicas.snapshot)
-    relay = Relay(tokenizer, replicas, metrics)
+    watchdog = Watchdog(metrics.intervention, progress_timeout_s=config.stream_progress_timeout_s,
+                        write_stall_s=config.slow_reader_timeout_s)
+    relay = Relay(tokenizer, replicas, metrics, watchdog=watchdog)
     admission = Admission(tokenizer, config.model_name, metrics)
     servicer = GenerationServicer(admission, relay, keys)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))

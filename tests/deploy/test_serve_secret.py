@@ -91,3 +91,36 @@ def test_serve_hands_the_poison_and_queue_time_limits_to_the_scheduler():
         assert "--max-step-failures" not in default._argv("scheduler")
     finally:
         shutil.rmtree(sup.workdir)
+
+
+def test_serve_hands_the_connection_and_stream_limits_to_the_gateway():
+    """Every gateway limit flag works on serve too; only the ones given are passed, and
+    the gateway's own parser accepts what serve passes."""
+    from gateway.__main__ import parse_args
+
+    argv = ["serve", "--port", "1", "--http-port", "2", "--http-body-timeout", "60",
+            "--grpc-max-concurrent-streams", "32", "--slow-reader-timeout", "12.5"]
+    args, _ = build_parser()[0].parse_known_args(argv)
+    sup = Supervisor(args)
+    try:
+        sup.model_dir, sup.model_name = "/models/m", "m"
+        gateway = sup._argv("gateway")
+        assert gateway[gateway.index("--http-body-timeout") + 1] == "60.0"
+        assert gateway[gateway.index("--slow-reader-timeout") + 1] == "12.5"
+        assert "--stream-progress-timeout" not in gateway  # not given: the gateway's default
+        config = parse_args([a if a != "/models/m" else str(sup.workdir) for a in gateway])
+        assert (config.http_body_timeout_s, config.grpc_max_concurrent_streams,
+                config.slow_reader_timeout_s, config.stream_progress_timeout_s) == \
+            (60.0, 32, 12.5, None)
+    finally:
+        shutil.rmtree(sup.workdir)
+
+
+@pytest.mark.parametrize("flag", ["--http-body-timeout", "--stream-progress-timeout",
+                                  "--slow-reader-timeout"])
+def test_a_limit_that_is_not_a_positive_time_is_one_clear_error(tmp_path, flag):
+    from gateway.__main__ import parse_args
+    from gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{flag} must be > 0 seconds"):
+        parse_args(["--model-dir", str(tmp_path), "--scheduler", "127.0.0.1:1", flag, "0"])
