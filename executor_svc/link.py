@@ -172,6 +172,7 @@ class ServeLoop:
         else:
             self.runner.reset()
         self.hello.ClearField("auth_tag")
+        self.hello.sent_at = time.time()  # signed: a recorded Hello goes stale
         if self.secret is not None:
             self.hello.auth_tag = internal_auth.tag(self.secret, wire.hello_payload(self.hello))
         self.link.send("hello", self.hello)

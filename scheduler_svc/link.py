@@ -33,6 +33,8 @@ MAX_FRAME_BYTES = 64 << 20
 # Identities remembered for rate limits and log-once; a scan of many identities
 # forgets the oldest rather than growing without bound.
 MAX_REMEMBERED_PEERS = 1024
+# How far a Hello's signing time may be from ours (replays older than this are refused).
+HELLO_MAX_SKEW_S = 60.0
 
 
 class ExecutorLink:
@@ -74,6 +76,7 @@ class ExecutorLink:
         self.num_dropped_frames = 0
         self._replied: dict[bytes, float] = {}  # identity → last detached reply
         self._refused: dict[bytes, None] = {}  # identities whose bad Hello was logged
+        self._seen_hellos: dict[tuple[str, float], None] = {}  # signed Hellos believed
 
     def start(self) -> None:
         self._sock.bind(self.address)
@@ -183,7 +186,22 @@ class ExecutorLink:
                 self._secret, wire.hello_payload(hello), hello.auth_tag):
             problem = ("missing auth tag" if not hello.auth_tag else "wrong auth tag") + \
                 f" (the executor needs this deployment's {internal_auth.ENV_SECRET})"
+        if problem is None and self._secret is not None:
+            problem = self._replay_problem(hello)
         return problem
+
+    def _replay_problem(self, hello: pb.Hello) -> str | None:
+        """A signed Hello is believed once, and only while fresh: one signed more than
+        HELLO_MAX_SKEW_S from now, or seen before, is a recording (or clocks apart)."""
+        age = time.time() - hello.sent_at
+        if abs(age) > HELLO_MAX_SKEW_S:
+            return (f"a Hello signed {age:.0f} s from now (more than {HELLO_MAX_SKEW_S:.0f} s: "
+                    "a replayed Hello, or the executor's clock is off)")
+        key = (hello.incarnation, hello.sent_at)
+        if key in self._seen_hellos:
+            return "a replayed Hello (this exact Hello was already received)"
+        _remember(self._seen_hellos, key, None)
+        return None
 
     def _drop(self, identity: bytes, why: str) -> None:
         self.num_dropped_frames += 1

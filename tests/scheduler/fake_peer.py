@@ -8,6 +8,7 @@ token ids). Tests use it to inject junk frames, forged Hellos and malformed resu
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import zmq
@@ -24,7 +25,7 @@ def make_hello(secret: bytes | None = SECRET, **fields) -> pb.Hello:
     hello = pb.Hello(schema_version=wire.SCHEMA_VERSION, incarnation=uuid.uuid4().hex,
                      model_id="fake", dtype="float32", block_size=4, num_device_blocks=64,
                      tp_size=1, max_model_len=256, vocab_size=VOCAB, eos_token_ids=[2],
-                     prefill_tokens_per_s=1e4, pid=1)
+                     prefill_tokens_per_s=1e4, pid=1, sent_at=time.time())
     for name, value in fields.items():
         if isinstance(value, list):
             getattr(hello, name)[:] = value
