@@ -222,17 +222,19 @@ class LlamaModel:
 
     @staticmethod
     def load(path: pathlib.Path, dtype=torch.float32, device="cpu", tp: TPComm | None = None,
-             **switches) -> LlamaModel:
+             *, native_options: native.NativeOptions | None = None, native_gemm: bool = True,
+             native_decoder: bool = True) -> LlamaModel:
         """The checkpoint in ``path``; under tp only this rank's slices are read
-        (tp_shard.load_shard: a rank never holds the whole model). ``switches``: __init__'s."""
+        (tp_shard.load_shard: a rank never holds the whole model)."""
         config = ModelConfig.from_dir(path)
         if tp is not None:
-            return LlamaModel(config, load_shard(path, config, tp.layout), dtype, device, tp,
-                              **switches)
-        weights: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(file)))
-        return LlamaModel(config, weights, dtype, device, **switches)
+            weights = load_shard(path, config, tp.layout)
+        else:
+            weights = {}
+            for file in sorted(path.glob("*.safetensors")):
+                weights.update(load_file(str(file)))
+        return LlamaModel(config, weights, dtype, device, tp, native_options=native_options,
+                          native_gemm=native_gemm, native_decoder=native_decoder)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32
