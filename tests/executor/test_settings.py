@@ -72,3 +72,21 @@ def test_no_other_module_reads_the_environment():
             if name in ("environ", "getenv") and rel not in allowed:
                 readers.append(f"{rel}:{node.lineno}")
     assert readers == []
+
+
+@pytest.mark.parametrize("env", [{"CONTINUUM_NATIVE_KERNELS": "0"},
+                                 {"CONTINUUM_NATIVE_DECODER": "0"}], ids=["kernels", "decoder"])
+def test_the_executor_build_passes_the_switches_down(model_dir, env):
+    # What the variables did when each component read them itself: through parse_args and
+    # build, the model, the KV cache and the attention backend all see them.
+    config = executor_main.parse_args([*IPC, "--device", "cpu", "--warmup-tokens", "8",
+                                       "--kv-cache-bytes", "64MiB"], env)
+    runner, _ = executor_main.build(config, model_dir, "inc", device="cpu")
+    model, library = runner.model, native.load()
+    if "CONTINUUM_NATIVE_KERNELS" in env:
+        assert model._native is runner.kv._native is runner.backend.native is None
+    elif library is None:
+        pytest.skip("no native kernels here: nothing to switch off")
+    else:
+        assert model._native is not None and runner.backend.native is not None
+        assert model._decoder is None and isinstance(model.lm_head, native.PackedWeight)
