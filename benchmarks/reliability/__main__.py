@@ -42,7 +42,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[di
     serve = procs.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
-                 ("hostile", lambda: [hostile.run(serve, size)]),
+                 ("hostile", lambda: hostile.run(serve, size)),
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]

@@ -77,14 +77,18 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
                 f"blocks free after: {row.get('blocks_free_after', 'n/a')}",
                 "0 lost, 0 duplicated, 0 errored", ok)
     if kind == "hostile_itl":
-        ratio = row["ratio_p99"]
-        return ("hostile traffic: normal stream ITL p99",
-                f"without {row['itl_p99_ms_without']} ms, with {row['hostile_rps']:.0f} "
+        ratio, target = row["ratio_p99"], row.get("target_ratio")
+        within = ratio is not None and (target is None or ratio <= target)
+        return (f"{row.get('mix', 'costly')} hostile traffic: normal stream ITL p99 vs "
+                f"{row.get('against', 'quiet')}",
+                f"{row.get('against', 'without')}: {row['itl_p99_ms_without']} ms, with "
+                f"{row['hostile_rps']:.0f} "
                 f"hostile req/s {row['itl_p99_ms_with']} ms: {ratio}x (p50 "
                 f"{row['itl_p50_ms_without']} -> {row['itl_p50_ms_with']} ms); normal "
                 f"streams not ok {row.get('normal_not_ok', 0)}; server errors "
                 f"{row['server_errors']}",
-                "<= 1.2x", ratio is not None and ratio <= 1.2 and row["server_errors"] == 0)
+                f"<= {target}x" if target else "reported; 0 server errors",
+                within and row["server_errors"] == 0)
     return (kind, json.dumps(row)[:200], "", False)
 
 
