@@ -83,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds in-flight calls may run on after SIGTERM",
     )
+    parser.add_argument(
+        "--objective-tier", action="append", default=[], metavar="NAME=TIER",
+        help="an inference gateway objective (x-llm-d-inference-objective header) that maps "
+             "to a tier, beside premium/standard/best_effort/critical/sheddable; repeatable")
     edge_flags.add_flags(parser)
     return parser
 
@@ -99,6 +103,7 @@ def _config_from(args: argparse.Namespace) -> GatewayConfig:
         http_port=None if args.http_port < 0 else args.http_port,
         max_body_bytes=args.max_body_bytes,
         api_keys_file=args.api_keys_file,
+        objective_tiers=tuple(args.objective_tier),
         **edge_flags.config_fields(args),
     )
 

@@ -4,7 +4,9 @@
 event loop (one `asyncio.to_thread` hop): `build()` (for HTTP: decode the JSON
 body and translate it with its dialect; for gRPC: the already-decoded
 protobuf), the key's rights (tenant, priority tier), and `validation.validate`
-(cheap caps, then chat template and tokenization). A refusal is logged once and
+(cheap caps, then chat template and tokenization). An inference gateway's tenant and
+tier headers (gateway/routing_headers.py) fill what the request leaves unset before the
+key's rights are checked, so they grant nothing a body field could not. A refusal is logged once and
 counted once in `continuum:request_errors_total{code=...}`, whichever API it
 came from, then re-raised as the `RequestError` for the front end to map to its
 status (gRPC code, or HTTP status with an OpenAI error body).
@@ -23,6 +25,7 @@ from typing import TypeVar
 import grpc
 import structlog
 
+from gateway import routing_headers
 from gateway.auth import Principal, resolve_tenant, tier_names
 from gateway.metrics import GatewayMetrics, tier_name
 from gateway.tokenizer import Tokenizer
@@ -57,27 +60,35 @@ def check_tier(principal: Principal, priority: int) -> None:
 class Admission:
     """Turns what a client sent into a `ValidatedRequest`, or refuses it (RequestError)."""
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics):
+    def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics,
+                 objective_tiers=routing_headers.DEFAULT_OBJECTIVE_TIERS):
         self._tokenizer = tokenizer
         self._model_name = model_name
         self._metrics = metrics
+        self._objective_tiers = objective_tiers
 
     async def admit(self, principal: Principal, build: Callable[[], Built[T]], *,
-                    api: str, request_id: str = "") -> tuple[ValidatedRequest, T]:
+                    api: str, request_id: str = "",
+                    headers: Callable[[str], str | None] | None = None
+                    ) -> tuple[ValidatedRequest, T]:
         """`build()` returns the request and whatever the front end needs to answer it;
-        `request_id` is the caller's id as far as it is known, for the log."""
+        `request_id` is the caller's id as far as it is known, for the log; `headers`
+        reads the call's headers / metadata (an inference gateway's tenant and tier:
+        gateway/routing_headers.py)."""
         try:
-            return await asyncio.to_thread(self._admit, principal, build)
+            return await asyncio.to_thread(self._admit, principal, build, headers)
         except RequestError as exc:
             _log.info("request rejected", api=api, request_id=request_id[:128],
                       code=exc.code.name, param=exc.param, reason=exc.message)
             self._metrics.error(exc.code.name)
             raise
 
-    def _admit(self, principal: Principal, build: Callable[[], Built[T]]
+    def _admit(self, principal: Principal, build: Callable[[], Built[T]], headers
                ) -> tuple[ValidatedRequest, T]:
         request, extra = build()
         if not isinstance(request, UndecodableRequest):
+            if headers is not None:
+                routing_headers.apply(request, headers, self._objective_tiers)
             request.tenant = resolve_tenant(principal, request.tenant)
             check_tier(principal, request.priority)
         return validate(request, self._tokenizer, self._model_name), extra

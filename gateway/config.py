@@ -61,6 +61,9 @@ class GatewayConfig:
     # (gRPC's flow-control window, or SSE's 64 KiB send buffer, is full). None: the
     # watchdog's WRITE_STALL_S (30 s).
     slow_reader_timeout_s: float | None = None
+    # NAME=TIER entries: an inference gateway's objective names that map to our tiers,
+    # beside the defaults (gateway/routing_headers.py).
+    objective_tiers: tuple[str, ...] = ()
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -102,6 +105,12 @@ class GatewayConfig:
                             ("--slow-reader-timeout", self.slow_reader_timeout_s)):
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
+        for entry in self.objective_tiers:
+            name, sep, tier = entry.partition("=")
+            if not sep or not name.strip() or \
+                    tier.strip().lower() not in ("premium", "standard", "best_effort"):
+                raise ConfigError(f"--objective-tier {entry!r} must be NAME=TIER with TIER "
+                                  "one of premium, standard, best_effort")
         if self.grpc_max_connection_idle_s < 0:
             raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
                               f"{self.grpc_max_connection_idle_s}")

@@ -264,7 +264,8 @@ class HttpApi:
             return api.proto, api
 
         return await self._admission.admit(request[_PRINCIPAL], build, api=dialect.name,
-                                           request_id=ascii(request_id)[1:-1])
+                                           request_id=ascii(request_id)[1:-1],
+                                           headers=request.headers.get)
 
     def _chunk(self, api: ApiRequest, validated: ValidatedRequest, created: int,
                choices: Choices, response) -> dict | None:

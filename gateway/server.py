@@ -21,6 +21,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway import routing_headers
 from gateway.admission import Admission
 from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.config import GatewayConfig
@@ -89,7 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise RequestError(UNAUTHENTICATED_MESSAGE, grpc.StatusCode.UNAUTHENTICATED)
             validated, _ = await self._admission.admit(
                 principal, lambda: (request, None), api="grpc",
-                request_id=getattr(request, "request_id", ""))
+                request_id=getattr(request, "request_id", ""),
+                headers=routing_headers.metadata_getter(context.invocation_metadata()))
             return validated
         except RequestError as exc:  # admit logged and counted it
             await context.abort(exc.code, exc.message)  # raises: ends the call
@@ -248,7 +250,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     watchdog = Watchdog(metrics.intervention, progress_timeout_s=config.stream_progress_timeout_s,
                         write_stall_s=config.slow_reader_timeout_s)
     relay = Relay(tokenizer, replicas, metrics, watchdog=watchdog)
-    admission = Admission(tokenizer, config.model_name, metrics)
+    admission = Admission(tokenizer, config.model_name, metrics,
+                          routing_headers.parse_objective_tiers(list(config.objective_tiers)))
     servicer = GenerationServicer(admission, relay, keys)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
