@@ -84,12 +84,15 @@ WARMUP = 50
 
 def scheduler_api(core, plan) -> types.SimpleNamespace:
     """What the benchmark uses of a scheduler package (its ``core`` and ``plan``
-    modules); revisions before ``plan.prepare`` lack it."""
-    return types.SimpleNamespace(Request=core.Request, Scheduler=core.Scheduler,
-                                 SchedulerConfig=core.SchedulerConfig,
-                                 ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
-                                 build_plan_message=plan.build_plan_message,
-                                 prepare=getattr(plan, "prepare", None))
+    modules): one plan builder's ``prepare`` and ``message`` where ``plan`` has a
+    PlanBuilder (it owns the prompts' wire form), else its module functions
+    (revisions before ``plan.prepare`` lack that one)."""
+    builder = plan.PlanBuilder() if hasattr(plan, "PlanBuilder") else None
+    return types.SimpleNamespace(
+        Request=core.Request, Scheduler=core.Scheduler, SchedulerConfig=core.SchedulerConfig,
+        ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
+        build_plan_message=builder.message if builder else plan.build_plan_message,
+        prepare=builder.prepare if builder else getattr(plan, "prepare", None))
 
 
 def current_api() -> types.SimpleNamespace:

@@ -2,7 +2,7 @@
 
 The core knows nothing about logprobs; the loop calls `with_logprobs` only when
 some sequence in the step asked for them (the result's `logprobs` is non-empty),
-turning each (req, token, reason) event into (req, token, reason, TokenLogprob).
+giving each event whose token has one its TokenLogprob (``Event.logprob``).
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 from protos.continuum.v1 import executor_pb2, sampling_pb2
+from scheduler_svc.core import Event
 
 
-def with_logprobs(events: list, result: executor_pb2.StepResult) -> list:
+def with_logprobs(events: list[Event], result: executor_pb2.StepResult) -> list[Event]:
     index = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
     starts, total = [], 0
     for n in result.top_n:  # top alternatives are flattened, top_n[i] per sequence
@@ -20,7 +21,7 @@ def with_logprobs(events: list, result: executor_pb2.StepResult) -> list:
         total += n
     out = []
     for ev in events:
-        req, token, _ = ev
+        req, token, reason, _ = ev
         i = index.get(req.seq_id) if token is not None else None
         if i is None or i >= len(result.logprobs) or math.isnan(result.logprobs[i]):
             out.append(ev)
@@ -30,5 +31,5 @@ def with_logprobs(events: list, result: executor_pb2.StepResult) -> list:
             lo, hi = starts[i], starts[i] + result.top_n[i]
             item.top_token_ids.extend(result.top_token_ids[lo:hi])
             item.top_logprobs.extend(result.top_logprobs[lo:hi])
-        out.append((*ev, item))
+        out.append(Event(req, token, reason, item))
     return out

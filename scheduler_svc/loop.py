@@ -37,8 +37,7 @@ from scheduler_svc.core import (
 from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
-from scheduler_svc.plan import build_plan_message
-from scheduler_svc.plan import prepare as prepare_plan_entry
+from scheduler_svc.plan import PlanBuilder
 
 log = structlog.get_logger("scheduler.loop")
 
@@ -102,6 +101,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
         self._inflight = InFlightPlans()
+        self._plans = PlanBuilder()  # owns each request's prompt in wire form
         self._last_answer_at = 0.0
         self._recent_step_s = 0.0  # EMA of step wall time
         # The executor's idle time before each plan (StepResult.idle_ms), for benchmarks.
@@ -148,7 +148,7 @@ class EngineLoop:
         """Queues ``req``; raises QueueFull when a queue cap is reached."""
         req.seq_id = next(self._seq_ids)
         self.core.add_request(req)
-        prepare_plan_entry(req)  # now, not in the step that admits it
+        self._plans.prepare(req)  # now, not in the step that admits it
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self._streams[req.request_id] = queue
         self._wake.set()
@@ -171,7 +171,7 @@ class EngineLoop:
         for request_id in list(self.core.requests):
             event = self.core.abort(request_id)
             if event is not None:
-                event[0].error = message
+                event.request.error = message
                 events.append(event)
         self._dispatch(events)
         self._wake.set()
@@ -334,7 +334,7 @@ class EngineLoop:
     def _fail_step(self, out, why: str) -> None:
         self.num_failed_steps += 1
         events = self.core.step_failed(out, why)
-        for req, _, _ in events:
+        for req, _, _, _ in events:
             log.error("request ended: it failed too many steps", request_id=req.request_id,
                       why=why)
         self._dispatch(events)
@@ -348,7 +348,7 @@ class EngineLoop:
             self._dispatch(self.core.take_events())
             if out.is_empty:
                 return
-            msg = build_plan_message(out, self.executor.incarnation, self.core.block_manager)
+            msg = self._plans.message(out, self.executor.incarnation, self.core.block_manager)
             item = self._inflight.add(out)
             if not self.link.send_plan(msg):
                 item.sent = False
@@ -375,7 +375,7 @@ class EngineLoop:
     def _dispatch(self, events: list[Event]) -> None:
         streams = self._streams
         for ev in events:
-            req, _, reason = ev[:3]
+            req, _, reason, _ = ev
             queue = streams.get(req.request_id)
             if queue is None:
                 continue

@@ -16,7 +16,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.core import FinishReason, QueueFull, Request
+from scheduler_svc.core import Event, FinishReason, QueueFull, Request
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.validation import validate_submit
 
@@ -66,9 +66,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             first = True
             while not finished:
                 ev = await queue.get()
-                finished = ev[2] is not None
-                if finished and ev[0].error:  # ended by the server: a status says why
-                    await context.abort(*_server_end(ev[0], ev[2]))
+                req, _, reason, _ = ev
+                finished = reason is not None
+                if finished and req.error:  # ended by the server: a status says why
+                    await context.abort(*_server_end(req, reason))
                 yield _to_event(ev, first)
                 first = False
         finally:
@@ -114,16 +115,16 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
     )
 
 
-def _to_event(ev, first: bool) -> scheduler_pb2.TokenEvent:
-    req, token, reason = ev[:3]
+def _to_event(ev: Event, first: bool) -> scheduler_pb2.TokenEvent:
+    req, token, reason, logprob = ev
     out = scheduler_pb2.TokenEvent(
         token_ids=() if token is None else (token,),
         finish_reason=int(reason or 0),
         num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=req.num_output_tokens,
     )
-    if len(ev) > 3:  # the loop attached this token's logprobs
-        out.logprobs.append(ev[3])
+    if logprob is not None:  # the loop attached this token's logprobs
+        out.logprobs.append(logprob)
     if first and req.first_scheduled_time is not None:
         out.queue_time_s = req.first_scheduled_time - req.arrival_time
     return out

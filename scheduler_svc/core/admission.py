@@ -49,6 +49,12 @@ from __future__ import annotations
 
 import math
 
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.config import SchedulerConfig, queue_time_bound
+from scheduler_svc.core.queue import WaitingQueue
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.running import RunningSet
+
 TAU_S = 10.0
 MIN_DEPARTURES = 8
 MIN_SAMPLE_S = 0.05  # Submit bursts: sample the counters at most this often
@@ -172,3 +178,102 @@ def shed_message(tier: int, waited_s: float, bound_s: float) -> tuple[str, float
     return (f"the server is overloaded: this request waited {waited_s:.1f} s in the queue "
             f"without starting (the limit for its priority tier {tier} is {bound_s:g} s); "
             f"retry in {retry:.0f} s"), retry
+
+
+class QueueFull(Exception):
+    """Submit refused: a queue cap is reached. Retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    """Who may join the queue, and who is shed from it: the count caps, the refusals
+    above (from ``throughput`` and ``service``, which it measures), the requests that
+    can never be served, and the blocks admission keeps free (the watermark)."""
+
+    def __init__(self, config: SchedulerConfig, waiting: WaitingQueue,
+                 running: RunningSet) -> None:
+        self.config = config
+        self._waiting = waiting
+        self._running = running
+        self.throughput = ThroughputMeter()  # departures/s while saturated
+        self.service = ServiceTimes()  # how long finished requests ran
+        self.num_shed = 0  # queued requests ended for waiting past their bound
+        self._next_shed_check = 0.0
+        self.now = 0.0  # the clock at the last admission step (step-granular timestamps)
+
+    def check_caps(self, req: Request) -> None:
+        """Raises QueueFull when the queue, or ``req``'s tenant's share of it, is full."""
+        cfg, waiting = self.config, self._waiting
+        if len(waiting) >= cfg.max_num_waiting:
+            raise QueueFull(f"the queue is full ({cfg.max_num_waiting} requests waiting)",
+                            self.retry_after())
+        cap = cfg.max_num_waiting_per_tenant
+        if cap and waiting.num_waiting(req.tenant) >= cap:
+            raise QueueFull(f"tenant {req.tenant!r} has {cap} requests waiting, its cap",
+                            self.retry_after())
+
+    def refuse_overload(self, req: Request, num_finished: int) -> None:
+        """Raises QueueFull when ``req`` (its arrival time set) would wait past its
+        tier's bound, by the throughput measured so far. Also prunes idle tenants'
+        fairness counters, amortized over Submits."""
+        cfg, waiting, running = self.config, self._waiting, self._running
+        # With anything waiting, free slots are not what holds it back (the KV pool
+        # or the token budget is): a new request waits for departures like the rest.
+        free = 0 if waiting else cfg.max_num_seqs - len(running)
+        self.throughput.sample(req.arrival_time, num_finished, bool(waiting) or free <= 0)
+        tier = req.priority_tier
+        bound = queue_time_bound(cfg, tier)
+        rate = departure_rate(self.throughput.rate, self.service.rate(len(running)))
+        refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
+        if refusal is None and bound > 0 and waiting:
+            oldest = waiting.oldest_arrival_up_to(tier)
+            waited = None if oldest is None else req.arrival_time - oldest
+            refusal = head_of_line_refusal(tier, bound, waited)
+        if refusal is not None:
+            raise QueueFull(*refusal)
+        if len(waiting.served) > 2 * (waiting.num_tenants + len(running.per_tenant)) + 64:
+            waiting.prune(running.per_tenant)
+
+    def overdue(self, now: float) -> list[Request]:
+        """Queued requests that waited SHED_FACTOR x their tier's bound without starting,
+        each given its refusal and retry hint (the caller ends them); scanned at most
+        every SHED_CHECK_S, when admission runs."""
+        if not self._waiting or now < self._next_shed_check:
+            return []
+        self._next_shed_check = now + SHED_CHECK_S
+        cfg = self.config
+        shed = self._waiting.overdue(now, lambda t: SHED_FACTOR * queue_time_bound(cfg, t))
+        for req in shed:
+            req.error, req.retry_after_s = shed_message(
+                req.priority_tier, now - req.arrival_time, queue_time_bound(cfg, req.priority_tier))
+        self.num_shed += len(shed)
+        return shed
+
+    def retry_after(self) -> float:
+        # About one queue-turn: the queue drains max_num_seqs at a time.
+        return min(30.0, 1.0 + len(self._waiting) / self.config.max_num_seqs)
+
+    def problem(self, bm: BlockManager, max_model_len: int, num_prompt_tokens: int,
+                max_tokens: int) -> str | None:
+        """Why a request can never be served by the executor of ``bm``, or None."""
+        total = num_prompt_tokens + max_tokens
+        if total > max_model_len:
+            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                    f"{total} exceeds the model's context of {max_model_len} tokens")
+        usable = bm.num_blocks - self.watermark_blocks(bm)
+        need = bm.blocks_needed(num_prompt_tokens)
+        if need > usable:
+            return (f"the prompt needs {need} KV blocks but the pool has {usable} usable; "
+                    "shorten the prompt or give the executor more KV memory")
+        return None
+
+    def watermark_blocks(self, bm: BlockManager) -> int:
+        return int(self.config.watermark * bm.num_blocks)
+
+    def finished(self, req: Request) -> None:
+        """``req`` was served to its end (not aborted): its service time counts."""
+        if req.first_scheduled_time is not None:
+            self.service.add(self.now - req.first_scheduled_time, len(self._running) + 1)

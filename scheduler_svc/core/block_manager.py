@@ -25,6 +25,18 @@ Every device block is in exactly one of three states:
 from __future__ import annotations
 
 import collections
+import enum
+
+
+class NoBlock(enum.Enum):
+    """Why ``try_append_block`` appended nothing though a block is needed."""
+
+    # It takes more than one block, or none is free: use ``can_grow``/``grow``
+    # (which may have to preempt first).
+    NEEDS_GROW = 0
+
+
+NEEDS_GROW = NoBlock.NEEDS_GROW
 
 
 class BlockManager:
@@ -126,16 +138,16 @@ class BlockManager:
         self._tables[seq_id].append(block)
         return block
 
-    def try_append_block(self, seq_id: int, num_tokens: int) -> int:
+    def try_append_block(self, seq_id: int, num_tokens: int) -> int | NoBlock | None:
         """The hot case of ``grow`` for a decode: the block id appended so ``seq_id``
-        holds ``num_tokens`` positions, -1 if it holds them already, -2 if that takes
-        more than one block or none is free (then ``can_grow``/``grow``)."""
+        holds ``num_tokens`` positions, None if it holds them already, NEEDS_GROW if
+        that takes more than one block or none is free (then ``can_grow``/``grow``)."""
         table = self._tables[seq_id]
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
-            return -1
+            return None
         if need > 1 or not (self._free or self._evictable):
-            return -2
+            return NEEDS_GROW
         return self.append_block(seq_id)
 
     def _take_blocks(self, n: int) -> list[int]:

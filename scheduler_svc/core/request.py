@@ -64,15 +64,14 @@ class Request:
     arrival_time: float = 0.0
     # Output tokens generated before this request was (re)submitted (a continuation).
     num_resumed_output_tokens: int = 0
-    # Opaque here: the plan builder's prebuilt wire form of the request's entry in the
-    # plan that first sends it (built on arrival, so that step copies it).
-    wire: Any = dataclasses.field(default=None, init=False, repr=False)
 
     # State. The fields every step reads or writes come first, side by side, so one
     # sequence's per-step work touches as few cache lines as possible.
     # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three:
     # in decode mode (``_clock`` set) they advance with the scheduler's DecodeClock
-    # instead of being written every step (see ``Scheduler._schedule_decodes``).
+    # instead of being written every step. Only the scheduler's DecodeMode
+    # (core/decode_mode.py) sets ``_clock``; the scheduler's explicit decode loop
+    # writes ``_computed``/``_scheduled_step`` directly (hot path).
     _computed: int = dataclasses.field(default=0, init=False, repr=False)
     _scheduled_step: int = dataclasses.field(default=-1, init=False, repr=False)
     _clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)
@@ -102,10 +101,8 @@ class Request:
     # once in its lifetime (admission, registration and every resume reuse them).
     block_hashes: list[int] = dataclasses.field(default_factory=list)
 
-    _order_key: int = dataclasses.field(default=0, init=False, repr=False)  # see Scheduler
-    # Decode mode: the clock epoch of its next block boundary or exit, and which.
-    _due_epoch: int = dataclasses.field(default=-1, init=False, repr=False)
-    _due_kind: int = dataclasses.field(default=0, init=False, repr=False)
+    # Its priority_key as one int, set by the RunningSet (core/running.py) as it starts.
+    _order_key: int = dataclasses.field(default=0, init=False, repr=False)
 
     @property
     def num_computed_tokens(self) -> int:

@@ -52,7 +52,7 @@ def _flooded(clock: Clock, **config):
 def test_a_flood_is_refused_at_once_with_a_retry_hint_and_accepted_work_completes():
     clock = Clock(0.0)
     sched = _flooded(clock)
-    rate = sched._throughput.rate
+    rate = sched.admission.throughput.rate
     assert rate == pytest.approx(2 / 3, rel=0.3)  # 2 slots, a request every 3 steps each
     accepted, refused = [], []
     for i in range(100):
@@ -134,7 +134,7 @@ def test_idle_tenants_leave_no_state_behind():
     while sched.has_work():
         step(sched)
     assert sched.num_finished == 10_000
-    assert len(sched._running_per_tenant) == 0
+    assert len(sched.running_set.per_tenant) == 0
     assert sched.waiting.num_tenants == 0
     assert len(sched.waiting.served) <= 64 + 8 * 3  # pruned as Submits arrive
     # A returning tenant is lifted to the floor of those waiting, as before pruning.
@@ -215,7 +215,7 @@ def test_a_server_never_saturated_still_refuses_a_flood_at_once():
         while sched.has_work():
             step(sched)
             clock.now += 1.0
-    assert sched._throughput.rate is None  # never saturated
+    assert sched.admission.throughput.rate is None  # never saturated
     refused = 0
     for i in range(100):
         try:

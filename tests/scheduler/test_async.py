@@ -18,8 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 from protos import wire
 from scheduler_svc.core import CostModel, FinishReason, Request, Scheduler, SchedulerConfig
-from scheduler_svc.plan import build_plan_message
-from scheduler_svc.plan import prepare as prepare_plan_entry
+from scheduler_svc.plan import PlanBuilder
 from tests.scheduler.factories import EOS, TICKING_CLOCK_CONFIG, Clock, make_model
 
 BLOCK_SIZE = 4
@@ -91,8 +90,9 @@ class Client:
 class Driver:
     """The engine loop's protocol without processes: up to ``depth`` plans unanswered."""
 
-    def __init__(self, sched: Scheduler, clients: dict[str, Client], depth: int) -> None:
-        self.sched, self.clients, self.depth = sched, clients, depth
+    def __init__(self, sched: Scheduler, clients: dict[str, Client], depth: int,
+                 plans: PlanBuilder) -> None:
+        self.sched, self.clients, self.depth, self.plans = sched, clients, depth, plans
         self.model = sched.model
         self.executor = self._new_executor()
         self.inflight: collections.deque = collections.deque()
@@ -104,7 +104,7 @@ class Driver:
                              if c.eos_pos is not None})
 
     def hear(self, events) -> None:
-        for req, token, reason in events:
+        for req, token, reason, _ in events:
             client = self.clients[req.request_id]
             assert not client.finishes, f"{req.request_id}: an event after its finish"
             if token is not None:
@@ -120,7 +120,7 @@ class Driver:
             self.hear(self.sched.take_events())
             if out.is_empty:
                 return
-            frame = build_plan_message(out, "inc", self.sched.block_manager).SerializeToString()
+            frame = self.plans.message(out, "inc", self.sched.block_manager).SerializeToString()
             self.inflight.append((out, frame))
 
     def step(self, incident: str | None = None, abort: str | None = None) -> None:
@@ -158,16 +158,17 @@ def run(requests, config: dict, num_blocks: int, host: int, depth: int,
                       clock=Clock(1.0))
     sched.attach_executor(model)
     clients: dict[str, Client] = {}
+    plans = PlanBuilder()
     for i, (prompt_len, max_tokens, eos_at, shared, tier) in enumerate(requests):
         prompt = [5 + (i * 13 + j * 3) % 90 for j in range(prompt_len)]
         if shared:
             prompt = SYSTEM_PROMPT + prompt
         req = Request(f"r{i}", i + 1, prompt, len(prompt), max_tokens, priority_tier=tier)
         if i % 2:  # half prepared on arrival, as the scheduler process does; half lazily
-            prepare_plan_entry(req)
+            plans.prepare(req)
         eos_pos = None if eos_at is None else len(prompt) + eos_at
         clients[req.request_id] = Client(req, eos_pos)
-    driver = Driver(sched, clients, depth)
+    driver = Driver(sched, clients, depth, plans)
     pending = list(clients.values())
     step = 0
     while pending or sched.has_work() or driver.inflight:
@@ -260,7 +261,7 @@ def test_ahead_plans_decode_without_waiting_for_the_result():
     assert [r.request_id for r in ahead.cached] == ["a"]  # "last" ends with its sample
     assert ahead.cached_num_tokens == [1] and a.num_computed_tokens == 7
     events = sched.update(first, [1, 2], [500, 501])
-    assert [(r.request_id, t, f) for r, t, f in events] == [
+    assert [(r.request_id, t, f) for r, t, f, _ in events] == [
         ("a", 500, None), ("last", 501, FinishReason.LENGTH)]
     sched.assert_invariants()
     assert sched.update(ahead, [1], [502])[0][1] == 502
@@ -280,6 +281,6 @@ def test_a_sequence_preempted_while_its_sample_is_pending_keeps_that_sample():
     ahead = sched.schedule()  # hi's 9th token needs a block: lo is preempted
     assert [r.request_id for r in ahead.cached] == ["hi"] and lo.num_computed_tokens == 0
     events = sched.update(first, [1, 2], [600, 601])
-    assert [(r.request_id, t) for r, t, _ in events] == [("hi", 600), ("lo", 601)]
+    assert [(r.request_id, t) for r, t, _, _ in events] == [("hi", 600), ("lo", 601)]
     assert lo.token_ids[-1] == 601 and lo in list(sched.waiting)
     sched.assert_invariants()

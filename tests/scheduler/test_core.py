@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scheduler_svc.core import ConfigError, FinishReason, RequestStatus, SchedulerConfig
+from scheduler_svc.core import ConfigError, Event, FinishReason, RequestStatus, SchedulerConfig
 from tests.scheduler.factories import (
     EOS,
     fake_execute,
@@ -178,7 +178,7 @@ def test_abort_is_idempotent_frees_blocks_and_tells_the_executor():
     step(sched)
     assert sched.block_manager.num_free_blocks < 32
     event = sched.abort(req.request_id)
-    assert event == (req, None, FinishReason.ABORT)
+    assert event == Event(req, None, FinishReason.ABORT)
     assert sched.abort(req.request_id) is None
     assert sched.block_manager.num_free_blocks == 32
     out = sched.schedule()

@@ -1,4 +1,4 @@
-"""Decode mode (Scheduler._schedule_decodes): most decodes advance by a shared clock
+"""Decode mode (core/decode_mode.py): most decodes advance by a shared clock
 instead of one by one. These tests hold it to the plans one-by-one scheduling makes,
 and to the edges where a sequence must leave it."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.core import FinishReason
-from scheduler_svc.core import scheduler as scheduler_module
+from scheduler_svc.core import Event, FinishReason
+from scheduler_svc.core import decode_mode as decode_mode_module
 from tests.scheduler.factories import (
     EOS,
     fake_execute,
@@ -36,7 +36,7 @@ def eos_positions(reqs) -> dict[str, int]:
 def run(decode_mode: bool, monkeypatch, num_blocks: int, **config):
     with monkeypatch.context() as m:
         if not decode_mode:
-            m.setattr(scheduler_module, "_MIN_DECODE_MODE_BLOCK", 1 << 30)
+            m.setattr(decode_mode_module, "MIN_BLOCK_SIZE", 1 << 30)
         sched = make_scheduler(num_blocks=num_blocks, block_size=4, **config)
         reqs = workload()
         # The same names in both runs: fake tokens depend on (request id, position).
@@ -143,7 +143,7 @@ def test_a_stop_token_in_the_bulk_ends_the_request_at_once():
     seq_ids, tokens = fake_execute(out)
     tokens[seq_ids.index(victim.seq_id)] = EOS
     events = sched.update(out, seq_ids, tokens)
-    assert (victim, EOS, FinishReason.STOP) in events
+    assert Event(victim, EOS, FinishReason.STOP) in events
     assert victim.is_finished and victim not in sched.running
     assert out.finished_seq_ids == [] and sched.schedule().finished_seq_ids == [victim.seq_id]
 

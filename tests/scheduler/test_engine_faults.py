@@ -128,7 +128,7 @@ def test_a_malformed_result_is_dropped_and_the_step_resynchronized(tmp_path):
             events = await drain(queue)
             server.cancel()
             assert events[-1][2] == FinishReason.LENGTH
-            assert [t for _, t, _ in events if t is not None] == events[0][0].token_ids[5:]
+            assert [t for _, t, _, _ in events if t is not None] == events[0][0].token_ids[5:]
             assert loop.num_dropped_frames == 1 and not loop.fatal.done()
         finally:
             peer.close()
@@ -165,10 +165,10 @@ def test_a_poison_request_is_ended_alone_and_the_others_finish(tmp_path, code):
             server = asyncio.create_task(serve())
             ends = {rid: (await drain(q))[-1] for rid, q in queues.items()}
             server.cancel()
-            req, _, reason = ends.pop("p")
+            req, _, reason, _ = ends.pop("p")
             assert reason == FinishReason.ERROR and "boom" in req.error
-            assert {r for _, _, r in ends.values()} == {FinishReason.LENGTH}
-            for ev_req, _, _ in ends.values():  # the peer's tokens: 100 + seq id + position
+            assert {r for _, _, r, _ in ends.values()} == {FinishReason.LENGTH}
+            for ev_req, _, _, _ in ends.values():  # the peer's tokens: 100 + seq id + position
                 assert ev_req.token_ids[ev_req.num_prompt_tokens:] == [
                     100 + ev_req.seq_id + p for p in range(ev_req.num_prompt_tokens,
                                                            ev_req.num_tokens)]
@@ -218,7 +218,7 @@ def test_abort_all_ends_every_stream_with_a_reason(tmp_path):
             queues = [loop.submit(make_request(request_id=f"r{i}")) for i in range(3)]
             assert loop.abort_all("the replica is shutting down") == 3
             for queue in queues:
-                req, token, reason = await asyncio.wait_for(queue.get(), TIMEOUT_S)
+                req, token, reason, _ = await asyncio.wait_for(queue.get(), TIMEOUT_S)
                 assert reason == FinishReason.ABORT and token is None
                 assert req.error == "the replica is shutting down"
             assert not loop.core.requests and not loop.has_work
@@ -280,7 +280,7 @@ def test_a_request_whose_step_hangs_the_executor_is_ended_alone(tmp_path, monkey
             ends = {rid: (await drain(q))[-1] for rid, q in queues.items()}
             server.cancel()
             assert ends.pop("p")[2] == FinishReason.ERROR
-            assert {reason for _, _, reason in ends.values()} == {FinishReason.LENGTH}
+            assert {reason for _, _, reason, _ in ends.values()} == {FinishReason.LENGTH}
             assert loop.core.requests == {} and not loop.fatal.done()
         finally:
             peer.close()

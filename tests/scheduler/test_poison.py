@@ -30,7 +30,7 @@ def drive(sched, reqs, poisoned=lambda out: False, max_steps: int = 500):
             else:
                 events += sched.update(out, *fake_execute(out))
         sched.assert_invariants()
-        for req, token, reason in events:
+        for req, token, reason, _ in events:
             assert req.request_id not in finishes, "an event after the finish"
             if token is not None:
                 tokens[req.request_id].append(token)

@@ -43,6 +43,7 @@ from hypothesis.stateful import (
 import scheduler_svc.core.scheduler as scheduler_module
 from scheduler_svc.core import (
     CostModel,
+    Event,
     FinishReason,
     QueueFull,
     Request,
@@ -228,7 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         return sorted(self.sched.requests)
 
     def _event(self, event) -> None:
-        req, token, reason = event
+        req, token, reason, _ = event
         tr = self.tracks[req.request_id]
         assert not tr.finish_events, f"{req.request_id}: an event after its finish"
         if token is not None:
@@ -333,7 +334,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             bound = queue_time_bound(self.config, req.priority_tier)
             oldest = sched.waiting.oldest_arrival_up_to(req.priority_tier)
             stuck = oldest is not None and self.clock.now - oldest > bound
-            measured = sched._throughput.rate is not None or sched._service.count > 0
+            admission = sched.admission
+            measured = admission.throughput.rate is not None or admission.service.count > 0
             overloaded = (measured or stuck) and "overloaded" in str(exc)
             assert overloaded or waiting_before >= self.config.max_num_waiting or (
                 cap and sched.waiting.num_waiting(tenant) >= cap)
@@ -500,8 +502,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_reserve = sum(
                 bm.num_new_blocks(r.seq_id, r.num_tokens) for r in sched.running
                 if remaining_before.get(r.seq_id, 1) != 1)
+            # Admission keeps free the watermark, or a block for each running decode's
+            # next one (a sequence admitted this step counts as a decode), if larger.
+            decodes = sum(1 for r in sched.running if remaining_before.get(r.seq_id, 1) == 1)
+            keep = max(sched.admission.watermark_blocks(bm), decodes)
             # Blocks it needs without any prefix hit: at least what the scheduler needs.
-            need = bm.blocks_needed(w.num_tokens) + sched._watermark_blocks()
+            need = bm.blocks_needed(w.num_tokens) + keep
             return bool(preempted
                         or (cfg.policy == "static" and running_before)
                         or len(sched.running) >= cfg.max_num_seqs
@@ -813,5 +819,5 @@ def test_a_context_that_outgrew_the_usable_pool_still_resumes():
         step(sched)
     sched.attach_executor(sched.model)  # 49 tokens can never fit 12 blocks of 4
     sched.schedule()
-    assert sched.take_events() == [(full, None, FinishReason.LENGTH)]
+    assert sched.take_events() == [Event(full, None, FinishReason.LENGTH)]
     assert not sched.has_work() or not sched.requests
