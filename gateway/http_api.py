@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
-`"stream": true`), `GET /v1/models`, `GET /health` (readiness: 503 while
+`"stream": true`), `GET /v1/models`, `POST /tokenize` and `POST /detokenize`
+(gateway/http_tokenize.py), `GET /health` (readiness: 503 while
 draining or with no healthy scheduler replica), `GET /live` (liveness) and
 `GET /metrics` (Prometheus). Every error is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with a matching status;
@@ -19,17 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 from aiohttp import web
 
-from gateway import http_edge
+from gateway import http_edge, http_tokenize
 from gateway.admission import Admission
 from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, Principal
 from gateway.http_edge import HttpLimits, read_body
+from gateway.http_replies import error_response, json_response, request_error
 from gateway.json_body import decode_json
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_api import (
@@ -47,7 +48,7 @@ from gateway.openai_api import (
 from gateway.relay import END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
-from gateway.upstream import RETRY_AFTER_KEY, ClientStatus
+from gateway.upstream import ClientStatus
 from gateway.validation import (
     MAX_REQUEST_ID_CHARS,
     RequestError,
@@ -64,38 +65,6 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # proxies must not buffer the stream
 }
-
-
-def _json_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
-                        headers=headers)
-
-
-def _error_response(status: ClientStatus, param: str | None = None,
-                    code: str | None = None) -> web.Response:
-    http_status, error_type = HTTP_STATUS.get(status.code, (500, "server_error"))
-    headers = {}
-    for key, value in status.trailing_metadata:
-        if key == RETRY_AFTER_KEY and value.isdigit():
-            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
-    if http_status == 429:
-        code = code or "rate_limit_exceeded"
-        headers.setdefault("Retry-After", "1")
-    return _json_response(http_status, error_body(status.message, error_type, param, code),
-                          headers)
-
-
-def _request_error(exc: RequestError) -> web.Response:
-    code = exc.error_code
-    if exc.code == grpc.StatusCode.UNAUTHENTICATED:
-        code = "invalid_api_key"
-    if exc.http_status is not None:
-        _, error_type = HTTP_STATUS.get(exc.code, (400, "invalid_request_error"))
-        response = _json_response(exc.http_status, error_body(exc.message, error_type,
-                                                              exc.param, code))
-        response.force_close()  # a 408's connection is not kept alive
-        return response
-    return _error_response(ClientStatus(exc.code, exc.message), exc.param, code)
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -138,6 +107,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics)
@@ -162,13 +133,13 @@ class HttpApi:
                 message = f"{request.method} is not allowed on {request.path}"
             else:
                 message = exc.reason
-            return _json_response(exc.status, error_body(message, "invalid_request_error"))
+            return json_response(exc.status, error_body(message, "invalid_request_error"))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception:  # a bug of ours: the client still gets JSON, the log the traceback
             _log.exception("unexpected error", path=request.path)
             self._metrics.error("INTERNAL")
-            return _json_response(500, error_body(
+            return json_response(500, error_body(
                 "internal server error; the request id is in the server log", "server_error"))
 
     @web.middleware
@@ -177,7 +148,7 @@ class HttpApi:
             return await handler(request)
         principal = self._keys.check(request.headers.get("Authorization"))
         if principal is None:
-            return _json_response(401, error_body(UNAUTHENTICATED_MESSAGE, "authentication_error",
+            return json_response(401, error_body(UNAUTHENTICATED_MESSAGE, "authentication_error",
                                                   None, "invalid_api_key"),
                                   {"WWW-Authenticate": "Bearer"})
         request[_PRINCIPAL] = principal
@@ -187,22 +158,40 @@ class HttpApi:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
-            return _json_response(503, {"status": "draining"})
+            return json_response(503, {"status": "draining"})
         if not self._replicas.any_healthy:
-            return _json_response(503, {"status": "no healthy scheduler replica"})
-        return _json_response(200, {"status": "serving"})
+            return json_response(503, {"status": "no healthy scheduler replica"})
+        return json_response(200, {"status": "serving"})
 
     async def live(self, request: web.Request) -> web.Response:
-        return _json_response(200, {"status": "alive"})
+        return json_response(200, {"status": "alive"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json_response(200, {"object": "list", "data": [{
+        return json_response(200, {"object": "list", "data": [{
             "id": self._model_name, "object": "model", "created": 0, "owned_by": "continuum",
-            "max_model_len": self._max_model_len,
+            "root": self._model_name, "parent": None, "max_model_len": self._max_model_len,
         }]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tool(request, http_tokenize.tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tool(request, http_tokenize.detokenize)
+
+    async def _tool(self, request: web.Request, answer) -> web.Response:
+        """A body-in, JSON-out route: the body read bounded, decoded and answered off
+        the event loop, refusals as OpenAI errors."""
+        try:
+            raw = await read_body(request, self.limits)
+            charset = request.charset
+            return json_response(200, await asyncio.to_thread(
+                lambda: answer(decode_json(raw, charset), self._model_name, self._tokenizer)))
+        except RequestError as exc:
+            self._metrics.error(exc.code.name)
+            return request_error(exc)
 
     # --- generation -------------------------------------------------------------------
 
@@ -214,7 +203,7 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         if self.draining:
-            return _error_response(ClientStatus(
+            return error_response(ClientStatus(
                 grpc.StatusCode.UNAVAILABLE,
                 "this gateway is shutting down; retry (another replica will serve it)"))
         self._in_flight += 1
@@ -231,14 +220,14 @@ class HttpApi:
         try:
             validated, api = await self._admit(request, dialect)
         except RequestError as exc:
-            return _request_error(exc)
+            return request_error(exc)
         log = _log.bind(request_id=validated.request_id)
         generation = self._relay.generate(validated, api=dialect.name, stream=api.stream)
         async with contextlib.aclosing(generation) as stream:
             try:
                 first = await anext(stream)
             except RelayError as exc:
-                return _error_response(exc.status)
+                return error_response(exc.status)
             if api.stream:
                 return await self._stream(request, api, validated, first, stream, log)
             return await self._collect(api, validated, first, stream)
@@ -333,7 +322,7 @@ class HttpApi:
                     logprobs.setdefault(pending.index, []).append(lp)
                 pending = await anext(stream, None)
         except RelayError as exc:
-            return _error_response(exc.status)
+            return error_response(exc.status)
         body = api.dialect.envelope(validated.request_id, self._model_name, now_s(), chunk=False)
         body["choices"] = [
             api.dialect.final_choice(index, "".join(choices.text[index]), logprobs.get(index),
@@ -341,7 +330,7 @@ class HttpApi:
             for index in sorted(choices.text)
         ]
         body["usage"] = usage(choices.prompt_tokens, choices.completion_tokens)
-        return _json_response(200, body, {"X-Request-Id": validated.request_id})
+        return json_response(200, body, {"X-Request-Id": validated.request_id})
 
 
 async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:

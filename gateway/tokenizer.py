@@ -173,6 +173,9 @@ class Tokenizer:
         return frozenset(token_id for token_id, token
                          in self._backend.get_added_tokens_decoder().items() if token.special)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
