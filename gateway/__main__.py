@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         "--scheduler",
         required=True,
         metavar="HOST:PORT[,HOST:PORT...]",
-        help="scheduler replica(s); requests go to the least-loaded healthy one",
+        help="scheduler replica(s); requests go to the least-loaded healthy one. "
+        "dns:///NAME:PORT: every address NAME resolves to, re-resolved every 5 s "
+        "(a Kubernetes headless Service)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any)")

@@ -14,7 +14,8 @@ class ConfigError(ValueError):
 class GatewayConfig:
     model_dir: pathlib.Path
     # HOST:PORT of the scheduler replica(s), comma-separated; each request goes
-    # to the least-loaded healthy one and moves on if that one fails.
+    # to the least-loaded healthy one and moves on if that one fails. dns:///NAME:PORT
+    # is every address NAME resolves to, re-resolved (a headless Service; replicas.py).
     scheduler_address: str
     host: str = "127.0.0.1"
     # 0 picks a free port (tests); the bound port is logged.
@@ -75,10 +76,11 @@ class GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port (0..65535)")
         for address in self.scheduler_addresses:
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit():
+            host, sep, port = address.removeprefix("dns:///").rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
                 raise ConfigError(
-                    f"--scheduler {address!r} is not HOST:PORT (e.g. 127.0.0.1:50061)"
+                    f"--scheduler {address!r} is not HOST:PORT or dns:///NAME:PORT "
+                    "(e.g. 127.0.0.1:50061, dns:///continuum-replica:50061)"
                 )
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ConfigError(f"--http-port {self.http_port} is not a TCP port (0..65535)")

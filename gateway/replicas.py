@@ -9,12 +9,21 @@ Each replica's channel carries the per-deployment internal secret
 (``protos/internal_auth.py``) on every call, Submit, Abort and Stats alike,
 through a client interceptor: whoever makes a call on ``replica.stub`` need not
 know about it.
+
+An address ``dns:///NAME:PORT`` is a set, not one replica: NAME is resolved every
+REFRESH_S (all A/AAAA records, as a Kubernetes headless Service publishes one per
+pod), a new address joins once its first Stats poll has answered, and one that
+left is drained: no new request goes to it, and its channel closes once its
+in-flight calls end (RETIRE_GRACE_S at most). A failed lookup keeps the last set:
+a DNS blip must not empty the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
+from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
@@ -24,6 +33,15 @@ from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 POLL_S = 0.5
+DNS_SCHEME = "dns:///"
+# How often a dns:/// name is resolved again: new pods are used within this, and
+# gRPC's own dns resolver re-resolves no more often than every 30 s.
+REFRESH_S = 5.0
+# A replica that left DNS keeps its in-flight calls this long (a terminating pod's
+# scheduler drains for its --grace-period, 30 s in deploy/k8s) before they are cut.
+RETIRE_GRACE_S = 60.0
+# (host, port) -> the addresses ("IP:PORT", "[IPv6]:PORT") it resolves to now.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
 _log = structlog.get_logger("gateway.replicas")
 
 
@@ -56,6 +74,25 @@ class _StreamWithSecret(_WithSecret, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(details), request)
 
 
+def split_dns(entry: str) -> tuple[str, int] | None:
+    """``dns:///NAME:PORT`` -> (NAME, PORT); None for a plain HOST:PORT."""
+    if not entry.startswith(DNS_SCHEME):
+        return None
+    host, _, port = entry.removeprefix(DNS_SCHEME).rpartition(":")
+    return host, int(port)
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """Every address ``host`` has now, sorted; raises OSError (socket.gaierror) when
+    the lookup fails. The loop's getaddrinfo runs in its executor, off the loop."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0]
+        found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(found)
+
+
 def auth_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor] | None:
     """Interceptors that send ``secret`` on every unary and server-streaming call.
 
@@ -76,24 +113,43 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, addresses: list[str],
-                 secret: bytes | None | _FromEnvironment = FROM_ENVIRONMENT) -> None:
-        """``secret``: the internal secret every call carries (None: none, the opt-out);
+                 secret: bytes | None | _FromEnvironment = FROM_ENVIRONMENT,
+                 resolver: Resolver | None = None, refresh_s: float | None = None) -> None:
+        """``addresses``: HOST:PORT replicas and ``dns:///NAME:PORT`` sets (split_dns).
+        ``secret``: the internal secret every call carries (None: none, the opt-out);
         by default the environment's, which raises internal_auth.SecretError when
-        it is missing or unusable (``python -m gateway`` turns that into exit 2)."""
+        it is missing or unusable (``python -m gateway`` turns that into exit 2).
+        ``resolver``, ``refresh_s``: how and how often a dns:/// name is looked up
+        (default: ``resolve``, every REFRESH_S)."""
         if isinstance(secret, _FromEnvironment):
             secret = internal_auth.load_secret()
-        interceptors = auth_interceptors(secret)
-        self.replicas = []
-        for address in addresses:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                interceptors=interceptors)
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            self.replicas.append(Replica(address, channel, stub))
-        self._task: asyncio.Task | None = None
+        self._interceptors = auth_interceptors(secret)
+        self._targets = addresses
+        self._names = [t for t in map(split_dns, addresses) if t is not None]
+        self._resolver = resolver or resolve
+        self._refresh_s = REFRESH_S if refresh_s is None else refresh_s
+        self._resolved: dict[tuple[str, int], list[str]] = {name: [] for name in self._names}
+        self.replicas = [self._connect(a) for a in addresses if split_dns(a) is None]
+        self._retiring: dict[asyncio.Task, Replica] = {}  # channel.close(grace) under way
+        self._tasks: list[asyncio.Task] = []
+
+    def _connect(self, address: str) -> Replica:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                            interceptors=self._interceptors)
+        return Replica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
 
     @property
     def addresses(self) -> str:
-        return ", ".join(r.address for r in self.replicas)
+        """What error messages name: every replica, and what each dns:/// name holds."""
+        parts = []
+        for target in self._targets:
+            name = split_dns(target)
+            if name is None:
+                parts.append(target)
+            else:
+                found = ", ".join(self._resolved[name]) or "no address resolved yet"
+                parts.append(f"{target} ({found})")
+        return ", ".join(parts)
 
     def snapshot(self) -> list[tuple[str, Replica]]:
         return [(r.address, r) for r in self.replicas]
@@ -103,13 +159,20 @@ class ReplicaSet:
         return any(r.healthy for r in self.replicas)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_forever())]
+        if self._names:
+            self._tasks.append(loop.create_task(self._discover_forever()))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for replica in self.replicas:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        retiring = dict(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        for replica in [*self.replicas, *retiring.values()]:
             await replica.channel.close()
 
     def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
@@ -120,8 +183,40 @@ class ReplicaSet:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(r) for r in self.replicas))
+            await asyncio.gather(*(self._poll(r) for r in list(self.replicas)))
             await asyncio.sleep(POLL_S)
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self._refresh_s)
+
+    async def refresh(self) -> None:
+        """Resolves every dns:/// name once and applies the difference: new addresses
+        join after their first poll, addresses gone are retired."""
+        for host, port in self._names:
+            try:
+                found = await self._resolver(host, port)
+            except OSError as exc:  # socket.gaierror included: keep the last set
+                _log.warning("replica lookup failed; keeping the last set", name=host,
+                             port=port, error=str(exc), replicas=self._resolved[(host, port)])
+                continue
+            self._resolved[(host, port)] = found
+        wanted = {a for found in self._resolved.values() for a in found}
+        static = {t for t in self._targets if split_dns(t) is None}
+        current = {r.address for r in self.replicas}
+        joined = [self._connect(a) for a in sorted(wanted - current)]
+        await asyncio.gather(*(self._poll(r) for r in joined))
+        for replica in joined:
+            _log.info("replica joined", address=replica.address, healthy=replica.healthy)
+        left = [r for r in self.replicas if r.address not in wanted | static]
+        self.replicas = [r for r in self.replicas if r not in left] + joined
+        for replica in left:
+            _log.info("replica left; draining it", address=replica.address)
+            task = asyncio.get_running_loop().create_task(
+                replica.channel.close(grace=RETIRE_GRACE_S))
+            self._retiring[task] = replica
+            task.add_done_callback(lambda done: self._retiring.pop(done, None))
 
     async def _poll(self, replica: Replica) -> None:
         try:
