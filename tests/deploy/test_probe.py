@@ -1,0 +1,86 @@
+"""deploy/probe.py, the replica pod's exec probes, against real processes: the executor
+probe passes once an executor is attached and fails when it hangs (SIGSTOP: the
+scheduler detaches it after a missed heartbeat); the scheduler probe passes while the
+scheduler answers, NOT_SERVING included, and fails once it is gone, when the
+executor's liveness (``--unreachable-ok``) does not blame the executor."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
+from tests.integration.conftest import free_port
+
+PROBE = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "probe.py"
+READY_S = 240
+
+
+def probe(*args: str, cwd: str = "/") -> tuple[int, str]:
+    """Runs the probe as the kubelet would: a fresh process, from another directory."""
+    done = subprocess.run([sys.executable, str(PROBE), *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+    return done.returncode, done.stdout.strip()
+
+
+def wait_for_probe(args: tuple[str, ...], rc: int, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got, out = probe(*args)
+        if got == rc or time.monotonic() > deadline:
+            assert got == rc, out
+            return out
+        time.sleep(0.2)
+
+
+def test_without_a_scheduler_only_the_liveness_form_passes():
+    address = f"127.0.0.1:{free_port()}"
+    rc, out = probe("scheduler", "--address", address, "--timeout", "1")
+    assert rc == 1 and "does not answer" in out
+    rc, out = probe("executor", "--address", address, "--timeout", "1")
+    assert rc == 1 and "does not answer Stats" in out
+    rc, out = probe("executor", "--address", address, "--timeout", "1", "--unreachable-ok")
+    assert rc == 0 and "not the executor's fault" in out
+
+
+@pytest.mark.integration
+def test_a_hung_executor_fails_its_probe(tmp_path, model_dir):
+    ipc, port = f"ipc://{tmp_path}/private/executor.sock", free_port()
+    address = ("--address", f"127.0.0.1:{port}")
+    env = {**os.environ, ENV_HEARTBEAT_TIMEOUT: "2", "PYTHONPATH": os.getcwd()}
+
+    def spawn(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    scheduler = spawn("scheduler_svc", "--ipc", ipc, "--port", str(port))
+    procs = [scheduler]
+    try:
+        wait_for_probe(("scheduler", *address), 0, READY_S)
+        rc, out = probe("executor", *address)
+        assert rc == 1 and "no executor attached" in out  # the startup probe waits
+        executor = spawn("executor_svc", "--model", str(model_dir), "--ipc", ipc,
+                         "--device", "cpu", "--kv-cache-bytes", "8MiB", "--warmup-tokens",
+                         "16", "--threads", "2")
+        procs.append(executor)
+        assert "attached" in wait_for_probe(("executor", *address), 0, READY_S)
+        os.kill(executor.pid, signal.SIGSTOP)  # hung: alive, answering nothing
+        out = wait_for_probe(("executor", *address, "--unreachable-ok"), 1, 60)
+        assert "no executor attached" in out and "1 lost" in out
+        assert probe("scheduler", *address)[0] == 0  # the scheduler is fine
+        scheduler.terminate()
+        scheduler.wait(timeout=60)
+        assert probe("scheduler", *address, "--timeout", "1")[0] == 1
+        assert probe("executor", *address, "--timeout", "1", "--unreachable-ok")[0] == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=30)
