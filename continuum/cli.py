@@ -94,6 +94,18 @@ def _bench_parser(sub) -> None:
     add_arguments(p)
 
 
+def _ops_parsers(sub) -> None:
+    """``report`` and ``gate``: read the telemetry store / bench results (issue 17)."""
+    from continuum import gate, report
+
+    for name, module, helptext in (
+            ("report", report, "latency per tier and tenant over a telemetry window"),
+            ("gate", gate, "deploy gate: fail (exit 1) on a latency regression or unfairness")):
+        p = sub.add_parser(name, help=helptext, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``continuum`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
@@ -102,6 +114,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _generate_parser(sub)
     _capacity_parser(sub)
     _bench_parser(sub)
+    _ops_parsers(sub)
     return parser, serve
 
 
@@ -115,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
             from continuum.bench import main as bench_main
 
             sys.exit(bench_main(args))
+        if args.command in ("report", "gate"):
+            from continuum import gate, report
+
+            sys.exit((report if args.command == "report" else gate).main(args))
         if args.command == "capacity":
             from continuum.capacity import main as capacity_main
 
