@@ -2,7 +2,7 @@
 
 The hottest path of the scheduler is "every running sequence decodes one token". A
 sequence in decode mode is not touched for that: advancing the shared DecodeClock
-(``advance``) gives each of them one more computed token and this step as its last
+(in ``schedule``) gives each of them one more computed token and this step as its last
 scheduled one (``Request.num_computed_tokens`` reads ``_computed + clock.epoch``).
 Their seq ids and token lists are kept as two dicts in one order (``ids``,
 ``tokens``), which become the plan's bulk columns as they are.
@@ -125,7 +125,8 @@ class DecodeMode:
         if starts and self._num_removed != removed_before:  # the bulk's tail: less
             blocks = [b for r, b in zip(starts, blocks, strict=True)  # preempted ones
                       if r._clock is clock]
-        self.advance(step)
+        clock.epoch += 1  # everything in decode mode decodes in ``step``: this is their
+        clock.step = step  # "num_computed_tokens += 1; scheduled_step = step"
         for req in leave_after:
             if req._clock is clock:
                 self.leave(req)
@@ -199,13 +200,6 @@ class DecodeMode:
             req._scheduled_step = step
             append(req)
         return grew
-
-    def advance(self, step: int) -> None:
-        """Every sequence in decode mode decodes its token in ``step``: this is their
-        ``num_computed_tokens += 1; scheduled_step = step``."""
-        clock = self.clock
-        clock.epoch += 1
-        clock.step = step
 
     def enter(self, req: Request, bs: int) -> None:
         """After the clock advanced: ``req`` (explicit, just given a decode) rides the

@@ -38,6 +38,7 @@ from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.isolation import Isolation
+from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecord
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.preemption import pick_victim
@@ -61,25 +62,24 @@ class Scheduler:
         self.clock = clock
         self.model: ModelInfo | None = None
         self.block_manager: BlockManager | None = None
-        self.requests: dict[str, Request] = {}
         self.running_set = RunningSet()
         self.running = self.running_set.order  # priority order: (tier, admission)
         self.decode_mode = DecodeMode()
         self.waiting = WaitingQueue(config.aging_s)
         self.admission = Admission(config, self.waiting, self.running_set)
         self.isolation = Isolation()
-        self.results = ResultApplier(self.running_set, self._end_running, self._end_waiting)
-        self._to_drop: list[int] = []
         # Steps planned and not yet answered (update) nor voided: a refused plan's drop
         # list (finished_seq_ids) is sent again. More than one only when scheduling ahead.
         self._unconfirmed: collections.deque[StepRecord] = collections.deque()
-        self._swap_out: list[tuple[int, int]] = []
+        self.lifecycle = lc = Lifecycle(config, clock, self.waiting, self.running_set,
+                                        self.decode_mode, self.admission, self.isolation,
+                                        self._unconfirmed)
+        self.requests = lc.requests  # every live request, by id
+        self.results = lc.results = ResultApplier(self.running_set, lc.end_running,
+                                                  lc.end_waiting)
         self._events: list[Event] = []
         self._step_id = 0
         self._hashed_block_size = 0  # the block size of every request's block_hashes
-        self.num_finished = 0
-        self.num_preemptions = 0
-        self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
         self.reconfigure(config)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
@@ -88,6 +88,19 @@ class Scheduler:
         self.policy = make_policy(config)
         self.waiting.aging_s = config.aging_s
         self.admission.config = config
+        self.lifecycle.config = config
+
+    @property
+    def num_finished(self) -> int:
+        return self.lifecycle.num_finished
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.lifecycle.num_preemptions
+
+    @property
+    def preemptions_by_reason(self) -> collections.Counter[str]:
+        return self.lifecycle.preemptions_by_reason
 
     @property
     def num_shed(self) -> int:
@@ -111,16 +124,16 @@ class Scheduler:
             for req in self.requests.values():
                 req.block_hashes.clear()
             self._hashed_block_size = model.block_size
-        self.model = model
-        self.block_manager = BlockManager(model.num_blocks, model.block_size,
-                                          model.num_host_blocks,
-                                          self.config.enable_prefix_caching)
+        self.model = self.lifecycle.model = model
+        self.block_manager = self.lifecycle.block_manager = BlockManager(
+            model.num_blocks, model.block_size, model.num_host_blocks,
+            self.config.enable_prefix_caching)
 
     def detach_executor(self) -> None:
         """The executor is gone: nothing runs until ``attach_executor``."""
         self._reset_kv()
-        self.model = None
-        self.block_manager = None
+        self.model = self.lifecycle.model = None
+        self.block_manager = self.lifecycle.block_manager = None
 
     def resync(self) -> None:
         """The executor refused a plan: drop everything it holds and recompute
@@ -133,10 +146,10 @@ class Scheduler:
         after it (scheduling ahead) are void too: answers to them must not be applied
         (the caller ignores them), and their drop lists are sent again as well."""
         for unanswered in self._unconfirmed:
-            self._to_drop.extend(unanswered.plan.finished_seq_ids)
+            self.lifecycle.to_drop.extend(unanswered.plan.finished_seq_ids)
         self._forget_unconfirmed()
         for req in list(reversed(self.running)):
-            self._preempt(req, "resync", allow_swap=False, index=False)
+            self.lifecycle.preempt(req, "resync", allow_swap=False, index=False)
         for req in self.waiting:
             if req.status == RequestStatus.SWAPPED:
                 self.block_manager.free(req.seq_id)
@@ -145,13 +158,13 @@ class Scheduler:
 
     def _reset_kv(self) -> None:
         for req in list(reversed(self.running)):
-            self._preempt(req, "executor_restart", allow_swap=False, index=False)
+            self.lifecycle.preempt(req, "executor_restart", allow_swap=False, index=False)
         for req in list(self.waiting):
             if req.status == RequestStatus.SWAPPED:
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
-        self._to_drop.clear()
+        self.lifecycle.to_drop.clear()
         self._forget_unconfirmed()
-        self._swap_out.clear()
+        self.lifecycle.swap_out.clear()
 
     def _forget_unconfirmed(self) -> None:
         """No answer will be applied to the plans built so far: their pending samples are
@@ -176,10 +189,10 @@ class Scheduler:
         ended = self.isolation.step_failed(scheduled, why, self.config.max_step_failures)
         for req in ended:
             if req.status == RequestStatus.RUNNING:
-                self._remove_running(req, index=False)  # its blocks may hold no KV
+                self.lifecycle.remove_running(req, index=False)  # its blocks may hold no KV
             else:
                 self.waiting.remove(req)
-            self._finish(req, FinishReason.ERROR)
+            self.lifecycle.finish(req, FinishReason.ERROR)
         return [Event(req, None, FinishReason.ERROR) for req in ended]
 
     def _isolate(self, rec: StepRecord, req: Request) -> bool:
@@ -194,7 +207,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
-            self._end_waiting(req, FinishReason.LENGTH)  # it can never resume in full
+            self.lifecycle.end_waiting(req, FinishReason.LENGTH)  # it can never resume in full
             self._events.append(Event(req, None, FinishReason.LENGTH))
             return False
         if req.status == RequestStatus.SWAPPED:
@@ -250,13 +263,13 @@ class Scheduler:
         if req is None or req.is_finished:
             return None
         if req.status == RequestStatus.RUNNING:
-            self._end_running(req, FinishReason.ABORT)
+            self.lifecycle.end_running(req, FinishReason.ABORT)
         else:
-            self._end_waiting(req, FinishReason.ABORT)
+            self.lifecycle.end_waiting(req, FinishReason.ABORT)
         return Event(req, None, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_drop)
+        return bool(self.waiting or self.running or self.lifecycle.to_drop)
 
     # -- one iteration -----------------------------------------------------------------
 
@@ -273,8 +286,9 @@ class Scheduler:
         suspect = self.isolation.next() if self.isolation.suspects else None
         if suspect is None or self._unconfirmed or not self._isolate(rec, suspect):
             self._schedule_batch(rec, admit=suspect is None)
-        to_drop, self._to_drop = self._to_drop, []
-        swap_out, self._swap_out = self._swap_out, []
+        lc = self.lifecycle
+        to_drop, lc.to_drop = lc.to_drop, []
+        swap_out, lc.swap_out = lc.swap_out, []
         out = rec.freeze(to_drop, swap_out)
         if not out.is_empty:  # an empty plan is never sent, so never answered
             self._unconfirmed.append(rec)
@@ -284,28 +298,22 @@ class Scheduler:
     def _schedule_batch(self, rec: StepRecord, admit: bool) -> None:
         """Steps 2-5 of an iteration. ``admit`` False while a suspect waits for a step of
         its own: nobody overtakes it, and the running sequences drain the pool for it."""
-        budget = self.config.max_num_batched_tokens
         num_running_at_start = len(self.running)
-        preempts_before = self.num_preemptions
-        budget, prefills = self._schedule_decodes(rec, budget, ahead=bool(self._unconfirmed))
+        preempts_before = self.lifecycle.num_preemptions
+        # Step 2 (core/decode_mode.py: most decodes are not touched, the clock advance
+        # schedules them). Two unanswered plans: a decode-mode sequence may have no
+        # pending token left to decode, which only the explicit loop checks.
+        if len(self._unconfirmed) > 1:
+            self.decode_mode.leave_all()
+        prefills = self.decode_mode.schedule(rec, self.block_manager, self._step_id,
+                                             bool(self._unconfirmed), self._make_room)
+        self.running_set.charge_decodes(self.waiting.charge, prefills)
+        budget = self.config.max_num_batched_tokens - len(rec.cached)
         budget = self._schedule_prefills(rec, budget, prefills)
-        if admit and self.num_preemptions == preempts_before and \
+        if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
             budget = self._admit(rec, budget, prefills)
         rec.num_batched_tokens = self.config.max_num_batched_tokens - budget
-
-    def _schedule_decodes(self, rec: StepRecord, budget: int, ahead: bool):
-        """Step 2: one token for every running decode (core/decode_mode.py: most of them
-        are not touched, the clock advance schedules them). Returns (budget, the
-        running sequences that are not decoding)."""
-        if len(self._unconfirmed) > 1:
-            # Two unanswered plans: a decode-mode sequence may have no pending token
-            # left to decode, which only the explicit loop checks.
-            self.decode_mode.leave_all()
-        prefills = self.decode_mode.schedule(rec, self.block_manager, self._step_id, ahead,
-                                             self._make_room)
-        self.running_set.charge_decodes(self.waiting.charge, prefills)
-        return budget - len(rec.cached), prefills
 
     def _schedule_prefills(self, rec: StepRecord, budget: int,
                            prefills: list[Request]) -> int:
@@ -343,12 +351,12 @@ class Scheduler:
             if victim is req:
                 if len(self.running) == 1:
                     # Alone and the pool is full: the pool is its context limit.
-                    self._end_running(req, FinishReason.LENGTH)
+                    self.lifecycle.end_running(req, FinishReason.LENGTH)
                     self._events.append(Event(req, None, FinishReason.LENGTH))
                 else:
-                    self._preempt(req, "kv_full")
+                    self.lifecycle.preempt(req, "kv_full")
                 return False
-            self._preempt(victim, "kv_full")
+            self.lifecycle.preempt(victim, "kv_full")
         return True
 
     def _admit(self, rec: StepRecord, budget: int, prefills: list[Request]) -> int:
@@ -363,7 +371,7 @@ class Scheduler:
         reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
         now = self.admission.now = self.clock()
         for req in self.admission.overdue(now):  # shed: waited twice its bound
-            self._end_waiting(req, FinishReason.ABORT)
+            self.lifecycle.end_waiting(req, FinishReason.ABORT)
             self._events.append(Event(req, None, FinishReason.ABORT))
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek(now)
@@ -373,7 +381,7 @@ class Scheduler:
                 # Its context outgrew the pool while it ran (then it was preempted, or
                 # the executor restarted): it can never resume in full, and nobody may
                 # overtake it. The pool is its context limit, as for one running alone.
-                self._end_waiting(req, FinishReason.LENGTH)
+                self.lifecycle.end_waiting(req, FinishReason.LENGTH)
                 self._events.append(Event(req, None, FinishReason.LENGTH))
                 continue
             # With nothing running the watermark protects no decode: a resumed context
@@ -405,7 +413,7 @@ class Scheduler:
         if resumed:  # never resume partially: its whole context, or keep waiting
             bm.grow(req.seq_id, num_tokens)
         n = min(num_tokens - req.num_computed_tokens, budget, cap)
-        self._make_running(req)
+        self.lifecycle.make_running(req)
         self._advance(req, n)
         rec.new.append((req, n))
         rec.num_prefill_tokens += n
@@ -422,20 +430,10 @@ class Scheduler:
         rec.swap_in.extend(bm.swap_in(req.seq_id))
         bm.grow(req.seq_id, len(req.token_ids))  # whole context, as for any resume
         n = min(remaining, budget, cap)
-        self._make_running(req)
+        self.lifecycle.make_running(req)
         self._advance(req, n)
         rec.new.append((req, n))
         return n
-
-    def _make_running(self, req: Request) -> None:
-        assert self.model is not None
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = self.clock()
-            req.prepare(self.model.eos_token_ids, self.model.max_model_len)
-        self.results.intern_stops(req)
-        req.status = RequestStatus.RUNNING
-        self.running_set.add(req)
-        self.decode_mode.add(req)
 
     # -- results -----------------------------------------------------------------------
 
@@ -444,7 +442,11 @@ class Scheduler:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
         confirmed = self._unconfirmed
-        rec = next((r for r in confirmed if r.plan is out), None)  # None: voided
+        rec = None  # stays None for a voided plan
+        for unanswered in confirmed:
+            if unanswered.plan is out:
+                rec = unanswered
+                break
         while confirmed and confirmed[0].step_id <= out.step_id:
             confirmed.popleft()
         if rec is not None and rec.isolated is not None:  # its step of its own succeeded
@@ -468,70 +470,6 @@ class Scheduler:
         """Events produced outside ``update`` (e.g. a request finished by schedule)."""
         events, self._events = self._events, []
         return events
-
-    # -- transitions -------------------------------------------------------------------
-
-    def _preempt(self, req: Request, reason: str, allow_swap: bool = True,
-                 index: bool = True) -> None:
-        """Swap (if cheaper and the host pool has room) or recompute. ``index``: False
-        when the cache is about to be forgotten (resync, a new executor)."""
-        bm = self.block_manager
-        self._remove_running(req, index)
-        self._to_drop.append(req.seq_id)  # the executor drops its state either way
-        if self._unconfirmed and req.num_computed_tokens == len(req.token_ids):
-            self.results.awaiting[req.seq_id] = req  # its pending sample still counts
-        swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
-            req.num_computed_tokens, len(bm.block_table(req.seq_id))))
-        if swap:
-            self._swap_out.extend(bm.swap_out(req.seq_id))
-            req.status = RequestStatus.SWAPPED
-        else:
-            bm.free(req.seq_id)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-        now = self.clock()
-        req.num_preemptions += 1
-        window = self.config.preemption_window_s
-        req.preempt_times = [t for t in req.preempt_times if now - t < window] + [now]
-        if len(req.preempt_times) >= self.config.max_preemptions:
-            req.protected = True
-        self.num_preemptions += 1
-        self.preemptions_by_reason[f"{reason}:{'swap' if swap else 'recompute'}"] += 1
-        self.waiting.push(req, front=True)
-
-    def _remove_running(self, req: Request, index: bool = True) -> None:
-        """``index``: its full blocks go into the prefix cache first. Decoded blocks
-        are indexed here, once per sequence, not as each fills (one call instead of
-        one per block; while it runs no other sequence has its output anyway)."""
-        self.decode_mode.remove(req)
-        if index:
-            self.block_manager.register_full_blocks(
-                req.seq_id, req.token_ids, req.block_hashes, req._computed)
-        self.running_set.remove(req)
-        for rec in self._unconfirmed:  # its samples there need the full checks
-            rec.removed.add(req.seq_id)
-
-    def _end_running(self, req: Request, reason: FinishReason) -> None:
-        self._remove_running(req)
-        self._finish(req, reason)
-
-    def _end_waiting(self, req: Request, reason: FinishReason) -> None:
-        self.waiting.remove(req)
-        self._finish(req, reason)
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        if self.block_manager is not None:
-            if req.status == RequestStatus.RUNNING:
-                self._to_drop.append(req.seq_id)
-            self.block_manager.free(req.seq_id)
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        if reason <= FinishReason.LENGTH:
-            self.admission.finished(req)
-        del self.requests[req.request_id]
-        if self.isolation.suspects:
-            self.isolation.discard(req)
-        self.num_finished += 1
 
     # -- introspection -----------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Transitions: a request moves between the waiting queue, the running set and its end.
+
+Each transition keeps every collaborator that holds the request in step (the running
+set, decode mode, the waiting queue, the block pool, the prefix cache) and records what
+the executor must hear of it in the next plan: the sequences whose state it must drop
+(finished, aborted, preempted) and the blocks to swap out.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+from scheduler_svc.core.admission import Admission
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.decode_mode import DecodeMode
+from scheduler_svc.core.isolation import Isolation
+from scheduler_svc.core.plan import ModelInfo, StepRecord
+from scheduler_svc.core.queue import WaitingQueue
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.results import ResultApplier
+from scheduler_svc.core.running import RunningSet
+
+
+class Lifecycle:
+    """Owns the registry of live requests (``requests``), the executor's drop list and
+    swap-outs for the next plan, and the transition counters. ``block_manager`` and
+    ``model`` are the current executor's (None while there is none); ``results`` is
+    wired after construction (it ends requests through ``end_running`` and
+    ``end_waiting``)."""
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float],
+                 waiting: WaitingQueue, running: RunningSet, decode_mode: DecodeMode,
+                 admission: Admission, isolation: Isolation,
+                 unconfirmed: collections.deque[StepRecord]) -> None:
+        self.config = config
+        self._clock = clock
+        self._waiting = waiting
+        self._running = running
+        self._decode_mode = decode_mode
+        self._admission = admission
+        self._isolation = isolation
+        self._unconfirmed = unconfirmed  # the scheduler's unanswered steps
+        self.results: ResultApplier | None = None
+        self.block_manager: BlockManager | None = None
+        self.model: ModelInfo | None = None
+        self.requests: dict[str, Request] = {}
+        self.to_drop: list[int] = []
+        self.swap_out: list[tuple[int, int]] = []  # device, host
+        self.num_finished = 0
+        self.num_preemptions = 0
+        self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
+
+    def make_running(self, req: Request) -> None:
+        """``req`` (out of the waiting queue, its blocks allocated) starts running."""
+        model = self.model
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self._clock()
+            req.prepare(model.eos_token_ids, model.max_model_len)
+        self.results.intern_stops(req)
+        req.status = RequestStatus.RUNNING
+        self._running.add(req)
+        self._decode_mode.add(req)
+
+    def preempt(self, req: Request, reason: str, allow_swap: bool = True,
+                index: bool = True) -> None:
+        """Swap (if cheaper and the host pool has room) or recompute. ``index``: False
+        when the cache is about to be forgotten (resync, a new executor)."""
+        bm = self.block_manager
+        self.remove_running(req, index)
+        self.to_drop.append(req.seq_id)  # the executor drops its state either way
+        if self._unconfirmed and req.num_computed_tokens == len(req.token_ids):
+            self.results.awaiting[req.seq_id] = req  # its pending sample still counts
+        swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
+            req.num_computed_tokens, len(bm.block_table(req.seq_id))))
+        if swap:
+            self.swap_out.extend(bm.swap_out(req.seq_id))
+            req.status = RequestStatus.SWAPPED
+        else:
+            bm.free(req.seq_id)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+        now = self._clock()
+        req.num_preemptions += 1
+        window = self.config.preemption_window_s
+        req.preempt_times = [t for t in req.preempt_times if now - t < window] + [now]
+        if len(req.preempt_times) >= self.config.max_preemptions:
+            req.protected = True
+        self.num_preemptions += 1
+        self.preemptions_by_reason[f"{reason}:{'swap' if swap else 'recompute'}"] += 1
+        self._waiting.push(req, front=True)
+
+    def remove_running(self, req: Request, index: bool = True) -> None:
+        """``index``: its full blocks go into the prefix cache first. Decoded blocks
+        are indexed here, once per sequence, not as each fills (one call instead of
+        one per block; while it runs no other sequence has its output anyway)."""
+        self._decode_mode.remove(req)
+        if index:
+            self.block_manager.register_full_blocks(
+                req.seq_id, req.token_ids, req.block_hashes, req._computed)
+        self._running.remove(req)
+        for rec in self._unconfirmed:  # its samples there need the full checks
+            rec.removed.add(req.seq_id)
+
+    def end_running(self, req: Request, reason: FinishReason) -> None:
+        self.remove_running(req)
+        self.finish(req, reason)
+
+    def end_waiting(self, req: Request, reason: FinishReason) -> None:
+        self._waiting.remove(req)
+        self.finish(req, reason)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """``req`` (out of the running set or the queue) ends with ``reason``."""
+        if self.block_manager is not None:
+            if req.status == RequestStatus.RUNNING:
+                self.to_drop.append(req.seq_id)
+            self.block_manager.free(req.seq_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if reason <= FinishReason.LENGTH:
+            self._admission.finished(req)
+        del self.requests[req.request_id]
+        if self._isolation.suspects:
+            self._isolation.discard(req)
+        self.num_finished += 1
