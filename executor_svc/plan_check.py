@@ -102,6 +102,10 @@ def _check_new(plan: pb.BatchPlan, limits: PlanLimits) -> None:
         if max(seq.token_ids) >= limits.vocab_size:
             _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN,
                   f"{where}: token id {max(seq.token_ids)} >= vocab size {limits.vocab_size}")
+        bias = seq.sampling.logit_bias
+        if bias and max(bias) >= limits.vocab_size:
+            _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN,
+                  f"{where}: logit_bias token id {max(bias)} >= vocab size {limits.vocab_size}")
         _check_blocks(seq.block_ids, limits.num_blocks, where)
         if len(seq.block_ids) * limits.block_size < end:
             _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN,

@@ -35,6 +35,8 @@ class SamplingConfig:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top alternatives to return; None: no logprobs
+    # OpenAI's logit_bias: (token ids, biases) added to the logits before choosing.
+    logit_bias: tuple[tuple[int, ...], tuple[float, ...]] = ((), ())
 
     @staticmethod
     def from_proto(p: sampling_pb2.SamplingParams) -> SamplingConfig:
@@ -51,6 +53,7 @@ class SamplingConfig:
             min_tokens=p.min_tokens,
             stop_token_ids=tuple(p.stop_token_ids),
             logprobs=p.logprobs if has("logprobs") else None,
+            logit_bias=(tuple(p.logit_bias.keys()), tuple(p.logit_bias.values())),
         )
 
     @property
@@ -110,8 +113,12 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, row: SampleRow) -> None:
         # logits [V], edited in place.
         cfg = row.config
-        if not cfg.has_penalties and cfg.min_tokens == 0:
+        if not cfg.has_penalties and cfg.min_tokens == 0 and not cfg.logit_bias[0]:
             return
+        ids, biases = cfg.logit_bias
+        if ids:  # first: penalties then scale the biased logits, min_tokens bans win
+            logits[torch.tensor(ids, device=logits.device)] += torch.tensor(
+                biases, dtype=logits.dtype, device=logits.device)
         output = row.token_ids[row.num_prompt_tokens :]
         if cfg.has_penalties:
             apply_penalties(logits, row.token_ids, output, cfg.repetition_penalty,

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError
 from protos.continuum.v1 import generation_pb2
+from protos.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -24,7 +25,7 @@ PRIORITIES = {
     "standard": generation_pb2.PRIORITY_STANDARD,
     "best_effort": generation_pb2.PRIORITY_BEST_EFFORT,
 }
-_UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "tool_choice", "function_call",
+_UNSUPPORTED = ("suffix", "tools", "functions", "tool_choice", "function_call",
                 "audio", "modalities", "prediction")
 
 
@@ -156,6 +157,7 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
             raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling.stop_token_ids.extend(
             token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
+    logit_bias(body, sampling, vocab_size)
     proto.stop.extend(stop_strings(body))
     proto.n = integer(body, "n", 1, MAX_N, 1)
     best_of = integer(body, "best_of", 1, UINT32_MAX)
@@ -163,6 +165,31 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
         raise bad("best_of other than n is not supported; remove it", "best_of")
     proto.tenant = string(body, "tenant")
     _priority(body, proto)
+
+
+def logit_bias(body: dict, sampling, vocab_size: int) -> None:
+    """OpenAI's ``logit_bias``: an object from token ids (JSON keys, so strings of
+    digits) to biases in [-100, 100]; its size is capped before any entry is read."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise bad("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
+                  "logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad(f"logit_bias key {key!r} must be a token id (digits)", "logit_bias")
+        token_id = int(key)
+        if token_id >= vocab_size:
+            raise bad(f"logit_bias key {token_id} is not a token id: the model's vocabulary "
+                      f"has {vocab_size} tokens (ids 0..{vocab_size - 1})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}], got {value!r}", "logit_bias")
+        sampling.logit_bias[token_id] = float(value)
 
 
 def stream_options(body: dict, stream: bool) -> bool:

@@ -21,6 +21,10 @@ MAX_LOGPROBS = 20
 # Extra stop token ids per request: a stop list as large as the vocabulary
 # with min_tokens > 0 leaves the sampler nothing it may pick.
 MAX_STOP_TOKEN_IDS = 128
+# logit_bias: at most this many token ids (OpenAI's limit), each bias in
+# [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
 # Priority tiers: 0 premium, 1 standard, 2 best-effort.

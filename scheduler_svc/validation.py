@@ -66,6 +66,13 @@ def _sampling(s: sampling_pb2.SamplingParams) -> str | None:
     if len(s.stop_token_ids) > limits.MAX_STOP_TOKEN_IDS:
         return (f"sampling.stop_token_ids holds {len(s.stop_token_ids)} ids; "
                 f"at most {limits.MAX_STOP_TOKEN_IDS}")
+    if len(s.logit_bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+        return (f"sampling.logit_bias holds {len(s.logit_bias)} entries; "
+                f"at most {limits.MAX_LOGIT_BIAS_ENTRIES}")
+    bad = next((v for v in s.logit_bias.values()
+                if not (math.isfinite(v) and abs(v) <= limits.MAX_LOGIT_BIAS)), None)
+    if bad is not None:
+        return f"sampling.logit_bias has a bias of {bad:g}; biases lie in [-100, 100]"
     return None
 
 
@@ -95,7 +102,8 @@ def _against_model(r: scheduler_pb2.SubmitRequest, model: ModelInfo) -> str | No
     # executor clamps it), and the gateway passes such values through.
     vocab = model.vocab_size
     return (_token_ids("prompt_token_ids", r.prompt_token_ids, vocab)
-            or _token_ids("sampling.stop_token_ids", r.sampling.stop_token_ids, vocab))
+            or _token_ids("sampling.stop_token_ids", r.sampling.stop_token_ids, vocab)
+            or _token_ids("sampling.logit_bias", sorted(r.sampling.logit_bias), vocab))
 
 
 def validate_submit(r: scheduler_pb2.SubmitRequest, core: Scheduler) -> str | None:

@@ -147,3 +147,19 @@ def test_logprobs():
     assert out.logprobs[0] == pytest.approx(float(logp.max()))
     assert out.top_logprobs[0][0] == pytest.approx(out.logprobs[0])
     assert math.isnan(out.logprobs[1]) and out.top_ids[1] == []
+
+
+def test_logit_bias_forces_bans_and_shifts_before_choosing():
+    logits = logits_for(0, 1, 2)
+    best = logits.argmax(-1).tolist()
+    forced = SamplingConfig(temperature=0.0, logit_bias=((3,), (100.0,)))
+    banned = SamplingConfig(temperature=0.0, logit_bias=((best[1],), (-100.0,)))
+    sampled = SamplingConfig(temperature=1.0, seed=5, logit_bias=((9, 11), (100.0, 100.0)))
+    out = Sampler(()).sample(logits.clone(),
+                             [row(forced), row(banned), row(sampled, seed=5)])
+    assert out.token_ids[0] == 3
+    assert out.token_ids[1] != best[1]
+    assert out.token_ids[2] in (9, 11)  # two tokens 100 up: all the mass is theirs
+    proto = sampling_pb2.SamplingParams(logit_bias={4: -2.5, 7: 1.0})
+    cfg = SamplingConfig.from_proto(proto)
+    assert dict(zip(*cfg.logit_bias, strict=True)) == {4: -2.5, 7: 1.0}

@@ -104,6 +104,16 @@ BAD_REQUESTS = {
         INVALID,
         "sampling.stop_token_ids[1] = 60000 is not a token id",
     ),
+    "logit_bias token out of vocab": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(logit_bias={60000: 1.0})),
+        INVALID,
+        "logit_bias names token 60000, which is not a token id",
+    ),
+    "logit_bias past 100": (
+        GenerateRequest(prompt="hi", sampling=SamplingParams(logit_bias={5: -100.5})),
+        INVALID,
+        "logit_bias[5] = -100.5; a bias must be in [-100, 100]",
+    ),
     "min_tokens above max_tokens": (
         GenerateRequest(prompt="hi", max_tokens=4, sampling=SamplingParams(min_tokens=5)),
         INVALID,

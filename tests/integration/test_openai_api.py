@@ -105,8 +105,30 @@ def test_logprobs_come_back_for_each_token(client):
         assert top[token] == pytest.approx(logprob, abs=1e-5)
 
 
+def test_logit_bias_steers_the_real_model(client, server):
+    """Over gRPC (token ids come back) and HTTP: -100 bans the greedy token, +100 on one
+    token makes greedy decoding repeat it."""
+    plain = collect(server, gen.GenerateRequest(prompt=PROMPT, max_tokens=2,
+                                                sampling={"temperature": 0.0}))
+    first = [t for r in plain for t in r.token_ids][0]
+    banned = collect(server, gen.GenerateRequest(
+        prompt=PROMPT, max_tokens=2, sampling={"temperature": 0.0, "logit_bias": {first: -100}}))
+    assert [t for r in banned for t in r.token_ids][0] != first
+    forced = client.completions.create(model="", prompt=PROMPT, max_tokens=3, temperature=0,
+                                       logit_bias={"330": 100})
+    grpc_forced = collect(server, gen.GenerateRequest(
+        prompt=PROMPT, max_tokens=3, sampling={"temperature": 0.0, "logit_bias": {330: 100}}))
+    assert [t for r in grpc_forced for t in r.token_ids] == [330, 330, 330]
+    assert forced.choices[0].text == "".join(r.text for r in grpc_forced)
+
+
 @pytest.mark.parametrize("kwargs,error,param,code", [
     ({"temperature": 3.0}, openai.BadRequestError, "temperature", None),
+    ({"logit_bias": {"1": 101}}, openai.BadRequestError, "logit_bias", None),
+    ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias", None),
+    ({"logit_bias": {"x": 1}}, openai.BadRequestError, "logit_bias", None),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, openai.BadRequestError, "logit_bias",
+     None),
     ({"max_tokens": 100_000}, openai.BadRequestError, "max_tokens", "context_length_exceeded"),
     ({"model": "gpt-4"}, openai.NotFoundError, "model", "model_not_found"),
     ({"n": 99}, openai.BadRequestError, "n", None),

@@ -50,6 +50,10 @@ WITHOUT_MODEL = [
     ({"sampling": S(frequency_penalty=-INF)}, "sampling.frequency_penalty must be in [-2, 2]"),
     ({"sampling": S(stop_token_ids=range(129))},
      "sampling.stop_token_ids holds 129 ids; at most 128"),
+    ({"sampling": S(logit_bias={i: 1.0 for i in range(301)})},
+     "sampling.logit_bias holds 301 entries; at most 300"),
+    ({"sampling": S(logit_bias={3: 101.0})}, "sampling.logit_bias has a bias of 101"),
+    ({"sampling": S(logit_bias={3: INF})}, "sampling.logit_bias has a bias of inf"),
 ]
 
 # Checked once an executor's model is known (factories: vocabulary 1,000, context 512,
@@ -57,6 +61,7 @@ WITHOUT_MODEL = [
 WITH_MODEL = [
     ({"prompt_token_ids": [1, 1000]}, "prompt_token_ids[1] = 1000 is outside the vocabulary"),
     ({"sampling": S(stop_token_ids=[5, 2**32 - 1])}, "sampling.stop_token_ids[1] = 4294967295"),
+    ({"sampling": S(logit_bias={5: 1.0, 1000: -1.0})}, "sampling.logit_bias[1] = 1000"),
     ({"max_tokens": 2**32 - 1}, "exceeds the model's context of 512 tokens"),
     ({"prompt_token_ids": [7] * 300, "max_tokens": 1}, "KV blocks but the pool has"),
 ]
