@@ -63,6 +63,71 @@ class Lifecycle:
         self._running.add(req)
         self._decode_mode.add(req)
 
+    def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,
+              step: int) -> int:
+        """Admits a fresh or recompute-preempted request into step ``step`` (``rec``),
+        leaving ``reserve`` blocks free; returns tokens scheduled (0: it does not fit)."""
+        bm = self.block_manager
+        hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
+        num_tokens = len(req.token_ids)
+        resumed = req.num_preemptions > 0
+        # Cached-free hits leave the free pool when shared.
+        need = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)
+        if need + reserve > bm.num_free_blocks:
+            return 0
+        self._waiting.remove(req)
+        bm.share_prefix(req.seq_id, hits)
+        req.num_computed_tokens = len(hits) * bm.block_size
+        if resumed:  # never resume partially: its whole context, or keep waiting
+            bm.grow(req.seq_id, num_tokens)
+        n = min(num_tokens - req.num_computed_tokens, budget, cap)
+        self.make_running(req)
+        self.advance(req, n, step)
+        rec.new.append((req, n))
+        rec.num_prefill_tokens += n
+        return n
+
+    def swap_in(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,
+                step: int) -> int:
+        """Resumes a swapped request (its whole context), as ``start`` does."""
+        bm = self.block_manager
+        remaining = len(req.token_ids) - req.num_computed_tokens
+        extra = bm.blocks_needed(len(req.token_ids)) - len(bm.host_table(req.seq_id))
+        if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
+            return 0
+        self._waiting.remove(req)
+        rec.swap_in.extend(bm.swap_in(req.seq_id))
+        bm.grow(req.seq_id, len(req.token_ids))  # whole context, as for any resume
+        n = min(remaining, budget, cap)
+        self.make_running(req)
+        self.advance(req, n, step)
+        rec.new.append((req, n))
+        return n
+
+    def advance(self, req: Request, n: int, step: int) -> list[int]:
+        """``req`` computes ``n`` more tokens in ``step`` (DESIGN.md §2): its blocks grow,
+        its full ones enter the prefix cache, its tenant is charged. Returns new blocks."""
+        bm = self.block_manager
+        new = bm.grow(req.seq_id, req.num_computed_tokens + n)
+        req.num_computed_tokens += n
+        bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
+                                req.num_computed_tokens)
+        req.scheduled_step = step
+        self._waiting.charge(req.tenant, n)
+        return new
+
+    def recompute_all(self, reason: str, free_swapped: bool) -> None:
+        """The executor's KV is gone or void: every running sequence is preempted to be
+        recomputed, and every swapped one goes back to waiting as well (its host blocks
+        freed when ``free_swapped``: the same pool lives on)."""
+        for req in list(reversed(self._running.order)):
+            self.preempt(req, reason, allow_swap=False, index=False)
+        for req in list(self._waiting):
+            if req.status == RequestStatus.SWAPPED:
+                if free_swapped:
+                    self.block_manager.free(req.seq_id)
+                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+
     def preempt(self, req: Request, reason: str, allow_swap: bool = True,
                 index: bool = True) -> None:
         """Swap (if cheaper and the host pool has room) or recompute. ``index``: False

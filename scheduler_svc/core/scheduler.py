@@ -148,20 +148,11 @@ class Scheduler:
         for unanswered in self._unconfirmed:
             self.lifecycle.to_drop.extend(unanswered.plan.finished_seq_ids)
         self._forget_unconfirmed()
-        for req in list(reversed(self.running)):
-            self.lifecycle.preempt(req, "resync", allow_swap=False, index=False)
-        for req in self.waiting:
-            if req.status == RequestStatus.SWAPPED:
-                self.block_manager.free(req.seq_id)
-                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        self.lifecycle.recompute_all("resync", free_swapped=True)
         self.block_manager.forget_cached()
 
     def _reset_kv(self) -> None:
-        for req in list(reversed(self.running)):
-            self.lifecycle.preempt(req, "executor_restart", allow_swap=False, index=False)
-        for req in list(self.waiting):
-            if req.status == RequestStatus.SWAPPED:
-                req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
+        self.lifecycle.recompute_all("executor_restart", free_swapped=False)
         self.lifecycle.to_drop.clear()
         self._forget_unconfirmed()
         self.lifecycle.swap_out.clear()
@@ -211,9 +202,9 @@ class Scheduler:
             self._events.append(Event(req, None, FinishReason.LENGTH))
             return False
         if req.status == RequestStatus.SWAPPED:
-            n = self._swap_in(req, rec, budget, cap, 0)
+            n = self.lifecycle.swap_in(req, rec, budget, cap, 0, self._step_id)
         else:
-            n = self._start(req, rec, budget, cap, 0)
+            n = self.lifecycle.start(req, rec, budget, cap, 0, self._step_id)
         if n:
             rec.isolated = req
             rec.num_batched_tokens = n
@@ -228,7 +219,8 @@ class Scheduler:
             return False
         if not self._make_room(req, req.num_computed_tokens + n):
             return False  # preempted itself (or ended): it starts alone again later
-        rec.add_chunk(req, n, self._advance(req, n))  # samples iff it completes
+        new = self.lifecycle.advance(req, n, self._step_id)
+        rec.add_chunk(req, n, new)  # samples iff it completes
         rec.num_batched_tokens = n
         if n > 1 or req.num_computed_tokens < len(req.token_ids):
             rec.num_prefill_tokens += n
@@ -327,20 +319,10 @@ class Scheduler:
             n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
             if n <= 0 or not self._make_room(req, req.num_computed_tokens + n):
                 continue
-            rec.add_chunk(req, n, self._advance(req, n))
+            rec.add_chunk(req, n, self.lifecycle.advance(req, n, self._step_id))
             rec.num_prefill_tokens += n
             budget -= n
         return budget
-
-    def _advance(self, req: Request, n: int) -> list[int]:
-        bm = self.block_manager
-        new = bm.grow(req.seq_id, req.num_computed_tokens + n)
-        req.num_computed_tokens += n
-        bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                req.num_computed_tokens)
-        req.scheduled_step = self._step_id
-        self.waiting.charge(req.tenant, n)
-        return new
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Preempts until ``req`` can hold ``num_tokens`` positions; False if
@@ -388,52 +370,13 @@ class Scheduler:
             # that outgrew the pool minus the watermark comes back once the pool drains.
             keep = reserve if self.running else 0
             if req.status == RequestStatus.SWAPPED:
-                n = self._swap_in(req, rec, budget, cap, keep)
+                n = self.lifecycle.swap_in(req, rec, budget, cap, keep, self._step_id)
             else:
-                n = self._start(req, rec, budget, cap, keep)
+                n = self.lifecycle.start(req, rec, budget, cap, keep, self._step_id)
             if n == 0:
                 break  # the best request does not fit yet; nobody overtakes it
             budget -= n
         return budget
-
-    def _start(self, req: Request, rec: StepRecord, budget: int, cap: int,
-               reserve: int) -> int:
-        """Admits a fresh or recompute-preempted request; returns tokens scheduled."""
-        bm = self.block_manager
-        hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
-        num_tokens = len(req.token_ids)
-        resumed = req.num_preemptions > 0
-        # Cached-free hits leave the free pool when shared.
-        need = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)
-        if need + reserve > bm.num_free_blocks:
-            return 0
-        self.waiting.remove(req)
-        bm.share_prefix(req.seq_id, hits)
-        req.num_computed_tokens = len(hits) * bm.block_size
-        if resumed:  # never resume partially: its whole context, or keep waiting
-            bm.grow(req.seq_id, num_tokens)
-        n = min(num_tokens - req.num_computed_tokens, budget, cap)
-        self.lifecycle.make_running(req)
-        self._advance(req, n)
-        rec.new.append((req, n))
-        rec.num_prefill_tokens += n
-        return n
-
-    def _swap_in(self, req: Request, rec: StepRecord, budget: int, cap: int,
-                 reserve: int) -> int:
-        bm = self.block_manager
-        remaining = len(req.token_ids) - req.num_computed_tokens
-        extra = bm.blocks_needed(len(req.token_ids)) - len(bm.host_table(req.seq_id))
-        if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
-            return 0
-        self.waiting.remove(req)
-        rec.swap_in.extend(bm.swap_in(req.seq_id))
-        bm.grow(req.seq_id, len(req.token_ids))  # whole context, as for any resume
-        n = min(remaining, budget, cap)
-        self.lifecycle.make_running(req)
-        self._advance(req, n)
-        rec.new.append((req, n))
-        return n
 
     # -- results -----------------------------------------------------------------------
 
