@@ -320,7 +320,8 @@ def test_the_map_names_every_module_and_every_path_it_names_exists():
     missing = sorted(str(p.relative_to(ROOT)) for p in FILES.values()
                      if str(p.relative_to(ROOT)) not in paths
                      and not (p.name == "__init__.py" and not p.read_text().strip()))
-    assert not missing, "docs/architecture.md has no line for:\n" + "\n".join(missing)
+    assert not missing, ("docs/architecture.md has no line for (add one under its package's "
+                         "heading: `path`: what it owns):\n" + "\n".join(missing))
     gone = sorted(p for p in paths if not (ROOT / p).exists())
     gone += sorted(f"{p}::{name}" for p, name in set(named) if name and (ROOT / p).is_file()
                    and not re.search(rf"^\s*(async )?def {name}\(", (ROOT / p).read_text(),
