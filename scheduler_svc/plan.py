@@ -30,25 +30,26 @@ class PlanBuilder:
     less per admission than converting a 300-token prompt) instead of converting the
     prompt's ints, and reused when a preempted request is sent in full again.
 
-    A finished request's entry is dropped by a sweep every SWEEP_EVERY arrivals
+    A finished request's entry is dropped by a sweep every ``sweep_every`` arrivals
     (amortized over Submits, never in a step; a weak-keyed map would run a callback
     per finished request inside the step that drops it)."""
 
-    SWEEP_EVERY = 1024
-
-    def __init__(self) -> None:
+    def __init__(self, sweep_every: int = 1024) -> None:
         self._templates: dict[int, tuple[Request, pb.NewSequence]] = {}  # by seq id
-        self._until_sweep = self.SWEEP_EVERY
+        self._sweep_every = self._until_sweep = sweep_every
 
     def prepare(self, req: Request) -> pb.NewSequence:
         template = _template(req)
         self._templates[req.seq_id] = (req, template)
         self._until_sweep -= 1
         if self._until_sweep <= 0:
-            self._until_sweep = self.SWEEP_EVERY
+            self._until_sweep = self._sweep_every
             self._templates = {k: v for k, v in self._templates.items()
                                if not v[0].is_finished}
         return template
+
+    def __len__(self) -> int:
+        return len(self._templates)
 
     def message(self, out: SchedulerOutput, incarnation: str,
                 bm: BlockManager) -> pb.SchedulerMessage:
