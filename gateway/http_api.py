@@ -269,7 +269,9 @@ class HttpApi:
         choice["finish_reason"] = reason
         chunk = api.dialect.envelope(validated.request_id, self._model_name, created, chunk=True)
         chunk["choices"] = [choice]
-        if api.include_usage:
+        if api.continuous_usage:
+            chunk["usage"] = usage(len(validated.prompt_token_ids), choices.streamed_tokens)
+        elif api.include_usage:
             chunk["usage"] = None
         return chunk
 

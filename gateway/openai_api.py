@@ -43,6 +43,7 @@ class ApiRequest:
     proto: generation_pb2.GenerateRequest
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage so far on every chunk (vLLM's extension)
     logprobs: bool = False  # return logprobs at all
     echo_text: str = ""  # /v1/completions echo: prompt text prepended to each choice
 
@@ -120,9 +121,10 @@ class CompletionDialect(Dialect):
         stream = fields.boolean(body, "stream")
         if echo and logprobs is not None:
             raise fields.bad("echo together with logprobs is not supported", "echo")
-        return ApiRequest(self, proto, stream=stream,
-                          include_usage=fields.stream_options(body, stream),
-                          logprobs=logprobs is not None, echo_text=echo_text if echo else "")
+        include_usage, continuous = fields.stream_options(body, stream)
+        return ApiRequest(self, proto, stream=stream, include_usage=include_usage,
+                          continuous_usage=continuous, logprobs=logprobs is not None,
+                          echo_text=echo_text if echo else "")
 
     def logprobs(self, tokenizer, response, offset):
         """The legacy completions logprobs object."""
@@ -209,8 +211,9 @@ class ChatDialect(Dialect):
             raise fields.bad("response_format other than text is not supported",
                              "response_format")
         stream = fields.boolean(body, "stream")
-        return ApiRequest(self, proto, stream=stream,
-                          include_usage=fields.stream_options(body, stream), logprobs=logprobs)
+        include_usage, continuous = fields.stream_options(body, stream)
+        return ApiRequest(self, proto, stream=stream, include_usage=include_usage,
+                          continuous_usage=continuous, logprobs=logprobs)
 
     def logprobs(self, tokenizer, response, offset):
         def entry(token_id: int, logprob: float) -> dict:
@@ -252,12 +255,14 @@ class Choices:
         self.finish: dict[int, str | None] = {}
         self.completion_tokens = 0
         self.prompt_tokens = 0
+        self.streamed_tokens = 0  # every choice's tokens so far (continuous usage)
 
     def text_of(self, response) -> tuple[str, bool]:
         """The response's text (with echo on a choice's first), and whether it is the first."""
         first = response.index not in self.text
         text = (self.api.echo_text if first else "") + response.text
         self.text.setdefault(response.index, []).append(text)
+        self.streamed_tokens += len(response.token_ids)
         if response.finish_reason:
             self.finish[response.index] = finish_reason(response)
             self.completion_tokens += response.usage.completion_tokens

@@ -192,12 +192,15 @@ def logit_bias(body: dict, sampling, vocab_size: int) -> None:
         sampling.logit_bias[token_id] = float(value)
 
 
-def stream_options(body: dict, stream: bool) -> bool:
+def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): a final usage chunk (OpenAI), and usage
+    so far on every chunk (vLLM's extension; it implies the final one too)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict):
         raise bad("stream_options must be an object", "stream_options")
-    return boolean(options, "include_usage")
+    continuous = boolean(options, "continuous_usage_stats")
+    return boolean(options, "include_usage") or continuous, continuous

@@ -82,8 +82,10 @@ VALIDATION_TABLE = [
      "min_tokens"),
     (_COMP, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None, "only allowed when stream"),
-    (_COMP, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias", None,
-     "not supported"),
+    (_COMP, {"prompt": "hi", "logit_bias": {"1": 500}}, 400, "logit_bias", None,
+     "must be a number in [-100, 100]"),
+    (_COMP, {"prompt": "hi", "logit_bias": [1, 5]}, 400, "logit_bias", None,
+     "must be an object"),
     (_COMP, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found",
      "is not served here"),
     (_COMP, {"prompt": "hi", "priority": "urgent"}, 400, "priority", None, "premium"),
@@ -193,6 +195,30 @@ def test_chat_stream_is_clean_sse_with_one_finish_reason_and_usage(tokenizer):
     assert reasons[-1] == "stop" and reasons.count("stop") == 1 and set(reasons[:-1]) == {None}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
     assert text == "The capital is Paris."
+
+
+def test_continuous_usage_stats_put_usage_so_far_on_every_chunk(tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens
+    streamed so far; the final usage chunk follows as with include_usage."""
+    scheduler = FakeScheduler(events=_events(tokenizer, "The capital is Paris.",
+                                             sampling_pb2.FINISH_REASON_STOP))
+
+    async def scenario():
+        async with http_gateway(tokenizer, scheduler) as (session, _, _g):
+            body = {"messages": _MSG, "stream": True,
+                    "stream_options": {"continuous_usage_stats": True}}
+            return await _post(session, _CHAT, body)
+
+    status, _, raw = run(scenario())
+    chunks = [json.loads(e) for e in _sse_events(raw)[:-1]]
+    assert status == 200 and chunks[-1]["choices"] == []
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    prompt = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert counts == sorted(counts) and counts[-1] == len(scheduler.events)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(scheduler.events)
+    assert len(prompt) == 1 and prompt.pop() > 0
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"]
+               + c["usage"]["completion_tokens"] for c in chunks)
 
 
 def test_completion_echo_and_n_choices(tokenizer):
