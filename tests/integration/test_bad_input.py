@@ -225,8 +225,10 @@ ROWS = [
      "belongs to tenant 'acme'"),
     ("unknown model", openai_row(lambda c: c.completions.create(
         model="gpt-4", prompt="hi", max_tokens=1)), 404, "is not served here"),
-    ("logit_bias", openai_row(lambda c: c.chat.completions.create(
-        model="", messages=MSG, logit_bias={"1": 5})), 400, "logit_bias is not supported"),
+    ("logit_bias out of range", openai_row(lambda c: c.chat.completions.create(
+        model="", messages=MSG, logit_bias={"1": 500})), 400, "must be a number in [-100, 100]"),
+    ("logit_bias past the vocabulary", openai_row(lambda c: c.chat.completions.create(
+        model="", messages=MSG, logit_bias={"4000000": 1})), 400, "is not a token id"),
     # gRPC: stubs
     ("grpc: no API key", grpc_row(gen.GenerateRequest(prompt="hi"), metadata=()),
      grpc.StatusCode.UNAUTHENTICATED, "API key"),
