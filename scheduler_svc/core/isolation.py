@@ -11,20 +11,27 @@ for each other request.
 
 from __future__ import annotations
 
-from scheduler_svc.core.request import Request, RequestStatus
+from collections.abc import Callable
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.lifecycle import Lifecycle
+from scheduler_svc.core.plan import Event, StepRecord
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 
 # A suspect's steps of its own double with each failure, up to 2^this.
 _MAX_SOLO_SHIFT = 6
 
 
 class Isolation:
-    """The suspects, in the order they failed; the scheduler plans their solo steps."""
+    """The suspects, in the order they failed, and their steps of their own (``plan``).
+    ``suspects`` is shared with the Lifecycle, which drops a request from it as it ends."""
 
-    __slots__ = ("suspects",)
+    __slots__ = ("suspects", "_lifecycle")
 
-    def __init__(self) -> None:
+    def __init__(self, suspects: dict[Request, None], lifecycle: Lifecycle) -> None:
         # Requests in a failed step, not yet through their steps of their own.
-        self.suspects: dict[Request, None] = {}
+        self.suspects = suspects
+        self._lifecycle = lifecycle
 
     def step_failed(self, scheduled: list[Request], why: str,
                     max_step_failures: int) -> list[Request]:
@@ -52,6 +59,48 @@ class Isolation:
                 return req
             first = first or req
         return first
+
+    def plan(self, rec: StepRecord, req: Request, step: int, cap: int,
+             config: SchedulerConfig, num_running: int,
+             make_room: Callable[[Request, int], bool], events: list[Event]) -> bool:
+        """Plans step ``step`` (``rec``) as suspect ``req``'s own (the running ones wait a
+        step); False when it cannot start yet (the pool or max_num_seqs is full: then
+        steps without admissions free room for it)."""
+        lc = self._lifecycle
+        budget = config.max_num_batched_tokens
+        if req.status == RequestStatus.RUNNING:
+            return self._plan_running(rec, req, step, min(budget, cap), make_room)
+        if num_running >= config.max_num_seqs:
+            return False
+        bm = lc.block_manager
+        if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
+            lc.end_waiting(req, FinishReason.LENGTH)  # it can never resume in full
+            events.append(Event(req, None, FinishReason.LENGTH))
+            return False
+        if req.status == RequestStatus.SWAPPED:
+            n = lc.swap_in(req, rec, budget, cap, 0, step)
+        else:
+            n = lc.start(req, rec, budget, cap, 0, step)
+        if n:
+            rec.isolated = req
+            rec.num_batched_tokens = n
+        return n > 0
+
+    def _plan_running(self, rec: StepRecord, req: Request, step: int, most: int,
+                      make_room: Callable[[Request, int], bool]) -> bool:
+        """The next step of a running suspect (explicit: it never entered decode mode)."""
+        n = min(len(req.token_ids) - req.num_computed_tokens, most)
+        if n <= 0:  # no sample came for it: nothing to run alone, let it batch
+            self.discard(req)
+            return False
+        if not make_room(req, req.num_computed_tokens + n):
+            return False  # preempted itself (or ended): it starts alone again later
+        rec.add_chunk(req, n, self._lifecycle.advance(req, n, step))  # samples iff complete
+        rec.num_batched_tokens = n
+        if n > 1 or req.num_computed_tokens < len(req.token_ids):
+            rec.num_prefill_tokens += n
+        rec.isolated = req
+        return True
 
     def solo_step_done(self, req: Request) -> None:
         req.num_solo_steps_due -= 1

@@ -15,7 +15,6 @@ from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.decode_mode import DecodeMode
-from scheduler_svc.core.isolation import Isolation
 from scheduler_svc.core.plan import ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
@@ -32,7 +31,7 @@ class Lifecycle:
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float],
                  waiting: WaitingQueue, running: RunningSet, decode_mode: DecodeMode,
-                 admission: Admission, isolation: Isolation,
+                 admission: Admission, suspects: dict[Request, None],
                  unconfirmed: collections.deque[StepRecord]) -> None:
         self.config = config
         self._clock = clock
@@ -40,7 +39,7 @@ class Lifecycle:
         self._running = running
         self._decode_mode = decode_mode
         self._admission = admission
-        self._isolation = isolation
+        self._suspects = suspects  # core/isolation.py's: an ended request leaves it
         self._unconfirmed = unconfirmed  # the scheduler's unanswered steps
         self.results: ResultApplier | None = None
         self.block_manager: BlockManager | None = None
@@ -187,6 +186,6 @@ class Lifecycle:
         if reason <= FinishReason.LENGTH:
             self._admission.finished(req)
         del self.requests[req.request_id]
-        if self._isolation.suspects:
-            self._isolation.discard(req)
+        if self._suspects:
+            self._suspects.pop(req, None)
         self.num_finished += 1

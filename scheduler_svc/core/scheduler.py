@@ -67,13 +67,14 @@ class Scheduler:
         self.decode_mode = DecodeMode()
         self.waiting = WaitingQueue(config.aging_s)
         self.admission = Admission(config, self.waiting, self.running_set)
-        self.isolation = Isolation()
+        suspects: dict[Request, None] = {}  # core/isolation.py's
         # Steps planned and not yet answered (update) nor voided: a refused plan's drop
         # list (finished_seq_ids) is sent again. More than one only when scheduling ahead.
         self._unconfirmed: collections.deque[StepRecord] = collections.deque()
         self.lifecycle = lc = Lifecycle(config, clock, self.waiting, self.running_set,
-                                        self.decode_mode, self.admission, self.isolation,
+                                        self.decode_mode, self.admission, suspects,
                                         self._unconfirmed)
+        self.isolation = Isolation(suspects, lc)
         self.requests = lc.requests  # every live request, by id
         self.results = lc.results = ResultApplier(self.running_set, lc.end_running,
                                                   lc.end_waiting)
@@ -186,47 +187,6 @@ class Scheduler:
             self.lifecycle.finish(req, FinishReason.ERROR)
         return [Event(req, None, FinishReason.ERROR) for req in ended]
 
-    def _isolate(self, rec: StepRecord, req: Request) -> bool:
-        """Plans a step of ``req`` alone (the running ones wait a step); False when it
-        cannot start yet (the pool or max_num_seqs is full: then steps without
-        admissions free room for it)."""
-        bm = self.block_manager
-        cap = self.policy.prefill_cap(self.config)
-        budget = self.config.max_num_batched_tokens
-        if req.status == RequestStatus.RUNNING:
-            return self._isolate_running(rec, req, budget, cap)
-        if len(self.running) >= self.config.max_num_seqs:
-            return False
-        if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
-            self.lifecycle.end_waiting(req, FinishReason.LENGTH)  # it can never resume in full
-            self._events.append(Event(req, None, FinishReason.LENGTH))
-            return False
-        if req.status == RequestStatus.SWAPPED:
-            n = self.lifecycle.swap_in(req, rec, budget, cap, 0, self._step_id)
-        else:
-            n = self.lifecycle.start(req, rec, budget, cap, 0, self._step_id)
-        if n:
-            rec.isolated = req
-            rec.num_batched_tokens = n
-        return n > 0
-
-    def _isolate_running(self, rec: StepRecord, req: Request, budget: int,
-                         cap: int) -> bool:
-        """The next step of a running suspect (explicit: it never entered decode mode)."""
-        n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
-        if n <= 0:  # no sample came for it: nothing to run alone, let it batch
-            self.isolation.discard(req)
-            return False
-        if not self._make_room(req, req.num_computed_tokens + n):
-            return False  # preempted itself (or ended): it starts alone again later
-        new = self.lifecycle.advance(req, n, self._step_id)
-        rec.add_chunk(req, n, new)  # samples iff it completes
-        rec.num_batched_tokens = n
-        if n > 1 or req.num_computed_tokens < len(req.token_ids):
-            rec.num_prefill_tokens += n
-        rec.isolated = req
-        return True
-
     # -- requests ----------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
@@ -276,7 +236,9 @@ class Scheduler:
         self._step_id += 1
         rec = StepRecord(self._step_id)
         suspect = self.isolation.next() if self.isolation.suspects else None
-        if suspect is None or self._unconfirmed or not self._isolate(rec, suspect):
+        if suspect is None or self._unconfirmed or not self.isolation.plan(
+                rec, suspect, self._step_id, self.policy.prefill_cap(self.config),
+                self.config, len(self.running), self._make_room, self._events):
             self._schedule_batch(rec, admit=suspect is None)
         lc = self.lifecycle
         to_drop, lc.to_drop = lc.to_drop, []
