@@ -91,8 +91,8 @@ def scheduler_api(core, plan) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         Request=core.Request, Scheduler=core.Scheduler, SchedulerConfig=core.SchedulerConfig,
         ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
-        build_plan_message=builder.message if builder else plan.build_plan_message,
-        prepare=builder.prepare if builder else getattr(plan, "prepare", None))
+        build_plan_message=plan.build_plan_message if builder is None else builder.message,
+        prepare=getattr(plan, "prepare", None) if builder is None else builder.prepare)
 
 
 def current_api() -> types.SimpleNamespace:

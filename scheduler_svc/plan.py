@@ -48,7 +48,9 @@ class PlanBuilder:
                                if not v[0].is_finished}
         return template
 
-    def __len__(self) -> int:
+    @property
+    def num_prepared(self) -> int:
+        """Requests whose wire form is kept (finished ones until the next sweep)."""
         return len(self._templates)
 
     def message(self, out: SchedulerOutput, incarnation: str,

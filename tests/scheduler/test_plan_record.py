@@ -89,6 +89,6 @@ def test_the_prompts_wire_form_lives_with_the_plan_builder():
     assert sent[req.seq_id][0] != 999 and len(sent) == 3
     sched.update(out, *fake_execute(out))  # max_tokens=1: all finish
     assert all(r.is_finished for r in reqs)
-    assert len(plans) == 3
+    assert plans.num_prepared == 3
     plans.prepare(make_request())  # the 4th arrival sweeps: finished requests' entries go
-    assert len(plans) == 1
+    assert plans.num_prepared == 1
