@@ -162,7 +162,7 @@ class Lifecycle:
         self._decode_mode.remove(req)
         if index:
             self.block_manager.register_full_blocks(
-                req.seq_id, req.token_ids, req.block_hashes, req._computed)
+                req.seq_id, req.token_ids, req.block_hashes, req.num_computed_tokens)
         self._running.remove(req)
         for rec in self._unconfirmed:  # its samples there need the full checks
             rec.removed.add(req.seq_id)

@@ -70,8 +70,9 @@ class Request:
     # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three:
     # in decode mode (``_clock`` set) they advance with the scheduler's DecodeClock
     # instead of being written every step. Only the scheduler's DecodeMode
-    # (core/decode_mode.py) sets ``_clock``; the scheduler's explicit decode loop
-    # writes ``_computed``/``_scheduled_step`` directly (hot path).
+    # (core/decode_mode.py) sets ``_clock``, and its explicit decode loop writes
+    # ``_computed``/``_scheduled_step`` directly (hot path); everyone else uses the
+    # properties.
     _computed: int = dataclasses.field(default=0, init=False, repr=False)
     _scheduled_step: int = dataclasses.field(default=-1, init=False, repr=False)
     _clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)

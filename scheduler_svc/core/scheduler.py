@@ -15,8 +15,11 @@ Order of one iteration (DESIGN.md §3):
 ``schedule()`` returns the plan (immutable, core/plan.py) and keeps a StepRecord of
 it; ``update()`` applies the executor's answer to that record (core/results.py).
 The collaborators each own their state: the running set (core/running.py), decode
-mode (core/decode_mode.py), admission at Submit (core/admission.py), poison-request
-isolation (core/isolation.py), the waiting queue and the block manager.
+mode and the decode step (core/decode_mode.py), the transitions and the request
+registry (core/lifecycle.py), admission at Submit (core/admission.py), poison-request
+isolation (core/isolation.py), the waiting queue and the block manager. This module
+keeps the iteration: ``schedule`` → steps 2–5 → ``update``, and the executor's
+lifecycle (attach, detach, resync).
 
 The output is columnar (lists of ids and counts) because the per-step path
 is hot: at 256 running sequences the whole schedule + update must stay in
@@ -48,7 +51,6 @@ from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
-
 
 
 class Scheduler:
