@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from continuum.report import ReportError, build_report, json_safe, parse_window
+from continuum.report import ReportError, build_report, emit, json_safe, parse_window
 from protos.telemetry import StoreError, TelemetryStore
 
 
@@ -206,8 +206,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     failed = any(c.result == "FAIL" for c in checks)
     if args.format == "json":
-        print(json.dumps({"pass": not failed,
-                          "checks": [json_safe(asdict(c)) for c in checks]}, indent=2))
+        emit(json.dumps({"pass": not failed,
+                         "checks": [json_safe(asdict(c)) for c in checks]}, indent=2))
     else:
-        print(format_table(checks))
+        emit(format_table(checks))
     return 1 if failed else 0

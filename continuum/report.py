@@ -5,8 +5,9 @@ It answers "why was tenant X slow at 14:05" in one call: ``continuum report
 tenant, p50/p99 of the three parts a request's latency splits into — queue wait
 (arrival to admission), prefill (admission to first token, TTFT minus queue
 wait) and TPOT (per-request median gap between output tokens) — beside TTFT,
-preemptions by kind and rejections, and what the scheduler's steps looked like
-over the same window (step latency, prefill tokens per step, free blocks). A
+preemptions by kind, rejections and the median prompt length, and what the
+scheduler's steps looked like over the same window (step latency, prefill tokens
+per step, free blocks). A
 tenant whose TTFT p99 is mostly queue wait was starved or shed; mostly prefill,
 its prompts were long or chunked behind others; a high TPOT with slow steps,
 the batch was crowded or prefill-heavy.
@@ -26,6 +27,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import pathlib
 import re
 import sys
@@ -109,6 +111,8 @@ def summarize(records: Sequence[SequenceRecord]) -> dict:
         "preemptions_recompute": sum(r.preemptions_recompute for r in records),
         "preemptions_swap": sum(r.preemptions_swap for r in records),
         "output_tokens": sum(r.output_tokens for r in records),
+        # Long prompts explain a long prefill (and make a likelier preemption victim).
+        "prompt_tokens_median": percentile([r.prompt_tokens for r in records], 50),
     }
     for name, get in _LATENCIES:
         values = [v for v in map(get, finished) if v is not None]
@@ -174,14 +178,16 @@ def format_table(report: dict) -> str:
     w = report["window"]
     lines = [f"telemetry {w['since_local']} .. {w['until_local']}"
              + "".join(f", {k} {v}" for k, v in report["filter"].items() if v),
-             f"{'group':<24}{'reqs':>6}{'done':>6}{'rej':>5}{'abrt':>5}{'pre rc/sw':>10}"
+             f"{'group':<24}{'reqs':>6}{'done':>6}{'rej':>5}{'abrt':>5}{'prompt':>7}"
+             f"{'pre rc/sw':>10}"
              f"{'queue p50':>10}{'p99':>7}{'prefill p50':>12}{'p99':>7}{'TTFT p50':>9}"
-             f"{'p99':>7}{'TPOT p50':>9}{'p99':>7}{'TTFT p99 is':>12}   (ms)"]
+             f"{'p99':>7}{'TPOT p50':>9}{'p99':>7}{'TTFT p99 is':>12}   (ms; prompt: tokens)"]
 
     def row(name: str, s: dict) -> str:
         pre = f"{s['preemptions_recompute']}/{s['preemptions_swap']}"
         return (f"{name:<24}{s['num_requests']:>6}{s['num_completed']:>6}"
-                f"{s['num_rejected']:>5}{s['num_aborted']:>5}{pre:>10}"
+                f"{s['num_rejected']:>5}{s['num_aborted']:>5}"
+                f"{_ms(s['prompt_tokens_median']):>7}{pre:>10}"
                 f"{_ms(s['queue_wait_median_ms']):>10}{_ms(s['queue_wait_p99_ms']):>7}"
                 f"{_ms(s['prefill_median_ms']):>12}{_ms(s['prefill_p99_ms']):>7}"
                 f"{_ms(s['ttft_median_ms']):>9}{_ms(s['ttft_p99_ms']):>7}"
@@ -246,7 +252,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"continuum report: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(json_safe(report), indent=2) if args.format == "json" else None
-    print(text or format_table(report))
+    emit(text or format_table(report))
     if args.plot:
         print(f"plot: {args.plot}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0
+
+
+def emit(text: str) -> None:
+    """Print ``text``; a reader that went away (``| head``) is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's exit flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -19,16 +19,11 @@ from tests.telemetry.test_store import seq, step
 def store_write_locked(target: str):
     """Another client holds the write lock on ``scheduler_iterations`` (a store that
     stalls: a long checkpoint, a lock, a slow disk) until the block exits."""
-    with TelemetryStore.open(target) as other:
-        if other.backend == "sqlite":
-            other.execute("BEGIN IMMEDIATE")
-        else:
-            other._conn.execute("BEGIN")
+    with TelemetryStore.open(target) as other, other.transaction():
+        # SQLite's transaction() takes the database's write lock (BEGIN IMMEDIATE).
+        if other.backend == "postgresql":
             other.execute("LOCK TABLE scheduler_iterations IN ACCESS EXCLUSIVE MODE")
-        try:
-            yield
-        finally:
-            other.execute("COMMIT")
+        yield
 
 
 def test_a_stalled_store_drops_and_counts_but_never_blocks_put(store_target):
