@@ -79,6 +79,23 @@ def test_the_real_resolver_finds_localhost():
         run(resolve("no-such-host.invalid", port))
 
 
+def test_a_real_name_brings_in_the_scheduler_behind_it():
+    """No injected resolver: dns:///localhost:PORT finds the scheduler on 127.0.0.1
+    (an IPv6 ::1 answer, where nothing listens, joins unhealthy and is not picked)."""
+    async def scenario():
+        async with fake_scheduler(FakeScheduler()) as address:
+            port = int(address.rpartition(":")[2])
+            replica_set = ReplicaSet([f"dns:///localhost:{port}"], secret=None)
+            try:
+                await replica_set.refresh()
+                assert address in _addresses(replica_set)
+                assert replica_set.pick().address == address and replica_set.any_healthy
+            finally:
+                await replica_set.close()
+
+    run(scenario())
+
+
 def test_replicas_join_after_a_poll_leave_when_gone_and_survive_a_failed_lookup():
     async def scenario():
         async with fake_scheduler(FakeScheduler()) as a, fake_scheduler(FakeScheduler()) as b:
