@@ -1,0 +1,1 @@
+"""Tests of issue 17's telemetry store, continuum report and continuum gate."""
