@@ -31,6 +31,7 @@ from gateway.replicas import split_dns
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2
 from scheduler_svc import __main__ as scheduler_main
+from scheduler_svc.loop import HEARTBEAT_TIMEOUT_S
 
 from .kustomize import KUSTOMIZATION, render
 
@@ -178,6 +179,17 @@ def test_a_hung_executor_fails_liveness_but_a_waiting_scheduler_does_not(rendere
     assert _probe_argv(scheduler["livenessProbe"]) == ["scheduler"]
     assert scheduler["readinessProbe"]["grpc"]["port"] == int(_flag(scheduler["args"],
                                                                     "--port"))
+
+
+def test_executor_liveness_outlasts_a_re_registration():
+    """An executor the scheduler detached but that still runs says Hello again (every
+    2 s, executor_svc/link.py) and is attached within seconds: liveness must give it
+    that, and more than one heartbeat timeout, before the kubelet restarts it."""
+    executor = pod_container(overlay("cpu"), "executor_svc")
+    liveness = executor["livenessProbe"]
+    window = liveness["periodSeconds"] * liveness["failureThreshold"]
+    assert window > HEARTBEAT_TIMEOUT_S + 2 * 2.0
+    assert liveness["failureThreshold"] >= 2  # one slow probe is no strike
 
 
 def test_the_probe_script_is_in_the_image_where_the_manifests_run_it():
