@@ -34,8 +34,9 @@ from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 POLL_S = 0.5
 DNS_SCHEME = "dns:///"
-# How often a dns:/// name is resolved again: new pods are used within this, and
-# gRPC's own dns resolver re-resolves no more often than every 30 s.
+# How often a dns:/// name is resolved again: a new pod is used within this. (gRPC's own
+# dns: resolver re-resolves only when a connection fails, and would balance inside one
+# channel, not by each replica's Stats.)
 REFRESH_S = 5.0
 # A replica that left DNS keeps its in-flight calls this long (a terminating pod's
 # scheduler drains for its --grace-period, 30 s in deploy/k8s) before they are cut.
@@ -206,7 +207,11 @@ class ReplicaSet:
         static = {t for t in self._targets if split_dns(t) is None}
         current = {r.address for r in self.replicas}
         joined = [self._connect(a) for a in sorted(wanted - current)]
-        await asyncio.gather(*(self._poll(r) for r in joined))
+        try:
+            await asyncio.gather(*(self._poll(r) for r in joined))
+        except asyncio.CancelledError:  # closing: these channels are nobody's yet
+            await asyncio.gather(*(r.channel.close() for r in joined))
+            raise
         for replica in joined:
             _log.info("replica joined", address=replica.address, healthy=replica.healthy)
         left = [r for r in self.replicas if r.address not in wanted | static]
