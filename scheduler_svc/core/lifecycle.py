@@ -1,5 +1,8 @@
 """Transitions: a request moves between the waiting queue, the running set and its end.
 
+Steps 4–5 of an iteration (``admit``: who leaves the queue for the running set) are
+here too, beside the transitions they make (``start``, ``swap_in``).
+
 Each transition keeps every collaborator that holds the request in step (the running
 set, decode mode, the waiting queue, the block pool, the prefix cache) and records what
 the executor must hear of it in the next plan: the sequences whose state it must drop
@@ -15,7 +18,7 @@ from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.decode_mode import DecodeMode
-from scheduler_svc.core.plan import ModelInfo, StepRecord
+from scheduler_svc.core.plan import Event, ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
@@ -61,6 +64,46 @@ class Lifecycle:
         req.status = RequestStatus.RUNNING
         self._running.add(req)
         self._decode_mode.add(req)
+
+    def admit(self, rec: StepRecord, budget: int, cap: int, prefills: list[Request],
+              step: int, events: list[Event]) -> int:
+        """Steps 4–5 of an iteration: resumed, then fresh requests, in the waiting
+        queue's order, into step ``step`` (``rec``); ``prefills`` are the running ones
+        still prefilling. Returns the budget left; ends go to ``events``."""
+        bm = self.block_manager
+        running = self._running.order
+        # Kept free for the running: the watermark, and at least a block for each
+        # running decode's next one (admitting into that block would preempt a stream
+        # mid-answer at its next block boundary), plus the blocks the running prefills
+        # will still take.
+        reserve = max(self._admission.watermark_blocks(bm), len(running) - len(prefills))
+        reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
+        now = self._admission.now = self._clock()
+        for req in self._admission.overdue(now):  # shed: waited twice its bound
+            self.end_waiting(req, FinishReason.ABORT)
+            events.append(Event(req, None, FinishReason.ABORT))
+        while budget > 0 and len(running) < self.config.max_num_seqs:
+            req = self._waiting.peek(now)
+            if req is None:
+                break
+            if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
+                # Its context outgrew the pool while it ran (then it was preempted, or
+                # the executor restarted): it can never resume in full, and nobody may
+                # overtake it. The pool is its context limit, as for one running alone.
+                self.end_waiting(req, FinishReason.LENGTH)
+                events.append(Event(req, None, FinishReason.LENGTH))
+                continue
+            # With nothing running the watermark protects no decode: a resumed context
+            # that outgrew the pool minus the watermark comes back once the pool drains.
+            keep = reserve if running else 0
+            if req.status == RequestStatus.SWAPPED:
+                n = self.swap_in(req, rec, budget, cap, keep, step)
+            else:
+                n = self.start(req, rec, budget, cap, keep, step)
+            if n == 0:
+                break  # the best request does not fit yet; nobody overtakes it
+            budget -= n
+        return budget
 
     def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,
               step: int) -> int:

@@ -268,7 +268,8 @@ class Scheduler:
         budget = self._schedule_prefills(rec, budget, prefills)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
-            budget = self._admit(rec, budget, prefills)
+            budget = self.lifecycle.admit(rec, budget, self.policy.prefill_cap(self.config),
+                                          prefills, self._step_id, self._events)
         rec.num_batched_tokens = self.config.max_num_batched_tokens - budget
 
     def _schedule_prefills(self, rec: StepRecord, budget: int,
@@ -304,43 +305,6 @@ class Scheduler:
                 return False
             self.lifecycle.preempt(victim, "kv_full")
         return True
-
-    def _admit(self, rec: StepRecord, budget: int, prefills: list[Request]) -> int:
-        """Steps 4–5: resumed, then fresh requests, in the waiting queue's order."""
-        bm = self.block_manager
-        cap = self.policy.prefill_cap(self.config)
-        # Kept free for the running: the watermark, and at least a block for each
-        # running decode's next one (admitting into that block would preempt a stream
-        # mid-answer at its next block boundary), plus the blocks the running prefills
-        # will still take.
-        reserve = max(self.admission.watermark_blocks(bm), len(self.running) - len(prefills))
-        reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
-        now = self.admission.now = self.clock()
-        for req in self.admission.overdue(now):  # shed: waited twice its bound
-            self.lifecycle.end_waiting(req, FinishReason.ABORT)
-            self._events.append(Event(req, None, FinishReason.ABORT))
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek(now)
-            if req is None:
-                break
-            if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
-                # Its context outgrew the pool while it ran (then it was preempted, or
-                # the executor restarted): it can never resume in full, and nobody may
-                # overtake it. The pool is its context limit, as for one running alone.
-                self.lifecycle.end_waiting(req, FinishReason.LENGTH)
-                self._events.append(Event(req, None, FinishReason.LENGTH))
-                continue
-            # With nothing running the watermark protects no decode: a resumed context
-            # that outgrew the pool minus the watermark comes back once the pool drains.
-            keep = reserve if self.running else 0
-            if req.status == RequestStatus.SWAPPED:
-                n = self.lifecycle.swap_in(req, rec, budget, cap, keep, self._step_id)
-            else:
-                n = self.lifecycle.start(req, rec, budget, cap, keep, self._step_id)
-            if n == 0:
-                break  # the best request does not fit yet; nobody overtakes it
-            budget -= n
-        return budget
 
     # -- results -----------------------------------------------------------------------
 
