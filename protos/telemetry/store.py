@@ -282,5 +282,6 @@ def _connect_postgres(dsn: str):
         return psycopg.connect(dsn, autocommit=True, connect_timeout=10)
     except psycopg.Error as exc:
         # The DSN may hold a password: name the server, not the DSN.
-        raise StoreError(f"cannot connect to the PostgreSQL telemetry store: "
-                         f"{str(exc).strip()}") from exc
+        # One line: libpq's message spans several.
+        raise StoreError("cannot connect to the PostgreSQL telemetry store: "
+                         + " ".join(str(exc).split())) from exc
