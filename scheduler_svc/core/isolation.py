@@ -34,10 +34,10 @@ class Isolation:
         self._lifecycle = lifecycle
 
     def step_failed(self, scheduled: list[Request], why: str,
-                    max_step_failures: int) -> list[Request]:
-        """Every request of a failed step (``scheduled``, none finished) failed once more.
-        Returns those that must end now (their ``error`` says why); the rest are
-        suspects."""
+                    max_step_failures: int) -> list[Event]:
+        """Every request of a failed step (``scheduled``, none finished) failed once more:
+        it becomes a suspect, or, its last failure alone, ends with ERROR (``error``
+        says why). Returns the ended ones' events."""
         ended = []
         for req in scheduled:
             req.num_failed_steps += 1
@@ -49,7 +49,14 @@ class Isolation:
                          f"computing this request, the last time alone ({why}); it was "
                          "ended so that the other requests could go on")
             ended.append(req)
-        return ended
+        lc = self._lifecycle
+        for req in ended:
+            if req.status == RequestStatus.RUNNING:
+                lc.remove_running(req, index=False)  # its blocks may hold no KV
+                lc.finish(req, FinishReason.ERROR)
+            else:
+                lc.end_waiting(req, FinishReason.ERROR)
+        return [Event(req, None, FinishReason.ERROR) for req in ended]
 
     def next(self) -> Request | None:
         """The suspect whose steps of its own have begun, else the first waiting one."""

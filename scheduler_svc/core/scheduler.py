@@ -180,14 +180,7 @@ class Scheduler:
         and ``why``. Call it before ``resync``/``detach_executor`` (which recompute the
         rest). Returns the ended requests' events."""
         scheduled = [req for req, _, _ in out.scheduled() if not req.is_finished]
-        ended = self.isolation.step_failed(scheduled, why, self.config.max_step_failures)
-        for req in ended:
-            if req.status == RequestStatus.RUNNING:
-                self.lifecycle.remove_running(req, index=False)  # its blocks may hold no KV
-            else:
-                self.waiting.remove(req)
-            self.lifecycle.finish(req, FinishReason.ERROR)
-        return [Event(req, None, FinishReason.ERROR) for req in ended]
+        return self.isolation.step_failed(scheduled, why, self.config.max_step_failures)
 
     # -- requests ----------------------------------------------------------------------
 
