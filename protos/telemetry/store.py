@@ -87,6 +87,15 @@ class TelemetryStore:
             raise
         return store
 
+    def reconnect_if_broken(self) -> bool:
+        """After a failed write: reconnect a PostgreSQL connection the server dropped
+        (restart, failover, idle kill); True if it did. SQLite needs nothing."""
+        if self.backend != "postgresql" or not (self._conn.closed or self._conn.broken):
+            return False
+        self.close()
+        self._conn = _connect_postgres(self.target)
+        return True
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._conn.close()

@@ -6,8 +6,9 @@ and never raises for a slow or broken store: the record goes into a bounded queu
 (``num_dropped``, for a metric), because telemetry must never slow serving. The
 writer thread takes records in batches (one transaction per batch), and every
 ``retention.interval_s`` runs a retention pass. A batch the store refuses (server
-gone, disk full) is dropped and counted in ``num_failed``; the thread lives on
-and tries the next batch, so a PostgreSQL restart costs records, not the writer.
+gone, disk full) is dropped and counted in ``num_failed``; the thread lives on,
+reconnects a dropped PostgreSQL connection and tries the next batch, so a
+database restart costs the records sent while it was down, not the writer.
 """
 
 from __future__ import annotations
@@ -119,11 +120,19 @@ class TelemetryWriter:
                 except Exception as exc:  # the store's fault, not the caller's: count, go on
                     self.num_failed += len(batch)
                     log.warning("telemetry: dropped %d records: %s", len(batch), exc)
+                    self._reconnect()
                 with self._idle:
                     self._idle.notify_all()
             if time.monotonic() >= next_retention:
                 next_retention = time.monotonic() + self.retention.interval_s
                 self._run_retention()
+
+    def _reconnect(self) -> None:
+        try:
+            if self._store.reconnect_if_broken():
+                log.warning("telemetry: reconnected to the store")
+        except Exception as exc:  # still down: the next failed batch tries again
+            log.warning("telemetry: reconnect failed: %s", exc)
 
     def _run_retention(self) -> dict:
         # Only this thread uses the store's connection; tests run retention.apply on their own.

@@ -77,7 +77,7 @@ def pg_cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _fresh_pg_database(prefix: str) -> str:
+def fresh_pg_database(prefix: str) -> str:
     import psycopg
 
     name = f"t{os.getpid()}_{next(_counter)}"
@@ -91,7 +91,7 @@ def store_target(request, tmp_path) -> str:
     """Where a fresh, empty store goes: a file path or a DSN of a new database."""
     if request.param == "sqlite":
         return str(tmp_path / "telemetry.db")
-    return _fresh_pg_database(request.getfixturevalue("pg_cluster"))
+    return fresh_pg_database(request.getfixturevalue("pg_cluster"))
 
 
 @pytest.fixture

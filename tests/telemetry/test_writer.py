@@ -111,3 +111,29 @@ def test_bad_retention_settings_are_refused():
         Retention(max_age_s=0).validate()
     with pytest.raises(ValueError, match="raw_iterations_s"):
         Retention(max_age_s=10, raw_iterations_s=20).validate()
+
+
+def test_the_writer_survives_postgres_dropping_its_connection(pg_cluster):
+    """The server kills the writer's session (a restart, a failover): the batch in flight
+    is counted as failed, the writer reconnects, and later records land."""
+    import psycopg
+
+    from tests.telemetry.conftest import fresh_pg_database
+
+    target = fresh_pg_database(pg_cluster)
+    writer = TelemetryWriter.open(target, poll_s=0.05)
+    try:
+        t0 = time.time()
+        assert writer.put(seq(1, t=t0)) and writer.flush(30)
+        with psycopg.connect(target, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        for i in range(2, 30):  # until one lands after the reconnect
+            assert writer.put(seq(i, t=t0)) and writer.flush(30)
+            if writer.num_failed and writer.num_written > 1:
+                break
+        assert writer.num_failed >= 1 and writer.num_written >= 2
+    finally:
+        writer.close()
+    with TelemetryStore.open(target, migrate=False) as s:
+        assert s.count("sequences") == writer.num_written
