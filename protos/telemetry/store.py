@@ -47,13 +47,24 @@ def _is_dsn(target: str) -> bool:
     return target.startswith(("postgresql://", "postgres://"))
 
 
+def _redacted(dsn: str) -> str:
+    """``dsn`` without its password, for messages and logs."""
+    scheme, sep, rest = dsn.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return dsn
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+
+
 class TelemetryStore:
     """A connection to one store; see the module docstring for who calls what."""
 
     def __init__(self, conn, backend: str, target: str) -> None:
         self._conn = conn
         self.backend = backend
-        self.target = target
+        self._target = target
+        # What messages name: the path, or the DSN without its password.
+        self.target = _redacted(target) if backend == "postgresql" else target
         self.version = 0
 
     # -- opening -------------------------------------------------------------------------
@@ -93,7 +104,7 @@ class TelemetryStore:
         if self.backend != "postgresql" or not (self._conn.closed or self._conn.broken):
             return False
         self.close()
-        self._conn = _connect_postgres(self.target)
+        self._conn = _connect_postgres(self._target)
         return True
 
     def close(self) -> None:

@@ -107,6 +107,16 @@ def test_readers_never_create_a_store(tmp_path):
         TelemetryStore.open(other, migrate=False)
 
 
+def test_messages_never_show_a_dsn_password(pg_cluster):
+    from tests.telemetry.conftest import fresh_pg_database
+
+    prefix = fresh_pg_database(pg_cluster)
+    dsn = prefix.replace("postgres@", "postgres:hunter2@")  # trust auth ignores it
+    with pytest.raises(SchemaError, match="not a telemetry store") as info:
+        TelemetryStore.open(dsn, migrate=False)
+    assert "hunter2" not in str(info.value) and "postgres:***@" in str(info.value)
+
+
 def test_an_unreachable_postgres_is_one_clear_error():
     with pytest.raises(StoreError, match="cannot connect") as info:
         TelemetryStore.open("postgresql://u:secretpw@127.0.0.1:1/x")
