@@ -33,6 +33,7 @@ import zmq
 
 from executor_svc.device import fit_gpu_kv_cache, resolve_device
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
+from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import SchedulerLink, ServeLoop
 from executor_svc.model import LlamaModel
@@ -189,8 +190,9 @@ def build(
              "%d threads", time.perf_counter() - start, hello.model_id, kv.num_blocks,
              config.block_size, kv.num_blocks * spec.block_bytes / 2**20, prefill_tps,
              torch.get_num_threads())
+    guides = Guides(path, c.vocab_size, c.eos_token_ids)
     return Runner(model, kv, backend, incarnation, sampler=sampler,
-                  faults=config.switches.faults), hello
+                  faults=config.switches.faults, guides=guides), hello
 
 
 def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,

@@ -27,6 +27,7 @@ class SequenceState:
     sampling: SamplingConfig
     num_prompt_tokens: int
     seed: int  # request seed, or a random one drawn when the sequence arrived
+    guide: object = None  # its structured-output matcher (executor_svc/guided.py), lazily
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from executor_svc.batch import SequenceState, StepInputs, build_inputs
 from executor_svc.faults import FaultInjector
+from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import LlamaModel
 from executor_svc.plan_check import PlanError, PlanLimits, check_plan
@@ -34,6 +35,7 @@ class Runner:
         self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str,
         sampler: Sampler | None = None,  # tensor parallelism swaps in its own (tp_serve.py)
         faults: FaultInjector | None = None,  # test-only (executor_svc/faults.py); None: inert
+        guides: Guides | None = None,  # structured output; None: guided requests fail
     ) -> None:
         self.model = model
         self.kv = kv
@@ -50,6 +52,7 @@ class Runner:
         self.seqs: dict[int, SequenceState] = {}
         self.last_step_id = 0  # of the last plan executed (for heartbeats)
         self.faults = faults or FaultInjector()
+        self.guides = guides
         if self.faults.faults:
             log.warning("TEST-ONLY fault injection is on: %r", self.faults)
 
@@ -124,13 +127,23 @@ class Runner:
         if not inputs.sampling_seqs:
             return
         rows = [
-            SampleRow(s.sampling, s.seed, s.num_tokens, s.token_ids, s.num_prompt_tokens)
+            SampleRow(s.sampling, s.seed, s.num_tokens, s.token_ids, s.num_prompt_tokens,
+                      self._guide(s) if s.sampling.guided else None)
             for s in inputs.sampling_seqs
         ]
         out = self.sampler.sample(logits, rows)
         for seq, token in zip(inputs.sampling_seqs, out.token_ids, strict=True):
             seq.token_ids.append(token)
         _fill_result(result, [s.seq_id for s in inputs.sampling_seqs], out)
+
+    def _guide(self, seq: SequenceState):
+        """The sequence's grammar matcher, made on its first sample (a failure here fails
+        the step: the scheduler's poison-request handling ends that request alone)."""
+        if seq.guide is None:
+            if self.guides is None:
+                raise RuntimeError("structured output is not available on this executor")
+            seq.guide = self.guides.new(seq.sampling.guided)
+        return seq.guide
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:  # [S, V]
         return self.model.forward(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ class SamplingConfig:
     logprobs: int | None = None  # top alternatives to return; None: no logprobs
     # OpenAI's logit_bias: (token ids, biases) added to the logits before choosing.
     logit_bias: tuple[tuple[int, ...], tuple[float, ...]] = ((), ())
+    guided: bytes = b""  # a serialized Guided (structured output); b"": free text
 
     @staticmethod
     def from_proto(p: sampling_pb2.SamplingParams) -> SamplingConfig:
@@ -54,6 +56,7 @@ class SamplingConfig:
             stop_token_ids=tuple(p.stop_token_ids),
             logprobs=p.logprobs if has("logprobs") else None,
             logit_bias=(tuple(p.logit_bias.keys()), tuple(p.logit_bias.values())),
+            guided=p.guided.SerializeToString(deterministic=True) if has("guided") else b"",
         )
 
     @property
@@ -78,6 +81,7 @@ class SampleRow:
     position: int  # index the sampled token will have in the sequence
     token_ids: list[int]  # prompt + output so far (read only when penalties or min_tokens apply)
     num_prompt_tokens: int
+    guide: Any = None  # executor_svc/guided.py Guide of a structured-output sequence
 
 
 @dataclass
@@ -106,6 +110,9 @@ class Sampler:
         for i, row in enumerate(rows):
             self._adjust(logits[i], row)
         out = SampleOutput(self._choose(logits, rows))
+        for row, token in zip(rows, out.token_ids, strict=True):
+            if row.guide is not None:
+                row.guide.advance(token)
         if any(row.config.logprobs is not None for row in rows):
             self._add_logprobs(out, logits, rows)
         return out
@@ -113,7 +120,8 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, row: SampleRow) -> None:
         # logits [V], edited in place.
         cfg = row.config
-        if not cfg.has_penalties and cfg.min_tokens == 0 and not cfg.logit_bias[0]:
+        if not cfg.has_penalties and cfg.min_tokens == 0 and not cfg.logit_bias[0] \
+                and row.guide is None:
             return
         ids, biases = cfg.logit_bias
         if ids:  # first: penalties then scale the biased logits, min_tokens bans win
@@ -123,9 +131,14 @@ class Sampler:
         if cfg.has_penalties:
             apply_penalties(logits, row.token_ids, output, cfg.repetition_penalty,
                             cfg.presence_penalty, cfg.frequency_penalty)
+        if row.guide is not None:  # only tokens the grammar allows next
+            row.guide.mask(logits, output)
         if len(output) < cfg.min_tokens:
             banned = [t for t in (*self.eos_token_ids, *cfg.stop_token_ids) if t < len(logits)]
+            kept = logits[banned].clone() if row.guide is not None else None
             logits[banned] = float("-inf")
+            if kept is not None and bool(torch.isneginf(logits).all()):
+                logits[banned] = kept  # the grammar is complete: its end beats min_tokens
 
     @staticmethod
     def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:

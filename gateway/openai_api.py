@@ -206,10 +206,6 @@ class ChatDialect(Dialect):
             raise fields.bad("top_logprobs requires logprobs to be true", "top_logprobs")
         if logprobs:
             proto.sampling.logprobs = top or 0
-        response_format = body.get("response_format")
-        if response_format not in (None, {"type": "text"}):
-            raise fields.bad("response_format other than text is not supported",
-                             "response_format")
         stream = fields.boolean(body, "stream")
         include_usage, continuous = fields.stream_options(body, stream)
         return ApiRequest(self, proto, stream=stream, include_usage=include_usage,

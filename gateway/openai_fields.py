@@ -9,7 +9,9 @@ vocabulary, context) are checked once, in `gateway/validation.py`.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError
@@ -158,6 +160,7 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
         sampling.stop_token_ids.extend(
             token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
     logit_bias(body, sampling, vocab_size)
+    guided(body, sampling)
     proto.stop.extend(stop_strings(body))
     proto.n = integer(body, "n", 1, MAX_N, 1)
     best_of = integer(body, "best_of", 1, UINT32_MAX)
@@ -190,6 +193,61 @@ def logit_bias(body: dict, sampling, vocab_size: int) -> None:
             raise bad(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
                       f"{MAX_LOGIT_BIAS:g}], got {value!r}", "logit_bias")
         sampling.logit_bias[token_id] = float(value)
+
+
+_GUIDED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided(body: dict, sampling) -> None:
+    """Structured output: OpenAI's ``response_format`` (``text``, ``json_object``,
+    ``json_schema``) or one of vLLM's ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``, into ``sampling.guided``. Whether it
+    compiles is validation's (protos/guided.py)."""
+    given = [name for name in ("response_format", *_GUIDED_EXTENSIONS)
+             if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(f"{' and '.join(given)} both constrain the output; send one", given[1])
+    if not given:
+        return
+    name, value = given[0], body[given[0]]
+    target = sampling.guided
+    if name == "response_format":
+        _response_format(value, target)
+    elif name == "guided_json":
+        if not isinstance(value, dict | str):
+            raise bad("guided_json must be a JSON Schema (an object or its JSON text)", name)
+        target.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif name == "guided_choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c
+                                                          for c in value)):
+            raise bad("guided_choice must be a non-empty list of non-empty strings", name)
+        target.regex = "|".join(re.escape(choice) for choice in value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise bad(f"{name} must be a non-empty string", name)
+        if name == "guided_regex":
+            target.regex = value
+        else:
+            target.lark = value
+
+
+def _response_format(value: Any, target) -> None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        target.json_object = True
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema is required: a JSON Schema object",
+                      "response_format")
+        target.json_schema = json.dumps(schema)
+    else:
+        raise bad("response_format must be {\"type\": \"text\"}, {\"type\": "
+                  "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                  "{\"name\": ..., \"schema\": {...}}}", "response_format")
 
 
 def stream_options(body: dict, stream: bool) -> tuple[bool, bool]:

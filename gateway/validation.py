@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway import sampling_extras
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
 from protos import limits
@@ -179,24 +180,8 @@ def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> No
         )
     _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size,
                      MAX_STOP_TOKEN_IDS)
-    check_logit_bias(sampling.logit_bias, vocab_size)
-
-
-def check_logit_bias(bias, vocab_size: int) -> None:
-    """logit_bias: at most MAX_LOGIT_BIAS_ENTRIES token ids of the vocabulary, each bias
-    a finite number in [-100, 100] (OpenAI's rules)."""
-    if len(bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
-        raise RequestError(f"logit_bias holds {len(bias)} entries; at most "
-                           f"{limits.MAX_LOGIT_BIAS_ENTRIES}", param="logit_bias")
-    for token_id, value in bias.items():
-        if token_id >= vocab_size:
-            raise RequestError(f"logit_bias names token {token_id}, which is not a token id: "
-                               f"the model's vocabulary has {vocab_size} tokens",
-                               param="logit_bias")
-        if not (math.isfinite(value) and abs(value) <= limits.MAX_LOGIT_BIAS):
-            raise RequestError(f"logit_bias[{token_id}] = {value:g}; a bias must be in "
-                               f"[-{limits.MAX_LOGIT_BIAS:g}, {limits.MAX_LOGIT_BIAS:g}]",
-                               param="logit_bias")
+    if found := sampling_extras.problem(sampling, vocab_size):
+        raise RequestError(found[0], param=found[1])
 
 
 def check_stop_strings(stop: Sequence[str]) -> None:

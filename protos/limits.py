@@ -25,6 +25,8 @@ MAX_STOP_TOKEN_IDS = 128
 # [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
+# Structured output: a JSON schema, regex or grammar of at most this many bytes.
+MAX_GUIDED_BYTES = 64 * 1024
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
 # Priority tiers: 0 premium, 1 standard, 2 best-effort.

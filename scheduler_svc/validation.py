@@ -73,6 +73,10 @@ def _sampling(s: sampling_pb2.SamplingParams) -> str | None:
                 if not (math.isfinite(v) and abs(v) <= limits.MAX_LOGIT_BIAS)), None)
     if bad is not None:
         return f"sampling.logit_bias has a bias of {bad:g}; biases lie in [-100, 100]"
+    kind = s.guided.WhichOneof("kind")
+    if kind in ("json_schema", "regex", "lark") and \
+            len(getattr(s.guided, kind).encode()) > limits.MAX_GUIDED_BYTES:
+        return f"sampling.guided.{kind} is larger than {limits.MAX_GUIDED_BYTES} bytes"
     return None
 
 

@@ -122,7 +122,36 @@ def test_logit_bias_steers_the_real_model(client, server):
     assert forced.choices[0].text == "".join(r.text for r in grpc_forced)
 
 
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                "country": {"type": "string",
+                                                            "maxLength": 30}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+def test_structured_output_follows_the_schema_through_the_real_model(client):
+    answer = client.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "place", "schema": CITY_SCHEMA,
+                                         "strict": True}})
+    value = json.loads(answer.choices[0].message.content)
+    assert set(value) == {"city", "country"} and answer.choices[0].finish_reason == "stop"
+    anything = client.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=60, temperature=0,
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    choice = client.completions.create(model="", prompt="Is Paris in France? Answer:",
+                                       max_tokens=5, temperature=0,
+                                       extra_body={"guided_choice": [" yes", " no"]})
+    assert choice.choices[0].text in (" yes", " no")
+
+
 @pytest.mark.parametrize("kwargs,error,param,code", [
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nope"}}}}}, openai.BadRequestError,
+     "response_format", None),
+    ({"extra_body": {"response_format": {"type": "xml"}}}, openai.BadRequestError,
+     "response_format", None),
     ({"temperature": 3.0}, openai.BadRequestError, "temperature", None),
     ({"logit_bias": {"1": 101}}, openai.BadRequestError, "logit_bias", None),
     ({"logit_bias": {"99999999": 1}}, openai.BadRequestError, "logit_bias", None),

@@ -1,0 +1,95 @@
+"""Structured output in the executor: one llguidance matcher per guided sequence.
+
+A guided sequence's matcher has consumed exactly its output tokens so far; before
+each sample the sampler masks every token the grammar does not allow next (so the
+choice, greedy or drawn, is always a legal one), and after it the chosen token is
+consumed. A sequence the scheduler resends (after a preemption by recompute, an
+executor restart, a continuation on another replica) arrives with its earlier
+output in its tokens; the matcher catches up by consuming them first, so the state
+never depends on this executor's history. When the grammar is complete the mask
+allows only EOS.
+
+The tokenizer llguidance needs (~1 s to build from tokenizer.json) is built on the
+first guided request, not at start, so an executor that never sees one pays
+nothing; compiled grammars are cached by their text (an LRU of GRAMMAR_CACHE).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+import threading
+
+import llguidance
+import numpy as np
+import torch
+
+from protos import guided as guided_spec
+from protos.continuum.v1 import sampling_pb2
+
+log = logging.getLogger("executor.guided")
+GRAMMAR_CACHE = 256
+
+
+class Guide:
+    """One sequence's grammar state."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.consumed = 0  # output tokens fed to the matcher
+        self.vocab_size = vocab_size
+
+    def mask(self, logits: torch.Tensor, output: list[int]) -> None:
+        """Sets the logits [V] of every token the grammar forbids next to -inf."""
+        if self.consumed < len(output):  # resent with earlier output: catch up
+            self.matcher.consume_tokens(output[self.consumed:])
+            self.consumed = len(output)
+        if self.matcher.is_error():
+            raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]]
+        if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's: never legal
+            allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))
+        logits[torch.from_numpy(allowed == 0)] = float("-inf")
+
+    def advance(self, token: int) -> None:
+        self.matcher.consume_token(token)
+        self.consumed += 1
+
+
+class Guides:
+    """Makes Guides for one model: its tokenizer, built once on first use."""
+
+    def __init__(self, model_dir: pathlib.Path, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._grammars: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def new(self, key: bytes) -> Guide | None:
+        """A Guide for the serialized Guided ``key``, or None when it constrains nothing.
+        GuidedError for a spec that does not compile (the gateway refuses those first)."""
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is None:
+                grammar = guided_spec.grammar_of(sampling_pb2.Guided.FromString(key))
+                if grammar is None:
+                    return None
+                self._grammars[key] = grammar
+                while len(self._grammars) > GRAMMAR_CACHE:
+                    self._grammars.popitem(last=False)
+            else:
+                self._grammars.move_to_end(key)
+            tokenizer = self._tokenizer or self._load_tokenizer()
+        return Guide(llguidance.LLMatcher(tokenizer, grammar, log_level=0), self.vocab_size)
+
+    def _load_tokenizer(self) -> llguidance.LLTokenizer:
+        text = (self.model_dir / "tokenizer.json").read_text()
+        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                 eos_token=self.eos_token_ids or None)
+        log.info("structured output: llguidance tokenizer built (%d tokens)", self.vocab_size)
+        return self._tokenizer
