@@ -191,6 +191,7 @@ def build(
              config.block_size, kv.num_blocks * spec.block_bytes / 2**20, prefill_tps,
              torch.get_num_threads())
     guides = Guides(path, c.vocab_size, c.eos_token_ids)
+    guides.warm()
     return Runner(model, kv, backend, incarnation, sampler=sampler,
                   faults=config.switches.faults, guides=guides), hello
 
