@@ -6,8 +6,9 @@ joining a queue it would time out in. The estimate, for a request of tier t:
 
     ahead = requests waiting in tiers 0..t     (a premium request counts only
                                                 premium; best effort counts all)
-    free  = max_num_seqs - running, or 0 while anything waits (then the KV
-            pool or the token budget, not the slots, is what holds requests back)
+    free  = max_num_seqs - running, or 0 while the last admission step left
+            requests waiting for room (then the KV pool or the slots hold them
+            back; a burst that arrived since waits only for the next step)
     wait  = 0                                  if ahead < free
             (ahead - free + 1) / departures_per_s   otherwise
 
@@ -203,6 +204,11 @@ class Admission:
         self.num_shed = 0  # queued requests ended for waiting past their bound
         self._next_shed_check = 0.0
         self.now = 0.0  # the clock at the last admission step (step-granular timestamps)
+        # The last admission step left requests waiting for lack of room (a slot or KV
+        # blocks), not for lack of a step: only then do queued requests wait for
+        # departures. A burst that arrives between two steps (n = 16, many clients at
+        # once) into free slots waits only for the next step.
+        self.blocked = False
 
     def check_caps(self, req: Request) -> None:
         """Raises QueueFull when the queue, or ``req``'s tenant's share of it, is full."""
@@ -220,10 +226,12 @@ class Admission:
         tier's bound, by the throughput measured so far. Also prunes idle tenants'
         fairness counters, amortized over Submits."""
         cfg, waiting, running = self.config, self._waiting, self._running
-        # With anything waiting, free slots are not what holds it back (the KV pool
-        # or the token budget is): a new request waits for departures like the rest.
-        free = 0 if waiting else cfg.max_num_seqs - len(running)
-        self.throughput.sample(req.arrival_time, num_finished, bool(waiting) or free <= 0)
+        # While the last admission step left requests waiting for room, free slots are
+        # not what holds them back (the KV pool is): a new request waits for departures
+        # like the rest. Otherwise what waits starts at the next step, slots allowing.
+        held = bool(waiting) and self.blocked
+        free = 0 if held else cfg.max_num_seqs - len(running)
+        self.throughput.sample(req.arrival_time, num_finished, held or free <= 0)
         tier = req.priority_tier
         bound = queue_time_bound(cfg, tier)
         rate = departure_rate(self.throughput.rate, self.service.rate(len(running)))

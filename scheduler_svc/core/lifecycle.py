@@ -103,6 +103,8 @@ class Lifecycle:
             if n == 0:
                 break  # the best request does not fit yet; nobody overtakes it
             budget -= n
+        # Waiting for room (KV or a slot), not for the budget of a step: see Admission.
+        self._admission.blocked = bool(self._waiting) and budget > 0
         return budget
 
     def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,

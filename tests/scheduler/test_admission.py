@@ -225,3 +225,20 @@ def test_a_server_never_saturated_still_refuses_a_flood_at_once():
             refused += 1
     # 2 running at ~3 s each: ~0.67/s, so the 5 s bound holds a handful, not 100.
     assert 80 <= refused < 100
+
+
+def test_a_burst_into_free_slots_is_not_refused():
+    """n = 16 (or 16 clients at once) arriving between two steps, with every slot free:
+    they wait only for the next step, however slowly the last requests were served."""
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=64, max_num_batched_tokens=256,
+                           chunk_size=256, max_num_waiting=10_000)
+    for i in range(2 * MIN_DEPARTURES):  # one at a time, 3 s each: Little says ~0.33/s
+        sched.add_request(make_request(8, 3, request_id=f"calm{i}"))
+        while sched.has_work():
+            step(sched)
+            clock.now += 1.0
+    for i in range(16):
+        sched.add_request(make_request(8, 3, request_id=f"burst{i}"))  # none refused
+    step(sched)
+    assert len(sched.running) == 16 and not sched.waiting
