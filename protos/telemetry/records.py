@@ -19,7 +19,7 @@ TIER_NAMES = ("premium", "standard", "best_effort")
 SEQUENCE_STATUSES = ("finished", "aborted", "rejected", "failed")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceRecord:
     """One request, written once when it ends (finished, aborted, rejected or failed).
 
@@ -47,7 +47,7 @@ class SequenceRecord:
     completed_at: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IterationRecord:
     """One scheduler step: what it ran, what the KV pool held after it, how long it took."""
 
@@ -61,7 +61,7 @@ class IterationRecord:
     num_preemptions: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ConfigRecord:
     """One version of the scheduler's config: all its values, who set it, when and why.
 
@@ -79,7 +79,7 @@ class ConfigRecord:
         return json.dumps(dict(self.values), sort_keys=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockTableSnapshot:
     """One sequence's block table at ``taken_at`` (an admin call takes one per running
     sequence under one ``snapshot_id``); stored one row per logical block."""
@@ -94,7 +94,7 @@ class BlockTableSnapshot:
 Record = SequenceRecord | IterationRecord | ConfigRecord | BlockTableSnapshot
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IterationRollup:
     """Steps aggregated over one minute (``minute``: its start, Unix seconds).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import operator
 import pathlib
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -214,8 +215,11 @@ class TelemetryStore:
         table = {SequenceRecord: "sequences", IterationRecord: "scheduler_iterations"}[kind]
         names = [f.name for f in dataclasses.fields(kind)]
         marks = ", ".join("?" * len(names))
+        # attrgetter, not dataclasses.astuple (a recursive deep copy): the writer thread
+        # shares the GIL with the step loop, so its Python work per row is kept small.
+        row = operator.attrgetter(*names)
         self.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})",
-                         [dataclasses.astuple(r) for r in items])
+                         [row(r) for r in items])
 
     # -- reading -----------------------------------------------------------------------------
     def _select(self, kind: type, table: str, where: str, params: tuple, order: str) -> list:

@@ -4,7 +4,8 @@
 and never raises for a slow or broken store: the record goes into a bounded queue
 (``put_nowait``), and when the queue is full it is dropped and counted
 (``num_dropped``, for a metric), because telemetry must never slow serving. The
-writer thread takes records in batches (one transaction per batch), and every
+writer thread takes records in batches (one transaction per batch, gathered for
+up to ``linger_s`` so it wakes a few times a second, not once a step), and every
 ``retention.interval_s`` runs a retention pass. A batch the store refuses (server
 gone, disk full) is dropped and counted in ``num_failed``; the thread lives on,
 reconnects a dropped PostgreSQL connection and tries the next batch, so a
@@ -40,7 +41,7 @@ class TelemetryWriter:
 
     def __init__(self, store: TelemetryStore, *, max_queue: int = DEFAULT_MAX_QUEUE,
                  batch_size: int = DEFAULT_BATCH, retention: Retention | None = None,
-                 poll_s: float = 0.25) -> None:
+                 poll_s: float = 0.25, linger_s: float = 0.1) -> None:
         if max_queue < 1 or batch_size < 1:
             raise ValueError("max_queue and batch_size must be >= 1")
         self.retention = retention or Retention()
@@ -49,6 +50,7 @@ class TelemetryWriter:
         self._queue: queue.Queue[Record] = queue.Queue(maxsize=max_queue)
         self._batch_size = batch_size
         self._poll_s = poll_s
+        self._linger_s = linger_s
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self.num_accepted = 0
@@ -102,6 +104,10 @@ class TelemetryWriter:
             batch = [self._queue.get(timeout=self._poll_s)]
         except queue.Empty:
             return []
+        # Linger before draining: records arrive one per step, and waking (and
+        # committing) once per record would take the GIL from the step loop each time.
+        if self._linger_s and self._queue.qsize() < self._batch_size:
+            self._stop.wait(self._linger_s)
         while len(batch) < self._batch_size:
             try:
                 batch.append(self._queue.get_nowait())
