@@ -50,6 +50,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-step-failures", type=int, default=None,
                    help="failed steps after which a request (a poison request) ends with an "
                         "error, the last one run alone (default: the scheduler's, 2)")
+    p.add_argument("--telemetry-dsn", default=None,
+                   help="telemetry store: a SQLite path or postgresql://... (default: "
+                        "$XDG_STATE_HOME/continuum/telemetry.sqlite; 'off' records nothing); "
+                        "read it with `continuum report`")
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")

@@ -39,6 +39,22 @@ RESTART_WINDOW_S = 120.0
 
 
 
+def default_telemetry_store() -> str:
+    """Where serve keeps its telemetry unless told: the user's state directory
+    ($XDG_STATE_HOME/continuum, else ~/.local/state/continuum), one SQLite file."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "continuum", "telemetry.sqlite")
+
+
+def _telemetry_flags(a: argparse.Namespace) -> list[str]:
+    dsn = a.telemetry_dsn if a.telemetry_dsn is not None else default_telemetry_store()
+    if dsn in ("", "off"):
+        return []
+    if "://" not in dsn:
+        os.makedirs(os.path.dirname(os.path.abspath(dsn)), mode=0o700, exist_ok=True)
+    return ["--telemetry-dsn", dsn]
+
+
 def _queue_time_flags(args) -> list[str]:
     """The scheduler's per-tier queue-time bounds that were given on serve's command line."""
     flags = []
@@ -176,7 +192,7 @@ class Supervisor:
                       if a.max_num_waiting_per_tenant is not None else []),
                     *(["--max-step-failures", str(a.max_step_failures)]
                       if a.max_step_failures is not None else []),
-                    *_queue_time_flags(a)]
+                    *_queue_time_flags(a), *_telemetry_flags(a)]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,

@@ -25,10 +25,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2_grpc
+from protos.telemetry import Retention, StoreError, TelemetryWriter
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.telemetry import Recorder
 
 SERVICE_NAME = "continuum.v1.Scheduler"
 # Gateways ping every 10 s to notice a hung scheduler (gateway/upstream.py): permit
@@ -50,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50061, help="gRPC port for gateways")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests may run on after SIGTERM")
+    p.add_argument("--telemetry-dsn", default="",
+                   help="telemetry store: a SQLite file path (WAL) or postgresql://... "
+                        "(default: none, nothing recorded)")
+    p.add_argument("--telemetry-retention-days", type=float, default=7.0,
+                   help="days telemetry rows are kept (steps roll up to minutes after 1 h)")
     add_config_flags(p)
     return p.parse_args(argv)
 
@@ -121,6 +128,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
                 secret: bytes | None) -> None:
     private_ipc_dir(args.ipc)
     loop = EngineLoop(config, args.ipc, secret=secret)
+    loop.recorder = open_telemetry(args, config)
     try:
         loop.start()
     except zmq.ZMQError as exc:
@@ -149,6 +157,27 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     await drain(loop, server, health_servicer, args.grace_period)
     health_task.cancel()
     await loop.stop()
+    if loop.recorder is not None:
+        await asyncio.to_thread(loop.recorder.writer.close, 5.0)
+
+
+def open_telemetry(args: argparse.Namespace, config: SchedulerConfig) -> Recorder | None:
+    """The telemetry recorder of ``--telemetry-dsn`` (None without one); a store that
+    cannot be opened or migrated is a one-line startup error (exit 2)."""
+    if not args.telemetry_dsn:
+        return None
+    if not args.telemetry_retention_days > 0:
+        fail(f"--telemetry-retention-days must be > 0, got {args.telemetry_retention_days}")
+    max_age_s = args.telemetry_retention_days * 86400
+    retention = Retention(max_age_s=max_age_s, raw_iterations_s=min(3600.0, max_age_s))
+    try:
+        writer = TelemetryWriter.open(args.telemetry_dsn, retention=retention)
+    except StoreError as exc:
+        fail(f"cannot open the telemetry store: {exc}")
+    recorder = Recorder(writer)
+    recorder.config(1, config, "startup", "scheduler start (command line)")
+    log.info("telemetry on", store=writer.target, retention_days=args.telemetry_retention_days)
+    return recorder
 
 
 async def report_health(loop: EngineLoop, health_servicer) -> None:

@@ -38,6 +38,7 @@ from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.telemetry import Recorder
 
 log = structlog.get_logger("scheduler.loop")
 
@@ -111,6 +112,7 @@ class EngineLoop:
         self.num_executor_losses = 0
         self.last_lost_executor_pid = 0
         self._tasks: list[asyncio.Task] = []
+        self.recorder: Recorder | None = None  # telemetry (scheduler_svc/telemetry.py)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class EngineLoop:
             prefill_tokens_per_s=round(hello.prefill_tokens_per_s),
         )
         self._pending_hello = hello
+        if self.recorder is not None:
+            self.recorder.model_version = hello.model_id
         # Acknowledge, so the executor stops re-sending its Hello.
         self.link.send_heartbeat(hello.incarnation, 0)
         self._inflight.fail_all()  # the old incarnation's steps will never answer
@@ -316,6 +320,8 @@ class EngineLoop:
         self.executor_idle_ms.append(result.idle_ms)
         events = self.core.update(out, result.seq_ids, result.token_ids)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
+        if self.recorder is not None:
+            self.recorder.step(out, now - item.sent_at, self.core)
         return True
 
     def _refused(self, out, result: pb.StepResult) -> None:

@@ -18,6 +18,7 @@ import grpc
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import Event, FinishReason, QueueFull, Request
 from scheduler_svc.loop import EngineLoop
+from scheduler_svc.telemetry import Stream
 from scheduler_svc.validation import validate_submit
 
 RETRY_AFTER_MS_KEY = "retry-after-ms"
@@ -48,26 +49,41 @@ def _server_end(req, reason: FinishReason) -> tuple:
     return grpc.StatusCode.UNAVAILABLE, req.error, ()
 
 
+def _status(req, reason, finished: bool) -> str:
+    """A stream's end as the telemetry store names it."""
+    if not finished or reason == FinishReason.ABORT:
+        return "rejected" if req.retry_after_s > 0 else "aborted"
+    return "failed" if reason == FinishReason.ERROR else "finished"
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context):  # noqa: N802
         await self._check(request, context)
+        recorder = self.loop.recorder
+        req = _to_request(request)
         try:
-            queue = self.loop.submit(_to_request(request))
+            queue = self.loop.submit(req)
         except QueueFull as exc:
+            if recorder is not None:
+                recorder.rejected(request.request_id, req.tenant, req.priority_tier,
+                                  req.num_prompt_tokens, str(exc))
             retry_ms = int(exc.retry_after_s * 1000)
             context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{exc}; retry after {exc.retry_after_s:.1f} s")
-        finished = False
+        stream = None if recorder is None else Stream(recorder, req)
+        finished, reason = False, None
         try:
             first = True
             while not finished:
                 ev = await queue.get()
-                req, _, reason, _ = ev
+                _, token, reason, _ = ev
                 finished = reason is not None
+                if stream is not None and token is not None:
+                    stream.tokens(1)
                 if finished and req.error:  # ended by the server: a status says why
                     await context.abort(*_server_end(req, reason))
                 yield _to_event(ev, first)
@@ -75,6 +91,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if not finished:
                 self.loop.abort(request_key(request.tenant, request.request_id))
+            if stream is not None:
+                stream.ended(reason, _status(req, reason, finished))
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):  # noqa: N802
         key = request_key(request.tenant, request.request_id)

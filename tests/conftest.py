@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
 
 import pytest
 
@@ -21,6 +22,9 @@ os.environ[internal_auth.ENV_SECRET] = TEST_SECRET
 os.environ.pop(internal_auth.ENV_SECRET_FILE, None)
 os.environ.pop(internal_auth.ENV_INSECURE, None)
 TEST_METADATA = internal_auth.metadata(TEST_SECRET.encode("ascii"))
+# `continuum serve` records telemetry under $XDG_STATE_HOME by default: the suite's
+# servers write to a directory of this run, never to the user's own store.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="continuum-test-state-")
 
 
 @pytest.fixture(scope="session")

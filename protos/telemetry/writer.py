@@ -65,6 +65,11 @@ class TelemetryWriter:
     def open(cls, target: str, **kw) -> TelemetryWriter:
         return cls(TelemetryStore.open(target, migrate=True), **kw)
 
+    @property
+    def target(self) -> str:
+        """The store's path, or its DSN without the password (for logs)."""
+        return self._store.target
+
     # -- the caller's side (the step loop) ------------------------------------------------
     def put(self, record: Record) -> bool:
         """Queue ``record``; False (and counted in ``num_dropped``) if the queue is full."""

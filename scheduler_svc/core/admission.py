@@ -19,7 +19,7 @@ slot taken, at both ends of a sampling interval — so an idle spell does not
 read as a slow server. It is an
 exponentially weighted ratio of departures to time (time constant TAU_S),
 sampled on the core's own clock at Submit, once MIN_DEPARTURES were measured; and
-Little's law, running / the mean time a finished request spent running (first step
+Little's law, L / W: how many ran beside finished requests / how long they ran (first step
 to finish; measured in any regime, so a server that was never saturated still has an
 estimate when a flood arrives; aborted requests, which leave without being served,
 do not count). With neither (a cold start) only the count caps (max_num_waiting,
@@ -117,14 +117,15 @@ class ServiceTimes:
         self._mean += weight * (max(0.0, seconds) - self._mean)
         self._mean_running += weight * (num_running - self._mean_running)
 
-    def rate(self, num_running: int) -> float | None:
-        """Departures per second, L / W with L the larger of ``num_running`` and the
-        number that ran when the measured requests finished (a flood into an idle
-        server is served as concurrently as the last requests were); None before
-        MIN_DEPARTURES requests finished."""
+    def rate(self) -> float | None:
+        """Departures per second, L / W at the operating point the measured requests
+        ran at (L: how many ran when they finished). Not extrapolated to more
+        concurrency: on a compute-bound executor a batch of 64 takes far longer per
+        request than one of 16, so running / W at the flood's concurrency would admit
+        several times what drains. None before MIN_DEPARTURES requests finished."""
         if self.count < MIN_DEPARTURES:
             return None
-        return max(num_running, self._mean_running, 1.0) / max(self._mean, 1e-3)
+        return max(self._mean_running, 1.0) / max(self._mean, 1e-3)
 
 
 def departure_rate(measured: float | None, little: float | None) -> float | None:
@@ -234,7 +235,7 @@ class Admission:
         self.throughput.sample(req.arrival_time, num_finished, held or free <= 0)
         tier = req.priority_tier
         bound = queue_time_bound(cfg, tier)
-        rate = departure_rate(self.throughput.rate, self.service.rate(len(running)))
+        rate = departure_rate(self.throughput.rate, self.service.rate())
         refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
         if refusal is None and bound > 0 and waiting:
             oldest = waiting.oldest_arrival_up_to(tier)

@@ -186,6 +186,7 @@ class Lifecycle:
         if swap:
             self.swap_out.extend(bm.swap_out(req.seq_id))
             req.status = RequestStatus.SWAPPED
+            req.num_swaps += 1
         else:
             bm.free(req.seq_id)
             req.num_computed_tokens = 0

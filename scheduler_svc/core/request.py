@@ -84,6 +84,7 @@ class Request:
     first_scheduled_time: float | None = None
     admit_seq: int = 0  # admission order (victims: most recently admitted first)
     num_preemptions: int = 0
+    num_swaps: int = 0  # of those, by swapping out (the rest recomputed)
     preempt_times: list[float] = dataclasses.field(default_factory=list)
     protected: bool = False  # preempted too often: not chosen again until it finishes
     # Failed steps it took part in (the executor raised, hung or died in them), and the

@@ -1,0 +1,95 @@
+"""The scheduler process's telemetry (issue 17): what it records, and when.
+
+Every record goes to a ``protos.telemetry.TelemetryWriter``, whose ``put`` never
+blocks (a full queue drops the record and counts it): telemetry can lose rows, never
+slow serving. Two places record:
+
+* the loop, once per applied step (``step``): tokens, sequences, the KV pool after
+  it, its latency, its preemptions — one record built from counters the loop has;
+* the servicer, once per request when its stream ends (``Stream``): the request's
+  own times as its stream saw them (queue wait, TTFT, the median gap between its
+  tokens), its status and finish reason — off the step loop, in the request's own
+  coroutine; refusals at Submit are rows too (status ``rejected``).
+
+Times in the store are Unix seconds; the core's clock is monotonic, so each record
+converts with the offset taken when the recorder starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from protos.telemetry import (
+    ConfigRecord,
+    IterationRecord,
+    SequenceRecord,
+    TelemetryWriter,
+)
+
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+SCHEDULER_VERSION = "continuum-0.1"
+
+
+class Recorder:
+    """Builds the scheduler's telemetry records and hands them to ``writer``."""
+
+    def __init__(self, writer: TelemetryWriter) -> None:
+        self.writer = writer
+        self.model_version = ""  # the executor's model id, once one registered
+        self._wall_offset = time.time() - time.monotonic()
+        self._preemptions = 0
+
+    def wall(self, monotonic_s: float) -> float:
+        return monotonic_s + self._wall_offset
+
+    def step(self, out, step_s: float, core) -> None:
+        """One applied step: ``out`` its plan, ``step_s`` plan sent to answer."""
+        bm = core.block_manager
+        preemptions = core.num_preemptions
+        self.writer.put(IterationRecord(
+            time.time(), out.num_batched_tokens - out.num_prefill_tokens,
+            out.num_prefill_tokens, len(out.new) + len(out.cached),
+            bm.num_free_blocks if bm else 0, bm.num_cached_free_blocks if bm else 0,
+            step_s * 1e3, preemptions - self._preemptions))
+        self._preemptions = preemptions
+
+    def config(self, version: int, config, author: str, reason: str) -> None:
+        self.writer.put(ConfigRecord(version, dataclasses.asdict(config), author,
+                                     time.time(), reason))
+
+    def rejected(self, request_id: str, tenant: str, tier: int, prompt_tokens: int,
+                 why: str) -> None:
+        self.writer.put(SequenceRecord(
+            request_id, tenant, tier, self.model_version, SCHEDULER_VERSION, prompt_tokens,
+            0, "rejected", why[:200], 0, 0, None, None, None, None, time.time()))
+
+
+class Stream:
+    """One request's stream as the servicer relays it: token times and its end."""
+
+    __slots__ = ("recorder", "req", "token_times")
+
+    def __init__(self, recorder: Recorder, req) -> None:
+        self.recorder, self.req = recorder, req
+        self.token_times: list[float] = []
+
+    def tokens(self, n: int) -> None:
+        if n:
+            now = time.monotonic()
+            self.token_times.extend([now] * n)
+
+    def ended(self, finish_reason: int | None, status: str) -> None:
+        req, times, rec = self.req, self.token_times, self.recorder
+        first = req.first_scheduled_time
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        swaps = req.num_swaps
+        rec.writer.put(SequenceRecord(
+            req.request_id.split("\x1f", 1)[-1], req.tenant, req.priority_tier,
+            rec.model_version, SCHEDULER_VERSION, req.num_prompt_tokens, len(times),
+            status, FINISH_NAMES.get(finish_reason or 0), req.num_preemptions - swaps, swaps,
+            None if first is None else (first - req.arrival_time) * 1e3,
+            (times[0] - req.arrival_time) * 1e3 if times else None,
+            statistics.median(gaps) * 1e3 if gaps else None,
+            None if first is None else rec.wall(first), time.time()))
