@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default="1:1", help="TIER:WEIGHT,... (0 premium .. 2 best effort)")
     p.add_argument("--goodput", nargs="*", default=[], metavar="SLO",
                    help="SLOs for goodput, e.g. ttft:500 tpot:150 (ms)")
+    p.add_argument("--dollars-per-hour", type=float, default=None, metavar="USD",
+                   help="what the serving hardware costs per hour: also report the cost "
+                        "per 1M output tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-rates", default=None,
                    help="comma-separated request rates to run one after another")
@@ -113,6 +116,8 @@ def validate_args(args: argparse.Namespace) -> None:
         problems.append("lengths must be >= 1")
     if args.shared_prefix_len < 0:
         problems.append("--shared-prefix-len must be >= 0")
+    if args.dollars_per_hour is not None and not 0 < args.dollars_per_hour < float("inf"):
+        problems.append("--dollars-per-hour must be a price > 0")
     if args.plot and not args.sweep_rates:
         problems.append("--plot needs --sweep-rates")
     if problems:
@@ -148,7 +153,7 @@ async def run_point(args: argparse.Namespace, rate: float, point: int = 0) -> tu
                                                 progress=not args.no_progress)
     finally:
         await client.close()
-    report = summarize_outcomes(outcomes, duration, slos)
+    report = summarize_outcomes(outcomes, duration, slos, args.dollars_per_hour)
     report["config"] = {
         "api": args.api, "dataset": args.dataset, "request_rate": rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,

@@ -13,12 +13,22 @@ from collections.abc import Sequence
 
 from continuum.bench_clients import Outcome
 from gateway.metrics import TIER_NAMES
-from sim.metrics import summarize
+from sim.metrics import cost_per_million, summarize
 
 
 def summarize_outcomes(outcomes: Sequence[Outcome], duration_s: float,
-                       slos: dict[str, float]) -> dict:
-    """Overall, per tier and per tenant summaries (sim.metrics definitions; SLOs in ms)."""
+                       slos: dict[str, float], dollars_per_hour: float | None = None) -> dict:
+    """Overall, per tier and per tenant summaries (sim.metrics definitions; SLOs in ms);
+    with ``dollars_per_hour`` the overall one also has ``cost_per_1m_output_tokens``."""
+    report = _summaries(outcomes, duration_s, slos)
+    if dollars_per_hour is not None:
+        report["dollars_per_hour"] = dollars_per_hour
+        report["overall"]["cost_per_1m_output_tokens"] = cost_per_million(
+            report["overall"]["output_throughput"], dollars_per_hour)
+    return report
+
+
+def _summaries(outcomes: Sequence[Outcome], duration_s: float, slos: dict[str, float]) -> dict:
     def group(items: Sequence[Outcome]) -> dict:
         timings = [(o.sent_s, o.first_token_s, o.finish_s, o.output_tokens, o.chunk_times)
                    for o in items if o.completed and o.first_token_s is not None]
@@ -69,6 +79,10 @@ def format_report(report: dict, title: str) -> str:
         lines.append(row(f"tier {name}", s))
     for name, s in report["by_tenant"].items():
         lines.append(row(f"tenant {name}", s))
+    cost = report["overall"].get("cost_per_1m_output_tokens")
+    if cost is not None:
+        lines.append(f"cost: ${cost:.3f} per 1M output tokens at "
+                     f"${report['dollars_per_hour']:g}/h")
     errors = report["overall"]["errors"]
     if errors:
         lines.append("errors: " + ", ".join(f"{k} × {v}" for k, v in sorted(errors.items())))

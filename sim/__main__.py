@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the service curves a capacity contract declares "
                         "(docs/capacity/contract.toml), from this cost model")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    p.add_argument("--dollars-per-hour", type=float, default=report.DOLLARS_PER_HOUR,
+                   help="the simulated hardware's price, for the $/1M out column "
+                        f"(default: the seed's ${report.DOLLARS_PER_HOUR}/h 4xA100 spot; "
+                        f"its target is under ${report.COST_TARGET} per 1M output tokens)")
     return p
 
 
@@ -77,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, cost: StepCostModel) -> int:
+    if not 0 < args.dollars_per_hour < float("inf"):
+        print("python -m sim: --dollars-per-hour must be a price > 0", file=sys.stderr)
+        return 2
+    report.DOLLARS_PER_HOUR = args.dollars_per_hour
     trace = args.trace or default_trace()
     policies = report.POLICIES if args.policy == "all" else (args.policy,)
     started = time.perf_counter()

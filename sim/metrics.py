@@ -109,3 +109,12 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2e", e2es)):
         _stats(name, values, percentiles, out)
     return out
+
+
+def cost_per_million(output_tokens_per_s: float, dollars_per_hour: float) -> float:
+    """Dollars per 1M output tokens at ``output_tokens_per_s`` on hardware rented at
+    ``dollars_per_hour`` (the seed's figure: $8.20/h spot 4xA100, target under $0.50);
+    NaN when nothing was produced."""
+    if not output_tokens_per_s > 0:
+        return float("nan")
+    return dollars_per_hour / 3600.0 / output_tokens_per_s * 1e6

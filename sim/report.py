@@ -10,10 +10,14 @@ from collections.abc import Sequence
 
 from sim.cost_model import StepCostModel
 from sim.engine import SimResult, Simulation, policy_config
-from sim.metrics import summarize
+from sim.metrics import cost_per_million, summarize
 from sim.workload import TraceRequest, merge, poisson_class, split_classes
 
 POLICIES = ("static", "continuous", "chunked")
+# The seed's price of the simulated hardware (a 4xA100 80GB spot node), and its target:
+# under $0.50 per 1M output tokens. `python -m sim --dollars-per-hour` changes the price.
+DOLLARS_PER_HOUR = 8.20
+COST_TARGET = 0.50
 
 
 def run(requests: Sequence[TraceRequest], policy: str, cost: StepCostModel,
@@ -32,6 +36,8 @@ def result_row(res: SimResult, **labels) -> dict:
             "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
             "stalled decode steps %": 100 * res.num_stalled_decode_steps
             / max(1, res.num_decode_steps),
+            "$/1M out": cost_per_million(res.num_output_tokens / res.end_s
+                                         if res.end_s else 0.0, DOLLARS_PER_HOUR),
             "preemptions": res.num_preemptions,
             "sim s": res.end_s, "wall s": res.wall_s}
 

@@ -7,8 +7,8 @@ joining a queue it would time out in. The estimate, for a request of tier t:
     ahead = requests waiting in tiers 0..t     (a premium request counts only
                                                 premium; best effort counts all)
     free  = max_num_seqs - running, or 0 while the last admission step left
-            requests waiting for room (then the KV pool or the slots hold them
-            back; a burst that arrived since waits only for the next step)
+            requests waiting (the KV pool, the slots or the prefill budget hold
+            them back; a burst into a queue it emptied waits only for one step)
     wait  = 0                                  if ahead < free
             (ahead - free + 1) / departures_per_s   otherwise
 
@@ -205,10 +205,10 @@ class Admission:
         self.num_shed = 0  # queued requests ended for waiting past their bound
         self._next_shed_check = 0.0
         self.now = 0.0  # the clock at the last admission step (step-granular timestamps)
-        # The last admission step left requests waiting for lack of room (a slot or KV
-        # blocks), not for lack of a step: only then do queued requests wait for
-        # departures. A burst that arrives between two steps (n = 16, many clients at
-        # once) into free slots waits only for the next step.
+        # The last admission step left requests waiting (for a slot, KV blocks or the
+        # step's token budget): only then do queued requests wait for departures. A
+        # burst that arrives between two steps (n = 16, many clients at once) into a
+        # queue the last step emptied waits only for the next step, slots allowing.
         self.blocked = False
 
     def check_caps(self, req: Request) -> None:

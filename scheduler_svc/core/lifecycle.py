@@ -103,8 +103,9 @@ class Lifecycle:
             if n == 0:
                 break  # the best request does not fit yet; nobody overtakes it
             budget -= n
-        # Waiting for room (KV or a slot), not for the budget of a step: see Admission.
-        self._admission.blocked = bool(self._waiting) and budget > 0
+        # Anything left waiting waits for room or for prefill throughput (a budget
+        # spent on long prompts holds the queue as surely as a full pool): see Admission.
+        self._admission.blocked = bool(self._waiting)
         return budget
 
     def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,

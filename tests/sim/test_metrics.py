@@ -83,3 +83,12 @@ def test_tpot_is_the_mean_gap_after_the_first_token():
     assert tpot(0.2, 0.2, 1) is None  # one token: no gap, no TPOT
     assert tpot(0.2, 0.2, 0) is None
     assert summarize([A, B])["tpot_mean_ms"] == pytest.approx(tpot(0.5, 2.5, 5) * 1e3)
+
+
+def test_cost_per_million_output_tokens():
+    from sim.metrics import cost_per_million
+
+    # The seed's node, $8.20/h, at 8,000 output tokens/s: $0.285 per 1M.
+    assert abs(cost_per_million(8000.0, 8.20) - 8.20 / 3600 / 8000 * 1e6) < 1e-12
+    assert round(cost_per_million(8000.0, 8.20), 3) == 0.285
+    assert math.isnan(cost_per_million(0.0, 8.20))
