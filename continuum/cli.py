@@ -56,6 +56,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "read it with `continuum report`")
     p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
                    help="batching policy (benchmarks compare them)")
+    p.add_argument("--config-file", default=None,
+                   help="scheduler config fields in TOML or JSON (wins over these flags); "
+                        "re-read every 2 s and applied live (`continuum config history`)")
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--grace-period", type=float, default=30.0,
@@ -110,6 +113,15 @@ def _ops_parsers(sub) -> None:
         module.add_arguments(p)
 
 
+def _config_parser(sub) -> None:
+    from continuum import config_cli
+
+    p = sub.add_parser("config", help="the scheduler's config: get, set live, history, rollback",
+                       description=config_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    config_cli.add_arguments(p)
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``continuum`` parser and its ``serve`` subparser."""
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__)
@@ -119,6 +131,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _capacity_parser(sub)
     _bench_parser(sub)
     _ops_parsers(sub)
+    _config_parser(sub)
     return parser, serve
 
 
@@ -136,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
             from continuum import gate, report
 
             sys.exit((report if args.command == "report" else gate).main(args))
+        if args.command == "config":
+            from continuum.config_cli import main as config_main
+
+            sys.exit(config_main(args))
         if args.command == "capacity":
             from continuum.capacity import main as capacity_main
 

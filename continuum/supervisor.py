@@ -192,7 +192,9 @@ class Supervisor:
                       if a.max_num_waiting_per_tenant is not None else []),
                     *(["--max-step-failures", str(a.max_step_failures)]
                       if a.max_step_failures is not None else []),
-                    *_queue_time_flags(a), *_telemetry_flags(a)]
+                    *_queue_time_flags(a), *_telemetry_flags(a),
+                    *(["--config-file", os.path.abspath(a.config_file)]
+                      if getattr(a, "config_file", None) else [])]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,

@@ -26,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2_grpc
 from protos.telemetry import Retention, StoreError, TelemetryWriter
+from scheduler_svc import config_file
+from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
@@ -57,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: none, nothing recorded)")
     p.add_argument("--telemetry-retention-days", type=float, default=7.0,
                    help="days telemetry rows are kept (steps roll up to minutes after 1 h)")
+    p.add_argument("--config-file", default="",
+                   help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
+                        "its fields win over the flags, and it is re-read every 2 s: a "
+                        "change is applied live as a new config version")
     add_config_flags(p)
     return p.parse_args(argv)
 
@@ -125,10 +131,14 @@ def private_ipc_dir(ipc: str) -> None:
 
 
 async def serve(args: argparse.Namespace, config: SchedulerConfig,
-                secret: bytes | None) -> None:
+                secret: bytes | None, flags: SchedulerConfig | None = None,
+                file_bytes: bytes = b"") -> None:
+    """``config``: the startup config (``flags`` under the config file's fields)."""
     private_ipc_dir(args.ipc)
     loop = EngineLoop(config, args.ipc, secret=secret)
     loop.recorder = open_telemetry(args, config)
+    admin = ConfigAdmin(loop, config, flags, source="command line" + (
+        f" and {args.config_file}" if args.config_file else ""))
     try:
         loop.start()
     except zmq.ZMQError as exc:
@@ -137,6 +147,8 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
         options=KEEPALIVE_OPTIONS,
         interceptors=None if secret is None else [InternalAuthInterceptor(secret)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
+    scheduler_pb2_grpc.add_SchedulerAdminServicer_to_server(SchedulerAdminServicer(admin),
+                                                            server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -149,13 +161,17 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    health_task = asyncio.get_running_loop().create_task(report_health(loop, health_servicer))
+    tasks = [asyncio.get_running_loop().create_task(report_health(loop, health_servicer))]
+    if args.config_file:
+        tasks.append(asyncio.get_running_loop().create_task(
+            config_file.watch(args.config_file, file_bytes, admin.apply_file)))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([stopping, loop.fatal], return_when=asyncio.FIRST_COMPLETED)
     if loop.fatal.done():
         await die(loop, server, health_servicer, loop.fatal.result())
     await drain(loop, server, health_servicer, args.grace_period)
-    health_task.cancel()
+    for task in tasks:
+        task.cancel()
     await loop.stop()
     if loop.recorder is not None:
         await asyncio.to_thread(loop.recorder.writer.close, 5.0)
@@ -174,8 +190,7 @@ def open_telemetry(args: argparse.Namespace, config: SchedulerConfig) -> Recorde
         writer = TelemetryWriter.open(args.telemetry_dsn, retention=retention)
     except StoreError as exc:
         fail(f"cannot open the telemetry store: {exc}")
-    recorder = Recorder(writer)
-    recorder.config(1, config, "startup", "scheduler start (command line)")
+    recorder = Recorder(writer)  # ConfigAdmin records the startup config as version 1
     log.info("telemetry on", store=writer.target, retention_days=args.telemetry_retention_days)
     return recorder
 
@@ -232,12 +247,16 @@ async def die(loop: EngineLoop, server, health_servicer, why: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging()
+    file_bytes = b""
     try:
-        config = config_from(args)
+        flags = config = config_from(args)
+        if args.config_file:
+            values, file_bytes = config_file.load(args.config_file)
+            config = config_file.overlay(flags, values)
     except ConfigError as exc:
         fail(str(exc))
     secret = load_secret(args.host)
-    asyncio.run(serve(args, config, secret))
+    asyncio.run(serve(args, config, secret, flags, file_bytes))
 
 
 if __name__ == "__main__":

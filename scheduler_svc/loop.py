@@ -37,6 +37,7 @@ from scheduler_svc.core import (
 from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
+from scheduler_svc.metrics import Histograms
 from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.telemetry import Recorder
 
@@ -113,6 +114,7 @@ class EngineLoop:
         self.last_lost_executor_pid = 0
         self._tasks: list[asyncio.Task] = []
         self.recorder: Recorder | None = None  # telemetry (scheduler_svc/telemetry.py)
+        self.histograms = Histograms()  # the replica's /metrics (scheduler_svc/metrics.py)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -178,6 +180,12 @@ class EngineLoop:
         self._dispatch(events)
         self._wake.set()
         return len(events)
+
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Hot reload (scheduler_svc/admin.py): RPC handlers run on this event loop,
+        never inside a ``schedule()``, so the next plan is the first built with it."""
+        self.core.reconfigure(config)
+        self._wake.set()  # a lifted limit may admit what waits while the loop idles
 
     @property
     def num_dropped_frames(self) -> int:

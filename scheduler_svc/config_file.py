@@ -1,0 +1,149 @@
+"""SchedulerConfig values as text and as a file (issue 17's hot reload).
+
+Two sources change the scheduler's config from outside, and both go through here:
+
+* the admin RPC (``continuum config set max_num_seqs=96``) sends each value as text:
+  ``parse_value`` turns it into the field's type, or raises ConfigError naming the field;
+* ``--config-file PATH`` (a Kubernetes ConfigMap mounted as a volume) is a TOML or JSON
+  table of fields: ``load`` reads it, ``overlay`` puts it over the command-line config.
+  The file wins over the flags, as a ConfigMap should: it is the deployment's declared
+  state, and a field it does not name keeps its command-line value.
+
+``watch`` polls the path every ``POLL_S``: a ConfigMap volume is updated by swapping a
+symlink (``..data``), so the path is re-stat'ed and re-read each time, never held open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from scheduler_svc.core import ConfigError, SchedulerConfig
+
+POLL_S = 2.0
+# Bigger than any sane config file: a wrong path (a log, a device) is refused unread.
+MAX_FILE_BYTES = 64 * 1024
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+FIELDS = {f.name: str(f.type) for f in dataclasses.fields(SchedulerConfig)}
+log = structlog.get_logger("scheduler.config_file")
+
+
+def format_value(value: object) -> str:
+    """A config value as text that ``parse_value`` reads back unchanged."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_value(name: str, value: object) -> object:
+    """``value`` (text, or a TOML/JSON scalar) as field ``name``'s type; ConfigError
+    for an unknown field or a value of the wrong kind. Range checks are the config's
+    own (SchedulerConfig.__post_init__), so they are the same as at start."""
+    kind = FIELDS.get(name)
+    if kind is None:
+        raise ConfigError(f"unknown config field {name!r}; the fields are: "
+                          f"{', '.join(FIELDS)}")
+    text = value.strip().lower() if isinstance(value, str) else None
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if kind == "str":
+        if isinstance(value, str):
+            return value.strip()
+        raise ConfigError(f"{name} must be text, got {value!r}")
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, float):
+                raise ValueError
+            return int(value)
+        parsed = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, "
+                          f"got {value!r}") from None
+    return parsed
+
+
+def parse_values(values: Mapping[str, object]) -> dict[str, object]:
+    return {name: parse_value(name, value) for name, value in values.items()}
+
+
+def load(path: str) -> tuple[dict[str, object], bytes]:
+    """The fields ``path`` sets (parsed) and its bytes; ConfigError saying what is wrong
+    with it. ``.json`` is JSON, anything else TOML (a flat table of fields)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"the config file {path} is over {MAX_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+        table = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, TOMLDecodeError
+        raise ConfigError(f"the config file {path} is not valid "
+                          f"{'JSON' if path.endswith('.json') else 'TOML'}: {exc}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"the config file {path} must hold a table of config fields")
+    try:
+        return parse_values(table), data
+    except ConfigError as exc:
+        raise ConfigError(f"the config file {path}: {exc}") from None
+
+
+def overlay(base: SchedulerConfig, values: Mapping[str, object]) -> SchedulerConfig:
+    """``base`` with ``values`` replaced, validated as at start (ConfigError)."""
+    return dataclasses.replace(base, **values)
+
+
+def _stat_key(path: str) -> tuple | None:
+    try:
+        st = os.stat(path)  # follows the symlink anew each time
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+async def watch(path: str, seen: bytes, apply: Callable[[dict[str, object]], None],
+                poll_s: float = POLL_S) -> None:
+    """Calls ``apply(fields)`` each time ``path``'s content changes from ``seen`` (the
+    bytes read at start). A file that cannot be read or parsed, or that ``apply``
+    refuses (ConfigError), is logged with the reason once per content and changes
+    nothing; the next good content is applied."""
+    key, digest = _stat_key(path), hashlib.sha256(seen).digest()
+    while True:
+        await asyncio.sleep(poll_s)
+        now = _stat_key(path)
+        if now == key:
+            continue
+        key = now
+        try:
+            values, data = load(path)
+        except ConfigError as exc:
+            new_digest = hashlib.sha256(repr(exc).encode()).digest()
+            if new_digest != digest:
+                log.error("config file refused; the config is unchanged", path=path,
+                          why=str(exc))
+            digest = new_digest
+            continue
+        new_digest = hashlib.sha256(data).digest()
+        if new_digest == digest:
+            continue  # touched, or a symlink swap to the same content
+        digest = new_digest
+        try:
+            apply(values)
+        except ConfigError as exc:
+            log.error("config file refused; the config is unchanged", path=path,
+                      why=str(exc))
