@@ -1,0 +1,108 @@
+"""Hot reload on a real ``continuum serve``: a config change takes effect in scheduling.
+
+Serve starts with ``--config-file`` (max_num_seqs 4, passed through to the scheduler);
+``continuum config set max_num_seqs=1`` then makes two concurrent requests run one
+after the other: the second's first token comes after the first's last, and Stats never
+shows two running. A block-table snapshot taken while one streams holds its blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import pytest
+
+from continuum import cli
+from protos.continuum.v1 import scheduler_pb2 as pb
+from protos.continuum.v1 import scheduler_pb2_grpc
+from tests.conftest import TEST_METADATA
+from tests.integration.conftest import start_server, stop_server
+from tests.integration.test_serve import chat
+
+pytestmark = pytest.mark.integration
+MAX_TOKENS = 48
+
+
+def timed_run(server, question: str) -> tuple[float, float]:
+    """(first token, last token) times of one greedy answer, as the client saw them."""
+    times = []
+    with grpc.insecure_channel(server.addr) as ch:
+        for r in server.generation_stub(ch).Generate(
+                chat(question, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=300):
+            if r.token_ids:
+                times.append(time.monotonic())
+    assert times
+    return times[0], times[-1]
+
+
+def run_pair(server) -> tuple[list[tuple[float, float]], int]:
+    """Two concurrent requests, ordered by first token; the most Stats saw running."""
+    most, done = [0], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            most[0] = max(most[0], server.stats().num_running)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda q: timed_run(server, q),
+                                 ["Count to fifty.", "Name every planet."]))
+    finally:
+        done.set()
+        poller.join()
+    return sorted(runs), most[0]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("hot_reload")
+    conf = tmp / "scheduler.json"
+    # No queue-time bound: on a busy machine the second request may wait long for the first.
+    conf.write_text('{"max_num_seqs": 4, "max_queue_time_standard_s": 0}')
+    server = start_server(tmp, model_dir, "--kv-cache-bytes", str(96 << 20),
+                          "--config-file", str(conf), "--telemetry-dsn", "off")
+    yield server
+    assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+
+
+def test_serve_passes_the_config_file_and_a_live_change_takes_effect(served, capsys):
+    with grpc.insecure_channel(f"127.0.0.1:{served.scheduler_port}") as ch:
+        admin = scheduler_pb2_grpc.SchedulerAdminStub(ch)
+        first = admin.GetConfig(pb.GetConfigRequest(), timeout=10, metadata=TEST_METADATA)
+    assert first.version == 1 and first.values["max_num_seqs"] == "4"
+    assert "scheduler.json" in first.reason
+
+    (a, b), most = run_pair(served)
+    assert b[0] < a[1], "with 4 slots the two requests should run side by side"
+    assert most <= 4
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["config", "set", "max_num_seqs=1", "--reason", "one at a time",
+                  "--scheduler", f"127.0.0.1:{served.scheduler_port}"])
+    assert done.value.code == 0 and "version 2" in capsys.readouterr().out
+
+    (a, b), most = run_pair(served)
+    assert b[0] >= a[1], "with max_num_seqs=1 the second must start after the first ended"
+    assert most == 1
+
+
+def test_block_table_snapshot_of_a_streaming_request(served):
+    with grpc.insecure_channel(served.addr) as gch, \
+            grpc.insecure_channel(f"127.0.0.1:{served.scheduler_port}") as sch:
+        stream = served.generation_stub(gch).Generate(
+            chat("Tell a long story.", max_tokens=400, ignore_eos=True), timeout=300)
+        next(r for r in stream if r.token_ids)  # admitted: it holds blocks now
+        snap = scheduler_pb2_grpc.SchedulerAdminStub(sch).SnapshotBlockTables(
+            pb.SnapshotBlockTablesRequest(), timeout=10, metadata=TEST_METADATA)
+        stream.cancel()
+    assert len(snap.tables) == 1
+    table = snap.tables[0]
+    assert table.block_ids and not table.is_swapped
+    assert len(set(table.block_ids)) == len(table.block_ids)
+    assert snap.num_free_blocks < snap.num_total_blocks
