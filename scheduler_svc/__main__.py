@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2_grpc
-from protos.telemetry import Retention, StoreError, TelemetryWriter
+from protos.telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
 from scheduler_svc import config_file
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
@@ -138,7 +138,8 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     loop = EngineLoop(config, args.ipc, secret=secret)
     loop.recorder = open_telemetry(args, config)
     admin = ConfigAdmin(loop, config, flags, source="command line" + (
-        f" and {args.config_file}" if args.config_file else ""))
+        f" and {args.config_file}" if args.config_file else ""),
+        first_version=last_config_version(args.telemetry_dsn) + 1 if loop.recorder else 1)
     try:
         loop.start()
     except zmq.ZMQError as exc:
@@ -193,6 +194,18 @@ def open_telemetry(args: argparse.Namespace, config: SchedulerConfig) -> Recorde
     recorder = Recorder(writer)  # ConfigAdmin records the startup config as version 1
     log.info("telemetry on", store=writer.target, retention_days=args.telemetry_retention_days)
     return recorder
+
+
+def last_config_version(dsn: str) -> int:
+    """The telemetry store's newest config version (0: none): a restarted scheduler
+    numbers its versions after it, since the version is the table's primary key."""
+    try:
+        with TelemetryStore.open(dsn, migrate=False) as store:
+            (newest,), = store.query("SELECT MAX(version) FROM scheduler_config")
+    except StoreError as exc:
+        log.warning("cannot read the store's config versions; numbering from 1", why=str(exc))
+        return 0
+    return newest or 0
 
 
 async def report_health(loop: EngineLoop, health_servicer) -> None:

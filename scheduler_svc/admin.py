@@ -1,6 +1,6 @@
 """The scheduler's admin plane (issue 17): its config changed live, block tables on demand.
 
-``ConfigAdmin`` owns the config's versions: version 1 is the startup config, every
+``ConfigAdmin`` owns the config's versions: the first is the startup config, every
 change that alters a value is the next version, with its author, time and reason,
 kept in memory (``history``) and written to the telemetry store when there is one.
 A change is validated by building a new SchedulerConfig (the same checks as at
@@ -53,10 +53,14 @@ class ConfigAdmin:
     """The config's versions and the one place that changes the running config."""
 
     def __init__(self, loop: EngineLoop, startup: SchedulerConfig,
-                 flags: SchedulerConfig | None = None, source: str = "command line") -> None:
-        """``startup``: the config the scheduler started with (version 1); ``flags``:
-        the command line's alone, which a config file's content is laid over."""
+                 flags: SchedulerConfig | None = None, source: str = "command line",
+                 first_version: int = 1) -> None:
+        """``startup``: the config the scheduler started with (version ``first_version``:
+        1, or one past the telemetry store's newest, whose primary key it is, so that
+        versions go on rising across restarts); ``flags``: the command line's alone,
+        which a config file's content is laid over."""
         self.loop = loop
+        self.first_version = first_version
         self.startup = startup
         self.flags = flags or startup
         self.history: list[ConfigRecord] = []
@@ -78,7 +82,7 @@ class ConfigAdmin:
         old = next((r for r in self.history if r.version == version), None)
         if old is None:
             raise KeyError(f"no config version {version}; this scheduler has versions "
-                           f"1 to {self.current.version}")
+                           f"{self.first_version} to {self.current.version}")
         return self.apply(SchedulerConfig(**old.values), author, f"rollback to {version}")
 
     def apply_file(self, values: dict[str, object]) -> ConfigRecord:
@@ -111,7 +115,8 @@ class ConfigAdmin:
         return record
 
     def _record(self, config: SchedulerConfig, author: str, reason: str) -> ConfigRecord:
-        record = ConfigRecord(len(self.history) + 1, dataclasses.asdict(config), author,
+        record = ConfigRecord(self.first_version + len(self.history),
+                              dataclasses.asdict(config), author,
                               time.time(), reason)
         self.history.append(record)
         if self.loop.recorder is not None:

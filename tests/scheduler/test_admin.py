@@ -153,17 +153,41 @@ def test_the_config_file_is_applied_on_change_and_a_bad_one_changes_nothing(admi
 
 def test_versions_are_written_to_the_telemetry_store(admin, sched):
     latest = current(admin).version
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        with TelemetryStore.open(sched[2], migrate=False) as store:
-            rows = store.config_history()
-        if rows and rows[-1].version >= latest or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    rows = store_versions(sched[2], latest)
     history = call(admin.ConfigHistory, pb.ConfigHistoryRequest()).versions
     assert [(r.version, r.author, r.reason) for r in rows] == [
         (h.version, h.author, h.reason) for h in history[:len(rows)]]
     assert rows[-1].version >= latest and rows[0].author == "startup"
+
+
+def store_versions(path, at_least: int) -> list:
+    """The store's config rows once it holds version ``at_least`` (the writer lingers)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        with TelemetryStore.open(path, migrate=False) as store:
+            rows = store.config_history()
+        if rows and rows[-1].version >= at_least or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_a_restarted_scheduler_numbers_its_versions_after_the_store(sched, tmp_path):
+    with grpc.insecure_channel(sched[0]) as ch:
+        latest = current(scheduler_pb2_grpc.SchedulerAdminStub(ch)).version
+    store_versions(sched[2], latest)
+    port = free_port()
+    proc = subprocess.Popen([*scheduler_cmd(tmp_path, port), "--telemetry-dsn", str(sched[2])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_serving(port, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            first = current(scheduler_pb2_grpc.SchedulerAdminStub(ch))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert first.version == latest + 1 and first.author == "startup"
+    rows = store_versions(sched[2], first.version)
+    assert rows[-1].version == first.version, "the restart's version 1 must not collide"
 
 
 def test_block_table_snapshot_without_an_executor_is_empty(admin):
