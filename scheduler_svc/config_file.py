@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -69,9 +70,11 @@ def parse_value(name: str, value: object) -> object:
                 raise ValueError
             return int(value)
         parsed = float(value)
+        if not math.isfinite(parsed):  # NaN passes every range check: refuse it here
+            raise ValueError
     except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be {'an integer' if kind == 'int' else 'a number'}, "
-                          f"got {value!r}") from None
+        raise ConfigError(f"{name} must be {'an integer' if kind == 'int' else 'a finite number'}"
+                          f", got {value!r}") from None
     return parsed
 
 
@@ -147,3 +150,5 @@ async def watch(path: str, seen: bytes, apply: Callable[[dict[str, object]], Non
         except ConfigError as exc:
             log.error("config file refused; the config is unchanged", path=path,
                       why=str(exc))
+        except Exception:  # a bug must not end the watching: the next change may apply
+            log.exception("config file not applied", path=path)

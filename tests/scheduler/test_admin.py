@@ -96,6 +96,8 @@ def test_set_get_history_rollback_round_trip(admin):
     ({"max_num_seqs": "lots"}, grpc.StatusCode.INVALID_ARGUMENT, "must be an integer"),
     ({"chunk_size": "4096"}, grpc.StatusCode.INVALID_ARGUMENT, "chunk_size (4096) must be <="),
     ({"policy": "fifo"}, grpc.StatusCode.INVALID_ARGUMENT, "policy must be one of"),
+    ({"aging_s": "nan"}, grpc.StatusCode.INVALID_ARGUMENT, "aging_s must be a finite number"),
+    ({"async_scheduling": "maybe"}, grpc.StatusCode.INVALID_ARGUMENT, "must be true or false"),
     ({"max_num_sequences": "8"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown config field"),
     ({}, grpc.StatusCode.INVALID_ARGUMENT, "nothing to set"),
     ({"enable_prefix_caching": "false"}, grpc.StatusCode.FAILED_PRECONDITION,
