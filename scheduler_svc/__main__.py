@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
         flags = config = config_from(args)
         if args.config_file:
             values, file_bytes = config_file.load(args.config_file)
-            config = config_file.overlay(flags, values)
+            try:
+                config = config_file.overlay(flags, values)
+            except ConfigError as exc:
+                raise ConfigError(f"with the config file {args.config_file}: {exc}") from None
     except ConfigError as exc:
         fail(str(exc))
     secret = load_secret(args.host)
