@@ -10,6 +10,7 @@ steps, and recorded as a new version with its author and reason.
   continuum config set max_num_seqs=96 chunk_size=256 --reason "peak traffic"
   continuum config history --format json
   continuum config rollback 3
+  continuum config snapshot-blocks --format json
 
 Exit status: 0 done; 1 the scheduler refused the change (its reason is printed);
 2 a usage error, or the scheduler could not be reached or refused the secret.
@@ -55,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          help="make an earlier version's values current (a new version)")
     r.add_argument("version", type=int)
     r.add_argument("--author", default="cli", help="who (recorded; default: cli)")
+    b = verbs.add_parser("snapshot-blocks", parents=[common],
+                         help="block tables of the running and swapped sequences, now "
+                              "(also written to the telemetry store), for fragmentation")
+    b.add_argument("--format", choices=("table", "json"), default="table")
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
@@ -100,6 +105,23 @@ def print_history(versions, fmt: str) -> None:
         previous = dict(v.values)
 
 
+def print_blocks(snap: pb.SnapshotBlockTablesResponse, fmt: str) -> None:
+    tables = [{"tenant": t.tenant, "request_id": t.request_id, "is_swapped": t.is_swapped,
+               "block_ids": list(t.block_ids)} for t in snap.tables]
+    if fmt == "json":
+        print(json.dumps({"snapshot_id": snap.snapshot_id, "taken_at": snap.taken_at,
+                          "num_total_blocks": snap.num_total_blocks,
+                          "num_free_blocks": snap.num_free_blocks, "tables": tables},
+                         indent=2))
+        return
+    print(f"snapshot {snap.snapshot_id} at {_when(snap.taken_at)}: {len(tables)} sequences, "
+          f"{snap.num_free_blocks} of {snap.num_total_blocks} device blocks free")
+    for t in tables:
+        where = "host" if t["is_swapped"] else "device"
+        print(f"  {t['tenant']}/{t['request_id']} ({where}): "
+              f"{' '.join(map(str, t['block_ids']))}")
+
+
 def run(args: argparse.Namespace, stub) -> int:
     kw = {"timeout": args.timeout, "metadata": args.metadata}
     cmd = args.config_command
@@ -117,6 +139,9 @@ def run(args: argparse.Namespace, stub) -> int:
             print(f"unchanged: version {v.version} already has these values")
         else:
             print(f"version {v.version}: " + ", ".join(f"{k}={v.values[k]}" for k in values))
+    elif cmd == "snapshot-blocks":
+        print_blocks(stub.SnapshotBlockTables(pb.SnapshotBlockTablesRequest(), **kw),
+                     args.format)
     else:
         v = stub.Rollback(pb.RollbackRequest(version=args.version, author=args.author), **kw)
         print(f"version {v.version}: {v.reason}")

@@ -92,7 +92,7 @@ def test_serve_passes_the_config_file_and_a_live_change_takes_effect(served, cap
     assert most == 1
 
 
-def test_block_table_snapshot_of_a_streaming_request(served):
+def test_block_table_snapshot_of_a_streaming_request(served, capsys):
     with grpc.insecure_channel(served.addr) as gch, \
             grpc.insecure_channel(f"127.0.0.1:{served.scheduler_port}") as sch:
         stream = served.generation_stub(gch).Generate(
@@ -100,7 +100,11 @@ def test_block_table_snapshot_of_a_streaming_request(served):
         next(r for r in stream if r.token_ids)  # admitted: it holds blocks now
         snap = scheduler_pb2_grpc.SchedulerAdminStub(sch).SnapshotBlockTables(
             pb.SnapshotBlockTablesRequest(), timeout=10, metadata=TEST_METADATA)
+        with pytest.raises(SystemExit) as done:
+            cli.main(["config", "snapshot-blocks", "--scheduler",
+                      f"127.0.0.1:{served.scheduler_port}"])
         stream.cancel()
+    assert done.value.code == 0 and "(device):" in capsys.readouterr().out
     assert len(snap.tables) == 1
     table = snap.tables[0]
     assert table.block_ids and not table.is_swapped

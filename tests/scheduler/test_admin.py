@@ -218,6 +218,8 @@ def test_cli_exit_codes_and_output(sched, capsys):
     assert code == 1 and "max_num_waiting must be a positive integer" in err
     code, _, err = run_cli(capsys, "rollback", "999", *addr)
     assert code == 1 and "no config version 999" in err
+    code, out, _ = run_cli(capsys, "snapshot-blocks", "--format", "json", *addr)
+    assert code == 0 and json.loads(out)["tables"] == []
     code, _, err = run_cli(capsys, "set", "max_num_waiting", *addr)
     assert code == 2 and "FIELD=VALUE" in err
     code, _, err = run_cli(capsys, "get", "--scheduler", f"127.0.0.1:{free_port()}",
