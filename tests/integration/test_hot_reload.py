@@ -3,7 +3,8 @@
 Serve starts with ``--config-file`` (max_num_seqs 4, passed through to the scheduler);
 ``continuum config set max_num_seqs=1`` then makes two concurrent requests run one
 after the other: the second's first token comes after the first's last, and Stats never
-shows two running. A block-table snapshot taken while one streams holds its blocks.
+shows two running. A block-table snapshot taken while one streams holds its blocks, and
+the telemetry store holds the same rows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from continuum import cli
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
+from protos.telemetry import TelemetryStore
 from tests.conftest import TEST_METADATA
 from tests.integration.conftest import start_server, stop_server
 from tests.integration.test_serve import chat
@@ -66,7 +68,9 @@ def served(tmp_path_factory, model_dir):
     # No queue-time bound: on a busy machine the second request may wait long for the first.
     conf.write_text('{"max_num_seqs": 4, "max_queue_time_standard_s": 0}')
     server = start_server(tmp, model_dir, "--kv-cache-bytes", str(96 << 20),
-                          "--config-file", str(conf), "--telemetry-dsn", "off")
+                          "--config-file", str(conf), "--telemetry-dsn",
+                          str(tmp / "telemetry.sqlite"))
+    server.store = tmp / "telemetry.sqlite"
     yield server
     assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
 
@@ -110,3 +114,12 @@ def test_block_table_snapshot_of_a_streaming_request(served, capsys):
     assert table.block_ids and not table.is_swapped
     assert len(set(table.block_ids)) == len(table.block_ids)
     assert snap.num_free_blocks < snap.num_total_blocks
+    deadline = time.monotonic() + 30  # the writer lingers up to 0.1 s per batch
+    while True:
+        with TelemetryStore.open(served.store, migrate=False) as store:
+            rows = store.block_snapshot(snap.snapshot_id)
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert [(r.request_id, r.block_ids, r.is_swapped) for r in rows] == [
+        (table.request_id, tuple(table.block_ids), False)]
