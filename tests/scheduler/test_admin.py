@@ -27,18 +27,19 @@ WAIT_S = 30.0  # generous: the file is polled every 2 s, the store written withi
 
 @pytest.fixture(scope="module")
 def sched(tmp_path_factory):
-    """(address, config file path, telemetry store path) of a running scheduler."""
+    """(address, config file path, telemetry store path, log path) of a running scheduler."""
     tmp = tmp_path_factory.mktemp("admin")
-    conf, store = tmp / "scheduler.toml", tmp / "telemetry.sqlite"
+    conf, store, log = tmp / "scheduler.toml", tmp / "telemetry.sqlite", tmp / "stderr.log"
     conf.write_text("max_num_seqs = 32\n")
     port = free_port()
-    proc = subprocess.Popen(
-        [*scheduler_cmd(tmp, port), "--max-num-seqs", "48", "--config-file", str(conf),
-         "--telemetry-dsn", str(store)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [*scheduler_cmd(tmp, port), "--max-num-seqs", "48", "--config-file", str(conf),
+             "--telemetry-dsn", str(store)],
+            stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     try:
         wait_serving(port, proc)
-        yield f"127.0.0.1:{port}", conf, store
+        yield f"127.0.0.1:{port}", conf, store, log
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -138,14 +139,18 @@ def test_calls_without_the_secret_are_refused(admin, metadata):
 
 
 def test_the_config_file_is_applied_on_change_and_a_bad_one_changes_nothing(admin, sched):
-    _, conf, _ = sched
+    _, conf, _, log = sched
     start = current(admin)
     conf.write_text('max_num_seqs = 12\npolicy = "continuous"\n')
     v = wait_version(admin, start.version)
     assert (v.author, v.values["max_num_seqs"], v.values["policy"]) == (
         "config-file", "12", "continuous")
     conf.write_text("max_num_seqs = -1\n")  # refused (logged); then a good one again
-    time.sleep(2.5)  # one poll: the bad content is read (and refused) before the next
+    deadline = time.monotonic() + WAIT_S
+    while "max_num_seqs must be a positive integer, got -1" not in log.read_text():
+        assert time.monotonic() < deadline, "the bad config file was not refused in the log"
+        time.sleep(0.2)
+    assert current(admin) == v
     conf.write_text("max_num_seqs = 13\n")
     after = wait_version(admin, v.version)
     assert after.version == v.version + 1, "the bad file must not have made a version"
