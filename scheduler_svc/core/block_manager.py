@@ -213,6 +213,11 @@ class BlockManager:
             parent = h
         return hits, parent
 
+    def num_exclusive(self, seq_id: int) -> int:
+        """Device blocks only ``seq_id`` holds (what freeing it gives back)."""
+        ref = self._ref
+        return sum(1 for b in self._tables.get(seq_id, ()) if ref[b] == 1)
+
     def num_unreferenced(self, blocks: list[int]) -> int:
         """How many of ``blocks`` are cached-free (sharing them takes them from the pool)."""
         return sum(1 for b in blocks if self._ref[b] == 0)

@@ -50,6 +50,14 @@ class Lifecycle:
         self.requests: dict[str, Request] = {}
         self.to_drop: list[int] = []
         self.swap_out: list[tuple[int, int]] = []  # device, host
+        # The waiting queue's best request found no room (a slot or KV) in the last
+        # admission, or a better tier than the worst running arrived since, and the
+        # blocks admission kept free then: core/priority_hold.py's trigger and estimate.
+        self.wants_room = False
+        self.reserve = 0
+        self.blocked: Request | None = None  # the request that did not fit, and its
+        self.blocked_need = 0  # device blocks (None, 0: the slots were short)
+        self.held_back: set[Request] = set()  # preempted for priority in this step
         self.num_finished = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
@@ -78,13 +86,17 @@ class Lifecycle:
         # will still take.
         reserve = max(self._admission.watermark_blocks(bm), len(running) - len(prefills))
         reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
+        self.reserve, self.blocked = reserve, None
         now = self._admission.now = self._clock()
         for req in self._admission.overdue(now):  # shed: waited twice its bound
             self.end_waiting(req, FinishReason.ABORT)
             events.append(Event(req, None, FinishReason.ABORT))
         while budget > 0 and len(running) < self.config.max_num_seqs:
             req = self._waiting.peek(now)
-            if req is None:
+            if req is None or req in self.held_back:
+                # Preempted this step to make room for a better tier: resuming it at
+                # once would undo that (and, its sample still pending when scheduling
+                # ahead, sample that position twice).
                 break
             if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
                 # Its context outgrew the pool while it ran (then it was preempted, or
@@ -101,11 +113,13 @@ class Lifecycle:
             else:
                 n = self.start(req, rec, budget, cap, keep, step)
             if n == 0:
+                self.blocked = req
                 break  # the best request does not fit yet; nobody overtakes it
             budget -= n
         # Anything left waiting waits for room or for prefill throughput (a budget
         # spent on long prompts holds the queue as surely as a full pool): see Admission.
         self._admission.blocked = bool(self._waiting)
+        self.wants_room = self._admission.blocked and budget > 0  # room, not the budget
         return budget
 
     def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,
@@ -119,6 +133,7 @@ class Lifecycle:
         # Cached-free hits leave the free pool when shared.
         need = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)
         if need + reserve > bm.num_free_blocks:
+            self.blocked_need = need
             return 0
         self._waiting.remove(req)
         bm.share_prefix(req.seq_id, hits)
@@ -139,6 +154,7 @@ class Lifecycle:
         remaining = len(req.token_ids) - req.num_computed_tokens
         extra = bm.blocks_needed(len(req.token_ids)) - len(bm.host_table(req.seq_id))
         if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
+            self.blocked_need = len(bm.host_table(req.seq_id)) + max(0, extra)
             return 0
         self._waiting.remove(req)
         rec.swap_in.extend(bm.swap_in(req.seq_id))

@@ -148,6 +148,18 @@ class WaitingQueue:
                 best, best_key = head, key
         return best
 
+    def best_tier(self) -> int:
+        """The best (smallest) tier with a request waiting; call only when not empty."""
+        return min(t for t, n in self._per_tier.items() if n)
+
+    def order_key(self, req: Request, now: float, resumed: bool = False) -> tuple:
+        """``req``'s place in the admission order (smaller goes first); ``resumed``: as
+        if it were queued again after a preemption (core/priority_hold.py)."""
+        key = self._order(req, now)
+        if resumed and key[0] == 1:
+            key = (*key[:2], False, *key[3:])
+        return key
+
     def _order(self, req: Request, now: float) -> tuple:
         arrival = req.arrival_time
         waited = now - arrival

@@ -10,7 +10,8 @@ Order of one iteration (DESIGN.md §3):
 4. resumed (preempted) sequences, then fresh admissions, in the waiting
    queue's order (tier, aging, tenant fairness), while ``max_num_seqs``, the
    token budget and the KV watermark allow; no admissions in a step that
-   had to preempt.
+   had to preempt for KV. Before step 2, a waiting request of a better tier
+   that lacks a slot or KV preempts the worst running (core/priority_hold.py).
 
 ``schedule()`` returns the plan (immutable, core/plan.py) and keeps a StepRecord of
 it; ``update()`` applies the executor's answer to that record (core/results.py).
@@ -45,6 +46,7 @@ from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecord
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.preemption import pick_victim
+from scheduler_svc.core.priority_hold import hold_priority
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
@@ -196,6 +198,10 @@ class Scheduler:
                                              len(req.token_ids) // self.model.block_size)
         self.requests[req.request_id] = req
         self.waiting.push(req)
+        running = self.running
+        if len(running) >= self.config.max_num_seqs and \
+                req.priority_tier < running[-1].priority_tier:
+            self.lifecycle.wants_room = True  # no slot: it may preempt (priority_hold.py)
 
     def admission_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never be served by the current executor, or None."""
@@ -248,7 +254,12 @@ class Scheduler:
         """Steps 2-5 of an iteration. ``admit`` False while a suspect waits for a step of
         its own: nobody overtakes it, and the running sequences drain the pool for it."""
         num_running_at_start = len(self.running)
-        preempts_before = self.lifecycle.num_preemptions
+        if admit and self.policy.admission_open(num_running_at_start):
+            # Step 1b (core/priority_hold.py): a better tier waiting for a slot or KV
+            # preempts the worst running, before any of them is given this step's decode.
+            hold_priority(self.lifecycle, self.waiting, self.running,
+                          self.config.max_num_seqs)
+        preempts_before = self.lifecycle.num_preemptions  # KV preemptions close admission
         # Step 2 (core/decode_mode.py: most decodes are not touched, the clock advance
         # schedules them). Two unanswered plans: a decode-mode sequence may have no
         # pending token left to decode, which only the explicit loop checks.

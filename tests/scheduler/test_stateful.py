@@ -127,6 +127,10 @@ class Track:
                 return out
 
 
+def _num_priority_preemptions(sched) -> int:
+    return sum(n for k, n in sched.preemptions_by_reason.items() if k.startswith("priority:"))
+
+
 class VictimSpy:
     """Wraps the scheduler's ``pick_victim`` while a machine runs and checks each choice
     against DESIGN.md §3 as refined in core/preemption.py: among the needy sequence and the
@@ -419,6 +423,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                             for r in running_before}
         protected_before = {r.request_id: r.protected for r in sched.requests.values()}
         preemptions_before = sched.num_preemptions
+        priority_before = _num_priority_preemptions(sched)
         waiting_before = list(sched.waiting)
         fresh_waiting = [r for r in waiting_before if r.first_scheduled_time is None]
         starving = [r for r in waiting_before if self._starving(r, now)]
@@ -468,8 +473,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(preempted) == sched.num_preemptions - preemptions_before
         assert {id(tr.req) for tr in preempted if protected_before[tr.req.request_id]} == {
             id(r) for r in self.spy.forced[num_forced:] if not r.is_finished}
+        # A better tier waiting for a slot or KV preempts before the step's decodes
+        # (core/priority_hold.py) and is then admitted: only KV preemptions close admission.
+        num_priority = _num_priority_preemptions(sched) - priority_before
+        if len(preempted) > num_priority:
+            assert not out.new, "admitted in a step that had to preempt for KV"
+        if num_priority and len(preempted) == num_priority:
+            assert not any(protected_before[tr.req.request_id] for tr in preempted), (
+                "a protected sequence preempted for priority")
+            assert min(r.priority_tier for r in waiting_before) < min(
+                tr.req.priority_tier for tr in preempted), "preempted for no better tier"
         if preempted:
-            assert not out.new, "admitted in a step that had to preempt"
             for tr in preempted:
                 self._check_victim(tr.req, running_before, scheduled, protected_before)
                 if tr.req.status == RequestStatus.SWAPPED:

@@ -1,0 +1,113 @@
+"""Priority that holds when the batch is full (issue 17; vLLM's issue #40004).
+
+Without it a premium request waits behind ``max_num_seqs`` best-effort sequences (or
+behind a pool they filled) until one of them finishes: its time to first token is
+the best-effort answers' length. So at the start of a step, before any decode is
+planned (a victim chosen later would already hold a token of this step), the waiting
+queue's best request may preempt running sequences of a strictly worse tier when it
+cannot start for lack of a slot or of KV blocks:
+
+* victims by the usual rule (core/preemption.py ``victim_key``: lowest tier, then
+  one that has shown no token, then the most recently admitted), recompute or swap
+  by the cost model as for any preemption (reason ``priority``);
+* never a protected sequence (the thrash guard: max_preemptions in
+  preemption_window_s), never one that, queued again, would be admitted before the
+  request it made room for (a starving one: it would take its slot straight back);
+* only as many as the request needs, and none when even all of them would not make
+  it fit (a preemption that admits nobody is pure loss);
+* one waiting request per step: each step admits the best one, so a burst of N
+  premium requests starts within N steps; a victim does not resume in the same step.
+
+Triggered only when the last admission left a request without room, or a better tier
+arrived to full slots: a premium request that finds no slot starts in the step it
+arrives; one that finds no KV in the next (the admission that finds it short records
+its need). The check costs the bench_scheduler step 0-2 %.
+
+The step's KV preemptions (step 2) come after this and still close admission for the
+step (core/scheduler.py): priority preemption does not add to a pool already short.
+"""
+
+from __future__ import annotations
+
+from scheduler_svc.core.lifecycle import Lifecycle
+from scheduler_svc.core.preemption import victim_key
+from scheduler_svc.core.queue import WaitingQueue
+from scheduler_svc.core.request import Request, RequestStatus
+
+_QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
+
+
+def hold_priority(lc: Lifecycle, waiting: WaitingQueue, running: list[Request],
+                  max_num_seqs: int) -> int:
+    """Preempts for the waiting queue's best request as the module docstring says;
+    returns how many were preempted. Looks only when the last admission left a request
+    without room or a better tier arrived to full slots (``lc.wants_room``), then at the
+    worst running tier and the best waiting one before anything costlier; the request
+    the last admission could not fit and its need are taken as admission counted them."""
+    if lc.held_back:
+        lc.held_back.clear()
+    if not lc.wants_room:
+        return 0
+    lc.wants_room = False  # the next admission that finds no room sets it again
+    if not running or not waiting or waiting.best_tier() >= running[-1].priority_tier:
+        return 0
+    now = lc._clock()
+    head, need = lc.blocked, lc.blocked_need
+    if head is None or head.status not in _QUEUED:  # the slots were short, or an arrival
+        if len(running) < max_num_seqs:
+            return 0  # a slot came free since: admission tries (and records a KV need)
+        head, need = waiting.peek(now), None
+    tier = head.priority_tier
+    if tier >= running[-1].priority_tier:
+        return 0  # the head is a starving request of a worse tier: it waits its turn
+    bm = lc.block_manager
+    # The blocks admission kept free for the running last time (core/lifecycle.py
+    # admit: the watermark or a block per decode, plus the running prefills' blocks).
+    reserve = max(lc.reserve, lc._admission.watermark_blocks(bm))
+    if need is None:
+        need = _blocks_needed(lc, head)
+    short_slots = len(running) - max_num_seqs + 1
+    short_blocks = need + reserve - bm.num_free_blocks
+    if short_slots <= 0 and short_blocks <= 0:
+        return 0  # it fits: admission starts it (or the budget did not reach it)
+    victims = _victims(lc, waiting, running, head, now, short_slots, short_blocks)
+    for req in victims:
+        lc.preempt(req, "priority")
+    lc.held_back.update(victims)  # none of them resumes in this step's admission
+    return len(victims)
+
+
+def _victims(lc: Lifecycle, waiting: WaitingQueue, running: list[Request], head: Request,
+             now: float, short_slots: int, short_blocks: int) -> list[Request]:
+    """The fewest running sequences, in victim order, whose slots and blocks make room
+    for ``head``; none when all of them would not."""
+    bm = lc.block_manager
+    tier = head.priority_tier
+    i = len(running)  # the running set is in (tier, admission) order: worse tiers last
+    while i and running[i - 1].priority_tier > tier:
+        i -= 1
+    head_key = waiting.order_key(head, now)
+    victims: list[Request] = []
+    freed = 0
+    for req in sorted(running[i:], key=victim_key, reverse=True):
+        if req.protected or waiting.order_key(req, now, resumed=True) <= head_key:
+            continue
+        victims.append(req)
+        freed += bm.num_exclusive(req.seq_id)
+        # Each victim frees a slot and its blocks, and one less decode to reserve for.
+        if len(victims) >= short_slots and freed + len(victims) >= short_blocks:
+            return victims
+    return []  # even every eligible victim would not make room
+
+
+def _blocks_needed(lc: Lifecycle, req: Request) -> int:
+    """Device blocks ``req`` takes to start (as ``Lifecycle.start``/``swap_in`` count);
+    a look-up that does not count in the prefix cache's hit statistics."""
+    bm = lc.block_manager
+    total = bm.blocks_needed(len(req.token_ids))
+    if req.status == RequestStatus.SWAPPED:
+        return total
+    queries, hits_before = bm.num_cache_queries, bm.num_cache_hits
+    hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
+    bm.num_cache_queries, bm.num_cache_hits = queries, hits_before
+    return total - len(hits) + bm.num_unreferenced(hits)
