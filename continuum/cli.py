@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from executor_svc.flags import add_device_arguments, check_device_arguments
+from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from gateway import edge_flags
 
 DEFAULT_PORT = 50051
@@ -35,6 +35,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "token: twice the sequences in the same pool; logits move slightly, "
                         "so outputs are not token-exact against a float32 cache")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--swap-space-bytes", type=parse_bytes, default=0,
+                   help="host (CPU) memory per executor rank for swapped-out KV, e.g. 4GiB, "
+                        "in bytes like --kv-cache-bytes (vLLM's --swap-space is GiB); "
+                        "0 (default): preempted sequences are always recomputed")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=512)
