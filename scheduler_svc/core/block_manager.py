@@ -213,6 +213,11 @@ class BlockManager:
             parent = h
         return hits, parent
 
+    @property
+    def num_swapped(self) -> int:
+        """Sequences whose KV is in the host pool now."""
+        return len(self._host_tables)
+
     def num_exclusive(self, seq_id: int) -> int:
         """Device blocks only ``seq_id`` holds (what freeing it gives back)."""
         ref = self._ref

@@ -52,6 +52,21 @@ class SchedulerConfig:
         the 3 s TTFT SLO of the capacity contract (docs/simulator.md); standard 5 s
         keeps an interactive answer interactive; best effort 20 s stays below the
         30 s at which aging makes it starving (3 x aging_s) and so passes everyone.
+    prefill_alert_tokens: a step whose prompt (prefill) tokens pass this many is counted
+        (``Scheduler.num_prefill_alerts``, logged at the first and every 1000th): the
+        seed's "prefill storm" alert, a sign that long prompts are stalling decodes. 0
+        (default): off; pick it from the TPOT SLO and the measured prefill rate.
+    max_prefill_tokens_per_step: the clamp: prompt tokens one step may carry in all
+        (running prefills and admissions), the rest of max_num_batched_tokens stays for
+        decodes. 0 (default): off (chunk_size and the token budget alone bound it).
+    max_swapped: sequences swapped out to the host pool at once; a preemption beyond
+        it recomputes instead (host-pool pressure: swap-ins compete with the step for
+        the copy bandwidth). 0 (default): the host pool's size alone bounds it.
+    The other guards of the seed's failure table: per-tier queue-wait shedding is
+        max_queue_time_*_s (core/admission.py refuses at Submit and sheds requests that
+        waited twice their bound, 429 at the gateway); the thrash guard is
+        max_preemptions; a client that went silent is cancelled by the gateway's
+        watchdog (gateway/watchdog.py), a vanished gateway by gRPC keepalive.
     max_step_failures: failed steps (the executor raised, hung or died in them) after
         which a request is ended alone with an error; a request that failed runs in
         steps of its own until one succeeds, so the culprit of a poisoned batch is
@@ -75,13 +90,17 @@ class SchedulerConfig:
     max_queue_time_standard_s: float = 5.0
     max_queue_time_best_effort_s: float = 20.0
     max_step_failures: int = 2
+    prefill_alert_tokens: int = 0
+    max_prefill_tokens_per_step: int = 0
+    max_swapped: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "chunk_size",
                   "max_num_waiting", "max_preemptions", "max_step_failures")
-        _non_negative(self, "long_prefill_token_threshold", "max_num_waiting_per_tenant")
+        _non_negative(self, "long_prefill_token_threshold", "max_num_waiting_per_tenant",
+                      "prefill_alert_tokens", "max_prefill_tokens_per_step", "max_swapped")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -58,6 +58,7 @@ class Lifecycle:
         self.blocked: Request | None = None  # the request that did not fit, and its
         self.blocked_need = 0  # device blocks (None, 0: the slots were short)
         self.held_back: set[Request] = set()  # preempted for priority in this step
+        self.num_swap_cap_fallbacks = 0  # recomputed, not swapped, for max_swapped
         self.num_finished = 0
         self.num_preemptions = 0
         self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
@@ -200,6 +201,9 @@ class Lifecycle:
             self.results.awaiting[req.seq_id] = req  # its pending sample still counts
         swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
             req.num_computed_tokens, len(bm.block_table(req.seq_id))))
+        if swap and 0 < self.config.max_swapped <= bm.num_swapped:
+            swap = False  # host-pool pressure (SchedulerConfig.max_swapped): recompute
+            self.num_swap_cap_fallbacks += 1
         if swap:
             self.swap_out.extend(bm.swap_out(req.seq_id))
             req.status = RequestStatus.SWAPPED

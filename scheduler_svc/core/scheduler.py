@@ -34,6 +34,7 @@ the running set.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -53,6 +54,7 @@ from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
+log = logging.getLogger("scheduler.core")
 
 
 class Scheduler:
@@ -84,6 +86,7 @@ class Scheduler:
                                                   lc.end_waiting)
         self._events: list[Event] = []
         self._step_id = 0
+        self.num_prefill_alerts = 0  # steps past SchedulerConfig.prefill_alert_tokens
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self.reconfigure(config)
 
@@ -268,13 +271,22 @@ class Scheduler:
         prefills = self.decode_mode.schedule(rec, self.block_manager, self._step_id,
                                              bool(self._unconfirmed), self._make_room)
         self.running_set.charge_decodes(self.waiting.charge, prefills)
-        budget = self.config.max_num_batched_tokens - len(rec.cached)
-        budget = self._schedule_prefills(rec, budget, prefills)
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - len(rec.cached)
+        clamp = cfg.max_prefill_tokens_per_step  # the prefill clamp: the rest is held
+        held = budget - clamp if 0 < clamp < budget else 0
+        budget = self._schedule_prefills(rec, budget - held, prefills)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
-            budget = self.lifecycle.admit(rec, budget, self.policy.prefill_cap(self.config),
+            budget = self.lifecycle.admit(rec, budget, self.policy.prefill_cap(cfg),
                                           prefills, self._step_id, self._events)
-        rec.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
+        if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
+            self.num_prefill_alerts += 1
+            if self.num_prefill_alerts % 1000 == 1:
+                log.warning("prefill ceiling passed: %d prompt tokens in step %d (ceiling "
+                            "%d; %d such steps)", rec.num_prefill_tokens, self._step_id,
+                            cfg.prefill_alert_tokens, self.num_prefill_alerts)
 
     def _schedule_prefills(self, rec: StepRecord, budget: int,
                            prefills: list[Request]) -> int:
