@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2_grpc
 from protos.telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
-from scheduler_svc import config_file
+from scheduler_svc import config_file, metrics
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: none, nothing recorded)")
     p.add_argument("--telemetry-retention-days", type=float, default=7.0,
                    help="days telemetry rows are kept (steps roll up to minutes after 1 h)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve vLLM-compatible /metrics on this port (0: any; default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the /metrics port (it carries no secrets, but stays on "
+                        "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
     p.add_argument("--config-file", default="",
                    help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
                         "its fields win over the flags, and it is re-read every 2 s: a "
@@ -166,6 +171,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     if args.config_file:
         tasks.append(asyncio.get_running_loop().create_task(
             config_file.watch(args.config_file, file_bytes, admin.apply_file)))
+    metrics_server = start_metrics(args, loop, tasks)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([stopping, loop.fatal], return_when=asyncio.FIRST_COMPLETED)
     if loop.fatal.done():
@@ -173,9 +179,28 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     await drain(loop, server, health_servicer, args.grace_period)
     for task in tasks:
         task.cancel()
+    if metrics_server is not None:
+        metrics_server.stop()
     await loop.stop()
     if loop.recorder is not None:
         await asyncio.to_thread(loop.recorder.writer.close, 5.0)
+
+
+def start_metrics(args: argparse.Namespace, loop: EngineLoop,
+                  tasks: list) -> metrics.MetricsServer | None:
+    """The replica's /metrics (scheduler_svc/metrics.py) when --metrics-port is set."""
+    if args.metrics_port < 0:
+        return None
+    try:
+        server = metrics.MetricsServer(args.metrics_host, args.metrics_port)
+    except OSError as exc:
+        fail(f"cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: "
+             f"{exc.strerror}; pass another --metrics-port")
+    server.start()
+    tasks.append(asyncio.get_running_loop().create_task(
+        metrics.publish(loop, loop.histograms, server)))
+    log.info("metrics listening", address=f"{args.metrics_host}:{server.port}")
+    return server
 
 
 def open_telemetry(args: argparse.Namespace, config: SchedulerConfig) -> Recorder | None:

@@ -74,7 +74,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{exc}; retry after {exc.retry_after_s:.1f} s")
-        stream = None if recorder is None else Stream(recorder, req)
+        times: list[float] = []  # when each token was sent: metrics and telemetry
         finished, reason = False, None
         try:
             first = True
@@ -82,8 +82,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 ev = await queue.get()
                 _, token, reason, _ = ev
                 finished = reason is not None
-                if stream is not None and token is not None:
-                    stream.tokens(1)
+                if token is not None:
+                    times.append(time.monotonic())
                 if finished and req.error:  # ended by the server: a status says why
                     await context.abort(*_server_end(req, reason))
                 yield _to_event(ev, first)
@@ -91,8 +91,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             if not finished:
                 self.loop.abort(request_key(request.tenant, request.request_id))
-            if stream is not None:
-                stream.ended(reason, _status(req, reason, finished))
+            self.loop.histograms.request_ended(req, times, reason)
+            if recorder is not None:
+                Stream.ended(recorder, req, times, reason, _status(req, reason, finished))
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):  # noqa: N802
         key = request_key(request.tenant, request.request_id)

@@ -67,29 +67,20 @@ class Recorder:
 
 
 class Stream:
-    """One request's stream as the servicer relays it: token times and its end."""
+    """One request's end, as its stream saw it, for the store."""
 
-    __slots__ = ("recorder", "req", "token_times")
-
-    def __init__(self, recorder: Recorder, req) -> None:
-        self.recorder, self.req = recorder, req
-        self.token_times: list[float] = []
-
-    def tokens(self, n: int) -> None:
-        if n:
-            now = time.monotonic()
-            self.token_times.extend([now] * n)
-
-    def ended(self, finish_reason: int | None, status: str) -> None:
-        req, times, rec = self.req, self.token_times, self.recorder
+    @staticmethod
+    def ended(recorder: Recorder, req, times: list[float], finish_reason: int | None,
+              status: str) -> None:
+        """``times``: monotonic send times of its tokens."""
         first = req.first_scheduled_time
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         swaps = req.num_swaps
-        rec.writer.put(SequenceRecord(
+        recorder.writer.put(SequenceRecord(
             req.request_id.split("\x1f", 1)[-1], req.tenant, req.priority_tier,
-            rec.model_version, SCHEDULER_VERSION, req.num_prompt_tokens, len(times),
+            recorder.model_version, SCHEDULER_VERSION, req.num_prompt_tokens, len(times),
             status, FINISH_NAMES.get(finish_reason or 0), req.num_preemptions - swaps, swaps,
             None if first is None else (first - req.arrival_time) * 1e3,
             (times[0] - req.arrival_time) * 1e3 if times else None,
             statistics.median(gaps) * 1e3 if gaps else None,
-            None if first is None else rec.wall(first), time.time()))
+            None if first is None else recorder.wall(first), time.time()))

@@ -1,0 +1,214 @@
+"""The replica's own ``/metrics``, in vLLM's names, for inference gateways and load tools.
+
+The Gateway API Inference Extension's endpoint picker and llm-d scrape every model-server
+pod for ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` and ``vllm:cache_config_info`` (every 50 ms; a pod whose
+metrics are older than 200 ms counts as saturated), and inference-perf reads vLLM's
+latency histograms and preemption counters. This module serves them, with vLLM's names,
+``model_name`` label and histogram buckets; ``continuum:`` names only for what is ours
+(per-tier gauges, shed requests, telemetry drops).
+
+Never by waiting on the loop: the loop renders the whole page every ``PUBLISH_S`` into
+bytes (``publish``), and a stdlib HTTP server on its own thread answers every scrape
+with the last bytes (``MetricsServer``). A blocked loop makes the page stale, never the
+scrape slow; ``continuum:metrics_published_timestamp_seconds`` says how stale.
+
+Latency histograms are fed when a request's stream ends (``Histograms.request_ended``,
+from the servicer), in the request's own coroutine, not per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import http.server
+import math
+import threading
+import time
+
+PUBLISH_S = 0.05
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards and alerts carry over.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIERS = ("premium", "standard", "best_effort")
+FINISHED = {1: "stop", 2: "length", 3: "abort", 4: "error"}
+
+
+class Histogram:
+    """Cumulative-bucket histogram; ``observe`` is a bisect and two adds."""
+
+    __slots__ = ("buckets", "counts", "sum", "count")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
+            total += n
+            le = "+Inf" if bound == math.inf else repr(float(bound))
+            out.append(f'{name}_bucket{{{labels},le="{le}"}} {total}')
+        out += [f"{name}_sum{{{labels}}} {self.sum!r}", f"{name}_count{{{labels}}} {self.count}"]
+        return out
+
+
+class Histograms:
+    """Per-request latencies and counts, as vLLM reports them."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.tpot = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_BUCKETS)
+        self.queue = Histogram(REQUEST_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success = {name: 0 for name in FINISHED.values()}
+
+    def request_ended(self, req, token_times: list[float], finish_reason: int | None) -> None:
+        """A stream ended: ``token_times`` (monotonic) of its tokens as they were sent."""
+        self.prompt_tokens += req.num_prompt_tokens
+        self.generation_tokens += len(token_times)
+        name = FINISHED.get(finish_reason or 0)
+        if name is not None:
+            self.success[name] += 1
+        if req.first_scheduled_time is not None:
+            self.queue.observe(req.first_scheduled_time - req.arrival_time)
+        if not token_times:
+            return
+        self.ttft.observe(token_times[0] - req.arrival_time)
+        self.e2e.observe(token_times[-1] - req.arrival_time)
+        for a, b in zip(token_times, token_times[1:], strict=False):
+            self.itl.observe(b - a)
+        if len(token_times) > 1:
+            self.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+
+def render(loop, histograms: Histograms, model_name: str) -> bytes:
+    """The whole page, from the loop's state at this moment (call on the loop)."""
+    core, ex = loop.core, loop.executor
+    bm = core.block_manager
+    label = f'model_name="{_escape(model_name or (ex.model_id if ex else ""))}"'
+    running_by_tier, waiting_by_tier = [0, 0, 0], [0, 0, 0]
+    for req in core.running:
+        running_by_tier[min(req.priority_tier, 2)] += 1
+    for req in core.waiting:
+        waiting_by_tier[min(req.priority_tier, 2)] += 1
+    usage = (1.0 - bm.num_free_blocks / bm.num_blocks) if bm and bm.num_blocks else 0.0
+    block_size = bm.block_size if bm else 0
+    lines = [
+        *_metric("vllm:num_requests_running", "gauge", "Requests running on the executor.",
+                 [(label, len(core.running))]),
+        *_metric("vllm:num_requests_waiting", "gauge", "Requests waiting to start.",
+                 [(label, len(core.waiting))]),
+        *_metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).",
+                 [(label, usage)]),
+        *_metric("vllm:cache_config_info", "gauge", "KV cache configuration.",
+                 [(f'{label},block_size="{block_size}",num_gpu_blocks='
+                   f'"{bm.num_blocks if bm else 0}"', 1)]),
+        *_metric("vllm:num_preemptions_total", "counter", "Preemptions.",
+                 [(label, core.num_preemptions)]),
+        *_metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of ended requests.",
+                 [(label, histograms.prompt_tokens)]),
+        *_metric("vllm:generation_tokens_total", "counter", "Generated tokens.",
+                 [(label, histograms.generation_tokens)]),
+        *_metric("vllm:prefix_cache_queries_total", "counter",
+                 "Prompt tokens looked up in the prefix cache.",
+                 [(label, (bm.num_cache_queries if bm else 0) * block_size)]),
+        *_metric("vllm:prefix_cache_hits_total", "counter",
+                 "Prompt tokens found in the prefix cache.",
+                 [(label, (bm.num_cache_hits if bm else 0) * block_size)]),
+        *_metric("vllm:request_success_total", "counter", "Requests ended, by reason.",
+                 [(f'{label},finished_reason="{k}"', v) for k, v in histograms.success.items()]),
+    ]
+    for name, text, hist in (
+            ("vllm:time_to_first_token_seconds", "Time to first token.", histograms.ttft),
+            ("vllm:inter_token_latency_seconds", "Gaps between tokens.", histograms.itl),
+            ("vllm:time_per_output_token_seconds", "Mean gap per request.", histograms.tpot),
+            ("vllm:e2e_request_latency_seconds", "Arrival to last token.", histograms.e2e),
+            ("vllm:request_queue_time_seconds", "Arrival to first step.", histograms.queue)):
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *hist.lines(name, label)]
+    recorder = loop.recorder
+    lines += [
+        *_metric("continuum:num_requests_running_by_tier", "gauge", "Running, per tier.",
+                 [(f'{label},tier="{t}"', n) for t, n in zip(TIERS, running_by_tier,
+                                                             strict=True)]),
+        *_metric("continuum:num_requests_waiting_by_tier", "gauge", "Waiting, per tier.",
+                 [(f'{label},tier="{t}"', n) for t, n in zip(TIERS, waiting_by_tier,
+                                                             strict=True)]),
+        *_metric("continuum:num_requests_shed_total", "counter",
+                 "Queued requests refused after waiting past twice their tier's bound.",
+                 [(label, core.admission.num_shed)]),
+        *_metric("continuum:telemetry_dropped_total", "counter",
+                 "Telemetry records dropped (the writer's queue was full).",
+                 [(label, recorder.writer.num_dropped if recorder else 0)]),
+        *_metric("continuum:metrics_published_timestamp_seconds", "gauge",
+                 "When this page was rendered (Unix time).", [(label, time.time())]),
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _metric(name: str, kind: str, text: str, samples) -> list[str]:
+    return [f"# HELP {name} {text}", f"# TYPE {name} {kind}",
+            *(f"{name}{{{labels}}} {float(value)!r}" for labels, value in samples)]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class MetricsServer:
+    """``GET /metrics`` on its own thread, answered from the last published page."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.page = b""
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = server.page
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # scrapes every 50 ms: not logged
+                pass
+
+        self._http = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._http.daemon_threads = True
+        self.port = self._http.server_address[1]
+        self._thread = threading.Thread(target=self._http.serve_forever, name="metrics",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+async def publish(loop, histograms: Histograms, server: MetricsServer,
+                  model_name: str = "") -> None:
+    """Renders the page every PUBLISH_S (a task on the loop; runs until cancelled)."""
+    while True:
+        server.page = render(loop, histograms, model_name)
+        await asyncio.sleep(PUBLISH_S)

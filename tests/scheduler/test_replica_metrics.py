@@ -1,0 +1,80 @@
+"""The replica's /metrics (scheduler_svc/metrics.py): vLLM's names, labels and buckets,
+parsed with Prometheus' own text parser, served from the last published page."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from scheduler_svc.core import SchedulerConfig
+from scheduler_svc.loop import EngineLoop
+from scheduler_svc.metrics import Histograms, MetricsServer, render
+from tests.scheduler.factories import make_model, make_request
+
+# What the GIE endpoint picker / llm-d and inference-perf read.
+GIE_NAMES = {"vllm:num_requests_waiting", "vllm:num_requests_running",
+             "vllm:kv_cache_usage_perc", "vllm:cache_config_info"}
+PERF_NAMES = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+              "vllm:request_queue_time_seconds", "vllm:prompt_tokens",
+              "vllm:generation_tokens", "vllm:num_preemptions", "vllm:prefix_cache_queries",
+              "vllm:prefix_cache_hits", "vllm:request_success"}
+
+
+def _loop(tmp_path) -> EngineLoop:
+    loop = EngineLoop(SchedulerConfig(watermark=0.0), f"ipc://{tmp_path}/x.sock", secret=None)
+    loop.core.attach_executor(make_model(num_blocks=64, block_size=4))
+    return loop
+
+
+def _families(page: bytes) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(page.decode())}
+
+
+def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
+    loop = _loop(tmp_path)
+    for i in range(3):
+        loop.core.add_request(make_request(8, 4, request_id=f"w{i}",
+                                           priority_tier=i % 3))
+    hist = Histograms()
+    req = make_request(8, 4, request_id="done")
+    req.arrival_time, req.first_scheduled_time = 10.0, 10.5
+    hist.request_ended(req, [11.0, 11.1, 11.3], 2)
+    families = _families(render(loop, hist, "smollm2"))
+    assert GIE_NAMES | PERF_NAMES <= set(families)
+    value = {f.name: f.samples[0] for f in families.values() if f.samples}
+    assert value["vllm:num_requests_waiting"].value == 3
+    assert value["vllm:num_requests_waiting"].labels == {"model_name": "smollm2"}
+    assert 0.0 <= value["vllm:kv_cache_usage_perc"].value <= 1.0
+    info = value["vllm:cache_config_info"].labels
+    assert info["block_size"] == "4" and info["num_gpu_blocks"] == "64"
+    ttft = {s.name: s for s in families["vllm:time_to_first_token_seconds"].samples}
+    assert ttft["vllm:time_to_first_token_seconds_count"].value == 1
+    assert ttft["vllm:time_to_first_token_seconds_sum"].value == pytest.approx(1.0)
+    itl = families["vllm:inter_token_latency_seconds"].samples
+    assert [s.value for s in itl if s.name.endswith("_count")] == [2]
+    assert families["vllm:generation_tokens"].samples[0].value == 3
+    waiting = {s.labels["tier"]: s.value
+               for s in families["continuum:num_requests_waiting_by_tier"].samples}
+    assert waiting == {"premium": 1, "standard": 1, "best_effort": 1}
+
+
+def test_the_server_answers_from_the_last_page_without_the_loop(tmp_path):
+    server = MetricsServer("127.0.0.1", 0)
+    server.start()
+    try:
+        server.page = render(_loop(tmp_path), Histograms(), "m")
+        start = time.perf_counter()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as r:
+            body, kind = r.read(), r.headers["Content-Type"]
+        assert time.perf_counter() - start < 5
+        assert kind.startswith("text/plain") and GIE_NAMES <= set(_families(body))
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=5)
+        assert missing.value.code == 404
+    finally:
+        server.stop()
