@@ -21,6 +21,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API port (-1: none)")
     p.add_argument("--scheduler-port", type=int, default=50061, help="internal scheduler port")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve the replica's vLLM-compatible /metrics (what inference gateways "
+                        "scrape) on this loopback port (0: any; default: off)")
     p.add_argument("--scheduler-host", default="127.0.0.1",
                    help="internal scheduler bind address (loopback unless gateways elsewhere "
                         "use it; it always requires the internal secret)")

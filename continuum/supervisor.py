@@ -194,7 +194,8 @@ class Supervisor:
                       if a.max_step_failures is not None else []),
                     *_queue_time_flags(a), *_telemetry_flags(a),
                     *(["--config-file", os.path.abspath(a.config_file)]
-                      if getattr(a, "config_file", None) else [])]
+                      if getattr(a, "config_file", None) else []),
+                    *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else [])]
         if name == "executor":
             argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,
