@@ -149,6 +149,17 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         *_metric("continuum:num_requests_waiting_by_tier", "gauge", "Waiting, per tier.",
                  [(f'{label},tier="{t}"', n) for t, n in zip(TIERS, waiting_by_tier,
                                                              strict=True)]),
+        *_metric("continuum:num_preemptions_by_reason_total", "counter",
+                 "Preemptions by cause (kv_full, priority, ...) and kind (swap, recompute).",
+                 [(f'{label},reason="{r}",kind="{k}"', n) for (r, k), n in sorted(
+                     (tuple(key.split(":", 1)), n)
+                     for key, n in core.preemptions_by_reason.items())]),
+        *_metric("continuum:prefill_alert_steps_total", "counter",
+                 "Steps whose prefill tokens passed prefill_alert_tokens.",
+                 [(label, core.num_prefill_alerts)]),
+        *_metric("continuum:swap_cap_fallbacks_total", "counter",
+                 "Preemptions that recomputed because max_swapped sequences were swapped.",
+                 [(label, core.lifecycle.num_swap_cap_fallbacks)]),
         *_metric("continuum:num_requests_shed_total", "counter",
                  "Queued requests refused after waiting past twice their tier's bound.",
                  [(label, core.admission.num_shed)]),

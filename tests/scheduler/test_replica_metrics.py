@@ -78,3 +78,14 @@ def test_the_server_answers_from_the_last_page_without_the_loop(tmp_path):
         assert missing.value.code == 404
     finally:
         server.stop()
+
+
+def test_our_guards_are_counted_on_the_page(tmp_path):
+    loop = _loop(tmp_path)
+    loop.core.lifecycle.preemptions_by_reason["priority:recompute"] += 2
+    loop.core.lifecycle.preemptions_by_reason["kv_full:swap"] += 1
+    families = _families(render(loop, Histograms(), "m"))
+    by_cause = {(s.labels["reason"], s.labels["kind"]): s.value
+                for s in families["continuum:num_preemptions_by_reason"].samples}
+    assert by_cause == {("priority", "recompute"): 2, ("kv_full", "swap"): 1}
+    assert {"continuum:prefill_alert_steps", "continuum:swap_cap_fallbacks"} <= set(families)
