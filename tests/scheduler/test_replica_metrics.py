@@ -4,14 +4,14 @@ parsed with Prometheus' own text parser, served from the last published page."""
 from __future__ import annotations
 
 import time
+import types
 import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scheduler_svc.core import SchedulerConfig
-from scheduler_svc.loop import EngineLoop
+from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.metrics import Histograms, MetricsServer, render
 from tests.scheduler.factories import make_model, make_request
 
@@ -25,10 +25,12 @@ PERF_NAMES = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seco
               "vllm:prefix_cache_hits", "vllm:request_success"}
 
 
-def _loop(tmp_path) -> EngineLoop:
-    loop = EngineLoop(SchedulerConfig(watermark=0.0), f"ipc://{tmp_path}/x.sock", secret=None)
-    loop.core.attach_executor(make_model(num_blocks=64, block_size=4))
-    return loop
+def _loop(tmp_path) -> types.SimpleNamespace:
+    """What render reads of an EngineLoop: its core, executor and recorder (a real loop
+    would open a ZeroMQ socket that a test must then close)."""
+    core = Scheduler(SchedulerConfig(watermark=0.0))
+    core.attach_executor(make_model(num_blocks=64, block_size=4))
+    return types.SimpleNamespace(core=core, executor=None, recorder=None)
 
 
 def _families(page: bytes) -> dict:
