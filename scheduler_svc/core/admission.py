@@ -210,6 +210,9 @@ class Admission:
         # burst that arrives between two steps (n = 16, many clients at once) into a
         # queue the last step emptied waits only for the next step, slots allowing.
         self.blocked = False
+        # When the current executor attached (Scheduler.attach_executor): queue waits for
+        # shedding and the head-of-line check count from here, not through an outage.
+        self.serving_since: float | None = 0.0
 
     def check_caps(self, req: Request) -> None:
         """Raises QueueFull when the queue, or ``req``'s tenant's share of it, is full."""
@@ -239,7 +242,8 @@ class Admission:
         refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
         if refusal is None and bound > 0 and waiting:
             oldest = waiting.oldest_arrival_up_to(tier)
-            waited = None if oldest is None else req.arrival_time - oldest
+            waited = None if oldest is None else \
+                req.arrival_time - max(oldest, self.serving_since or 0.0)
             refusal = head_of_line_refusal(tier, bound, waited)
         if refusal is not None:
             raise QueueFull(*refusal)
@@ -250,14 +254,21 @@ class Admission:
         """Queued requests that waited SHED_FACTOR x their tier's bound without starting,
         each given its refusal and retry hint (the caller ends them); scanned at most
         every SHED_CHECK_S, when admission runs."""
+        if self.serving_since is None:  # the first admission step of a new executor
+            self.serving_since = now
         if not self._waiting or now < self._next_shed_check:
             return []
         self._next_shed_check = now + SHED_CHECK_S
         cfg = self.config
-        shed = self._waiting.overdue(now, lambda t: SHED_FACTOR * queue_time_bound(cfg, t))
+        # Waits count from when the current executor started serving: requests queued
+        # through an executor restart wait for it, not for the load (they are not shed).
+        since = self.serving_since
+        shed = self._waiting.overdue(now, lambda t: SHED_FACTOR * queue_time_bound(cfg, t),
+                                     since)
         for req in shed:
             req.error, req.retry_after_s = shed_message(
-                req.priority_tier, now - req.arrival_time, queue_time_bound(cfg, req.priority_tier))
+                req.priority_tier, now - max(req.arrival_time, since),
+                queue_time_bound(cfg, req.priority_tier))
         self.num_shed += len(shed)
         return shed
 

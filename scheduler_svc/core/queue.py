@@ -78,12 +78,13 @@ class WaitingQueue:
         times = [fifo[0].arrival_time for (t, _), fifo in self._fifos.items() if t <= tier]
         return min(times) if times else None
 
-    def overdue(self, now: float, limit_s: collections.abc.Callable[[int], float]
-                ) -> list[Request]:
+    def overdue(self, now: float, limit_s: collections.abc.Callable[[int], float],
+                since: float = 0.0) -> list[Request]:
         """Fresh requests (never run, no client has seen a token of theirs) that have
-        waited longer than ``limit_s(tier)`` (0: no limit), oldest first per FIFO.
-        A FIFO holds fresh requests in arrival order behind any preempted ones, so the
-        scan stops at its first fresh request that is not overdue."""
+        waited longer than ``limit_s(tier)`` (0: no limit) since ``since`` or their
+        arrival, whichever is later, oldest first per FIFO. A FIFO holds fresh requests
+        in arrival order behind any preempted ones, so the scan stops at its first fresh
+        request that is not overdue."""
         found = []
         for (tier, _), fifo in self._fifos.items():
             limit = limit_s(tier)
@@ -93,7 +94,7 @@ class WaitingQueue:
                 if req.num_preemptions or req.num_resumed_output_tokens or \
                         req.status != RequestStatus.WAITING:
                     continue
-                if now - req.arrival_time <= limit:
+                if now - max(req.arrival_time, since) <= limit:
                     break
                 found.append(req)
         return found

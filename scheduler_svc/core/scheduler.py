@@ -133,6 +133,7 @@ class Scheduler:
                 req.block_hashes.clear()
             self._hashed_block_size = model.block_size
         self.model = self.lifecycle.model = model
+        self.admission.serving_since = None  # set by the first admission step
         self.block_manager = self.lifecycle.block_manager = BlockManager(
             model.num_blocks, model.block_size, model.num_host_blocks,
             self.config.enable_prefix_caching)

@@ -7,7 +7,7 @@ import pytest
 
 from scheduler_svc.core import ConfigError, QueueFull, SchedulerConfig
 from scheduler_svc.core.admission import MIN_DEPARTURES, ThroughputMeter, overload_refusal
-from tests.scheduler.factories import Clock, make_request, make_scheduler, step
+from tests.scheduler.factories import Clock, make_model, make_request, make_scheduler, step
 
 PREMIUM, STANDARD, BEST_EFFORT = 0, 1, 2
 
@@ -242,3 +242,20 @@ def test_a_burst_into_free_slots_is_not_refused():
         sched.add_request(make_request(8, 3, request_id=f"burst{i}"))  # none refused
     step(sched)
     assert len(sched.running) == 16 and not sched.waiting
+
+
+def test_requests_queued_through_an_executor_restart_are_not_shed_for_it():
+    """An executor restart (kill -9, model load) holds the queue; its waits are not load,
+    so shedding counts from when the new executor started serving."""
+    clock = Clock(0.0)
+    sched = make_scheduler(num_blocks=16, block_size=4, clock=clock, max_num_seqs=4,
+                           max_num_batched_tokens=64, chunk_size=64)
+    sched.add_request(make_request(40, 200, request_id="runner"))
+    step(sched)
+    queued = make_request(60, 1, request_id="queued")  # waits for the runner's blocks
+    sched.add_request(queued)
+    sched.detach_executor()
+    clock.now += 30.0  # the executor is down far past 2 x 5 s
+    sched.attach_executor(make_model(16, 4))
+    sched.schedule()
+    assert not queued.is_finished and not queued.error
