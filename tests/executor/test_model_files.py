@@ -42,7 +42,11 @@ def test_bundled_model_converts_to_an_hf_dir(model_dir):
 
 def test_cached_and_hf_dirs_resolve_fast(model_dir):
     start = time.perf_counter()
-    assert resolve_model(None) == model_dir
+    # The cache the suite's model lives in: $CONTINUUM_CACHE_DIR (CI sets it), read
+    # once by the settings as the executor reads it, not by resolve_model itself.
+    from executor_svc.settings import Switches
+
+    assert resolve_model(None, Switches.from_env().cache_dir) == model_dir
     assert resolve_model(str(model_dir)) == model_dir
     assert time.perf_counter() - start < 1.0
 
