@@ -42,6 +42,19 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="host (CPU) memory per executor rank for swapped-out KV, e.g. 4GiB, "
                         "in bytes like --kv-cache-bytes (vLLM's --swap-space is GiB); "
                         "0 (default): preempted sequences are always recomputed")
+    _scheduler_arguments(p)
+    p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
+                        "(a second Ctrl-C stops at once)")
+    edge = p.add_argument_group("gateway connection and stream limits (passed to the gateway)")
+    edge_flags.add_flags(edge, pass_through=True)
+    return p
+
+
+def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
+    """serve's flags that the supervisor passes on to the scheduler."""
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--chunk-size", type=int, default=512)
@@ -66,14 +79,6 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config-file", default=None,
                    help="scheduler config fields in TOML or JSON (wins over these flags); "
                         "re-read every 2 s and applied live (`continuum config history`)")
-    p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--grace-period", type=float, default=30.0,
-                   help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
-                        "(a second Ctrl-C stops at once)")
-    edge = p.add_argument_group("gateway connection and stream limits (passed to the gateway)")
-    edge_flags.add_flags(edge, pass_through=True)
-    return p
 
 
 def _capacity_parser(sub) -> None:
