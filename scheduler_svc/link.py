@@ -11,6 +11,11 @@ one, or one detached after a stall) never becomes it without a valid Hello;
 its results and heartbeats are answered with a ``detached`` heartbeat (at most
 once per ``DETACHED_REPLY_EVERY_S`` each), which tells a real executor to
 re-register. Should a task of the link die anyway, ``on_fatal`` hears it.
+
+A warm standby (a Hello marked ``standby`` while another executor is the peer) is
+kept aside, not made the peer: ``promote_standby`` switches to it when the loop loses
+its executor, with no process start, model load or handshake on the critical path.
+Its heartbeats keep ``standby_last_seen`` fresh; a newer standby Hello replaces it.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class ExecutorLink:
         self.executor_num_sequences = 0
         self.last_seen = 0.0
         self.num_dropped_frames = 0
+        self.standby: bytes | None = None  # identity of the warm standby executor
+        self.standby_hello: pb.Hello | None = None
+        self.standby_last_seen = 0.0
         self._replied: dict[bytes, float] = {}  # identity → last detached reply
         self._refused: dict[bytes, None] = {}  # identities whose bad Hello was logged
         self._seen_hellos: dict[tuple[str, float], None] = {}  # signed Hellos believed
@@ -108,9 +116,35 @@ class ExecutorLink:
         it is unreachable."""
         return self._send(msg.SerializeToString())
 
-    def send_heartbeat(self, incarnation: str, last_step_id: int) -> bool:
+    def send_heartbeat(self, incarnation: str, last_step_id: int,
+                       to: bytes | None = None) -> bool:
         hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), last_step_id=last_step_id)
-        return self._send(wire.encode_to_executor("heartbeat", hb))
+        return self._send(wire.encode_to_executor("heartbeat", hb), to=to)
+
+    def probe_standby(self) -> bool:
+        """Heartbeats the standby; False (and it is forgotten) when it is unreachable."""
+        if self.standby is None:
+            return True
+        if self.send_heartbeat(self.standby_hello.incarnation, 0, to=self.standby):
+            return True
+        self.drop_standby("it is unreachable")
+        return False
+
+    def drop_standby(self, why: str) -> pb.Hello | None:
+        hello, self.standby, self.standby_hello = self.standby_hello, None, None
+        if hello is not None:
+            log.error("standby executor dropped", incarnation=hello.incarnation, why=why)
+        return hello
+
+    def promote_standby(self) -> pb.Hello | None:
+        """Makes the standby the peer (the loop lost its executor); its Hello, or None
+        when there is no standby."""
+        if self.standby is None:
+            return None
+        self.peer, hello = self.standby, self.standby_hello
+        self.peer_incarnation, self.last_seen = hello.incarnation, time.monotonic()
+        self.standby = self.standby_hello = None
+        return hello
 
     def _send(self, frame: bytes, to: bytes | None = None) -> bool:
         to = self.peer if to is None else to
@@ -139,6 +173,7 @@ class ExecutorLink:
         a send to an identity that is no longer connected fails at once."""
         while True:
             await self._monitor.recv_multipart()
+            self.probe_standby()
             if self.peer is not None and not self.send_heartbeat(self.peer_incarnation, 0):
                 self.peer = None
                 self._on_lost()
@@ -168,6 +203,11 @@ class ExecutorLink:
             if problem is not None:
                 self._refuse(identity, problem)
                 return
+            if msg.standby and self.peer not in (None, identity):
+                self._keep_standby(identity, msg)
+                return
+            if identity == self.standby:
+                self.drop_standby("it registered as the executor")
             self.peer, self.peer_incarnation = identity, msg.incarnation
             self.last_seen = time.monotonic()
             self._on_hello(identity, msg)
@@ -177,8 +217,20 @@ class ExecutorLink:
                 self._on_result(msg)
             elif kind == "heartbeat":
                 self.executor_num_sequences = msg.num_sequences
+        elif identity == self.standby and kind == "heartbeat":
+            self.standby_last_seen = time.monotonic()
         else:
             self._tell_detached(identity, msg.incarnation)
+
+    def _keep_standby(self, identity: bytes, hello: pb.Hello) -> None:
+        if self.standby not in (None, identity):
+            log.warning("a newer standby executor replaces the registered one",
+                        old=self.standby_hello.incarnation, new=hello.incarnation)
+        self.standby, self.standby_hello = identity, hello
+        self.standby_last_seen = time.monotonic()
+        log.info("standby executor registered", incarnation=hello.incarnation, pid=hello.pid)
+        # Acknowledged, so it stops re-sending its Hello.
+        self.send_heartbeat(hello.incarnation, 0, to=identity)
 
     def _hello_problem(self, hello: pb.Hello) -> str | None:
         problem = wire.hello_problem(hello)

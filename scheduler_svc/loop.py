@@ -9,15 +9,18 @@ Faults: a step the executor fails (it raised, missed its deadline, or was lost
 while running it) is blamed on the requests in it (Scheduler.step_failed: one
 that keeps failing is ended alone with ERROR, the rest recompute); a plan it
 refuses for another reason is resynchronized, and blamed too only after
-MAX_CONSECUTIVE_REFUSALS in a row. A task the loop depends on that dies
-resolves ``fatal``: the process must report NOT_SERVING and exit non-zero.
+MAX_CONSECUTIVE_REFUSALS in a row. A step is late by the deadline its planned
+work and the executor's measured step times give (scheduler_svc/step_deadline.py).
+A lost executor is replaced at once by the link's warm standby when one is
+registered (the same recompute as after a restart, minus the process start and the
+model load). A task the loop depends on that dies resolves ``fatal``: the process
+must report NOT_SERVING and exit non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import os
 import time
@@ -26,28 +29,18 @@ import structlog
 
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
-from scheduler_svc.core import (
-    CostModel,
-    Event,
-    ModelInfo,
-    Request,
-    Scheduler,
-    SchedulerConfig,
-)
+from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
+from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.metrics import Histograms
 from scheduler_svc.plan import PlanBuilder
+from scheduler_svc.step_deadline import StepDeadlines
 from scheduler_svc.telemetry import Recorder
 
 log = structlog.get_logger("scheduler.loop")
 
-# A step is late (the executor is hung) after STEP_DEADLINE_FLOOR_S plus
-# STEP_DEADLINE_FACTOR × its expected time: its tokens at the executor's
-# measured prefill rate, plus the recent decode step time.
-STEP_DEADLINE_FLOOR_S = 5.0
-STEP_DEADLINE_FACTOR = 4.0
 # Idle: a heartbeat every HEARTBEAT_S; no answer within HEARTBEAT_TIMEOUT_S
 # means the executor is hung.
 HEARTBEAT_S = 1.0
@@ -59,14 +52,6 @@ ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
 # wrong for them must not resynchronize forever.
 MAX_CONSECUTIVE_REFUSALS = 3
 _FROM_ENV = object()
-
-
-@dataclasses.dataclass
-class ExecutorInfo:
-    incarnation: str
-    model_id: str
-    model: ModelInfo
-    pid: int
 
 
 class EngineLoop:
@@ -105,12 +90,13 @@ class EngineLoop:
         self._inflight = InFlightPlans()
         self._plans = PlanBuilder()  # owns each request's prompt in wire form
         self._last_answer_at = 0.0
-        self._recent_step_s = 0.0  # EMA of step wall time
+        self.deadlines = StepDeadlines()
         # The executor's idle time before each plan (StepResult.idle_ms), for benchmarks.
         self.executor_idle_ms: collections.deque[float] = collections.deque(maxlen=100_000)
         self._stepping = False
         self.draining = False  # set on SIGTERM: Submit is refused
         self.num_executor_losses = 0
+        self.num_standby_takeovers = 0
         self.last_lost_executor_pid = 0
         self._tasks: list[asyncio.Task] = []
         self.recorder: Recorder | None = None  # telemetry (scheduler_svc/telemetry.py)
@@ -242,6 +228,7 @@ class EngineLoop:
         """While idle, probe the executor: a hung one stops answering."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            self._probe_standby()
             ex = self.executor
             if ex is None or self._stepping:
                 continue
@@ -251,21 +238,32 @@ class EngineLoop:
             elif not self.link.send_heartbeat(ex.incarnation, self.num_steps):
                 self._lose_executor()
 
+    def _probe_standby(self) -> None:
+        """A standby that stopped answering would only hang the takeover: dropped (and
+        named as lost, so a supervisor kills and replaces it)."""
+        link = self.link
+        if link.standby is not None and \
+                time.monotonic() - link.standby_last_seen > self.heartbeat_timeout_s:
+            self.last_lost_executor_pid = link.drop_standby("it stopped answering").pid
+        link.probe_standby()
+
+    def _take_over_from_standby(self) -> None:
+        hello = self.link.promote_standby()
+        if hello is None:
+            return
+        log.warning("the warm standby executor takes over", incarnation=hello.incarnation,
+                    pid=hello.pid)
+        self.num_standby_takeovers += 1
+        self._pending_hello = hello
+        self.link.send_heartbeat(hello.incarnation, 0)
+        self._wake.set()
+
     def _attach_pending_executor(self) -> None:
         hello, self._pending_hello = self._pending_hello, None
         self._inflight.void_all()
-        model = ModelInfo(
-            block_size=hello.block_size,
-            num_blocks=hello.num_device_blocks,
-            max_model_len=hello.max_model_len,
-            vocab_size=hello.vocab_size,
-            eos_token_ids=frozenset(hello.eos_token_ids),
-            num_host_blocks=hello.num_host_blocks,
-            cost=CostModel(hello.prefill_tokens_per_s, hello.swap_bytes_per_s,
-                           hello.block_bytes),
-        )
-        self.core.attach_executor(model)
-        self.executor = ExecutorInfo(hello.incarnation, hello.model_id, model, hello.pid)
+        self.deadlines.reset(hello.prefill_tokens_per_s)
+        self.executor = ExecutorInfo.from_hello(hello)
+        self.core.attach_executor(self.executor.model)
 
     # -- the step loop ------------------------------------------------------------
 
@@ -292,13 +290,13 @@ class EngineLoop:
         self._stepping = True
         why = "the executor was lost during the step"
         try:
-            deadline = self._step_deadline(item.out.num_batched_tokens)
+            deadline = self.deadlines.deadline(item.out.num_batched_tokens)
             try:
                 result = await asyncio.wait_for(item.answer, deadline)
             except TimeoutError:
                 log.error("executor missed its step deadline", step_id=item.out.step_id,
                           deadline_s=round(deadline, 1))
-                result, why = None, f"the step ran past its {deadline:.0f} s deadline"
+                result, why = None, f"the step ran past its {deadline:.1f} s deadline"
         finally:
             self._stepping = False
         if result is None:
@@ -314,10 +312,9 @@ class EngineLoop:
             return True
         self._consecutive_refusals = 0
         out = item.out
-        now = time.monotonic()
-        if out.num_prefill_tokens == 0:  # it started when sent or when the last one ended
-            elapsed = now - max(item.sent_at, self._last_answer_at)
-            self._recent_step_s = 0.8 * self._recent_step_s + 0.2 * elapsed
+        now = time.monotonic()  # it started when sent or when the last one ended:
+        self.deadlines.observe(now - max(item.sent_at, self._last_answer_at),
+                               out.num_batched_tokens)
         self._last_answer_at = now
         self.num_steps += 1
         if out.num_batched_tokens > out.num_prefill_tokens:  # some sequence decoded
@@ -369,11 +366,6 @@ class EngineLoop:
                 item.answer.set_result(None)  # unreachable: lost, like a dead executor
                 return
 
-    def _step_deadline(self, num_tokens: int) -> float:
-        rate = self.executor.model.cost.prefill_tokens_per_s or 100.0
-        expected = num_tokens / rate + self._recent_step_s
-        return STEP_DEADLINE_FLOOR_S + STEP_DEADLINE_FACTOR * expected
-
     def _detach(self) -> None:
         """Drop the incarnation: free every device block; running requests wait
         (for recompute) until a new executor says Hello."""
@@ -385,6 +377,7 @@ class EngineLoop:
         self.core.detach_executor()
         self.executor = None
         self.link.peer = None
+        self._take_over_from_standby()
 
     def _dispatch(self, events: list[Event]) -> None:
         streams = self._streams

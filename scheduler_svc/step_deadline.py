@@ -1,0 +1,89 @@
+"""How long the scheduler waits for a step before it calls the executor hung.
+
+A fixed floor (5 s before issue 19) makes every hang cost seconds of stalled streams;
+a deadline from the measured step-time distribution detects one within
+``max(FLOOR_S, FACTOR × p99 step time)`` while the work planned for a step still
+stretches its own deadline, so a long prefill is never mistaken for a hang:
+
+    deadline(n) = max(FLOOR_S, FACTOR × (p99 of recent step times + n × per-token cost))
+
+``n`` is the step's planned tokens; the per-token cost is the p99 of seconds per token
+over recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is mostly
+its fixed cost, so small steps would overstate it), and never less than the executor's
+own measured prefill rate (its Hello) says. Until an incarnation has completed
+WARMUP_STEPS steps there is no distribution to trust (first steps may compile or fault
+pages in): then the deadline is the old rule's, at least COLD_FLOOR_S. The history
+starts again with each executor: another process may be slower than the last.
+
+Pure Python (no asyncio, torch or zmq): the loop feeds it, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import collections
+
+FLOOR_S = 1.0
+FACTOR = 3.0
+COLD_FLOOR_S = 5.0
+COLD_FACTOR = 4.0
+WARMUP_STEPS = 8
+WINDOW = 256  # recent steps the p99 is taken over
+PREFILL_MIN_TOKENS = 64
+DEFAULT_TOKENS_PER_S = 100.0  # an executor that measured nothing
+
+
+def _p99(values) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+class StepDeadlines:
+    """Recent step times of the current executor, and the deadline they imply."""
+
+    def __init__(self, floor_s: float = FLOOR_S, factor: float = FACTOR,
+                 cold_floor_s: float = COLD_FLOOR_S, warmup_steps: int = WARMUP_STEPS) -> None:
+        self.floor_s, self.factor = floor_s, factor
+        self.cold_floor_s, self.warmup_steps = cold_floor_s, warmup_steps
+        self._rate = DEFAULT_TOKENS_PER_S
+        self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._per_token: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._cached: tuple[float, float] | None = None  # (p99 step s, per-token s)
+
+    def reset(self, prefill_tokens_per_s: float) -> None:
+        """A new executor: forget the old one's times; ``prefill_tokens_per_s`` from its
+        Hello bounds the per-token cost from below."""
+        self._rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
+        self._steps.clear()
+        self._per_token.clear()
+        self._cached = None
+
+    def observe(self, elapsed_s: float, num_tokens: int) -> None:
+        """A step of ``num_tokens`` planned tokens took ``elapsed_s`` (wall, as the
+        scheduler saw it: from when the executor could start it to its answer)."""
+        self._steps.append(elapsed_s)
+        if num_tokens >= PREFILL_MIN_TOKENS:
+            self._per_token.append(elapsed_s / num_tokens)
+        self._cached = None
+
+    @property
+    def warm(self) -> bool:
+        return len(self._steps) >= self.warmup_steps
+
+    def p99_step_s(self) -> float:
+        return self._stats()[0]
+
+    def _stats(self) -> tuple[float, float]:
+        if self._cached is None:
+            per_token = 1.0 / self._rate
+            if self._per_token:
+                per_token = max(per_token, _p99(self._per_token))
+            self._cached = (_p99(self._steps) if self._steps else 0.0, per_token)
+        return self._cached
+
+    def deadline(self, num_tokens: int) -> float:
+        """Seconds a step of ``num_tokens`` planned tokens may take before it is a hang."""
+        p99, per_token = self._stats()
+        expected = p99 + num_tokens * per_token
+        if not self.warm:
+            return max(self.cold_floor_s, COLD_FACTOR * expected)
+        return max(self.floor_s, self.factor * expected)
