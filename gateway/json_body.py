@@ -60,8 +60,8 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
     the maximum depth by exactly one; what is left after `limit` passes nests
     deeper than `limit` (or is unbalanced, which the parser refuses anyway).
     """
-    if text.count("[") + text.count("{") <= limit:
-        return  # cannot nest deeper than it has openers (the common case, ~1 ms per MiB)
+    if _at_most_openers(text, limit):
+        return  # cannot nest deeper than it has openers (the common case)
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     brackets = brackets.replace("{", "[").replace("}", "]")
     for _ in range(limit):
@@ -73,6 +73,24 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
     # where the parser stops at the first "]" but recurses through leading "[".
     if "[]" in brackets or (brackets.startswith("[") and brackets.count("[") > limit):
         raise _bad(f"the request body nests arrays/objects deeper than {limit} levels")
+
+
+def _at_most_openers(text: str, limit: int) -> bool:
+    """Whether `text` holds at most `limit` `[` and `{` together.
+
+    `str.find` of one character is memchr (0.1 ms for 4 MiB here) where `str.count`
+    walks every character (1.5 ms for 4 MiB): the C calls of a body's decode hold the
+    GIL for their whole run, so every other stream on the gateway's event loop waits
+    for them. At most `limit + 1` finds, then the answer is known."""
+    found = 0
+    for opener in "[{":
+        at = text.find(opener)
+        while at >= 0:
+            found += 1
+            if found > limit:
+                return False
+            at = text.find(opener, at + 1)
+    return True
 
 
 def _constant(name: str) -> float:
@@ -102,7 +120,11 @@ def _check_surrogates(value: Any) -> None:
 def decode_json(raw: bytes, charset: str | None = None) -> Any:
     """The body's JSON value; RequestError (400) for anything that is not clean JSON.
 
-    Linear in len(raw). Call it off the event loop for large bodies."""
+    Linear in len(raw), in few C passes: one UTF-8 decode, the parse, and memchr
+    scans for brackets and backslashes (the slower bracket and surrogate walks only
+    for bodies that hold many brackets or a backslash): ~4 ms of GIL for a 4 MiB body
+    whose bulk is one string, where three full passes more took ~12 ms. Call it off
+    the event loop for large bodies."""
     check_charset(charset)
     try:
         text = raw.decode("utf-8")
@@ -118,6 +140,7 @@ def decode_json(raw: bytes, charset: str | None = None) -> Any:
         raise _bad("the request body nests too deeply") from exc
     except ValueError as exc:  # JSONDecodeError, or an integer past 4,300 digits
         raise _bad(f"the request body is not valid JSON ({exc})") from exc
-    if _SURROGATE_ESCAPE.search(text):
+    # No backslash (one memchr), no escape: the regex (2 ms for 4 MiB) is skipped.
+    if "\\" in text and _SURROGATE_ESCAPE.search(text):
         _check_surrogates(value)
     return value

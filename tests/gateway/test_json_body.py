@@ -70,3 +70,24 @@ def test_good_bodies_decode_like_json_loads():
 def test_charsets_other_than_utf8_are_refused(charset):
     with pytest.raises(RequestError, match=f"charset '{charset}' is not supported"):
         decode_json(b"{}", charset)
+
+
+@pytest.mark.parametrize("openers", ["[" * 17 + "{" * 16, "{" * 16 + "[" * 17, "[{" * 17])
+def test_the_opener_count_spans_both_bracket_kinds(openers):
+    """The cheap pre-check (at most `limit` openers cannot nest deeper) counts `[` and
+    `{` together: 33 openers, however mixed, go on to the real depth scan."""
+    body = openers + "".join({"[": "]", "{": "}"}[c] for c in reversed(openers))
+    with pytest.raises(RequestError, match="deeper than 32 levels"):
+        check_depth(body)
+    check_depth(body, limit=len(openers))
+
+
+def test_a_large_body_is_checked_as_a_small_one():
+    """A body near the 4 MiB limit, its bulk one long string: the fast paths (no
+    backslash, few brackets) skip no check that applies."""
+    bulk = "u" * (4 * 1024 * 1024 - 4096)
+    assert decode_json(json.dumps({"user": bulk, "n": [1]}).encode()) == {"user": bulk, "n": [1]}
+    with pytest.raises(RequestError, match="user contains a lone UTF-16 surrogate"):
+        decode_json(b'{"user": "' + bulk.encode() + b'\\ud800"}')
+    with pytest.raises(RequestError, match="deeper than 32 levels"):
+        decode_json(b'{"user": "' + bulk.encode() + b'", "x": ' + b"[" * 40 + b"]" * 40 + b"}")
