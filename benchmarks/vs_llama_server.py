@@ -1,0 +1,156 @@
+"""Continuum against llama.cpp's ``llama-server`` on one machine: same prompts, same
+streaming client, same lengths, at 1, 8, 32 and 64 concurrent streams (issue 19's table).
+
+Both servers are driven through their OpenAI-compatible ``/v1/completions`` with
+token-id prompts, greedy, ``ignore_eos`` and ``max_tokens`` new tokens
+(``continuum.bench_clients.OpenAIClient``; llama-server accepts token-id prompts and
+``ignore_eos``). Each concurrency runs on both servers one after the other, the order
+alternating, ``--num-prompts`` = ``--prompts-per-stream`` x streams requests in a closed
+loop. Prompts come from the bundled model's vocabulary: serve llama-server the same
+GGUF, or the token ids mean different text on the two sides.
+
+    # llama.cpp, built elsewhere (e.g. from the llama-cpp-python sdist's vendor/llama.cpp):
+    gguf=$(python -c 'import executor_svc.model_files as m; print(m.bundled_gguf())')
+    llama-server -m "$gguf" -np 64 --cont-batching -c 65536 --port 8080
+    .venv/bin/python -m benchmarks.vs_llama_server --llama-url http://127.0.0.1:8080/v1
+
+Ours is started here with ``make run``'s defaults (``continuum serve`` on loopback, the
+bundled model) unless ``--ours-url`` points at a running one. Prints one markdown table
+and whether each of issue 19's targets was met; ``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from benchmarks.reliability import procs
+from continuum.bench import add_arguments, run_point, validate_args
+
+# Issue 19: our output tok/s over llama-server's, at least, by streams.
+TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
+READY_TIMEOUT_S = 300.0
+
+
+def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    bench = p.parse_args([
+        "--api", "openai", "--base-url", base_url, "--dataset", "fixed",
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--num-prompts", str(max(streams * args.prompts_per_stream, 2)),
+        "--max-concurrency", str(streams), "--seed", str(args.seed + streams),
+        "--no-progress"])
+    validate_args(bench)
+    report, _ = asyncio.run(run_point(bench, float("inf"), 0))
+    overall = report["overall"]
+    if not overall["num_completed"]:
+        raise SystemExit(f"{base_url}: 0 of {overall['num_requests']} requests completed "
+                         f"at {streams} streams (errors: {overall['errors']})")
+    return overall
+
+
+@contextlib.contextmanager
+def _ours(url: str | None, extra: list[str]):
+    """Yields our base URL: ``url`` as given, or a ``continuum serve`` started here."""
+    if url:
+        yield url
+        return
+    procs.ensure_secret()
+    http_port = procs.free_port()
+    with tempfile.TemporaryDirectory(prefix="continuum-vs-llama-") as tmp:
+        cmd = [sys.executable, "-m", "continuum", "serve", "--port", str(procs.free_port()),
+               "--scheduler-port", str(procs.free_port()), "--http-port", str(http_port),
+               "--ipc", f"ipc://{tmp}/executor.sock", *extra]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        log: list[str] = []
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        ready = threading.Event()
+        threading.Thread(target=lambda: ready.set() if proc.stdout.readline() else None,
+                         daemon=True).start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while not ready.wait(0.5):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("continuum serve did not become ready:\n"
+                                     + "".join(log[-20:]))
+            yield f"http://127.0.0.1:{http_port}/v1"
+        finally:
+            procs.stop(proc)
+
+
+def _row(streams: int, ours: dict, theirs: dict) -> dict:
+    ratio = ours["output_throughput"] / theirs["output_throughput"]
+    ttft_lower = (ours["ttft_median_ms"] < theirs["ttft_median_ms"]
+                  and ours["ttft_p99_ms"] < theirs["ttft_p99_ms"])
+    errors = ours["num_requests"] - ours["num_completed"]
+    return {"streams": streams, "theirs": theirs, "ours": ours, "ratio": ratio,
+            "target": TARGET_RATIO.get(streams),
+            "met": (ratio >= TARGET_RATIO.get(streams, 0.0)) and ttft_lower and not errors}
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| streams | llama-server tok/s | ours tok/s | ratio (target) "
+             "| TTFT p50 theirs / ours s | TTFT p99 theirs / ours s | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, o = r["theirs"], r["ours"]
+        target = f"{r['target']:g}x" if r["target"] is not None else "-"
+        lines.append(
+            f"| {r['streams']} | {t['output_throughput']:.0f} | {o['output_throughput']:.0f} "
+            f"| {r['ratio']:.2f}x ({target}) "
+            f"| {t['ttft_median_ms'] / 1e3:.2f} / {o['ttft_median_ms'] / 1e3:.2f} "
+            f"| {t['ttft_p99_ms'] / 1e3:.2f} / {o['ttft_p99_ms'] / 1e3:.2f} "
+            f"| {'yes' if r['met'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vs_llama_server",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-url", required=True, help="llama-server's base URL, .../v1")
+    p.add_argument("--ours-url", default=None, help="a running Continuum's base URL, .../v1 "
+                   "(default: start `continuum serve` here with make run's defaults)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="an extra `continuum serve` argument (repeatable)")
+    p.add_argument("--streams", default="1,8,32,64", help="concurrencies, comma separated")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts-per-stream", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=pathlib.Path, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        streams = [int(s) for s in args.streams.split(",")]
+    except ValueError:
+        raise SystemExit(f"--streams {args.streams!r}: comma-separated integers") from None
+    rows = []
+    with _ours(args.ours_url, args.serve_arg) as ours_url:
+        for i, n in enumerate(streams):
+            order = [("ours", ours_url), ("theirs", args.llama_url)]
+            results = dict((name, _point(url, n, args)) for name, url in
+                           (order if i % 2 == 0 else order[::-1]))
+            rows.append(_row(n, results["ours"], results["theirs"]))
+            print(f"{n} streams: ours {results['ours']['output_throughput']:.0f} tok/s, "
+                  f"llama-server {results['theirs']['output_throughput']:.0f}", flush=True)
+    print(render(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0 if all(r["met"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
