@@ -5,6 +5,12 @@ they are untrusted code: they run in jinja2's immutable sandbox. The environment
 mirrors transformers' (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, the
 `raise_exception` and `strftime_now` globals, a `tojson` that does not escape
 HTML) so that a template renders here exactly as `apply_chat_template` renders it.
+
+Tools (function calling) are passed as `tools=`, as `apply_chat_template(tools=...)`
+does, to a template that reads a `tools` variable. One that does not (the bundled
+SmolLM2's) is given them the way Hermes / Qwen templates write them instead
+(gateway/tool_fallback.py), so that the model still sees the tools, its own past
+calls and their results.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from collections.abc import Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from gateway import tool_fallback
 
 
 class ChatTemplateError(ValueError):
@@ -75,17 +84,29 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(source)
+            # Whether the template reads `tools` at all (as vLLM decides what to pass).
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                env.parse(source))
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
         self._special_tokens = dict(special_tokens)
 
     def render(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
+        """`tools` in `apply_chat_template`'s form; messages may carry `tool_calls`
+        (arguments as objects) and `tool` turns, as HF templates read them."""
+        extra = {}
+        if self.takes_tools:
+            extra["tools"] = tools
+        else:
+            messages = tool_fallback.messages(messages, tools)
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **self._special_tokens,
             )
         except jinja2.TemplateError as exc:

@@ -65,6 +65,9 @@ class GatewayConfig:
     # NAME=TIER entries: an inference gateway's objective names that map to our tiers,
     # beside the defaults (gateway/routing_headers.py).
     objective_tiers: tuple[str, ...] = ()
+    # How "auto" tool_choice reads calls out of the model's text (gateway/tool_parsers.py).
+    # None: hermes.
+    tool_call_parser: str | None = None
 
     @property
     def scheduler_addresses(self) -> list[str]:
@@ -113,6 +116,11 @@ class GatewayConfig:
                     tier.strip().lower() not in ("premium", "standard", "best_effort"):
                 raise ConfigError(f"--objective-tier {entry!r} must be NAME=TIER with TIER "
                                   "one of premium, standard, best_effort")
+        if self.tool_call_parser is not None:
+            from gateway.tool_parsers import PARSERS  # pure Python, imports nothing heavy
+            if self.tool_call_parser not in PARSERS:
+                raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one "
+                                  f"of {', '.join(sorted(PARSERS))}")
         if self.grpc_max_connection_idle_s < 0:
             raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
                               f"{self.grpc_max_connection_idle_s}")

@@ -34,6 +34,9 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--slow-reader-timeout", "slow_reader_timeout_s", float,
      "seconds a client may leave one response unread before its request is cancelled "
      "(default 30)"),
+    ("--tool-call-parser", "tool_call_parser", str,
+     "how tool calls are read from the model's text with tool_choice auto: hermes "
+     "(<tool_call> blocks or a bare JSON call; the default) or json / llama3_json"),
 )
 
 

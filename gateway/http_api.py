@@ -264,9 +264,8 @@ class HttpApi:
         logprobs = choices.logprobs_of(response)
         if not (text or reason or first or (logprobs and response.token_ids)):
             return None
-        choice = api.dialect.chunk_choice(response.index, text, first)
+        choice = api.dialect.chunk_choice(response.index, text, first, reason)
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = reason
         chunk = api.dialect.envelope(validated.request_id, self._model_name, created, chunk=True)
         chunk["choices"] = [choice]
         if api.continuous_usage:

@@ -24,8 +24,10 @@ from typing import Any
 import grpc
 
 from gateway import openai_fields as fields
+from gateway import tool_calls
 from gateway.relay import finish_name
 from gateway.tokenizer import Tokenizer
+from gateway.tool_answers import ToolAnswers
 from gateway.validation import MAX_CHAT_MESSAGES
 from protos.continuum.v1 import generation_pb2
 
@@ -75,8 +77,9 @@ class Dialect(abc.ABC):
         """The logprobs of one response's tokens; `offset` is the choice's text length so far."""
 
     @abc.abstractmethod
-    def chunk_choice(self, index: int, text: str, first: bool) -> dict:
-        """One streamed chunk's choice."""
+    def chunk_choice(self, index: int, text: str, first: bool, reason: str | None) -> dict:
+        """One streamed chunk's choice, its finish_reason included (``reason`` is the
+        response's, which tool calls turn into "tool_calls")."""
 
     @abc.abstractmethod
     def final_choice(self, index: int, text: str, parts: list[dict] | None,
@@ -112,6 +115,7 @@ class CompletionDialect(Dialect):
                              "prompt")
         else:
             raise fields.bad("prompt is required: a string or a list of token ids", "prompt")
+        tool_calls.refuse(body)
         fields.common(body, proto, served_model, tokenizer.info.vocab_size)
         proto.max_tokens = fields.integer(body, "max_tokens", 1, fields.UINT32_MAX,
                                           COMPLETION_DEFAULT_MAX_TOKENS)
@@ -140,8 +144,8 @@ class CompletionDialect(Dialect):
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def chunk_choice(self, index, text, first):
-        return {"index": index, "text": text}
+    def chunk_choice(self, index, text, first, reason):
+        return {"index": index, "text": text, "finish_reason": reason}
 
     def final_choice(self, index, text, parts, reason):
         merged = None
@@ -169,10 +173,16 @@ def _message_text(content: Any, index: int) -> str:
 
 
 class ChatDialect(Dialect):
+    """Chat; a request with tools gets its own instance, whose ``answers`` hold its
+    choices' tool-call parse state (gateway/tool_answers.py)."""
+
     name = "chat"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(self, answers: ToolAnswers | None = None):
+        self.answers = answers
 
     def parse(self, body: Any, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
         if not isinstance(body, dict):
@@ -193,9 +203,13 @@ class ChatDialect(Dialect):
             role = "system" if role == "developer" else role
             if not isinstance(role, str):
                 raise fields.bad(f"messages[{index}].role is required: a string", "messages")
-            proto.chat.messages.add(role=role,
-                                    content=_message_text(message.get("content"), index))
+            entry = proto.chat.messages.add(role=role,
+                                            content=_message_text(message.get("content"), index))
+            tool_calls.read_message(message, entry, index)
+        plan = tool_calls.read(body, proto.chat)
         fields.common(body, proto, served_model, tokenizer.info.vocab_size)
+        tool_calls.constrain(plan, proto.chat, proto.sampling)
+        dialect = self if plan is None or plan.mode == "none" else ChatDialect(ToolAnswers(plan))
         max_tokens = fields.integer(body, "max_completion_tokens", 1, fields.UINT32_MAX)
         if max_tokens is None:
             max_tokens = fields.integer(body, "max_tokens", 1, fields.UINT32_MAX, 0)
@@ -208,7 +222,7 @@ class ChatDialect(Dialect):
             proto.sampling.logprobs = top or 0
         stream = fields.boolean(body, "stream")
         include_usage, continuous = fields.stream_options(body, stream)
-        return ApiRequest(self, proto, stream=stream, include_usage=include_usage,
+        return ApiRequest(dialect, proto, stream=stream, include_usage=include_usage,
                           continuous_usage=continuous, logprobs=logprobs)
 
     def logprobs(self, tokenizer, response, offset):
@@ -223,16 +237,23 @@ class ChatDialect(Dialect):
             content.append({**entry(item.token_id, item.logprob), "top_logprobs": top})
         return {"content": content}
 
-    def chunk_choice(self, index, text, first):
+    def chunk_choice(self, index, text, first, reason):
+        if self.answers is not None:  # what it holds back or finds is its own
+            delta, reason = self.answers.delta(index, text, first, reason)
+            return {"index": index, "delta": delta, "finish_reason": reason}
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta if (text or first) else {}}
+        return {"index": index, "delta": delta if (text or first) else {},
+                "finish_reason": reason}
 
     def final_choice(self, index, text, parts, reason):
         merged = None
         if parts is not None:
             merged = {"content": [c for part in parts for c in part["content"]]}
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": merged, "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        if self.answers is not None:
+            message, reason = self.answers.message(index, text, reason)
+        return {"index": index, "message": message, "logprobs": merged,
+                "finish_reason": reason}
 
 
 COMPLETION = CompletionDialect()

@@ -27,8 +27,9 @@ PRIORITIES = {
     "standard": generation_pb2.PRIORITY_STANDARD,
     "best_effort": generation_pb2.PRIORITY_BEST_EFFORT,
 }
-_UNSUPPORTED = ("suffix", "tools", "functions", "tool_choice", "function_call",
-                "audio", "modalities", "prediction")
+# tools / tool_choice are the chat dialect's (gateway/tool_calls.py); the legacy
+# functions / function_call are not taken.
+_UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction")
 
 
 def bad(message: str, param: str | None = None) -> RequestError:

@@ -158,13 +158,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=True).ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def render_chat(self, messages: Sequence[Mapping], tools: list[dict] | None = None) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send prompt or token_ids")
-        return self.chat_template.render(messages, add_generation_prompt=True)
+        return self.chat_template.render(messages, add_generation_prompt=True, tools=tools)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = self.render_chat(messages)
+    def encode_chat(self, messages: Sequence[Mapping], tools: list[dict] | None = None
+                    ) -> list[int]:
+        text = self.render_chat(messages, tools)
         return self._backend.encode(text, add_special_tokens=False).ids
 
     @functools.cached_property

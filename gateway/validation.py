@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway import sampling_extras
+from gateway import sampling_extras, tool_checks
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
 from protos import limits
@@ -51,7 +51,7 @@ MAX_N = 16
 MAX_CHAT_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 PRIORITY_TIERS = {
     generation_pb2.PRIORITY_PREMIUM: 0,
     generation_pb2.PRIORITY_UNSPECIFIED: 1,
@@ -220,14 +220,16 @@ def _check_prompt_chars(field: str, num_chars: int, tokenizer: Tokenizer) -> Non
         )
 
 
-def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list[dict[str, str]]:
+def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list[dict]:
     if not chat.messages:
         raise RequestError("chat has no messages; send at least one", param="messages")
     if len(chat.messages) > MAX_CHAT_MESSAGES:
         raise RequestError(f"chat holds {len(chat.messages)} messages; at most "
                            f"{MAX_CHAT_MESSAGES}", param="messages")
-    _check_prompt_chars("chat message text", sum(len(m.content) for m in chat.messages),
-                        tokenizer)
+    _check_prompt_chars("chat message text", tool_checks.chat_chars(chat), tokenizer)
+    problem = tool_checks.chat_problem(chat)  # tools, calls and results (function calling)
+    if problem is not None:
+        raise RequestError(problem, param="tools" if problem.startswith("tools") else "messages")
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(
@@ -235,7 +237,7 @@ def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list
                 f"use one of {', '.join(sorted(CHAT_ROLES))}",
                 param="messages",
             )
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+    return tool_checks.template_messages(chat)
 
 
 def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
@@ -250,7 +252,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         ids = tokenizer.encode(request.prompt)
     elif kind == "chat":
         try:
-            ids = tokenizer.encode_chat(_chat_messages(request.chat, tokenizer))
+            ids = tokenizer.encode_chat(_chat_messages(request.chat, tokenizer),
+                                        tool_checks.template_tools(request.chat))
         except ChatTemplateError as exc:
             raise RequestError(
                 f"the model's chat template rejected the messages: {exc}", param="messages"

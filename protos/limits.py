@@ -27,6 +27,13 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 # Structured output: a JSON schema, regex or grammar of at most this many bytes.
 MAX_GUIDED_BYTES = 64 * 1024
+# Tools (function calling): at most this many per request (OpenAI's limit), names of
+# at most this many characters, and this many bytes of names, descriptions and
+# parameter schemas together, so that "required"'s grammar over all of them stays
+# within MAX_GUIDED_BYTES.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
+MAX_TOOLS_BYTES = 48 * 1024
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
 # Priority tiers: 0 premium, 1 standard, 2 best-effort.

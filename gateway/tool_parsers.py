@@ -1,0 +1,169 @@
+"""Tool-call parsers: a model's free text to OpenAI tool calls (``tool_choice: "auto"``).
+
+A registry keyed by ``--tool-call-parser``, as vLLM's flag of that name:
+
+* ``hermes`` (the default): the Hermes / Qwen convention, any number of
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the text
+  around them kept as content; also an answer that is nothing but a bare JSON call
+  (``json`` below), since small models given the fallback prompt often drop the tags.
+* ``json`` (alias ``llama3_json``): the whole answer is one JSON call
+  ``{"name": ..., "arguments" | "parameters": {...}}`` or a list of them (Llama 3's
+  convention); anything else is content.
+
+A call counts only when its name is one of the request's tools and its arguments
+are a JSON object (or the JSON text of one); anything else stays content, so no
+text the model wrote is lost. Each parser is a stream: ``feed(text)`` answers what
+can be said so far, ``finish()`` the rest; a non-streamed answer is one feed and a
+finish, so both paths parse alike. Text that may still become a call (the start of
+``<tool_call>``, an answer opening with ``{``) is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class Call:
+    name: str
+    arguments: str  # JSON object text
+
+
+@dataclass
+class Events:
+    """What one feed or finish found: content to pass on, then complete calls."""
+
+    content: str = ""
+    calls: list[Call] = field(default_factory=list)
+
+
+def call_of(value: object, names: Collection[str]) -> Call | None:
+    """A decoded JSON value as a call of one of ``names``, or None."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(name, str) or name not in names:
+        return None
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return Call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def bare_calls(text: str, names: Collection[str]) -> list[Call] | None:
+    """``text`` as one JSON call or a non-empty list of them, else None."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    values = value if isinstance(value, list) and value else [value]
+    calls = [call_of(v, names) for v in values]
+    return None if None in calls else calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (held back)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class JsonStream:
+    """The ``json`` parser: an answer opening with ``{`` or ``[`` is held to the end
+    and becomes calls if it is one; any other answer streams as content at once."""
+
+    tagged = False
+
+    def __init__(self, names: Collection[str]):
+        self.names = frozenset(names)
+        self._buffer = ""
+        self._mode: str | None = None  # None: undecided, "json": held, "text": passed on
+
+    def feed(self, text: str) -> Events:
+        self._buffer += text
+        if self._mode is None:
+            stripped = self._buffer.lstrip()
+            if not stripped:
+                return Events()
+            self._mode = "json" if stripped[0] in "{[" else "text"
+        if self._mode == "json":
+            return Events()
+        return self._scan(final=False)
+
+    def finish(self) -> Events:
+        if self._mode == "json":
+            calls = bare_calls(self._buffer, self.names)
+            if calls is not None:
+                self._buffer = ""
+                return Events(calls=calls)
+        return self._scan(final=True)
+
+    def _scan(self, final: bool) -> Events:
+        out = Events(content=self._buffer)
+        self._buffer = ""
+        return out
+
+
+class HermesStream(JsonStream):
+    """The ``hermes`` parser: ``<tool_call>`` blocks anywhere, or a bare JSON answer."""
+
+    tagged = True
+
+    def __init__(self, names: Collection[str]):
+        super().__init__(names)
+        self._in_call = False
+
+    def _scan(self, final: bool) -> Events:
+        out = Events()
+        while True:
+            if not self._in_call:
+                at = self._buffer.find(OPEN_TAG)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self._buffer, OPEN_TAG)
+                    out.content += self._buffer[:len(self._buffer) - keep]
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return out
+                out.content += self._buffer[:at]
+                self._buffer = self._buffer[at + len(OPEN_TAG):]
+                self._in_call = True
+                continue
+            at = self._buffer.find(CLOSE_TAG)
+            if at < 0 and not final:
+                return out
+            # At the end an unclosed block still counts: models often stop on EOS
+            # where the closing tag should be.
+            body = self._buffer if at < 0 else self._buffer[:at]
+            call = bare_calls(body.strip(), self.names)
+            if call is not None and len(call) == 1:
+                out.calls.extend(call)
+            else:
+                out.content += OPEN_TAG + body + (CLOSE_TAG if at >= 0 else "")
+            self._buffer = "" if at < 0 else self._buffer[at + len(CLOSE_TAG):]
+            self._in_call = False
+            if at < 0:
+                return out
+
+
+PARSERS: dict[str, Callable[[Collection[str]], JsonStream]] = {
+    "hermes": HermesStream,
+    "json": JsonStream,
+    "llama3_json": JsonStream,
+}
+DEFAULT_PARSER = "hermes"
+
+
+def parse_all(text: str, names: Collection[str], parser: str = DEFAULT_PARSER) -> Events:
+    """The whole of a non-streamed answer at once."""
+    stream = PARSERS[parser](names)
+    first, rest = stream.feed(text), stream.finish()
+    return Events(first.content + rest.content, first.calls + rest.calls)
