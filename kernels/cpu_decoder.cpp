@@ -29,21 +29,21 @@ void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q
 int64_t kv_write_kv(const float* k, const float* v, void* k_pool, void* v_pool,
                     const int64_t* slots, int64_t tokens, int64_t row, int64_t num_slots,
                     int kind);
-void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x, int64_t ldx_k,
-                     int64_t ldx_n, int64_t N, float* c, int64_t ldc_m, int64_t ldc_n,
-                     int num_threads);
+struct QWeight;  // cpu_qgemm.cpp's: packed fp32 or GGUF blocks, row segments
+void qweight_gemm(const QWeight* w, const float* x, int64_t ldx_k, int64_t ldx_n, int64_t N,
+                  float* c, int64_t ldc_m, int64_t ldc_n, int threads);
 void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n, int num_threads);
 
-// One layer's weights: the norms [H] as they are, the projections packed by
-// gemm_pack_weight_f32 (wqkv [(Hq + 2 Hkv) D, H], wo [H, Hq D], w13 [2 I, H] gate rows then
+// One layer's weights: the norms [H] as they are, the projections QWeights (fp32 packed by
+// gemm_pack_weight_f32, which goes to gemm_packed_f32 as before, or GGUF blocks) (wqkv [(Hq + 2 Hkv) D, H], wo [H, Hq D], w13 [2 I, H] gate rows then
 // up rows, w2 [H, I]).
 struct DecoderLayer {
   const float* attn_norm;
-  const float* wqkv;
-  const float* wo;
+  const QWeight* wqkv;
+  const QWeight* wo;
   const float* ffn_norm;
-  const float* w13;
-  const float* w2;
+  const QWeight* w13;
+  const QWeight* w2;
 };
 
 struct DecoderShape {
@@ -138,7 +138,7 @@ int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
     char* v_pool = k_pool + side_bytes;
     add_rms_norm_f32(x, i ? ffn : nullptr, L.attn_norm, h, s.hidden, t, s.eps);
     clock.lap(kNorms);
-    gemm_packed_f32(L.wqkv, qd + 2 * kvd, s.hidden, h, t, 1, t, qkv, t, 1, st.threads);
+    qweight_gemm(L.wqkv, h, t, 1, t, qkv, t, 1, st.threads);
     clock.lap(kMatmuls);
     rope_qkv_f32(qkv, st.cos, st.sin, q, k, v, s.num_heads, s.num_kv_heads, s.head_dim, t);
     clock.lap(kRope);
@@ -152,15 +152,15 @@ int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
     if (st.chunks != nullptr && st.chunks(i) != 0) return -1;
     clock.lap(kAttention);
     // o [T, Hq D] read as its transpose [Hq D, T]: the GEMM packs it column by column.
-    gemm_packed_f32(L.wo, s.hidden, qd, o, 1, qd, t, attn, t, 1, st.threads);
+    qweight_gemm(L.wo, o, 1, qd, t, attn, t, 1, st.threads);
     clock.lap(kMatmuls);
     add_rms_norm_f32(x, attn, L.ffn_norm, h, s.hidden, t, s.eps);
     clock.lap(kNorms);
-    gemm_packed_f32(L.w13, 2 * s.inter, s.hidden, h, t, 1, t, gate_up, t, 1, st.threads);
+    qweight_gemm(L.w13, h, t, 1, t, gate_up, t, 1, st.threads);
     clock.lap(kMatmuls);
     silu_mul_f32(gate_up, gate_up + s.inter * t, act, s.inter * t, st.threads);
     clock.lap(kSwiglu);
-    gemm_packed_f32(L.w2, s.hidden, s.inter, act, t, 1, t, ffn, t, 1, st.threads);
+    qweight_gemm(L.w2, act, t, 1, t, ffn, t, 1, st.threads);
     clock.lap(kMatmuls);
   }
   if (num_layers)

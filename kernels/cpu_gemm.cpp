@@ -143,6 +143,65 @@ void narrow_gemm(const float* wp, int64_t M, int64_t K, const float* x, int64_t 
   }
 }
 
+// The wide (N > 4) GEMM over panels that `src` supplies: src(p, scratch) -> panel p in the
+// [K][6] layout (the packed weight itself, or cpu_qgemm.cpp's dequantized copy in
+// `scratch`, MR * K floats per thread); src.next(p): where to prefetch panel p + 1 from.
+template <class Source>
+void wide_gemm(const Source& src, int64_t M, int64_t K, const float* x, int64_t ldx_k,
+               int64_t ldx_n, int64_t N, float* c, int64_t ldc_m, int64_t ldc_n,
+               int num_threads) {
+  static thread_local Buffer xbuf;
+  const int64_t panels = (M + MR - 1) / MR;
+  float* xp = xbuf.get(K * N_CHUNK);
+  for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
+    const int64_t width = std::min(N_CHUNK, N - n0), blocks = (width + NR - 1) / NR;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < blocks; b++)
+        pack_x_block(x, ldx_k, ldx_n, K, n0 + b * NR, std::min(NR, width - b * NR),
+                     xp + b * K * NR);
+      alignas(64) float t[MR * NR];
+      static thread_local Buffer panel_buf;
+      float* scratch = src.needs_scratch ? panel_buf.get(MR * K) : nullptr;
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; p++) {
+        const int64_t m0 = p * MR, rows = std::min(MR, M - m0);
+        const float* wpp = src(p, scratch);
+        for (int64_t b = 0; b < blocks; b++) {
+          const int64_t j0 = n0 + b * NR, cols = std::min(NR, N - j0);
+          // The first column block streams the next panel in (weights come from memory).
+          const char* next = b == 0 && p + 1 < panels ? src.next(p) : nullptr;
+          if (rows == MR && cols == NR && ldc_n == 1) {  // straight into C
+            tile(wpp, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m, next);
+          } else {
+            tile(wpp, xp + b * K * NR, K, t, NR, next);
+            store_tile(t, rows, cols, c + m0 * ldc_m + j0 * ldc_n, ldc_m, ldc_n);
+          }
+        }
+      }
+    }
+  }
+}
+
+struct PackedSource {  // gemm_pack_weight_f32's panels, read in place
+  static constexpr bool needs_scratch = false;
+  const float* wp;
+  int64_t K;
+  const float* operator()(int64_t p, float*) const { return wp + p * MR * K; }
+  const char* next(int64_t p) const { return reinterpret_cast<const char*>(wp + (p + 1) * MR * K); }
+};
+
+using PanelFn = const float* (*)(const void* ctx, int64_t panel, float* scratch);
+
+struct CallbackSource {  // panels built per call (cpu_qgemm.cpp's dequantization)
+  static constexpr bool needs_scratch = true;
+  PanelFn fn;
+  const void* ctx;
+  const float* operator()(int64_t p, float* scratch) const { return fn(ctx, p, scratch); }
+  const char* next(int64_t) const { return nullptr; }
+};
+
 }  // namespace
 
 extern "C" {
@@ -175,37 +234,15 @@ void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x, int6
     case 4: return narrow_gemm<4>(wp, M, K, x, ldx_k, ldx_n, c, ldc_m, ldc_n, num_threads);
     default: break;
   }
-  static thread_local Buffer xbuf;
-  const int64_t panels = (M + MR - 1) / MR;
-  float* xp = xbuf.get(K * N_CHUNK);
-  for (int64_t n0 = 0; n0 < N; n0 += N_CHUNK) {
-    const int64_t width = std::min(N_CHUNK, N - n0), blocks = (width + NR - 1) / NR;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < blocks; b++)
-        pack_x_block(x, ldx_k, ldx_n, K, n0 + b * NR, std::min(NR, width - b * NR),
-                     xp + b * K * NR);
-      alignas(64) float t[MR * NR];
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; p++) {
-        const int64_t m0 = p * MR, rows = std::min(MR, M - m0);
-        for (int64_t b = 0; b < blocks; b++) {
-          const int64_t j0 = n0 + b * NR, cols = std::min(NR, N - j0);
-          // The first column block streams the next panel in (weights come from memory).
-          const char* next = b == 0 && p + 1 < panels
-                                 ? reinterpret_cast<const char*>(wp + (p + 1) * MR * K)
-                                 : nullptr;
-          if (rows == MR && cols == NR && ldc_n == 1) {  // straight into C
-            tile(wp + p * MR * K, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m, next);
-          } else {
-            tile(wp + p * MR * K, xp + b * K * NR, K, t, NR, next);
-            store_tile(t, rows, cols, c + m0 * ldc_m + j0 * ldc_n, ldc_m, ldc_n);
-          }
-        }
-      }
-    }
-  }
+  wide_gemm(PackedSource{wp, K}, M, K, x, ldx_k, ldx_n, N, c, ldc_m, ldc_n, num_threads);
+}
+
+// C = W @ X (N > 4) where panel p of W [M, K] comes from panel(ctx, p, scratch): the fp32
+// tile over panels built per call (cpu_qgemm.cpp's dequantized blocks).
+void gemm_panels_f32(PanelFn panel, const void* ctx, int64_t M, int64_t K, const float* x,
+                     int64_t ldx_k, int64_t ldx_n, int64_t N, float* c, int64_t ldc_m,
+                     int64_t ldc_n, int num_threads) {
+  wide_gemm(CallbackSource{panel, ctx}, M, K, x, ldx_k, ldx_n, N, c, ldc_m, ldc_n, num_threads);
 }
 
 }  // extern "C"

@@ -34,7 +34,17 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n)
                 for n in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp"))
+# cpu_qgemm.cpp is compiled on its own with -ffp-contract=off (its dequantized weights must
+# round as numpy's separate multiply and add do), then linked with the others.
+QGEMM_SOURCE = pathlib.Path(__file__).with_name("cpu_qgemm.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# One library per instruction-set level, from the same sources: the AVX-512 build compiles
+# the `#ifdef __AVX512F__` paths (cpu_qgemm.cpp's 16-lane accumulation) and lets the compiler
+# use 512-bit vectors elsewhere. Not BF16 / VNNI: their dot products take bf16 / int8
+# activations, and the activations here stay fp32 (token-exact against transformers).
+ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")}
+ISA_CPU_FLAGS = {"avx2": {"avx2", "fma", "f16c"},
+                 "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 # Pool element types the kernels read and write (cpu_attention.cpp's `kind`).
 KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _I64 = ctypes.c_int64
@@ -48,13 +58,14 @@ class NativeOptions:
     enabled: bool = True  # False: no library, the numba kernel and torch's ops instead
     cache_dir: str | None = None  # tried before kernels/__pycache__/ and the temp directory
     compiler: str | None = None  # None: g++, else c++, from PATH
+    isa: str = "auto"  # auto: the highest ISA_FLAGS level the CPU has; or force one
 
 
 class NativeKernels:
     """The loaded library; ``paged_decode`` has numba_kernels.paged_decode's arguments."""
 
-    def __init__(self, lib: ctypes.CDLL, path: pathlib.Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, path: pathlib.Path, isa: str = "avx2") -> None:
+        self.lib, self.path, self.isa = lib, path, isa  # lib: kernels/quant.py binds its own
         self._supports = lib.paged_decode_supports
         self._supports.argtypes, self._supports.restype = [_I64], ctypes.c_int
         self._decode = lib.paged_decode_kv
@@ -206,13 +217,32 @@ class PackedWeight:
         return out
 
 
-def _cpu_has_avx2_fma() -> bool:
-    """AVX2 and FMA, and F16C (16-bit KV pools): every AVX2 CPU has all three."""
+def cpu_flags() -> set[str]:
+    """The first CPU's flags in /proc/cpuinfo (empty where it cannot be read)."""
     try:
         flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags", 2)[1].split("\n")[0]
     except (OSError, IndexError):
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags.split())
+        return set()
+    return set(flags.split(":", 1)[-1].split())
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return ISA_CPU_FLAGS["avx2"] <= cpu_flags()
+
+
+def choose_isa(requested: str, flags: set[str]) -> str | None:
+    """The ISA_FLAGS level to load: ``requested`` ("auto": the highest the CPU has), never one
+    the CPU lacks (a forced avx512 on an AVX2 CPU falls back, logged); None below AVX2
+    (AVX2, FMA and F16C: every AVX2 CPU has all three)."""
+    have = [isa for isa, need in ISA_CPU_FLAGS.items() if need <= flags]
+    if not have:
+        return None
+    if requested not in ("auto", *ISA_FLAGS):
+        raise ValueError(f"unknown ISA {requested!r}: expected auto, {', '.join(ISA_FLAGS)}")
+    if requested != "auto" and requested not in have:
+        log.warning("native kernels: %s requested but the CPU lacks it; using %s",
+                    requested, have[-1])
+    return requested if requested in have else have[-1]
 
 
 def _cache_dirs(first: str | None) -> list[pathlib.Path]:
@@ -220,37 +250,66 @@ def _cache_dirs(first: str | None) -> list[pathlib.Path]:
             pathlib.Path(tempfile.gettempdir()) / "continuum-kernels"]
 
 
-def _build(target: pathlib.Path, compiler: str) -> None:
+def _build(target: pathlib.Path, compiler: str, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    flags = (*FLAGS, *ISA_FLAGS[isa])
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then rename: atomic
     os.close(fd)
+    obj = tmp + ".qgemm.o"
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], check=True,
+        subprocess.run([compiler, *flags, "-ffp-contract=off", "-c", str(QGEMM_SOURCE), "-o",
+                        obj], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *flags, *map(str, SOURCES), obj, "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
+def library_name(isa: str) -> str:
+    """The cached library's file name: keyed on the sources, the flags and torch."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, QGEMM_SOURCE))
+                         + " ".join((*FLAGS, *ISA_FLAGS[isa])).encode()
+                         + torch.__version__.encode()).hexdigest()[:16]
+    return f"cpu_attention-{isa}-{key}.so"
+
+
+def build(isa: str, options: NativeOptions | None = None) -> pathlib.Path:
+    """Builds (or finds cached) the ``isa`` library without loading it, so a CPU without that
+    ISA can still check that it compiles. Raises CalledProcessError / OSError."""
+    options = options or NativeOptions()
+    compiler = options.compiler or shutil.which("g++") or shutil.which("c++") or "g++"
+    path = _cache_dirs(options.cache_dir)[0] / library_name(isa)
+    if not path.exists():
+        _build(path, compiler, isa)
+    return path
 
 
 def load(options: NativeOptions | None = None) -> NativeKernels | None:
     """The compiled kernels (building them if no cached copy exists), or None. ``options``:
-    None for the defaults (no switch set)."""
+    None for the defaults (no switch set). The ISA level is chosen here, once per process
+    and library, and logged."""
     options = options or NativeOptions()
-    if not options.enabled or not _cpu_has_avx2_fma():
+    isa = choose_isa(options.isa, cpu_flags()) if options.enabled else None
+    if isa is None:
         return None
     compiler = options.compiler or shutil.which("g++") or shutil.which("c++")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()
-                         + torch.__version__.encode()).hexdigest()[:16]
-    name = f"cpu_attention-{key}.so"
+    name = library_name(isa)
     for directory in _cache_dirs(options.cache_dir):
         path = directory / name
         try:
             if not path.exists():
                 if compiler is None:
                     return None
-                _build(path, compiler)
-            return NativeKernels(ctypes.CDLL(str(path)), path)
+                _build(path, compiler, isa)
+            kernels = NativeKernels(ctypes.CDLL(str(path)), path, isa)
+            if (isa, options.isa) not in _LOGGED:
+                _LOGGED.add((isa, options.isa))
+                log.info("native kernels: the %s build (requested %s; CPU has avx512f: %s)",
+                         isa, options.isa, "avx512f" in cpu_flags())
+            return kernels
         except subprocess.CalledProcessError as e:
             log.warning("native attention kernel did not build (numba kernel in use): %s",
                         e.stderr[-2000:])
@@ -258,3 +317,6 @@ def load(options: NativeOptions | None = None) -> NativeKernels | None:
         except (OSError, subprocess.TimeoutExpired) as e:
             log.info("native attention kernel: %s unusable (%s), trying the next", path, e)
     return None
+
+
+_LOGGED: set[tuple[str, str]] = set()

@@ -1,0 +1,342 @@
+// GEMM over weights kept in their GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16,
+// BF16): C = W @ X with fp32 activations and fp32 accumulation, the blocks dequantized inside
+// the kernel. Built by kernels/native.py into the same library as cpu_gemm.cpp, but compiled
+// on its own with -ffp-contract=off: every dequantized value must EQUAL what
+// gguf.quants.dequantize gives (what transformers loads), and numpy rounds d * q + m twice;
+// a contracted FMA would round once and differ in the last bit.
+//
+// Two shapes of work. Few columns (N <= 4: decode batches of 1-4, weight-streaming bound):
+// each row's blocks are dequantized into an L1 buffer and multiplied into N accumulators at
+// once, so the quantized bytes stream from memory exactly once per step (4.5-8.5 bits per
+// weight instead of fp32's 32). More columns (larger batches and prefill): each 6-row panel
+// is dequantized once per 128-column chunk into cpu_gemm.cpp's fp32 panel layout and the
+// same 6 x 16 register tile runs over it (gemm_panels_f32), so the dequantization is ~3% of
+// the FMAs and the result equals the fp32 GEMM over the dequantized weights.
+//
+// A weight is a chain of row segments (QWeight.next): q/k/v (and gate/up) are fused into one
+// projection even when their formats differ (Q4_K_M files keep attn_v in Q6_K). Format 0 is
+// an fp32 weight packed by gemm_pack_weight_f32 (ggml's F32 type id), which goes to the fp32
+// GEMM unchanged; the others are ggml type ids with rows of row_bytes bytes.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+extern "C" void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x,
+                                int64_t ldx_k, int64_t ldx_n, int64_t N, float* c,
+                                int64_t ldc_m, int64_t ldc_n, int num_threads);
+using PanelFn = const float* (*)(const void* ctx, int64_t panel, float* scratch);
+extern "C" void gemm_panels_f32(PanelFn panel, const void* ctx, int64_t M, int64_t K,
+                                const float* x, int64_t ldx_k, int64_t ldx_n, int64_t N,
+                                float* c, int64_t ldc_m, int64_t ldc_n, int num_threads);
+
+extern "C" {
+struct QWeight {  // kernels/quant.py's _QWeight
+  int32_t format;
+  int64_t rows, cols, row_bytes;
+  const void* data;
+  const QWeight* next;
+};
+}
+
+namespace {
+
+enum Format : int32_t {
+  kPacked = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30
+};
+constexpr int64_t MR = 6;  // cpu_gemm.cpp's panel height
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact, as numpy's float16 -> float32
+}
+
+// 16 bytes of nibbles -> the 32 values, low nibbles first (ggml's Q4 layout), as int32 x 4.
+inline void nibbles(const uint8_t* qs, __m256i out[4]) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+  out[0] = _mm256_cvtepu8_epi32(lo), out[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  out[2] = _mm256_cvtepu8_epi32(hi), out[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+// Each format: kBlock values in kBytes; block(src, out) writes the kBlock values of one
+// block, each rounded exactly as gguf.quants' numpy code rounds it.
+template <int F> struct Fmt;
+
+template <> struct Fmt<kQ4_0> {  // d f16, 16 bytes of nibbles: d * (q - 8)
+  static constexpr int64_t kBlock = 32, kBytes = 18;
+  static void block(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    __m256i q[4];
+    nibbles(b + 2, q);
+    for (int i = 0; i < 4; i++)
+      _mm256_store_ps(out + 8 * i, _mm256_mul_ps(
+          d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], _mm256_set1_epi32(8)))));
+  }
+};
+
+template <> struct Fmt<kQ4_1> {  // d, m f16, nibbles: (d * q) + m, two roundings
+  static constexpr int64_t kBlock = 32, kBytes = 20;
+  static void block(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    __m256i q[4];
+    nibbles(b + 4, q);
+    for (int i = 0; i < 4; i++)
+      _mm256_store_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m));
+  }
+};
+
+template <> struct Fmt<kQ8_0> {  // d f16, 32 int8: q * d
+  static constexpr int64_t kBlock = 32, kBytes = 34;
+  static void block(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    for (int i = 0; i < 4; i++) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      _mm256_store_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+  }
+};
+
+template <> struct Fmt<kF16> {
+  static constexpr int64_t kBlock = 32, kBytes = 64;
+  static void block(const uint8_t* b, float* out) {
+    for (int i = 0; i < 4; i++)
+      _mm256_store_ps(out + 8 * i, _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i))));
+  }
+};
+
+template <> struct Fmt<kBF16> {  // the top 16 bits of an fp32
+  static constexpr int64_t kBlock = 32, kBytes = 64;
+  static void block(const uint8_t* b, float* out) {
+    for (int i = 0; i < 4; i++) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
+      _mm256_store_ps(out + 8 * i, _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+};
+
+// Q4_K (144 bytes per 256): d, dmin f16, 12 bytes of 6-bit scales/mins for 8 sub-blocks of
+// 32, 128 bytes of nibbles (per 64 values: 32 low nibbles, then the same bytes' high ones).
+// value = (d * sc) * q - (dmin * m), each product rounded, as Q4_K.dequantize_blocks.
+template <> struct Fmt<kQ4_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 144;
+  static void block(const uint8_t* b, float* out) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* s = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int j = 0; j < 8; j++) {
+      int sc, mn;
+      if (j < 4) {
+        sc = s[j] & 0x3F, mn = s[j + 4] & 0x3F;
+      } else {
+        sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+      }
+      const float ds = d * float(sc), dm = dmin * float(mn);
+      const uint8_t* q = qs + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      for (int i = 0; i < 32; i++) {
+        const float p = ds * float((q[i] >> shift) & 0x0F);
+        out[32 * j + i] = p - dm;
+      }
+    }
+  }
+};
+
+// Q6_K (210 bytes per 256): 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales
+// (one per 16 values), d f16. value = (d * scale) * (q - 32).
+template <> struct Fmt<kQ6_K> {
+  static constexpr int64_t kBlock = 256, kBytes = 210;
+  static void block(const uint8_t* b, float* out) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half(b + 208);
+    for (int e = 0; e < 256; e++) {
+      const int h = e / 128, r = e % 128;
+      const int lo = (ql[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0F;
+      const int hi = (qh[h * 32 + r % 32] >> (2 * (r / 32))) & 0x03;
+      const int q = int(int8_t(uint8_t(lo | (hi << 4)))) - 32;
+      const float ds = d * float(sc[e / 16]);
+      out[e] = ds * float(q);
+    }
+  }
+};
+
+template <int F>
+void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += Fmt<F>::kBlock)
+    Fmt<F>::block(row + k / Fmt<F>::kBlock * Fmt<F>::kBytes, out + k);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// C[m, n] for the segment's rows, NN <= 4 columns of xt [NN][K] (token-major, contiguous):
+// the row's blocks dequantized into `buf` (L1) and multiplied into 2 accumulators per column.
+template <int F, int NN>
+void narrow(const QWeight& w, const float* xt, float* c, int64_t ldc_m, int64_t ldc_n,
+            int threads) {
+  using B = Fmt<F>;
+  const int64_t K = w.cols;
+  const uint8_t* data = static_cast<const uint8_t*>(w.data);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t m = 0; m < w.rows; m++) {
+    alignas(64) float buf[B::kBlock];
+    const uint8_t* row = data + m * w.row_bytes;
+#ifdef __AVX512F__
+    __m512 acc[NN];
+    for (int n = 0; n < NN; n++) acc[n] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += B::kBlock) {
+      B::block(row + k0 / B::kBlock * B::kBytes, buf);
+      for (int64_t j = 0; j < B::kBlock; j += 16) {
+        const __m512 wv = _mm512_load_ps(buf + j);
+        for (int n = 0; n < NN; n++)
+          acc[n] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xt + n * K + k0 + j), acc[n]);
+      }
+    }
+    for (int n = 0; n < NN; n++) c[m * ldc_m + n * ldc_n] = _mm512_reduce_add_ps(acc[n]);
+#else
+    __m256 acc[NN][2];
+    for (int n = 0; n < NN; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += B::kBlock) {
+      B::block(row + k0 / B::kBlock * B::kBytes, buf);
+      for (int64_t j = 0; j < B::kBlock; j += 16) {
+        const __m256 w0 = _mm256_load_ps(buf + j), w1 = _mm256_load_ps(buf + j + 8);
+        for (int n = 0; n < NN; n++) {
+          const float* xk = xt + n * K + k0 + j;
+          acc[n][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xk), acc[n][0]);
+          acc[n][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 8), acc[n][1]);
+        }
+      }
+    }
+    for (int n = 0; n < NN; n++)
+      c[m * ldc_m + n * ldc_n] = hsum(_mm256_add_ps(acc[n][0], acc[n][1]));
+#endif
+  }
+}
+
+// gemm_panels_f32's source: panel p's rows dequantized into cpu_gemm.cpp's [K][6] layout.
+template <int F>
+const float* panel(const void* ctx, int64_t p, float* scratch) {
+  const QWeight& w = *static_cast<const QWeight*>(ctx);
+  const int64_t K = w.cols;
+  alignas(64) float buf[Fmt<F>::kBlock];
+  for (int64_t r = 0; r < MR; r++) {
+    const int64_t m = p * MR + r;
+    if (m >= w.rows) {
+      for (int64_t k = 0; k < K; k++) scratch[k * MR + r] = 0.0f;
+      continue;
+    }
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + m * w.row_bytes;
+    for (int64_t k0 = 0; k0 < K; k0 += Fmt<F>::kBlock) {
+      Fmt<F>::block(row + k0 / Fmt<F>::kBlock * Fmt<F>::kBytes, buf);
+      for (int64_t j = 0; j < Fmt<F>::kBlock; j++) scratch[(k0 + j) * MR + r] = buf[j];
+    }
+  }
+  return scratch;
+}
+
+template <int F>
+void segment_gemm(const QWeight& w, const float* x, int64_t ldx_k, int64_t ldx_n, int64_t N,
+                  const float* xt, float* c, int64_t ldc_m, int64_t ldc_n, int threads) {
+  switch (N) {
+    case 1: return narrow<F, 1>(w, xt, c, ldc_m, ldc_n, threads);
+    case 2: return narrow<F, 2>(w, xt, c, ldc_m, ldc_n, threads);
+    case 3: return narrow<F, 3>(w, xt, c, ldc_m, ldc_n, threads);
+    case 4: return narrow<F, 4>(w, xt, c, ldc_m, ldc_n, threads);
+    default:
+      gemm_panels_f32(panel<F>, &w, w.rows, w.cols, x, ldx_k, ldx_n, N, c, ldc_m, ldc_n, threads);
+  }
+}
+
+bool known(int32_t f) {
+  return f == kPacked || f == kF16 || f == kQ4_0 || f == kQ4_1 || f == kQ8_0 || f == kQ4_K ||
+         f == kQ6_K || f == kBF16;
+}
+
+void dequant_any(int32_t f, const uint8_t* row, int64_t K, float* out) {
+  switch (f) {
+    case kF16: return dequant_row<kF16>(row, K, out);
+    case kQ4_0: return dequant_row<kQ4_0>(row, K, out);
+    case kQ4_1: return dequant_row<kQ4_1>(row, K, out);
+    case kQ8_0: return dequant_row<kQ8_0>(row, K, out);
+    case kQ4_K: return dequant_row<kQ4_K>(row, K, out);
+    case kQ6_K: return dequant_row<kQ6_K>(row, K, out);
+    case kBF16: return dequant_row<kBF16>(row, K, out);
+    default: break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 if cpu_qgemm reads `format` (a ggml type id, 0 = packed fp32), else 0.
+int qweight_supports(int32_t format) { return known(format) ? 1 : 0; }
+
+// C = W @ X for every segment of w (rows stacked in order): X [K, N] at x + k * ldx_k +
+// n * ldx_n, C at c + m * ldc_m + n * ldc_n.
+void qweight_gemm(const QWeight* w, const float* x, int64_t ldx_k, int64_t ldx_n, int64_t N,
+                  float* c, int64_t ldc_m, int64_t ldc_n, int threads) {
+  if (N <= 0) return;
+  const int64_t K = w->cols;
+  static thread_local std::vector<float> xt_buf;
+  const float* xt = nullptr;
+  bool blocks = false;  // any segment in GGUF blocks (packed fp32 reads X as it is)
+  for (const QWeight* s = w; s != nullptr; s = s->next) blocks |= s->format != kPacked;
+  if (N <= 4 && blocks) {  // the narrow kernel reads X token-major: [N][K], K contiguous
+    if (int64_t(xt_buf.size()) < N * K) xt_buf.resize(N * K);
+    for (int64_t n = 0; n < N; n++)
+      for (int64_t k = 0; k < K; k++) xt_buf[n * K + k] = x[k * ldx_k + n * ldx_n];
+    xt = xt_buf.data();
+  }
+  for (const QWeight* s = w; s != nullptr; s = s->next) {
+    switch (s->format) {
+      case kPacked:
+        gemm_packed_f32(static_cast<const float*>(s->data), s->rows, K, x, ldx_k, ldx_n, N, c,
+                        ldc_m, ldc_n, threads);
+        break;
+      case kF16: segment_gemm<kF16>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kQ4_0: segment_gemm<kQ4_0>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kQ4_1: segment_gemm<kQ4_1>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kQ8_0: segment_gemm<kQ8_0>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kQ4_K: segment_gemm<kQ4_K>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kQ6_K: segment_gemm<kQ6_K>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      case kBF16: segment_gemm<kBF16>(*s, x, ldx_k, ldx_n, N, xt, c, ldc_m, ldc_n, threads); break;
+      default: break;  // kernels/quant.py admits only qweight_supports formats
+    }
+    c += s->rows * ldc_m;
+  }
+}
+
+// out[i * K ...] = row ids[i] of w dequantized (an embedding lookup). Returns the number of
+// ids outside [0, rows) (then nothing is written) or of rows in an unreadable format.
+int64_t qweight_rows(const QWeight* w, const int64_t* ids, int64_t n, float* out) {
+  int64_t total = 0, bad = 0;
+  for (const QWeight* s = w; s != nullptr; s = s->next) {
+    total += s->rows;
+    if (s->format == kPacked) bad++;
+  }
+  for (int64_t i = 0; i < n; i++) bad += ids[i] < 0 || ids[i] >= total;
+  if (bad) return bad;
+  for (int64_t i = 0; i < n; i++) {
+    int64_t r = ids[i];
+    const QWeight* s = w;
+    while (r >= s->rows) r -= s->rows, s = s->next;
+    dequant_any(s->format, static_cast<const uint8_t*>(s->data) + r * s->row_bytes, s->cols,
+                out + i * s->cols);
+  }
+  return 0;
+}
+
+}  // extern "C"
