@@ -9,8 +9,11 @@ import ctypes
 import numpy as np
 import torch
 
-from kernels import torch_backend  # chunk_attention looked up per call (tests patch it)
-from kernels.native import KV_KINDS, NativeKernels, PackedWeight
+from kernels import (
+    quant,
+    torch_backend,  # chunk_attention looked up per call (tests patch it)
+)
+from kernels.native import KV_KINDS, NativeKernels
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -45,7 +48,8 @@ class NativeDecoder:
     called back once per layer for all of them).
 
     ``layers``: (attn_norm, wqkv, wo, ffn_norm, w13, w2) per layer, the norms float32 [H]
-    tensors, the projections PackedWeights. Holds references to all of them.
+    tensors, the projections PackedWeights or quant.QuantWeights (GGUF blocks). Holds
+    references to all of them.
 
     ``phase_seconds``: None, or a float64 array of len(PHASES) to which each call adds the
     seconds spent in each phase (the bench's breakdown; ~20 ns per phase and layer).
@@ -60,9 +64,15 @@ class NativeDecoder:
         self._lib = lib
         self._keep = layers
         self._layers = (_Layer * len(layers))()
+        self._chains = []  # the projections' QWeight chains (kernels/quant.py), kept alive
         for entry, parts in zip(self._layers, layers, strict=True):
-            ptrs = [p.data.data_ptr() if isinstance(p, PackedWeight) else p.data_ptr()
-                    for p in parts]
+            ptrs = []
+            for p in parts:
+                if isinstance(p, torch.Tensor):  # a norm
+                    ptrs.append(p.data_ptr())
+                else:
+                    self._chains.append(quant.chain_of(p))
+                    ptrs.append(self._chains[-1].address)
             for (name, _), ptr in zip(_Layer._fields_, ptrs, strict=True):
                 setattr(entry, name, ptr)
         self._shape = _Shape(hidden, inter, num_heads, num_kv_heads, head_dim, eps, scale)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.native import NativeKernels
+from kernels.native import NativeKernels, PackedWeight
 
 # ggml type id -> (name, values per block, bytes per block). F32 is packed for cpu_gemm.cpp.
 FORMATS = {0: ("F32", 1, 4), 1: ("F16", 32, 64), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
@@ -70,6 +70,22 @@ def _bind(lib: NativeKernels):
         rows.argtypes, rows.restype = [_PTR, _PTR, _I64, _PTR], _I64
         lib._qgemm, lib._qrows = gemm, rows
     return lib
+
+
+def chain_of(w: QuantWeight | PackedWeight) -> QuantWeight:
+    """The QWeight chain cpu_decoder.cpp takes for either kind of projection: a PackedWeight
+    becomes one fp32 segment over its panels (no copy; gemm_packed_f32 as before)."""
+    if isinstance(w, QuantWeight):
+        return w
+    chain = QuantWeight.__new__(QuantWeight)
+    chain._lib, chain._keep = w._lib, [w.data]
+    chain._chain = (_QWeight * 1)()
+    seg = chain._chain[0]
+    seg.format, (seg.rows, seg.cols), seg.row_bytes = 0, w.shape, 0
+    seg.data = w.data.data_ptr()
+    chain.shape, chain.formats, chain.nbytes = w.shape, ("F32",), w.numel() * 4
+    chain.dtype, chain.device = torch.float32, torch.device("cpu")
+    return chain
 
 
 class QuantWeight:
