@@ -94,6 +94,10 @@ class HardwareSpec:
     prefill_attn_flops_efficiency: float = 0.5
     attn_launch_s: float = 10e-6
     cpu_overhead_s: float = 3e-3
+    # Swap: each GPU copies its share of a block over its own PCIe 4.0 x16 link (32 GB/s
+    # raw; ~20 GB/s is what pinned cudaMemcpy reaches), into vLLM's default 4 GiB host pool.
+    pcie_bytes_per_s: float = 20e9
+    host_swap_bytes_per_gpu: int = 4 * GIB
 
 
 class Curve:
@@ -199,6 +203,24 @@ class StepCostModel:
     def num_kv_blocks(self, block_size: int) -> int:
         per_block = block_size * self.model.kv_bytes_per_token // self.hw.tp
         return self.kv_pool_bytes_per_gpu // per_block
+
+    def host_kv_blocks(self, block_size: int) -> int:
+        """Blocks the host (swap) pool holds: the same per-GPU share of each block."""
+        return self.hw.host_swap_bytes_per_gpu // (block_size * self.model.kv_bytes_per_token
+                                                   // self.hw.tp)
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        """Copying ``num_blocks`` between device and host: the GPUs copy their shares in
+        parallel, each over its own link."""
+        per_gpu = block_size * self.model.kv_bytes_per_token / self.hw.tp
+        return num_blocks * per_gpu / self.hw.pcie_bytes_per_s
+
+    def core_cost_model(self, block_size: int):
+        """The scheduler's swap-or-recompute model, as an executor's Hello would fill it."""
+        from scheduler_svc.core import CostModel
+
+        return CostModel(1024 / self.prefill_time(1024), self.hw.pcie_bytes_per_s,
+                         block_size * self.model.kv_bytes_per_token // self.hw.tp)
 
     # -- time -----------------------------------------------------------------------
 

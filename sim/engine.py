@@ -12,6 +12,14 @@ Sampled tokens are a fixed non-EOS id and ``max_tokens`` is the trace's output
 length, so each request stops by length after exactly its traced output.
 Scheduling is synchronous (one plan in flight): the simulator models the device,
 and the scheduler's own CPU time is inside the cost model's per-step overhead.
+
+Prefix caching is on, as in the server: a request's prompt is its trace row's
+``prompt_ids`` when given (``sim.prefix_trace`` synthesizes shared system prompts and
+multi-turn continuations; the validation replays ``continuum bench``'s own ids), else
+ids unique to the request, which share nothing. Swap preemption runs when the cost
+model has a host pool (``host_kv_blocks``): the core picks swap or recompute with the
+cost model's ``core_cost_model`` (as with the executor's Hello), and a step that swaps
+blocks out or in costs their copy time (``swap_time``) on top of its compute.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from sim.workload import TraceRequest
 
 EOS = 2
 SAMPLED = 1000  # every sampled token: never EOS, so only max_tokens ends a request
-PROMPT = 7  # prompt contents do not matter: prefix caching is off in the simulator
+_ID_SPAN = 128253  # ids 3..128255: the first block is unique per request below this many
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384  # Llama-3.3-70B allows 128 k; the trace's longest request is 14,089
 VOCAB = 128256
@@ -53,6 +61,8 @@ class RequestRecord:
     num_output_tokens: int = 0
     rejected: str | None = None  # why the service refused it
     token_times: list[float] | None = None
+    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    first_scheduled: float | None = None
 
     def timing(self) -> tuple:
         """The tuple ``sim.metrics.summarize`` reads."""
@@ -70,6 +80,12 @@ class SimResult:
     num_stalled_decode_steps: int  # ... and also carried prefill tokens
     num_preemptions: int
     num_output_tokens: int  # generated, finished or not
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return sum(r.prefix_hit_tokens for r in self.records)
 
     @property
     def finished(self) -> list[RequestRecord]:
@@ -90,7 +106,7 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
     static: a budget that lets one step admit a whole batch (``max_num_seqs`` ×
         2,048 tokens), which then runs to completion before the next is admitted.
     The queue is unbounded unless a cap is given: the simulator measures waiting.
-    Prefix caching is off: the trace has no token contents to share.
+    Prefix caching is on, as in the server (prompts share only what their ids share).
     """
     budgets = {"chunked": (512, 512), "continuous": (MAX_MODEL_LEN, 512),
                "static": (max_num_seqs * 2048, 512)}
@@ -98,7 +114,7 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
         raise ValueError(f"policy must be one of {', '.join(budgets)}, got {policy!r}")
     budget, chunk = budgets[policy]
     fields = dict(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=False)
+                  chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True)
     fields.update(overrides)
     return SchedulerConfig(**fields)
 
@@ -119,14 +135,25 @@ class Simulation:
     """One run of ``requests`` through a scheduler built from ``config``."""
 
     def __init__(self, requests: Sequence[TraceRequest], config: SchedulerConfig,
-                 cost: StepCostModel, record_token_times: bool = False) -> None:
+                 cost: StepCostModel, record_token_times: bool = False,
+                 num_blocks: int | None = None, num_host_blocks: int | None = None,
+                 max_model_len: int = MAX_MODEL_LEN, vocab: int = VOCAB) -> None:
+        """``num_blocks`` / ``num_host_blocks``: the device and host pools in blocks
+        (default: what the cost model's memory holds; a cost model without
+        ``host_kv_blocks`` has no host pool, so preemption recomputes)."""
         self.requests = requests
         self.cost = cost
         self.clock = _Clock()
         self.sched = Scheduler(config, clock=self.clock)
+        if num_host_blocks is None:
+            host = getattr(cost, "host_kv_blocks", None)
+            num_host_blocks = host(BLOCK_SIZE) if host else 0
+        core_cost = getattr(cost, "core_cost_model", None)
         self.sched.attach_executor(ModelInfo(
-            BLOCK_SIZE, cost.num_kv_blocks(BLOCK_SIZE), MAX_MODEL_LEN, VOCAB,
-            frozenset({EOS}), num_host_blocks=0, cost=CostModel()))  # preemption: recompute
+            BLOCK_SIZE, num_blocks or cost.num_kv_blocks(BLOCK_SIZE), max_model_len, vocab,
+            frozenset({EOS}), num_host_blocks=num_host_blocks,
+            cost=core_cost(BLOCK_SIZE) if core_cost and num_host_blocks else CostModel()))
+        self._swap_time = getattr(cost, "swap_time", None)
         self.records = [RequestRecord(r.arrival_s, r.num_prompt_tokens, r.num_output_tokens,
                                       r.klass, r.priority_tier,
                                       token_times=[] if record_token_times else None)
@@ -139,7 +166,9 @@ class Simulation:
         if problem:
             rec.rejected = problem
             return
-        req = Request(request_id=str(i), seq_id=i, token_ids=[PROMPT] * tr.num_prompt_tokens,
+        ids = (list(tr.prompt_ids) if tr.prompt_ids is not None else
+               [3 + (i * 7919 + j) % _ID_SPAN for j in range(tr.num_prompt_tokens)])
+        req = Request(request_id=str(i), seq_id=i, token_ids=ids,
                       num_prompt_tokens=tr.num_prompt_tokens, max_tokens=tr.num_output_tokens,
                       tenant=tr.tenant, priority_tier=tr.priority_tier,
                       arrival_time=tr.arrival_s)
@@ -154,7 +183,7 @@ class Simulation:
         sched, clock, cost, records = self.sched, self.clock, self.cost, self.records
         arrivals = [r.arrival_s for r in self.requests]
         n, i = len(arrivals), 0
-        steps = decode_steps = stalled = 0
+        steps = decode_steps = stalled = swapped_out = swapped_in = 0
         while clock.now < max_sim_s:
             while i < n and arrivals[i] <= clock.now:
                 self._submit(i)
@@ -170,6 +199,10 @@ class Simulation:
             for req, q, _ in out.scheduled():
                 computed = req.num_computed_tokens
                 pairs.append((q, computed - q))
+                rec = records[req.seq_id]
+                if rec.first_scheduled is None:  # admission: what the prefix cache held
+                    rec.first_scheduled = clock.now
+                    rec.prefix_hit_tokens = computed - q
                 num_decodes += q == 1 and computed > req.num_prompt_tokens
                 if computed == len(req.token_ids):
                     sampled.append(req.seq_id)
@@ -186,10 +219,15 @@ class Simulation:
                 decode_steps += 1
                 stalled += out.num_prefill_tokens > 0
             clock.now += cost.step_time(pairs, len(sampled))
+            if out.swap_out or out.swap_in:
+                swapped_out += len(out.swap_out)
+                swapped_in += len(out.swap_in)
+                clock.now += self._swap_time(len(out.swap_out) + len(out.swap_in), BLOCK_SIZE)
             for event in sched.update(out, sampled, [SAMPLED] * len(sampled)):
                 self._record(event)
         return SimResult(records, clock.now, time.perf_counter() - start, steps, decode_steps,
-                         stalled, sched.num_preemptions, self.num_output_tokens)
+                         stalled, sched.num_preemptions, self.num_output_tokens,
+                         swapped_out, swapped_in)
 
     def _record(self, event) -> None:
         """One core event: (request, token or None, finish reason or None[, logprob]);

@@ -1,8 +1,8 @@
 """Workloads for the simulator: trace replay and synthetic request classes.
 
-A trace row gives an arrival time and the prompt and output lengths; the
-simulator needs no token contents (prefix caching is off in the simulator, as
-the trace says nothing about shared prefixes).
+A trace row gives an arrival time and the prompt and output lengths. Token
+contents are optional (``prompt_ids``): without them a request shares no prefix
+with any other; ``sim.prefix_trace`` synthesizes shared ones.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class TraceRequest:
     klass: str = "default"
     priority_tier: int = 1
     tenant: str = "default"
+    prompt_ids: tuple[int, ...] | None = None  # None: ids unique to this request
 
 
 def load_trace(path: Path, rate_scale: float = 1.0, duration_s: float | None = None,
