@@ -1,16 +1,23 @@
-"""What a client sees when the executor dies or hangs under load.
+"""What a client sees when the executor dies or hangs under load (``make bench-recovery``).
 
-Starts the real server (``continuum serve`` with the bundled model, as the
-integration tests do), streams N greedy requests over gRPC, and once they all
-have tokens:
+Starts the real server (``continuum serve`` with the bundled model, as the integration
+tests do; ``--standby-executors 1`` unless told otherwise), streams N greedy requests
+over gRPC, and once they all have tokens, ``--repeats`` times each:
 
-* kill -9 the executor: per stream, the gap between the last token before the
-  kill and the first token after it (the supervisor starts a new executor, the
-  scheduler resumes every sequence by recompute);
-* SIGSTOP the executor (a hang): the time until the scheduler logs the detach
-  (step deadline missed, or heartbeats unanswered), and the per-stream gap.
+* kill -9 the executor: per stream, the time from the kill to its first token after it
+  (with a warm standby, the scheduler switches to it and resumes every sequence by
+  recompute; without one, the supervisor starts a new executor, which loads the model);
+* SIGSTOP the executor (a hang): the time until the scheduler logs the detach (step
+  deadline missed, or heartbeats unanswered), and per stream the time to its first
+  token after the stop.
+
+Before each fault it waits until a standby is registered again, so every repeat
+measures a takeover (with ``--standby-executors 0``, a cold restart). Percentiles are
+over every stream of every repeat. The figures depend on the machine and on what else
+runs on it: compare runs made one after the other.
 
     .venv/bin/python -m benchmarks.bench_recovery [--streams 16] [--max-tokens 96]
+        [--repeats 3] [--standby-executors 1]
 """
 
 from __future__ import annotations
@@ -18,17 +25,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import math
 import os
 import pathlib
 import signal
-import statistics
 import tempfile
 import time
 
 import grpc
 
 from tests.integration.conftest import start_server, stop_server
-from tests.integration.test_faults import executor_pid
 from tests.integration.test_serve import chat
 
 DETACH_LOGS = ("executor missed its step deadline", "executor stopped answering heartbeats",
@@ -42,8 +48,19 @@ def stream(server, request, arrivals: list[float]) -> None:
                 arrivals.append(time.monotonic())
 
 
-def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[float, list[float], float]:
-    """Returns (fault time, per-stream gaps across it in s, detection time or nan)."""
+def wait_for_executors(server, standby: bool, timeout: float = 300.0) -> tuple[int, int]:
+    """(executor pid, standby pid) once an executor serves (and a standby is registered)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = server.stats()
+        if stats.executor_pid and (stats.standby_executor_pid or not standby):
+            return stats.executor_pid, stats.standby_executor_pid
+        time.sleep(0.1)
+    raise SystemExit("no executor (or standby) registered within the timeout")
+
+
+def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float], float]:
+    """Returns (per stream: fault → first token after it, in s; detach logged after s)."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     requests = [chat(f"Tell a long story about the number {i}.", max_tokens=max_tokens,
                      ignore_eos=True) for i in range(streams)]
@@ -56,52 +73,71 @@ def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[float, list
         log_mark = len(server.stderr_lines)
         at = time.monotonic()
         fault()
-        detected = float("nan")
+        detected = math.nan
         while not all(f.done() for f in futures):
-            if detected != detected and any(
+            if math.isnan(detected) and any(
                     m in line for line in server.stderr_lines[log_mark:] for m in DETACH_LOGS):
                 detected = time.monotonic() - at
             time.sleep(0.005)
         for f in futures:
             f.result()
-    gaps = []
-    for times in arrivals:
-        before = [t for t in times if t <= at]
-        after = [t for t in times if t > at]
-        if before and after:
-            gaps.append(after[0] - before[-1])
-    return at, gaps, detected
+    resumed = [next(t for t in times if t > at) - at for times in arrivals
+               if times and times[-1] > at]
+    return resumed, detected
 
 
-def describe(gaps: list[float]) -> str:
-    return (f"median {statistics.median(gaps):.2f} s, max {max(gaps):.2f} s "
-            f"over {len(gaps)} streams")
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
+def describe(values: list[float]) -> str:
+    return (f"p50 {percentile(values, 0.5):.2f} s, p99 {percentile(values, 0.99):.2f} s "
+            f"over {len(values)} streams")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--standby-executors", type=int, choices=(0, 1), default=1)
     args = p.parse_args()
     from executor_svc.model_files import resolve_model
     from executor_svc.settings import Switches
+    standby = bool(args.standby_executors)
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir))
+        server = start_server(pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir),
+                              "--kv-cache-bytes", str(96 << 20),
+                              "--standby-executors", str(args.standby_executors))
         try:
-            pid = executor_pid(server)
-            _, gaps, _ = run_fault(server, args.streams, args.max_tokens,
-                                   lambda: os.kill(pid, signal.SIGKILL))
-            print(f"kill -9 executor: last token before → first token after: {describe(gaps)}")
-
-            hung = executor_pid(server)
-            try:
-                _, gaps, detected = run_fault(server, args.streams, args.max_tokens,
-                                              lambda: os.kill(hung, signal.SIGSTOP))
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(hung, signal.SIGCONT)
-            print(f"SIGSTOP executor: detach logged after {detected:.2f} s; "
-                  f"last token before → first token after: {describe(gaps)}")
+            killed: list[float] = []
+            for _ in range(args.repeats):
+                pid, _ = wait_for_executors(server, standby)
+                resumed, _ = run_fault(server, args.streams, args.max_tokens,
+                                       lambda pid=pid: os.kill(pid, signal.SIGKILL))
+                killed += resumed
+            hung_resumed: list[float] = []
+            detections: list[float] = []
+            for _ in range(args.repeats):
+                hung, _ = wait_for_executors(server, standby)
+                try:
+                    resumed, detected = run_fault(server, args.streams, args.max_tokens,
+                                                  lambda hung=hung: os.kill(hung, signal.SIGSTOP))
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(hung, signal.SIGCONT)
+                hung_resumed += resumed
+                detections.append(detected)
+            mode = "warm standby" if standby else "cold restart (no standby)"
+            print(f"recovery, {mode}, {args.streams} streams x {args.repeats} repeats")
+            print(f"kill -9 executor → first resumed token: {describe(killed)}")
+            print(f"SIGSTOP executor → detach logged: p50 {percentile(detections, 0.5):.2f} s, "
+                  f"max {max(detections):.2f} s over {len(detections)} hangs")
+            print(f"SIGSTOP executor → first resumed token: {describe(hung_resumed)}")
+            stats = server.stats()
+            print(f"standby takeovers: {stats.num_standby_takeovers}, executor losses: "
+                  f"{stats.num_executor_losses}")
         finally:
             stop_server(server)
 

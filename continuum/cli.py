@@ -45,6 +45,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     _scheduler_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--standby-executors", type=int, choices=(0, 1), default=None,
+                   help="warm standby executors (loaded, idle) that take over on the next "
+                        "step when the executor dies or hangs; each costs one more "
+                        "executor's memory (default: 1 on a CPU-only host with 4+ cores)")
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")

@@ -6,6 +6,15 @@ gateway. A dead executor is restarted (the scheduler resumes its sequences by
 recompute); a dead scheduler or gateway stops the whole server with a clear
 message. SIGINT/SIGTERM stop all three cleanly.
 
+``--standby-executors 1``: once serving, a second executor is started with
+``--standby``: loaded, warmed up, registered with the scheduler and idle. When the
+executor dies or hangs the scheduler switches to it on the next step by itself (no
+process start, no model load: a recompute is what is left); here it then takes the
+executor's role and, STANDBY_START_DELAY_S later (the takeover's recompute goes
+first on a small CPU), a new standby starts. A standby that keeps dying is given up
+(serving goes on without one); when both die, the executor is started cold as
+without a standby.
+
 The internal planes (scheduler gRPC, executor Hello) need a secret: the one in
 serve's own environment (``CONTINUUM_INTERNAL_SECRET[_FILE]``) if set, else a
 fresh one per run. Children get it through their environment, never on argv
@@ -36,7 +45,8 @@ from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 # A crash loop (more restarts than this within the window) stops the server.
 MAX_EXECUTOR_RESTARTS = 5
 RESTART_WINDOW_S = 120.0
-
+STANDBY_START_DELAY_S = 3.0
+EXECUTORS = ("executor", "standby")
 
 
 def default_telemetry_store() -> str:
@@ -63,6 +73,20 @@ def _queue_time_flags(args) -> list[str]:
         if value is not None:
             flags += [f"--max-queue-time-{tier.replace('_', '-')}-s", str(value)]
     return flags
+
+def standby_count(args) -> int:
+    """--standby-executors, or by default: one on a CPU-only host with 4+ cores (tp 1).
+    On a smaller CPU a standby's load would take cores from the executor in service; on
+    a GPU the two would have to split its memory (--gpu-memory-utilization each)."""
+    if args.standby_executors is not None:
+        return args.standby_executors
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not _has_gpu())
+    return int(on_cpu and args.tp_size == 1 and len(os.sched_getaffinity(0)) >= 4)
+
+
+def _has_gpu() -> bool:
+    return os.path.exists("/dev/nvidiactl")  # without importing torch (seconds)
+
 
 class ServeError(Exception):
     """Ends ``serve`` with one line on stderr and exit code 2."""
@@ -131,6 +155,9 @@ class Supervisor:
         self.ipc = args.ipc or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = False
+        self.num_standby = standby_count(args)
+        self._standby_due: float | None = None  # when to start the next standby
+        self._standby_failures: list[float] = []
 
     def run(self) -> int:
         a = self.args
@@ -151,6 +178,8 @@ class Supervisor:
             self._start("executor")
             self._start("gateway")
             self._wait_ready(started)
+            if self.num_standby:
+                self._start("standby")
             return self._watch()
         finally:
             self._shutdown()
@@ -175,7 +204,7 @@ class Supervisor:
         grace = self.args.grace_period + 5
         front = [self.procs[n] for n in ("gateway", "scheduler") if n in self.procs]
         stop_all(front, grace_s=grace)
-        stop_all([self.procs["executor"]] if "executor" in self.procs else [], grace_s=10)
+        stop_all([self.procs[n] for n in EXECUTORS if n in self.procs], grace_s=10)
 
     def _argv(self, name: str) -> list[str]:
         a = self.args
@@ -196,8 +225,9 @@ class Supervisor:
                     *(["--config-file", os.path.abspath(a.config_file)]
                       if getattr(a, "config_file", None) else []),
                     *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else [])]
-        if name == "executor":
-            argv = ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
+        if name in EXECUTORS:
+            argv = ["--standby"] if name == "standby" else []
+            argv += ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
                     "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,
                     "--device", a.device,
                     "--gpu-memory-utilization", str(a.gpu_memory_utilization),
@@ -218,7 +248,7 @@ class Supervisor:
 
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
-                  "gateway": "gateway"}[name]
+                  "standby": "executor_svc", "gateway": "gateway"}[name]
         self.procs[name] = spawn(module, self._argv(name), env=self.child_env)
 
     def _dead(self) -> str | None:
@@ -271,35 +301,71 @@ class Supervisor:
             while not self._stop:
                 time.sleep(0.5)
                 self._kill_hung_executor(stub)
+                now = time.monotonic()
+                if self._standby_due is not None and now >= self._standby_due:
+                    self._standby_due = None
+                    self._start("standby")
                 dead = self._dead()
                 if dead is None:
                     continue
                 code = self.procs[dead].returncode
-                now = time.monotonic()
                 restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+                if dead == "standby":
+                    self._standby_died(code, now)
+                    continue
                 if dead == "executor" and len(restarts) < MAX_EXECUTOR_RESTARTS:
                     restarts.append(now)
-                    print(f"continuum: executor exited with code {code}; restarting "
-                          f"({len(restarts)} in the last {RESTART_WINDOW_S:.0f} s)",
-                          file=sys.stderr, flush=True)
-                    self._start("executor")
+                    self._executor_died(code, now, len(restarts))
                     continue
                 print(f"continuum: the {dead} exited with code {code}; stopping",
                       file=sys.stderr)
                 return 1
         return 0
 
+    def _executor_died(self, code: int, now: float, num_restarts: int) -> None:
+        """The standby (if any) has the executor's role now: the scheduler switched to
+        it on its own. Otherwise a cold start, as without standbys."""
+        standby = self.procs.pop("standby", None)
+        if standby is not None:
+            self.procs["executor"] = standby
+            print(f"continuum: executor exited with code {code}; the standby (pid "
+                  f"{standby.pid}) takes over ({num_restarts} in the last "
+                  f"{RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+        else:
+            print(f"continuum: executor exited with code {code}; restarting "
+                  f"({num_restarts} in the last {RESTART_WINDOW_S:.0f} s)",
+                  file=sys.stderr, flush=True)
+            self._start("executor")
+        if self.num_standby and self._standby_due is None:
+            self._standby_due = now + STANDBY_START_DELAY_S
+
+    def _standby_died(self, code: int, now: float) -> None:
+        del self.procs["standby"]
+        failures = [t for t in self._standby_failures if now - t < RESTART_WINDOW_S] + [now]
+        self._standby_failures = failures
+        if len(failures) > MAX_EXECUTOR_RESTARTS:
+            self.num_standby = 0
+            print(f"continuum: the standby executor exited {len(failures)} times in "
+                  f"{RESTART_WINDOW_S:.0f} s (last code {code}); serving on without one",
+                  file=sys.stderr, flush=True)
+            return
+        print(f"continuum: the standby executor exited with code {code}; starting another",
+              file=sys.stderr, flush=True)
+        self._standby_due = now
+
     def _kill_hung_executor(self, stub) -> None:
-        """The scheduler declared our executor dead or hung while the process
-        lives (SIGSTOP, a deadlock): kill it so the restart path replaces it."""
+        """The scheduler declared one of our executors dead or hung (the one in service,
+        or an unanswering standby) while the process lives (SIGSTOP, a deadlock): kill
+        it so the restart path replaces it."""
         try:
             lost_pid = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2,
                                   metadata=self._metadata).last_lost_executor_pid
         except grpc.RpcError:
             return
-        proc = self.procs["executor"]
-        if lost_pid == proc.pid and proc.poll() is None:
-            print("continuum: the scheduler lost its executor but the process lives (hung); "
-                  "killing it", file=sys.stderr, flush=True)
-            proc.kill()
-            proc.wait()
+        for name in EXECUTORS:
+            proc = self.procs.get(name)
+            if proc is not None and lost_pid == proc.pid and proc.poll() is None:
+                print(f"continuum: the scheduler lost its {name} but the process lives "
+                      "(hung); killing it", file=sys.stderr, flush=True)
+                proc.kill()
+                proc.wait()

@@ -14,6 +14,9 @@ plan on (tp_serve.py). When any rank is lost, rank 0 exits 3 (EXIT_RANK_LOST).
 Rank 0 signs its Hello with the deployment's internal secret (protos/internal_auth.py:
 ``CONTINUUM_INTERNAL_SECRET`` or ``_FILE``); without one, and without the explicit opt-out,
 it exits 2 before loading anything.
+
+``--standby``: a warm standby (executor_svc/standby.py): its Hello asks the scheduler
+to keep it aside until its executor dies or hangs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
 from executor_svc.runner import Runner, measure_prefill_tokens_per_s
 from executor_svc.settings import Switches
+from executor_svc.standby import StandbyRunner
 from executor_svc.tp_comm import TPComm
 from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
@@ -79,6 +83,7 @@ class ExecutorConfig:
     device: str = "auto"  # as given; each rank resolves its own (executor_svc/device.py)
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # the profiled step on a GPU
+    standby: bool = False  # a warm standby: every Hello says so (see main's docstring)
     switches: Switches = field(default_factory=Switches)
 
 
@@ -111,6 +116,10 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
                    help="tensor-parallel ranks (processes); KV and thread flags are per rank")
     p.add_argument("--tp-timeout-s", type=float, default=60.0,
                    help="how long a rank waits in a collective before giving the group up")
+    p.add_argument("--standby", action="store_true",
+                   help="register as a warm standby: loaded and idle until the scheduler's "
+                        "executor dies or hangs, then it takes over on the next step (an "
+                        "executor with no peer in service is taken at once)")
     for internal in ("--tp-rank", "--tp-init-method", "--incarnation"):  # rank 0 -> workers
         p.add_argument(internal, type=int if internal == "--tp-rank" else str,
                        default=0 if internal == "--tp-rank" else None, help=argparse.SUPPRESS)
@@ -138,7 +147,8 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
         tp_rank=a.tp_rank, tp_init_method=a.tp_init_method, incarnation=a.incarnation,
         kv_cache_dtype=a.kv_cache_dtype, device=a.device,
         gpu_memory_utilization=a.gpu_memory_utilization,
-        max_num_batched_tokens=a.max_num_batched_tokens, switches=switches)
+        max_num_batched_tokens=a.max_num_batched_tokens, standby=a.standby,
+        switches=switches)
 
 
 def build(
@@ -184,7 +194,7 @@ def build(
         vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids),
         prefill_tokens_per_s=prefill_tps, swap_bytes_per_s=kv.measure_copy_bytes_per_s(),
         # Per rank (ranks swap their shares in parallel): the cost model's bytes per block.
-        block_bytes=sizing.block_bytes, pid=os.getpid(),
+        block_bytes=sizing.block_bytes, pid=os.getpid(), standby=config.standby,
     )
     log.info("ready in %.2f s: %s, %d blocks x %d tokens (%.0f MiB KV), prefill %.0f tokens/s, "
              "%d threads", time.perf_counter() - start, hello.model_id, kv.num_blocks,
@@ -213,7 +223,9 @@ def _load(config: ExecutorConfig, path, device: torch.device):
     """(model, sampler or None for the default, KV heads that size the pool)."""
     dtype, options = DTYPES[config.dtype], config.switches.model_options()
     if config.tp_size == 1:
-        if config.threads:
+        if config.standby:  # one core while it loads and waits (StandbyRunner restores them)
+            torch.set_num_threads(1)
+        elif config.threads:
             torch.set_num_threads(config.threads)
         model = LlamaModel.load(path, dtype=dtype, device=device, **options)
         return model, None, model.num_kv_heads
@@ -282,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: torch.device,
            secret: bytes | None, tp_init_method: str | None = None) -> int:
     """Rank 0 (or the only rank): build, connect, serve until stopped; the exit status."""
+    serving_threads = config.threads or torch.get_num_threads()
     try:
         runner, hello = build(config, path, incarnation, tp_init_method, device)
     except (ModelError, ValueError) as exc:
@@ -295,6 +308,8 @@ def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: 
     tp = runner.model.tp
     if tp is None:
         front, should_stop = runner, lambda: stop.requested
+        if config.standby:
+            front = StandbyRunner(runner, serving_threads)
     else:
         front = TPRunner(runner, tp, keepalive_s=min(5.0, config.tp_timeout_s / 4))
 

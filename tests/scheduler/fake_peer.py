@@ -8,6 +8,7 @@ token ids). Tests use it to inject junk frames, forged Hellos and malformed resu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -16,6 +17,7 @@ import zmq.asyncio
 
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
+from scheduler_svc.link import ExecutorLink
 
 SECRET = b"fake-peer-test-secret-0123456789"
 VOCAB = 1000
@@ -102,3 +104,21 @@ class FakePeer:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def linked_peers(address: str, *identities: bytes | None):
+    """A started ExecutorLink on ``address`` (secret SECRET) that records the Hellos it
+    believes, and one FakePeer per identity (None: zmq's own) connected to it:
+    ``(link, hellos, peers)``; all closed on exit."""
+    hellos: list[pb.Hello] = []
+    link = ExecutorLink(address, lambda identity, hello: hellos.append(hello),
+                        lambda result: None, lambda: None, secret=SECRET)
+    link.start()
+    peers = [FakePeer(address, identity=identity) for identity in identities]
+    try:
+        yield link, hellos, peers
+    finally:
+        for peer in peers:
+            peer.close()
+        await link.close()

@@ -14,13 +14,11 @@ import pytest
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc import link as link_module
-from scheduler_svc import loop as loop_module
 from scheduler_svc.core import FinishReason, SchedulerConfig
-from scheduler_svc.link import ExecutorLink
 from scheduler_svc.loop import EngineLoop
 from tests.integration.conftest import free_port
 from tests.scheduler.factories import make_request
-from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+from tests.scheduler.fake_peer import SECRET, FakePeer, linked_peers, make_hello
 
 TIMEOUT_S = 20.0
 
@@ -40,15 +38,9 @@ async def drain(queue: asyncio.Queue) -> list:
 
 
 def test_junk_and_forged_hellos_are_dropped_and_the_reader_survives(tmp_path):
-    address = f"ipc://{tmp_path}/s.sock"
-    hellos = []
-
     async def go():
-        link = ExecutorLink(address, lambda i, h: hellos.append(h), lambda r: None,
-                            lambda: None, secret=SECRET)
-        link.start()
-        peer = FakePeer(address, identity=b"rogue")
-        try:
+        async with linked_peers(f"ipc://{tmp_path}/s.sock", b"rogue") as (
+                link, hellos, (peer,)):
             junk = [
                 (b"a", b"b"),  # two frames
                 (b"\x00\xffgarbage",),  # undecodable
@@ -73,23 +65,13 @@ def test_junk_and_forged_hellos_are_dropped_and_the_reader_survives(tmp_path):
             await peer.say_hello(good)
             await until(lambda: hellos)
             assert link.peer == b"rogue" and hellos[0].incarnation == good.incarnation
-        finally:
-            peer.close()
-            await link.close()
 
     asyncio.run(go())
 
 
 def test_an_oversized_frame_is_refused_by_zmq_and_the_link_goes_on(tmp_path):
-    address = f"ipc://{tmp_path}/s.sock"
-    hellos = []
-
     async def go():
-        link = ExecutorLink(address, lambda i, h: hellos.append(h), lambda r: None,
-                            lambda: None, secret=SECRET)
-        link.start()
-        peer = FakePeer(address)
-        try:
+        async with linked_peers(f"ipc://{tmp_path}/s.sock", None) as (link, hellos, (peer,)):
             await peer.send_raw(b"\0" * (link_module.MAX_FRAME_BYTES + 1))
             for _ in range(200):  # zmq cuts the connection and the DEALER reconnects: a
                 await peer.say_hello(make_hello())  # Hello sent meanwhile may be lost
@@ -98,9 +80,6 @@ def test_an_oversized_frame_is_refused_by_zmq_and_the_link_goes_on(tmp_path):
                     break
             assert hellos  # had the big frame been read, it was counted before this
             assert link.num_dropped_frames == 0  # the big frame was never read
-        finally:
-            peer.close()
-            await link.close()
 
     asyncio.run(go())
 
@@ -247,14 +226,13 @@ def test_a_dead_task_makes_the_scheduler_process_exit_1(tmp_path):
     assert "heartbeat bug" in proc.stderr and "fatal" in proc.stderr
 
 
-def test_a_request_whose_step_hangs_the_executor_is_ended_alone(tmp_path, monkeypatch):
+def test_a_request_whose_step_hangs_the_executor_is_ended_alone(tmp_path):
     """The executor never answers a step holding the poison request: the step deadline
     (shortened here) or the replacement's Hello fails it; a fresh executor registers each
     time, and after its step alone hangs too the poison is ended; the others finish."""
-    monkeypatch.setattr(loop_module, "STEP_DEADLINE_FLOOR_S", 0.3)
-
     async def go():
         loop, address = _engine(tmp_path, max_step_failures=2)
+        loop.deadlines.cold_floor_s = loop.deadlines.floor_s = 0.3
         loop.start()
         peer = FakePeer(address)
         try:

@@ -6,22 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from scheduler_svc.link import HELLO_MAX_SKEW_S, ExecutorLink
-from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+from scheduler_svc.link import HELLO_MAX_SKEW_S
+from tests.scheduler.fake_peer import linked_peers, make_hello
 from tests.scheduler.test_engine_faults import until
 
 
 def test_a_replayed_or_stale_hello_is_refused_and_a_fresh_one_is_believed(tmp_path):
-    address = f"ipc://{tmp_path}/s.sock"
-    hellos = []
-
     async def go():
-        link = ExecutorLink(address, lambda i, h: hellos.append(h), lambda r: None,
-                            lambda: None, secret=SECRET)
-        link.start()
-        executor, thief = FakePeer(address, identity=b"executor"), FakePeer(address,
-                                                                           identity=b"thief")
-        try:
+        async with linked_peers(f"ipc://{tmp_path}/s.sock", b"executor", b"thief") as (
+                link, hellos, (executor, thief)):
             recorded = make_hello()
             await executor.say_hello(recorded)
             await until(lambda: hellos)
@@ -37,9 +30,5 @@ def test_a_replayed_or_stale_hello_is_refused_and_a_fresh_one_is_believed(tmp_pa
             await executor.say_hello(fresh)
             await until(lambda: len(hellos) == 2)
             assert link.peer == b"executor"
-        finally:
-            executor.close()
-            thief.close()
-            await link.close()
 
     asyncio.run(go())

@@ -1,0 +1,167 @@
+"""Warm standby executors against the real engine loop and link on an ipc socket, with
+fake executors (tests/scheduler/fake_peer.py): a standby is kept aside, takes over when
+the executor disconnects or hangs (the hang called by the measured-step deadline, not
+the cold floor), and every failure around it (the standby dying first, dying while it
+takes over, going silent) degrades to waiting for a new executor, never to a wedge or a
+lost or duplicated token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from scheduler_svc.core import FinishReason, SchedulerConfig
+from scheduler_svc.loop import EngineLoop
+from scheduler_svc.step_deadline import COLD_FLOOR_S
+from tests.scheduler.factories import make_request
+from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+from tests.scheduler.test_engine_faults import drain, until
+
+
+def _engine(tmp_path) -> tuple[EngineLoop, str]:
+    address = f"ipc://{tmp_path}/s.sock"
+    return EngineLoop(SchedulerConfig(watermark=0.0), address, secret=SECRET), address
+
+
+def _submit(loop: EngineLoop, n: int = 3, max_tokens: int = 30) -> dict:
+    return {f"r{i}": loop.submit(make_request(prompt_len=5 + i, max_tokens=max_tokens,
+                                              request_id=f"r{i}")) for i in range(n)}
+
+
+async def _finish(queues: dict) -> None:
+    """Every request ends with LENGTH and exactly the fake's tokens (100 + seq id +
+    position): none lost, none duplicated, whichever executor computed them."""
+    for queue in queues.values():
+        events = await drain(queue)
+        req = events[0][0]
+        assert events[-1][2] == FinishReason.LENGTH
+        streamed = [t for _, t, _, _ in events if t is not None]
+        assert streamed == [100 + req.seq_id + p
+                            for p in range(req.num_prompt_tokens, req.num_tokens)]
+
+
+async def _serve_then(peer: FakePeer, plans: int, then: str) -> None:
+    """Answers ``plans`` plans, then closes (``"die"``) or goes silent (``"hang"``)."""
+    for _ in range(plans):
+        plan = await peer.next_plan()
+        await peer.send("result", peer.answer(plan))
+    if then == "die":
+        peer.close()
+    else:
+        await asyncio.sleep(3600)
+
+
+async def _register(loop: EngineLoop, address: str) -> tuple[FakePeer, FakePeer]:
+    active, standby = FakePeer(address, b"active"), FakePeer(address, b"standby")
+    await active.say_hello(make_hello(pid=11))
+    await until(lambda: loop.executor is not None)
+    await standby.say_hello(make_hello(pid=22, standby=True))
+    await until(lambda: loop.link.standby == b"standby")
+    assert loop.executor.pid == 11 and loop.link.peer == b"active"
+    return active, standby
+
+
+def test_the_standby_takes_over_when_the_executor_disconnects(tmp_path):
+    async def go():
+        loop, address = _engine(tmp_path)
+        loop.start()
+        active, standby = await _register(loop, address)
+        try:
+            queues = _submit(loop)
+            tasks = [asyncio.create_task(_serve_then(active, 6, "die")),
+                     asyncio.create_task(standby.serve(timeout=30))]
+            await _finish(queues)
+            assert loop.num_standby_takeovers == 1 and loop.executor.pid == 22
+            assert loop.link.standby is None and not loop.fatal.done()
+            for task in tasks:
+                task.cancel()
+        finally:
+            standby.close()
+            await loop.stop()
+
+    asyncio.run(go())
+
+
+def test_a_hung_executor_is_called_by_the_measured_deadline_and_replaced(tmp_path):
+    async def go():
+        loop, address = _engine(tmp_path)
+        loop.start()
+        active, standby = await _register(loop, address)
+        try:
+            queues = _submit(loop)
+            hang = asyncio.create_task(_serve_then(active, 12, "hang"))
+            await until(lambda: hang.done() or loop.num_steps >= 12)
+            assert loop.deadlines.warm  # 12 fast steps: the floor applies, not the cold one
+            stalled_at = time.monotonic()
+            served = asyncio.create_task(standby.next_plan(timeout=60))
+            first = await served
+            # Called well before the cold floor (the old fixed 5 s); generous for a busy box.
+            assert time.monotonic() - stalled_at < COLD_FLOOR_S - 1
+            await standby.send("result", standby.answer(first))
+            server = asyncio.create_task(standby.serve(timeout=30))
+            await _finish(queues)
+            assert loop.num_standby_takeovers == 1 and loop.last_lost_executor_pid == 11
+            hang.cancel()
+            server.cancel()
+        finally:
+            active.close()
+            standby.close()
+            await loop.stop()
+
+    asyncio.run(go())
+
+
+def test_losing_the_standby_first_or_during_its_takeover_waits_for_a_new_executor(tmp_path):
+    """The standby dies before the executor, then the replacement dies on its first
+    plan: each time the loop has nobody, waits, and a fresh executor finishes the work."""
+    async def go():
+        loop, address = _engine(tmp_path)
+        loop.start()
+        active, standby = await _register(loop, address)
+        fresh = []
+        try:
+            standby.close()
+            await until(lambda: loop.link.standby is None)  # forgotten on disconnect
+            queues = _submit(loop)
+            await _serve_then(active, 4, "die")
+            await until(lambda: loop.executor is None)
+            second = FakePeer(address, b"second")
+            fresh.append(second)
+            await second.say_hello(make_hello(pid=33, standby=True))  # nobody: in service
+            await until(lambda: loop.executor is not None and loop.executor.pid == 33)
+            third = FakePeer(address, b"third")
+            fresh.append(third)
+            await third.say_hello(make_hello(pid=44, standby=True))
+            await until(lambda: loop.link.standby == b"third")
+            await second.next_plan()
+            second.close()  # dies while taking over: the third takes over in turn
+            server = asyncio.create_task(third.serve(timeout=30))
+            await _finish(queues)
+            assert loop.executor.pid == 44 and loop.num_standby_takeovers == 1
+            server.cancel()
+        finally:
+            for peer in fresh:
+                peer.close()
+            await loop.stop()
+
+    asyncio.run(go())
+
+
+def test_a_silent_standby_is_dropped_and_named_for_its_supervisor(tmp_path):
+    async def go():
+        loop, address = _engine(tmp_path)
+        loop.heartbeat_timeout_s = 1.5  # probes go every HEARTBEAT_S (1 s)
+        loop.start()
+        active, standby = await _register(loop, address)
+        try:
+            server = asyncio.create_task(active.serve(timeout=30))  # answers heartbeats
+            await until(lambda: loop.link.standby is None)  # the standby never answers
+            assert loop.last_lost_executor_pid == 22 and loop.executor.pid == 11
+            assert loop.num_executor_losses == 0
+            server.cancel()
+        finally:
+            active.close()
+            standby.close()
+            await loop.stop()
+
+    asyncio.run(go())

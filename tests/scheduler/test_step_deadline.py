@@ -1,0 +1,62 @@
+"""The step deadline (scheduler_svc/step_deadline.py): a hang is called within
+max(1 s, 3 × p99 step time) once steps were measured, a step's planned work stretches
+its own deadline, and an executor's first steps get the old cold floor."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc import step_deadline as sd
+from scheduler_svc.step_deadline import StepDeadlines
+
+
+def warmed(step_s: float, num_tokens: int = 16, steps: int = 50,
+           rate: float = 1000.0) -> StepDeadlines:
+    d = StepDeadlines()
+    d.reset(rate)
+    for _ in range(steps):
+        d.observe(step_s, num_tokens)
+    return d
+
+
+def test_an_executor_s_first_steps_get_the_cold_floor():
+    d = StepDeadlines()
+    d.reset(1000.0)
+    assert d.deadline(16) == sd.COLD_FLOOR_S
+    for _ in range(sd.WARMUP_STEPS - 1):
+        d.observe(0.01, 16)
+    assert d.deadline(16) == sd.COLD_FLOOR_S
+    assert d.deadline(100_000) == pytest.approx(sd.COLD_FACTOR * (0.01 + 100.0))
+    d.observe(0.01, 16)
+    assert d.warm and d.deadline(16) == sd.FLOOR_S
+
+
+def test_fast_steps_give_the_one_second_floor_and_slow_ones_three_times_their_p99():
+    assert warmed(0.02).deadline(16) == sd.FLOOR_S
+    slow = warmed(0.5)
+    assert slow.deadline(16) == pytest.approx(3 * (0.5 + 16 / 1000.0))
+    # One slow step in a hundred sets the p99, so a rare slow step is not a hang either.
+    mixed = warmed(0.05, steps=99)
+    mixed.observe(0.8, 16)
+    assert mixed.p99_step_s() == 0.8
+    assert mixed.deadline(16) > 3 * 0.8
+
+
+def test_a_long_prefill_stretches_its_own_deadline():
+    d = warmed(0.05)
+    assert d.deadline(4096) == pytest.approx(3 * (0.05 + 4096 / 1000.0))
+    assert d.deadline(4096) > d.deadline(16)
+
+
+def test_measured_prefill_cost_above_the_hello_s_rate_wins():
+    d = warmed(0.05)
+    for _ in range(10):
+        d.observe(1.0, 256)  # 4 ms a token, 4x what the Hello said
+    assert d.deadline(2048) >= 3 * 2048 * 0.004
+    d.reset(1000.0)  # a new executor: its own times only
+    assert not d.warm and d.deadline(16) == sd.COLD_FLOOR_S
+
+
+def test_an_executor_that_measured_nothing_is_given_a_slow_rate():
+    d = warmed(0.05, rate=0.0)
+    assert d.deadline(100) == pytest.approx(3 * (0.05 + 100 / sd.DEFAULT_TOKENS_PER_S))
