@@ -102,7 +102,7 @@ VALIDATION_TABLE = [
     (_CHAT, {"messages": _MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      None, "between 0 and 20"),
     (_CHAT, {"messages": _MSG, "tools": [{"type": "function"}]}, 400, "tools", None,
-     "not supported"),
+     "function is required"),
     (_CHAT, {"messages": _MSG, "max_completion_tokens": 10**6}, 400, "max_tokens",
      "context_length_exceeded", "maximum context length"),
     (_CHAT, [1, 2], 400, None, None, "JSON object"),
