@@ -11,18 +11,31 @@ connection close). Either way the group is unusable afterwards; callers treat it
 Collectives pair up by call order, so every rank must make the same calls in the same order.
 That holds because all ranks run the same plans through the same code; the only
 rank-dependent branches are inside this class.
+
+Commands (the plans) go through a shared-memory ring (executor_svc/shm_ring.py: one copy
+into /dev/shm, a ZeroMQ doorbell) rather than a gloo broadcast, which costs a TCP send per
+rank; gloo keeps the tensors. A reader waits at most ``--tp-timeout-s`` for a command, as it
+waited in the broadcast, and a ring failure is a RuntimeError like gloo's. Where no ring can
+be set up (not x86-64, no writable /dev/shm, any rank failing to attach) every rank falls
+back to the broadcast together, and says so in the log.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import tempfile
 from enum import IntEnum
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from executor_svc import shm_ring
 from executor_svc.tp_shard import ShardLayout
+
+log = logging.getLogger("executor.tp")
 
 _JOIN_TIMEOUT_S = 1800.0  # a rank that dies meanwhile is caught sooner (tp_ranks.py)
 _HEADER = 4096  # bytes per command broadcast: kind, length, then the payload's first bytes
@@ -41,11 +54,19 @@ class Command(IntEnum):
 class TPComm:
     """This rank's collectives; usable once ``connect`` has returned on every rank."""
 
-    def __init__(self, layout: ShardLayout) -> None:
+    def __init__(self, layout: ShardLayout, plan_channel: str = "shm") -> None:
+        """``plan_channel``: "shm" (the ring, where this machine allows) or "gloo" (the
+        broadcast; benchmarks/bench_channel.py compares the two)."""
+        if plan_channel not in ("shm", "gloo"):
+            raise ValueError(f"plan_channel must be shm or gloo, not {plan_channel!r}")
         self.layout = layout
         self.rank = layout.rank
+        self.plan_channel = plan_channel
         self._group = None  # the process group every collective uses
         self._header = torch.zeros(_HEADER, dtype=torch.uint8)
+        self._timeout_s = 60.0
+        self._writer: shm_ring.RingWriter | None = None  # rank 0, once the ring is up
+        self._reader: shm_ring.RingReader | None = None  # other ranks
 
     def connect(self, init_method: str, timeout_s: float, device) -> None:
         """Joins the group: blocks until every rank has called it."""
@@ -58,8 +79,50 @@ class TPComm:
             list(range(self.layout.tp_size)), timeout=datetime.timedelta(seconds=timeout_s),
             backend=backend,
         )
+        self._timeout_s = timeout_s
+        if self.plan_channel == "shm" and self.layout.tp_size > 1:
+            self._open_ring(_doorbell_dir(init_method))
+
+    def _open_ring(self, doorbell_dir: str) -> None:
+        """Rank 0 makes the ring and broadcasts where it is; every rank attaches; all use it
+        only if all attached (else all keep gloo). Rank 0 then unlinks its name."""
+        spec, why = b"", None
+        if self.rank == 0:
+            why = shm_ring.available()
+            if why is None:
+                try:
+                    self._writer = shm_ring.RingWriter(self.layout.tp_size - 1, doorbell_dir)
+                    spec = f"{self._writer.name}\n{self._writer.doorbell}".encode()
+                except OSError as exc:
+                    why = f"cannot create it: {exc}"
+            self._gloo_send(Command.NOOP, spec)
+        else:
+            spec = self._gloo_receive()[1]
+            if spec:
+                name, doorbell = spec.decode().split("\n")
+                try:
+                    self._reader = shm_ring.RingReader(name, doorbell, self.rank - 1)
+                except (OSError, ValueError) as exc:
+                    why = f"rank {self.rank} cannot attach: {exc}"
+        attached = self.min_over_ranks(int(self._writer is not None or self._reader is not None))
+        if self._writer is not None:
+            self._writer.unlink()  # every reader has mapped it (or none will)
+        if attached:
+            log.info("plans reach the %d other ranks through a shared-memory ring",
+                     self.layout.tp_size - 1)
+            return
+        log.warning("plans go by gloo broadcast: no shared-memory ring (%s)",
+                    why or "another rank could not attach")
+        self._close_ring()
+
+    def _close_ring(self) -> None:
+        for end in (self._writer, self._reader):
+            if end is not None:
+                end.close()
+        self._writer = self._reader = None
 
     def close(self) -> None:
+        self._close_ring()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -115,8 +178,22 @@ class TPComm:
     # Rank 0's commands.
 
     def send_command(self, command: Command, payload: bytes = b"") -> None:
-        """Rank 0 only: one broadcast, two when the payload exceeds the header's room."""
+        """Rank 0 only: into the ring; raises RuntimeError when a rank is lost."""
         assert self.rank == 0
+        if self._writer is None:
+            self._gloo_send(command, payload)
+        else:
+            self._writer.send(int(command).to_bytes(8, "little") + payload, self._timeout_s)
+
+    def receive_command(self) -> tuple[Command, bytes]:
+        """Other ranks: blocks for rank 0's next command (at most ``--tp-timeout-s``)."""
+        if self._reader is None:
+            return self._gloo_receive()
+        data = self._reader.recv(self._timeout_s)
+        return Command(int.from_bytes(data[:8], "little")), data[8:]
+
+    def _gloo_send(self, command: Command, payload: bytes) -> None:
+        """One broadcast, two when the payload exceeds the header's room."""
         buf = self._header.numpy()
         buf[:16].view(np.int64)[:] = (command, len(payload))
         inline = min(len(payload), _INLINE)
@@ -126,8 +203,7 @@ class TPComm:
             rest = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8, offset=inline).copy())
             dist.broadcast(rest, src=0, group=self._group)
 
-    def receive_command(self) -> tuple[Command, bytes]:
-        """Other ranks: blocks for rank 0's next command (at most the group's timeout)."""
+    def _gloo_receive(self) -> tuple[Command, bytes]:
         dist.broadcast(self._header, src=0, group=self._group)
         buf = self._header.numpy()
         command, size = (int(v) for v in buf[:16].view(np.int64))
@@ -138,3 +214,11 @@ class TPComm:
             dist.broadcast(rest, src=0, group=self._group)
             payload += rest.numpy().tobytes()
         return Command(command), payload
+
+
+def _doorbell_dir(init_method: str) -> str:
+    """Where the ring's doorbell socket goes: beside a file:// rendezvous (rank 0's temp
+    directory, removed with it: tp_ranks.py), else the temp directory."""
+    if init_method.startswith("file://"):
+        return os.path.dirname(init_method[len("file://"):])
+    return tempfile.gettempdir()
