@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
+from kernels import BACKEND_NAMES, CUDA_ONLY_BACKENDS, DEFAULT_BACKEND, make_backend, native
 from kernels.attention import AttentionMetadata
 from kernels.numba_backend import NumbaAttentionBackend
 from kernels.numba_kernels import paged_decode, paged_decode_serial
@@ -266,7 +266,8 @@ def test_numba_backend_leaves_torch_thread_count_alone():
 def test_make_backend_knows_every_name():
     assert DEFAULT_BACKEND in BACKEND_NAMES
     for name in BACKEND_NAMES:
-        assert make_backend(name).forward is not None
+        if name not in CUDA_ONLY_BACKENDS:  # those: tests/kernels/test_triton_backend_choice.py
+            assert make_backend(name).forward is not None
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("flash")
 
