@@ -34,6 +34,7 @@ import math
 import sys
 from pathlib import Path
 
+from continuum import batching_audit, batching_contract
 from continuum.capacity_model import Decision, Evaluation, decide
 from continuum.contract import AuditError, Contract, Workload, load, parse_contract, parse_workload
 
@@ -106,8 +107,14 @@ def _summary(contract: Contract, ev: Evaluation, label: str) -> list[str]:
 
 
 def main(args) -> int:
-    """Exit 0 within bound, 1 over bound (shed or not), 2 on input problems."""
+    """Exit 0 within bound, 1 over bound (shed or not), 2 on input problems. A contract
+    with ``kind = "batching"`` is seed 002's (``continuum.batching_audit``)."""
     try:
+        if args.capacity_command == "content-id":
+            print(batching_contract.content_id(load(Path(args.contract))))
+            return 0
+        if batching_contract.is_batching(load(Path(args.contract))):
+            return _batching(Path(args.contract), Path(args.workload))
         contract, _, decision = audit(Path(args.contract), Path(args.workload))
     except AuditError as exc:
         for problem in exc.problems:
@@ -115,3 +122,13 @@ def main(args) -> int:
         return 2
     print(render(contract, decision))
     return 0 if decision.verdict == "CAPACITY_WITHIN_DECLARED_BOUND" else 1
+
+
+def _batching(contract_path: Path, workload_path: Path) -> int:
+    contract = batching_contract.parse_contract(load(contract_path), str(contract_path))
+    workload = batching_contract.parse_workload(load(workload_path), str(workload_path))
+    batching_contract.bind(contract, workload)
+    report = batching_audit.evaluate(contract, workload.classes)
+    print(batching_audit.render(contract, report,
+                                batching_audit.shed(contract, workload.classes)))
+    return 0 if report.decision == batching_audit.WITHIN else 1

@@ -1,0 +1,148 @@
+"""Seed 002's capacity audit (continuum/batching_audit.py) on its own fixture and on
+variations of it: the seed's figures, the binding of a workload to its contract, bounds
+that fail, and overload degrading the lowest-priority class first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from continuum import batching_audit, batching_contract
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "capacity"
+CONTRACT, WORKLOAD = DOCS / "seed-contract.toml", DOCS / "seed-workload.toml"
+SEED_LINES = """example=illustrative_only
+decision=CAPACITY_WITHIN_DECLARED_BOUND
+utilization_permille=180;prefill=250;decode=75
+queue_ms=5;worst_ttft_ms=185;tpot_ms=20
+peak_kv_bytes=8808038400
+claim=LOCAL_FLUID_CAPACITY_MODEL_NOT_QUEUEING_OR_DEVICE_BENCHMARK""".splitlines()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`continuum capacity ARGS` in this process (the first test runs the real command)."""
+    import contextlib
+    import io
+
+    from continuum.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            pytest.raises(SystemExit) as done:
+        main(["capacity", *args])
+    return subprocess.CompletedProcess(args, done.value.code, out.getvalue(), err.getvalue())
+
+
+def _toml(path: Path) -> dict:
+    return tomllib.loads(path.read_text())
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> Path:
+    import json
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _bound(tmp_path: Path, contract: dict, workload: dict) -> tuple[Path, Path]:
+    """Both files, the workload rebound to the (changed) contract."""
+    workload = {**workload, "contract_content_id": batching_contract.content_id(contract)}
+    return _write(tmp_path, "contract", contract), _write(tmp_path, "workload", workload)
+
+
+def test_the_seed_fixture_prints_the_seeds_figures():
+    done = subprocess.run([sys.executable, "-m", "continuum", "capacity", "audit",
+                           str(CONTRACT), str(WORKLOAD)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:6] == SEED_LINES
+    assert "prefill_chunk_tokens=480" in done.stdout  # 24,000 token/s x 20 ms
+    assert "capped at 480" in done.stdout  # the declared 512 is not trusted
+
+
+def test_a_workload_is_bound_to_its_contract_by_scope_and_content(tmp_path):
+    contract, workload = _toml(CONTRACT), _toml(WORKLOAD)
+    changed = {**contract, "iteration_ms": 25}
+    assert batching_contract.content_id(changed) != workload["contract_content_id"]
+    c_path = _write(tmp_path, "contract", changed)
+    done = _cli("audit", str(c_path), str(WORKLOAD))
+    assert done.returncode == 2
+    assert "workload belongs to another batching contract" in done.stderr
+    other_scope = _write(tmp_path, "workload", {**workload, "scope": "elsewhere"})
+    assert _cli("audit", str(CONTRACT), str(other_scope)).returncode == 2
+    # Comments and layout are not content: the shipped TOML and its JSON copy bind alike.
+    assert _cli("content-id", str(_write(tmp_path, "copy", contract))).stdout.strip() == \
+        workload["contract_content_id"]
+
+
+def test_bad_contracts_are_every_problem_at_once(tmp_path):
+    contract = {**_toml(CONTRACT), "prefill_partition_per_s": 30000, "block_size": 0,
+                "iteration_msec": 20}
+    done = _cli("audit", str(_write(tmp_path, "c", contract)), str(WORKLOAD))
+    assert done.returncode == 2
+    assert "block_size must be an integer > 0" in done.stderr
+    assert "unknown key 'iteration_msec' (did you mean 'iteration_ms'?)" in done.stderr
+
+
+def test_partitions_over_the_budget_are_refused(tmp_path):
+    contract = {**_toml(CONTRACT), "prefill_partition_per_s": 30000}
+    done = _cli("audit", str(_write(tmp_path, "c", contract)), str(WORKLOAD))
+    assert done.returncode == 2
+    assert "must be <= token_budget_per_s (40000)" in done.stderr
+
+
+def test_overload_degrades_the_lowest_priority_class_first(tmp_path):
+    workload = _toml(WORKLOAD)
+    workload["classes"][1]["rate_per_s"] = 5  # summarize x20: the prefill partition is over
+    c_path, w_path = _bound(tmp_path, _toml(CONTRACT), workload)
+    done = _cli("audit", str(c_path), str(w_path))
+    assert done.returncode == 1
+    assert "decision=CAPACITY_EXCEEDS_DECLARED_BOUND" in done.stdout
+    assert "violations=" in done.stdout and "prefill_utilization" in done.stdout
+    shed = [line for line in done.stdout.splitlines() if line.startswith("shed ")]
+    assert len(shed) == 1 and shed[0].startswith("shed class=summarize;")
+    admitted = float(shed[0].split("<=")[1])
+    assert 0 < admitted < 5
+    k = batching_contract.parse_contract(_toml(CONTRACT))
+    w = batching_contract.parse_workload(workload)
+    trial = (w.classes[0], batching_contract.BatchingClass(
+        "summarize", 1, Fraction(str(admitted)) * Fraction(999, 1000), 4032, 192))
+    assert not batching_audit.evaluate(k, trial).violations  # what it admits fits
+
+
+def test_tpot_grows_when_the_decode_partition_cannot_serve_every_sequence():
+    import dataclasses
+
+    k = dataclasses.replace(batching_contract.parse_contract(_toml(CONTRACT)),
+                            decode_partition_per_s=Fraction(8000))  # 160 tokens / iteration
+    # Long answers at 99.75 % of the decode partition: while each sequence waits for its
+    # prompt, more are active than one iteration serves, so each gets a token every k.
+    many = (batching_contract.BatchingClass("long", 0, Fraction("3.99"), 4032, 2000),)
+    report = batching_audit.evaluate(k, many)
+    assert report.active > 160
+    assert report.tpot_ms == 20 * -(-report.active // 160)
+    assert report.tpot_ms > 20
+    assert {"tpot_ms", "active_sequences", "decode_utilization"} <= set(report.violations)
+
+
+def test_a_saturated_partition_is_infinite_not_an_error():
+    k = batching_contract.parse_contract(_toml(CONTRACT))
+    flood = (batching_contract.BatchingClass("flood", 0, Fraction(100), 1000, 10),)
+    report = batching_audit.evaluate(k, flood)
+    assert report.queue_ms == batching_audit.INF
+    assert "queue_ms=inf;worst_ttft_ms=inf" in batching_audit.render(k, report, [])
+
+
+@pytest.mark.parametrize("bad", [{"rate_per_s": -1}, {"tier": "high"}, {"prompt_tokens": 1.5}])
+def test_bad_classes_name_the_field(tmp_path, bad):
+    workload = _toml(WORKLOAD)
+    workload["classes"][0].update(bad)
+    done = _cli("audit", str(CONTRACT), str(_write(tmp_path, "w", workload)))
+    assert done.returncode == 2
+    assert f"class 'chat': {next(iter(bad))}" in done.stderr
