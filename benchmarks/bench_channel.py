@@ -1,12 +1,18 @@
-"""Per-step cost of the scheduler ⇄ executor channel, excluding compute.
+"""Per-step cost of the scheduler ⇄ executor channel, and of the plan's fan-out to the
+tensor-parallel ranks, excluding compute.
 
-A real ZeroMQ ROUTER/DEALER pair over ipc:// in two processes: the scheduler
-side builds a decode plan for N running sequences (core + build_plan),
-encodes and sends it; an echo executor decodes it, builds a StepResult with
-one token per sequence, encodes and sends it back; the scheduler decodes it
-and applies it (update). Prints the median round trip in microseconds.
+Round trip: a real ZeroMQ ROUTER/DEALER pair over ipc:// in two processes: the scheduler
+side builds a decode plan for N running sequences (core + build_plan), encodes and sends
+it; an echo executor decodes it, builds a StepResult with one token per sequence, encodes
+and sends it back; the scheduler decodes it and applies it (update). Prints the median
+round trip in microseconds.
 
-    .venv/bin/python -m benchmarks.bench_channel
+Fan-out (``--fanout``, benchmarks/bench_fanout.py): rank 0 hands real serialized plans to
+tp - 1 other ranks (CPU processes) through TPComm's two command channels, the
+shared-memory ring and the gloo broadcast, alternating, and prints p50/p99 of the time
+until the last rank has the plan.
+
+    .venv/bin/python -m benchmarks.bench_channel [--fanout [--tp 2 4]]
 """
 
 from __future__ import annotations
@@ -65,7 +71,22 @@ def measure(sock, peer: bytes, n: int, steps: int = 300) -> float:
     return statistics.median(times) * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fanout", action="store_true",
+                        help="plan fan-out to tp ranks: shared-memory ring vs gloo broadcast")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=200, help="plans per size and channel")
+    parser.add_argument("--gap-ms", type=float, default=2.0,
+                        help="pause between plans (a step's compute, during which ranks wait)")
+    args = parser.parse_args(argv)
+    if args.fanout:
+        from benchmarks.bench_fanout import run_fanout
+
+        run_fanout(args.tp, args.steps, args.gap_ms / 1e3)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         address = f"ipc://{tmp}/bench.sock"
         sock = zmq.Context().socket(zmq.ROUTER)
