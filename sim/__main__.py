@@ -6,6 +6,8 @@ Examples (docs/simulator.md holds the outputs):
     python -m sim --policy all --duration-s 3600
     python -m sim --sweep --rate-scales 0.1,0.2,0.3,0.4,0.5,0.75,1 --duration-s 600
     python -m sim --classes --rate-scale 0.3 --background-rate 3 --duration-s 600
+    python -m sim --profile profiles/HOST.json --validate-against-server
+    python -m sim --profile profiles/HOST.json --policy chunked --shared-prefixes
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,8 @@ from scheduler_svc.core import SchedulerConfig
 from sim import report
 from sim.cost_model import StepCostModel
 from sim.data import TraceError, data_dir, default_trace
+from sim.prefix_trace import with_prefixes
+from sim.profile import ExecutorProfile
 from sim.workload import load_trace
 
 
@@ -56,6 +61,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--contract", action="store_true",
                    help="print the service curves a capacity contract declares "
                         "(docs/capacity/contract.toml), from this cost model")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="a fitted executor profile (python -m benchmarks.fit_profile) instead of "
+                        "the 70B / 4xA100 cost model")
+    p.add_argument("--validate-against-server", action="store_true",
+                   help="replay one workload through a real `continuum serve` and through "
+                        "the simulator with --profile; print the errors")
+    p.add_argument("--quick", action="store_true",
+                   help="--validate-against-server: a few tiny requests per rate (CI)")
+    p.add_argument("--rates", default=None,
+                   help="--validate-against-server: requests/s, comma-separated (default: "
+                        "0.4, 0.7, 1.0 of the profile's predicted saturation)")
+    p.add_argument("--shared-prefixes", action="store_true",
+                   help="give the trace shared system prompts and multi-turn continuations "
+                        "(sim/prefix_trace.py), so the prefix cache has something to hit")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--dollars-per-hour", type=float, default=report.DOLLARS_PER_HOUR,
                    help="the simulated hardware's price, for the $/1M out column "
@@ -67,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cost = StepCostModel()
+        cost = ExecutorProfile.load(args.profile) if args.profile else StepCostModel()
+    except ValueError as exc:
+        print(f"python -m sim: --profile {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:  # the operator profiles it is built from
         print(f"python -m sim: {exc.filename}: no such file (the data directory is "
               f"{data_dir()}; set CONTINUUM_DATA_DIR to the one holding profiles/ and "
@@ -88,6 +110,13 @@ def _run(args: argparse.Namespace, cost: StepCostModel) -> int:
     trace = args.trace or default_trace()
     policies = report.POLICIES if args.policy == "all" else (args.policy,)
     started = time.perf_counter()
+    if args.validate_against_server:
+        return _validate_against_server(args)
+    a100_only = [f for f in ("contract", "validate", "classes") if getattr(args, f)]
+    if args.profile and a100_only:
+        print(f"python -m sim: --{a100_only[0]} is for the 70B / 4xA100 cost model, "
+              "not --profile", file=sys.stderr)
+        return 2
     if args.contract:
         print(_contract(cost, args.max_num_seqs))
         return 0
@@ -99,9 +128,14 @@ def _run(args: argparse.Namespace, cost: StepCostModel) -> int:
         rows = _classes(args, trace, cost)
     else:
         reqs = load_trace(trace, args.rate_scale, args.duration_s)
+        if args.shared_prefixes:
+            reqs, stats = with_prefixes(reqs)
+            print(stats.line())
+        roofline = ("" if args.profile else f"; roofline for this mix at {args.max_num_seqs} "
+                    f"sequences: {report.mix_roofline(reqs, cost, args.max_num_seqs):,.0f} "
+                    "output tokens/s")
         print(f"{len(reqs)} requests over {args.duration_s:g} s at {args.rate_scale:g}× the "
-              f"trace's rate; roofline for this mix at {args.max_num_seqs} sequences: "
-              f"{report.mix_roofline(reqs, cost, args.max_num_seqs):,.0f} output tokens/s")
+              f"trace's rate{roofline}")
         rows = report.policy_table(reqs, cost, args.max_num_seqs, policies,
                                    chunked_budget=args.chunked_budget)
     print(report.table(rows))
@@ -109,6 +143,20 @@ def _run(args: argparse.Namespace, cost: StepCostModel) -> int:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _validate_against_server(args: argparse.Namespace) -> int:
+    """Runs benchmarks/sim_validate.py as a process: it needs the load generator and the
+    wire, which sim/ does not import (docs/architecture.md)."""
+    if args.profile is None:
+        print("python -m sim: --validate-against-server needs --profile FILE (make one "
+              "with `python -m benchmarks.fit_profile`)", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "benchmarks.sim_validate", "--profile", str(args.profile)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--rates", args.rates] if args.rates else []
+    cmd += ["--json", str(args.json)] if args.json else []
+    return subprocess.run(cmd, check=False).returncode
 
 
 def _contract(cost: StepCostModel, max_num_seqs: int) -> str:

@@ -218,7 +218,9 @@ class Simulation:
             if num_decodes:
                 decode_steps += 1
                 stalled += out.num_prefill_tokens > 0
-            clock.now += cost.step_time(pairs, len(sampled))
+            step_s = cost.step_time(pairs, len(sampled))
+            clock.now += step_s
+            sched.observe_step(out, step_s)  # as the service loop does: the SLO budget's fit
             if out.swap_out or out.swap_in:
                 swapped_out += len(out.swap_out)
                 swapped_in += len(out.swap_in)

@@ -1,6 +1,6 @@
 """A fitted step-time profile of our own executor: load it, price a plan, fit one.
 
-``python -m sim.fit_profile`` measures the executor in-process and writes a JSON profile
+``python -m benchmarks.fit_profile`` measures the executor in-process and writes a JSON profile
 (``profiles/<host>.json``); ``ExecutorProfile.load`` reads it back as an object with the
 interface the simulator prices steps with (``StepCostModel``'s: ``step_time(seqs,
 num_sampled)``, ``num_kv_blocks``, ``decode_step_time``, ``prefill_time``, plus the swap
@@ -149,7 +149,7 @@ class ExecutorProfile:
             raise ValueError(f"{path}: cannot read a profile ({exc})") from exc
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise ValueError(f"{path}: not a {SCHEMA} file (make one with "
-                             "`python -m sim.fit_profile`)")
+                             "`python -m benchmarks.fit_profile`)")
         fields = {f.name for f in dataclasses.fields(cls)}
         try:
             return cls(**{k: v for k, v in data.items() if k in fields})

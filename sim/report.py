@@ -39,6 +39,9 @@ def result_row(res: SimResult, **labels) -> dict:
             "$/1M out": cost_per_million(res.num_output_tokens / res.end_s
                                          if res.end_s else 0.0, DOLLARS_PER_HOUR),
             "preemptions": res.num_preemptions,
+            "prefix hit %": 100 * res.prefix_hit_tokens / max(1, sum(
+                r.num_prompt_tokens for r in res.records)),
+            "swapped in blocks": res.num_swapped_in_blocks,
             "sim s": res.end_s, "wall s": res.wall_s}
 
 

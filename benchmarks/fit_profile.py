@@ -1,4 +1,4 @@
-"""``python -m sim.fit_profile``: measure our executor on this machine, fit, save a profile.
+"""``python -m benchmarks.fit_profile``: measure our executor on this machine, fit, save a profile.
 
 In this process, with the executor's own parts (``LlamaModel``, ``KVCache``, the attention
 backend, ``Runner.execute`` on real ``BatchPlan`` protos, sampling included), it times
@@ -10,8 +10,8 @@ the timed plan carries them as cached deltas, as the scheduler sends them. Then 
 refits on all, and writes the JSON with the machine, the weight format and kernel path,
 and the git revision it came from.
 
-    .venv/bin/python -m sim.fit_profile --out profiles/$(hostname).json   # ~1-2 minutes
-    .venv/bin/python -m sim.fit_profile --quick --out /tmp/p.json          # a few points
+    .venv/bin/python -m benchmarks.fit_profile --out profiles/$(hostname).json   # ~1-2 minutes
+    .venv/bin/python -m benchmarks.fit_profile --quick --out /tmp/p.json          # a few points
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def fit(points: list[dict]) -> tuple[dict, dict]:
 
 
 def parse_args(argv) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sim.fit_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fit_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("profiles") / f"{socket.gethostname()}.json")
     p.add_argument("--quick", action="store_true", help="eight points (CI): seconds, not minutes")

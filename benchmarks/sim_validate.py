@@ -1,0 +1,303 @@
+"""``python -m benchmarks.sim_validate``: the simulator against the real server.
+
+``python -m sim --profile FILE --validate-against-server`` runs this as a process (sim/ may
+import only the scheduler core; this needs the load generator and the wire).
+
+One workload, built by ``continuum bench``'s own code (``bench_workload.build_workload``:
+Azure conversation lengths × ``--length-scale``, Poisson arrivals) at three rates up to
+saturation, each with a long-prompt burst (``burst`` prompts of ``long_len`` tokens that
+arrive together half way through). Each rate runs once through a real ``continuum serve``
+(started here on loopback ports, with its own internal secret; sent by ``bench_clients``,
+summarized by ``bench_report``) and once through the simulator with the fitted profile:
+the SAME requests (token ids, lengths, arrival times), the same scheduler config and the
+server's own KV pool size (read from its Stats). Per rate it prints measured vs simulated
+output throughput, TTFT p50/p99, TPOT p50/p99 and preemptions, with the error.
+
+The rates are fractions of the saturation rate the profile predicts (``saturation_rps``),
+so the same command fits any machine; ``--rates`` overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from scheduler_svc.core import SchedulerConfig
+from sim.engine import Simulation
+from sim.metrics import summarize
+from sim.profile import ExecutorProfile
+from sim.workload import TraceRequest
+
+FIGURES = ("output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+           "preemptions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What each rate replays (full: minutes on a quiet 2-core machine; quick: CI)."""
+
+    num_prompts: int = 120
+    length_scale: float = 0.1  # Azure mean 1,155 / 211 tokens -> ~115 / ~21
+    max_input_len: int = 512
+    max_output_len: int = 64
+    burst: int = 6
+    long_len: int = 384
+    fractions: tuple[float, ...] = (0.4, 0.7, 1.0)  # of the predicted saturation rate
+    max_num_seqs: int = 32
+    kv_cache_bytes: int = 96 << 20  # small enough that the burst can preempt
+
+
+QUICK = Workload(num_prompts=8, length_scale=0.03, max_input_len=64, max_output_len=8,
+                 burst=2, long_len=96)
+
+
+def bench_specs(w: Workload, rate: float, seed: int):
+    """``continuum bench --dataset azure`` requests at ``rate``, plus the burst."""
+    from continuum.bench import add_arguments, validate_args
+    from continuum.bench_workload import TOKEN_ID_RANGE, Spec, build_workload
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([
+        "--dataset", "azure", "--length-scale", str(w.length_scale),
+        "--max-input-len", str(w.max_input_len), "--max-output-len", str(w.max_output_len),
+        "--num-prompts", str(w.num_prompts), "--request-rate", str(rate),
+        "--seed", str(seed), "--no-progress"])
+    validate_args(args)
+    specs = build_workload(args, rate)
+    at = specs[len(specs) // 2].arrival_s
+    rng = random.Random(seed + 1)
+    for _ in range(w.burst):
+        ids = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(w.long_len)]
+        specs.append(Spec(index=len(specs), arrival_s=at, prompt_ids=ids,
+                          max_tokens=w.max_output_len))
+    specs.sort(key=lambda s: s.arrival_s)
+    for i, s in enumerate(specs):
+        s.index = i
+    return specs
+
+
+def saturation_rps(profile: ExecutorProfile, w: Workload) -> float:
+    """Requests/s the profile serves at ``max_num_seqs`` // 2 concurrent decodes: each
+    request's prefill alone plus its share of the batch's decode steps (Azure means)."""
+    prompt = min(w.max_input_len, 1155 * w.length_scale)
+    output = max(1.0, min(w.max_output_len, 211 * w.length_scale))
+    batch = max(1, w.max_num_seqs // 2)
+    decode = profile.decode_step_time(batch, int(prompt + output / 2)) / batch
+    return 1.0 / (profile.prefill_time(int(prompt)) + output * decode)
+
+
+class Server:
+    """``continuum serve`` on free loopback ports; ``stats()`` over the internal plane."""
+
+    def __init__(self, w: Workload, config: SchedulerConfig, tmp: str) -> None:
+        from protos import internal_auth
+
+        self.secret = os.environ.get(internal_auth.ENV_SECRET) or secrets.token_hex(24)
+        self._metadata = internal_auth.metadata(self.secret.encode())
+        self.port, self.sched_port = _free_port(), _free_port()
+        env = {**os.environ, internal_auth.ENV_SECRET: self.secret}
+        env.pop(internal_auth.ENV_SECRET_FILE, None)
+        cmd = [sys.executable, "-m", "continuum", "serve", "--port", str(self.port),
+               "--scheduler-port", str(self.sched_port), "--http-port", "-1",
+               "--ipc", f"ipc://{tmp}/executor.sock", "--telemetry-dsn", "off",
+               "--kv-cache-bytes", str(w.kv_cache_bytes), "--policy", config.policy,
+               "--max-num-seqs", str(config.max_num_seqs),
+               "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+               "--chunk-size", str(config.chunk_size)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        ready = threading.Event()
+        threading.Thread(target=lambda: ready.set() if self.proc.stdout.readline() else None,
+                         daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not ready.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("continuum serve did not become ready:\n"
+                                   + "".join(self.stderr[-20:]))
+
+    def stats(self):
+        import grpc
+
+        from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{self.sched_port}") as ch:
+            return scheduler_pb2_grpc.SchedulerStub(ch).Stats(
+                scheduler_pb2.StatsRequest(), timeout=10, metadata=self._metadata)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measured(server: Server, specs) -> dict:
+    from continuum.bench_clients import GrpcClient, run_workload
+    from continuum.bench_report import summarize_outcomes
+
+    before = server.stats().num_preemptions
+
+    async def go():
+        client = GrpcClient(server.addr, None)
+        try:
+            return await run_workload(client, specs, None, progress=False)
+        finally:
+            await client.close()
+
+    outcomes, duration = asyncio.run(go())
+    s = summarize_outcomes(outcomes, duration, {})["overall"]
+    return {"requests": len(specs), "completed": s["num_completed"],
+            "refused": sum(s["errors"].values()), "output tok/s": s["output_throughput"],
+            "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],
+            "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
+            "preemptions": server.stats().num_preemptions - before}
+
+
+def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:
+    reqs = [TraceRequest(s.arrival_s, len(s.prompt_ids), s.max_tokens, tenant=s.tenant,
+                         priority_tier=s.tier, prompt_ids=tuple(s.prompt_ids)) for s in specs]
+    res = Simulation(reqs, config, profile, num_blocks=stats.num_total_blocks,
+                     num_host_blocks=0, max_model_len=stats.max_model_len,
+                     vocab=stats.vocab_size).run()
+    if stats.block_size != 16:
+        raise RuntimeError(f"the server's block size is {stats.block_size}; the simulator's 16")
+    s = summarize([r.timing() for r in res.finished], duration_s=res.end_s or None)
+    return {"requests": len(specs), "completed": len(res.finished), "refused": len(res.rejected),
+            "output tok/s": res.num_output_tokens / res.end_s if res.end_s else 0.0,
+            "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],
+            "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
+            "preemptions": res.num_preemptions}
+
+
+def error_pct(real: float, sim: float) -> float:
+    if real == sim:
+        return 0.0
+    if not real or math.isnan(real) or math.isnan(sim):
+        return float("nan")
+    return 100.0 * (sim / real - 1.0)
+
+
+def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = None,
+             seed: int = 0, log=print) -> tuple[list[dict], dict]:
+    """(rows: one per rate and figure, summary); starts and stops the server itself."""
+    started = time.perf_counter()
+    rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
+    config = SchedulerConfig(max_num_seqs=w.max_num_seqs)  # serve's defaults otherwise
+    rows, counts = [], []
+    with tempfile.TemporaryDirectory(prefix="sim-validate-") as tmp:
+        server = Server(w, config, tmp)
+        try:
+            server.wait_ready()
+            stats = server.stats()
+            log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
+                f"({time.perf_counter() - started:.0f} s)")
+            for point, rate in enumerate(rates):
+                specs = bench_specs(w, rate, seed + point)
+                real = measured(server, specs)
+                sim = simulated(profile, config, specs, stats)
+                counts.append((real, sim))
+                log(f"rate {rate:.3g} req/s: {len(specs)} requests measured and simulated "
+                    f"({time.perf_counter() - started:.0f} s)")
+                for fig in FIGURES:
+                    rows.append({"rate req/s": rate, "figure": fig, "measured": real[fig],
+                                 "simulated": sim[fig],
+                                 "error %": error_pct(real[fig], sim[fig])})
+        finally:
+            server.stop()
+    return rows, _summary(rows, counts, time.perf_counter() - started)
+
+
+def _summary(rows: list[dict], counts, seconds: float) -> dict:
+    """Median |error| over the finite figures (preemptions only where some happened)."""
+    errs = [abs(r["error %"]) for r in rows if math.isfinite(r["error %"])
+            and not (r["figure"] == "preemptions" and r["measured"] == r["simulated"] == 0)]
+    p50 = [abs(r["error %"]) for r in rows if "p50" in r["figure"]
+           and math.isfinite(r["error %"])]
+    return {"median_abs_error_pct": statistics.median(errs) if errs else float("nan"),
+            "max_abs_p50_error_pct": max(p50) if p50 else float("nan"),
+            "counts": [{"measured": {k: r[k] for k in ("requests", "completed", "refused")},
+                        "simulated": {k: s[k] for k in ("requests", "completed", "refused")}}
+                       for r, s in counts],
+            "duration_s": seconds}
+
+
+def parse_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validate",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--profile", type=Path, required=True,
+                   help="a fitted profile (python -m benchmarks.fit_profile)")
+    p.add_argument("--quick", action="store_true", help="a few tiny requests per rate (CI)")
+    p.add_argument("--rates", default=None,
+                   help="requests/s, comma-separated (default: 0.4, 0.7, 1.0 of the "
+                        "profile's predicted saturation)")
+    p.add_argument("--json", type=Path, default=None, help="also write rows and summary")
+    args = p.parse_args(argv)
+    try:
+        args.rates = [float(r) for r in args.rates.split(",")] if args.rates else None
+    except ValueError:
+        p.error(f"--rates {args.rates!r}: comma-separated numbers")
+    if args.rates and not all(0 < r < math.inf for r in args.rates):
+        p.error("--rates: every rate must be > 0 requests/s")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sim import report
+
+    args = parse_args(argv)
+    try:
+        profile = ExecutorProfile.load(args.profile)
+    except ValueError as exc:
+        print(f"sim_validate: --profile {exc}", file=sys.stderr)
+        return 2
+    w = QUICK if args.quick else Workload()
+    print(profile.describe(), flush=True)
+    rows, summary = validate(profile, w, args.rates, log=lambda m: print(m, flush=True))
+    print(report.table(rows))
+    for c in summary["counts"]:
+        print(f"requests / completed / refused: measured {c['measured']}, "
+              f"simulated {c['simulated']}")
+    print(f"median |error| {summary['median_abs_error_pct']:.1f} % (target <= 10 %), worst p50 "
+          f"|error| {summary['max_abs_p50_error_pct']:.1f} % (target <= 15 %); took "
+          f"{summary['duration_s']:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
