@@ -5,7 +5,9 @@ gathered blocks; longer chunks run one SDPA call per sequence. A chunk that star
 position 0 attends to its own fresh K/V and reads nothing from the cache.
 
 Cost note (FACTS.md): gathering blocks into a dense tensor costs about 2x the attention
-itself at long contexts; a kernel that reads blocks in place belongs beside this one.
+itself at long contexts. The kernels that read blocks in place: numba/native on the CPU,
+Triton and flash-attn on CUDA (kernels/triton_attention.py, kernels/flash_attn_backend.py);
+on a GPU this backend is the fallback when neither package is importable.
 """
 
 from __future__ import annotations

@@ -144,8 +144,6 @@ class TritonAttentionBackend(AttentionBackend):
         hkv = k_cache.shape[2]
         splits = self.num_splits or choose_splits(rows, hkv, plan.max_decode_context,
                                                   q.device)
-        split_len = -(-max(plan.max_decode_context, 1) // splits)
-        split_len = -(-split_len // self.block_n) * self.block_n
         part_o = part_lse = out  # unused with one split
         if splits > 1:
             key = (rows, hq, splits, dim)
@@ -159,7 +157,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, plan.meta.block_tables, plan.context_lens,
             plan.meta.query_start, plan.decode_seqs, out, part_o, part_lse,
             scale * kern.LOG2E, *_strides(q, out, k_cache, v_cache, plan),
-            split_len, hq, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_H=_pow2(hq // hkv),
+            hq, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_H=_pow2(hq // hkv),
             BLOCK_N=self.block_n, BLOCK_D=_pow2(dim), NUM_SPLITS=splits,
             DOT_F32=_dot_f32(q, k_cache))
         if splits > 1:

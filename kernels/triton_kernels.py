@@ -22,11 +22,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr, T: tl.constexpr):
-    """a @ b with float32 accumulation; inputs in float32 or the 16-bit type ``T``."""
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """a @ b with float32 accumulation; inputs in float32, or in b's (the cache's) 16-bit
+    type, to which a (q of the same type, or the float32 probabilities) is cast."""
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(T), b.to(T), out_dtype=tl.float32)
+    return tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -43,7 +44,7 @@ def _tile(cache, table_row, pos, live, kv_head, d, d_live, block_size,
 def decode_split_kernel(
     Q, K, V, TABLES, CTX, QSTART, SEQS, OUT, PART_O, PART_LSE, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_tb, block_size, split_len, num_heads,
+    stride_vb, stride_vs, stride_vh, stride_tb, block_size, num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -53,7 +54,9 @@ def decode_split_kernel(
     Grid (decode rows, Hkv, NUM_SPLITS). With one split the result goes straight to OUT;
     otherwise each split leaves its normalised output and log2-sum-exp in PART_O / PART_LSE
     ([rows, Hq, NUM_SPLITS, (D)], float32) for ``decode_reduce_kernel``. An empty split (past
-    a short context) leaves lse = -inf, which the reduction weighs as zero.
+    a short context) leaves lse = -inf, which the reduction weighs as zero. Each row cuts its
+    own context into NUM_SPLITS tile-aligned pieces, so no launch argument depends on the
+    step's lengths (a fixed NUM_SPLITS can be captured in a CUDA graph).
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,6 +64,7 @@ def decode_split_kernel(
     seq = tl.load(SEQS + b)
     ctx = tl.load(CTX + seq)
     row = tl.load(QSTART + seq)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -81,7 +85,7 @@ def decode_split_kernel(
         live = pos < end
         k = _tile(K, table_row, pos, live, kv_head, d, d_live, block_size,
                   stride_kb, stride_ks, stride_kh)
-        s = _dot(q, tl.trans(k), DOT_F32, K.dtype.element_ty) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_F32) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -89,7 +93,7 @@ def decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _tile(V, table_row, pos, live, kv_head, d, d_live, block_size,
                   stride_vb, stride_vs, stride_vh)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32, V.dtype.element_ty)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -172,7 +176,7 @@ def prefill_kernel(
         live = pos < kv_end
         k = _tile(K, table_row, pos, live, kv_head, d, d_live, block_size,
                   stride_kb, stride_ks, stride_kh)
-        s = _dot(q, tl.trans(k), DOT_F32, K.dtype.element_ty) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _dot(q, tl.trans(k), DOT_F32) * qk_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         # Every row sees position 0 in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -182,7 +186,7 @@ def prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _tile(V, table_row, pos, live, kv_head, d, d_live, block_size,
                   stride_vb, stride_vs, stride_vh)
-        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32, V.dtype.element_ty)
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

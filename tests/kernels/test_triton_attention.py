@@ -99,7 +99,8 @@ def test_mixed_steps_match_reference(seed, block_size, hq, hkv, dim, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_split_k_decode_over_long_contexts_matches_reference(dtype):
-    # 3 splits of 48 positions: the short rows leave their later splits empty.
+    # Each row cuts its context into 3 tile-aligned splits: 100 -> 48 + 48 + 4; 60 -> 32 +
+    # 28 + nothing; 7 -> 7 + nothing + nothing; 33 -> 16 + 16 + 1.
     specs = [(1, 100), (1, 7), (1, 60), (1, 33)]
     step = paged_step(10, specs, 16, 4, 2, 16, dtype)
     check(TritonAttentionBackend(num_splits=3, block_n=16), step, dtype)
@@ -143,3 +144,13 @@ def test_triton_is_unavailable_on_the_cpu_outside_the_interpreter(monkeypatch):
     assert not triton_attention.available("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_attention.available("cpu")
+
+
+def test_gpu_check_entry_point_runs_its_quick_mode_here(capsys):
+    # scripts/gpu_check.sh runs `python -m kernels.triton_check` on CUDA; this keeps it from
+    # rotting where no GPU is: the same code, one tiny case per dtype, in the interpreter.
+    from kernels import triton_check
+
+    assert triton_check.main(["--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "all triton attention checks passed" in out and "MISS" not in out
