@@ -154,3 +154,21 @@ def test_gpu_check_entry_point_runs_its_quick_mode_here(capsys):
     assert triton_check.main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "all triton attention checks passed" in out and "MISS" not in out
+
+
+def test_the_models_forward_through_triton_matches_transformers(tmp_path):
+    # The backend inside LlamaModel.forward: a 2-layer GQA model's prefill in two chunks over
+    # shuffled blocks, then a decode, each against transformers' logits (tests/executor).
+    transformers = pytest.importorskip("transformers")
+    from executor_svc.model import LlamaModel
+    from tests.executor.test_model import ROPE, _check_three_steps
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, rope_parameters=ROPE)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    _check_three_steps(LlamaModel.load(tmp_path), hf, TritonAttentionBackend(), torch.float32,
+                       tol=1e-4)
