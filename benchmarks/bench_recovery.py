@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import signal
+import sys
 import tempfile
 import time
 
@@ -109,7 +110,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir),
                               "--kv-cache-bytes", str(96 << 20),
-                              "--standby-executors", str(args.standby_executors))
+                              "--standby-executors", str(args.standby_executors),
+                              # every stream must run: none shed for its queue time
+                              "--max-queue-time-standard-s", "0")
         try:
             killed: list[float] = []
             for _ in range(args.repeats):
@@ -138,6 +141,9 @@ def main() -> None:
             stats = server.stats()
             print(f"standby takeovers: {stats.num_standby_takeovers}, executor losses: "
                   f"{stats.num_executor_losses}")
+        except BaseException:
+            print("".join(server.stderr_lines[-60:]), file=sys.stderr)  # the server's side
+            raise
         finally:
             stop_server(server)
 

@@ -326,7 +326,7 @@ class Supervisor:
         """The standby (if any) has the executor's role now: the scheduler switched to
         it on its own. Otherwise a cold start, as without standbys."""
         standby = self.procs.pop("standby", None)
-        if standby is not None:
+        if standby is not None and standby.poll() is None:
             self.procs["executor"] = standby
             print(f"continuum: executor exited with code {code}; the standby (pid "
                   f"{standby.pid}) takes over ({num_restarts} in the last "
