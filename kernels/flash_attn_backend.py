@@ -46,10 +46,11 @@ class _FlashPlan:
 class FlashAttnBackend(AttentionBackend):
     """flash-attn where it can serve the step, ``fallback`` where it cannot."""
 
-    def __init__(self, fallback: AttentionBackend) -> None:
-        from flash_attn import flash_attn_varlen_func
-
-        self._varlen = flash_attn_varlen_func
+    def __init__(self, fallback: AttentionBackend, varlen_func=None) -> None:
+        """``varlen_func``: flash-attn's ``flash_attn_varlen_func`` (None: imported here)."""
+        if varlen_func is None:
+            from flash_attn import flash_attn_varlen_func as varlen_func
+        self._varlen = varlen_func
         self.fallback = fallback
         self._said: set[str] = set()
 

@@ -48,3 +48,31 @@ def test_executor_refuses_triton_on_the_cpu_before_loading_a_model():
     assert done.returncode == 2, done.stderr
     assert "--attention-backend triton" in done.stderr
     assert "loading model" not in done.stderr
+
+
+def test_flash_attn_hands_what_it_cannot_take_to_its_fallback(caplog):
+    # flash-attn cannot be built here; the hand-off decisions are made before it is called.
+    import torch
+
+    from kernels.attention import AttentionMetadata
+    from kernels.flash_attn_backend import FlashAttnBackend
+    from kernels.reference import ReferenceAttentionBackend
+    from kernels.torch_backend import TorchAttentionBackend
+
+    def never(*args, **kwargs):
+        raise AssertionError("flash-attn was asked for a step it cannot take")
+
+    backend = FlashAttnBackend(fallback=TorchAttentionBackend(), varlen_func=never)
+    gen = torch.Generator().manual_seed(0)
+    for block_size, dtype in [(16, torch.float16), (256, torch.float32)]:
+        meta = AttentionMetadata.build([1, 3], [5, 3], [[1], [0]], block_size)
+        cache = [torch.randn(2, block_size, 2, 16, generator=gen).to(dtype) for _ in range(2)]
+        q = torch.randn(4, 4, 16, generator=gen).to(dtype)
+        # This step's K/V rows: seq 0's position 4 (block 1), seq 1's positions 0-2 (block 0).
+        k, v = (torch.cat([c[1, 4:5], c[0, :3]]) for c in cache)
+        got = backend.forward(q, k, v, *cache, backend.prepare(meta), 0.25)
+        want = ReferenceAttentionBackend().forward(q, None, None, *cache, meta, 0.25)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert "--block-size 16 is no multiple of 256" in caplog.text
+    assert "torch.float32" in caplog.text  # the dtype reason, said once
+    assert caplog.text.count("--block-size 16") == 1
