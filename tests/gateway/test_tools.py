@@ -10,10 +10,15 @@ import json
 
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway import tool_fallback, tool_parsers
 from gateway.chat_template import ChatTemplate
+from gateway.json_body import decode_json
+from gateway.openai_api import CHAT
 from gateway.tool_parsers import Call
+from gateway.validation import RequestError, ValidatedRequest, validate
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run
@@ -254,3 +259,37 @@ def test_bad_tool_requests_are_400s_that_say_what_to_fix(tokenizer):
     for body, (_, param, words) in zip(errors, expected, strict=True):
         assert (body["param"], words in body["message"]) == (param, True), body
     assert submitted == []
+
+
+# --- no tool field, however odd, is anything but a 400 or a request --------------------
+
+_leaf = st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=6) | st.sampled_from(
+    ["function", "get_weather", "auto", "required", "none", "assistant", "tool", "{}", "[1]"])
+_value = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["type", "function", "name", "arguments", "parameters", "description",
+                     "id", "strict", "properties"]), inner, max_size=4), max_leaves=10)
+_tool = st.just(WEATHER) | st.fixed_dictionaries(
+    {"type": st.just("function") | _leaf, "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "f", "bad name"]) | _leaf,
+         "parameters": st.just(WEATHER["function"]["parameters"]) | _value})})
+_turn = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": st.none() | _leaf},
+    optional={"tool_calls": st.lists(_value, max_size=2), "tool_call_id": _leaf})
+_tool_body = st.fixed_dictionaries(
+    {"messages": st.lists(_turn, min_size=1, max_size=3)},
+    optional={"tools": st.lists(_tool, max_size=3) | _value, "tool_choice": _value | st.just(
+        _NAMED), "parallel_tool_calls": _leaf, "response_format": st.just(
+        {"type": "json_object"})})
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(body=_tool_body)
+def test_any_tool_body_is_validated_or_refused(tokenizer, body):
+    try:
+        api = CHAT.parse(decode_json(json.dumps(body).encode()), "smollm2", tokenizer)
+        result = validate(api.proto, tokenizer, "smollm2")
+    except RequestError as exc:
+        assert exc.message
+        return
+    assert isinstance(result, ValidatedRequest)
