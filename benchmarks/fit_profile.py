@@ -39,9 +39,9 @@ Point = list[tuple[int, int, bool]]
 def grid(quick: bool) -> list[Point]:
     """Decode batches × contexts, prefill chunks (fresh, over context, non-final), mixes."""
     if quick:
-        return [[(1, 64, True)] * 4, [(1, 256, True)] * 16, [(64, 0, True)], [(256, 0, True)],
-                [(1, 128, True)] * 8 + [(128, 0, False)], [(1, 32, True)],
-                [(1, 512, True)] * 2, [(128, 256, True)]]
+        return [[(1, 64, True)] * 4, [(1, 128, True)] * 8, [(32, 0, True)], [(128, 0, True)],
+                [(1, 64, True)] * 4 + [(64, 0, False)], [(1, 16, True)],
+                [(1, 256, True)] * 2, [(64, 128, True)]]
     points: list[Point] = []
     for batch, context in ((1, 16), (1, 512), (4, 128), (8, 1024), (16, 32), (16, 512),
                            (32, 128), (32, 512), (48, 256), (64, 64), (64, 256)):

@@ -187,6 +187,20 @@ def measured(server: Server, specs) -> dict:
             "preemptions": server.stats().num_preemptions - before}
 
 
+def link_overhead_s(server: Server, profile: ExecutorProfile, output_tokens: int = 24) -> float:
+    """The per-step time the server adds to the in-process profile (scheduler, ZeroMQ
+    link, gateway stream), from one lone calibration request (it also warms the server
+    up): its measured TPOT minus the profile's single-sequence decode step."""
+    from continuum.bench_workload import Spec
+
+    spec = Spec(index=0, arrival_s=0.0, prompt_ids=list(range(1000, 1016)),
+                max_tokens=output_tokens)
+    real = measured(server, [spec])
+    predicted = profile.decode_step_time(1, 16 + output_tokens // 2)
+    tpot = real["TPOT p50 ms"] / 1e3
+    return max(0.0, tpot - predicted) if math.isfinite(tpot) else 0.0
+
+
 def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:
     reqs = [TraceRequest(s.arrival_s, len(s.prompt_ids), s.max_tokens, tenant=s.tenant,
                          priority_tier=s.tier, prompt_ids=tuple(s.prompt_ids)) for s in specs]
@@ -212,10 +226,11 @@ def error_pct(real: float, sim: float) -> float:
 
 
 def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = None,
-             seed: int = 0, log=print) -> tuple[list[dict], dict]:
-    """(rows: one per rate and figure, summary); starts and stops the server itself."""
+             seed: int = 0, log=print, calibrate: bool = True) -> tuple[list[dict], dict]:
+    """(rows: one per rate and figure, summary); starts and stops the server itself.
+    ``calibrate``: add the server's measured per-step overhead (``link_overhead_s``) to
+    the profile before simulating."""
     started = time.perf_counter()
-    rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
     config = SchedulerConfig(max_num_seqs=w.max_num_seqs)  # serve's defaults otherwise
     rows, counts = [], []
     with tempfile.TemporaryDirectory(prefix="sim-validate-") as tmp:
@@ -225,6 +240,12 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             stats = server.stats()
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")
+            if calibrate:
+                overhead = link_overhead_s(server, profile)
+                profile = dataclasses.replace(profile, link_overhead_s=overhead)
+                log(f"per-step overhead of the server over the profile: {overhead * 1e3:.2f} ms "
+                    "(one lone request's TPOT minus the profile's decode step)")
+            rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
             for point, rate in enumerate(rates):
                 specs = bench_specs(w, rate, seed + point)
                 real = measured(server, specs)
@@ -238,7 +259,9 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
                                  "error %": error_pct(real[fig], sim[fig])})
         finally:
             server.stop()
-    return rows, _summary(rows, counts, time.perf_counter() - started)
+    summary = _summary(rows, counts, time.perf_counter() - started)
+    summary["link_overhead_ms"] = profile.link_overhead_s * 1e3
+    return rows, summary
 
 
 def _summary(rows: list[dict], counts, seconds: float) -> dict:
@@ -265,6 +288,9 @@ def parse_args(argv) -> argparse.Namespace:
                    help="requests/s, comma-separated (default: 0.4, 0.7, 1.0 of the "
                         "profile's predicted saturation)")
     p.add_argument("--json", type=Path, default=None, help="also write rows and summary")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="simulate with the in-process profile alone (no per-step overhead "
+                        "measured from the server)")
     args = p.parse_args(argv)
     try:
         args.rates = [float(r) for r in args.rates.split(",")] if args.rates else None
@@ -286,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     w = QUICK if args.quick else Workload()
     print(profile.describe(), flush=True)
-    rows, summary = validate(profile, w, args.rates, log=lambda m: print(m, flush=True))
+    rows, summary = validate(profile, w, args.rates, log=lambda m: print(m, flush=True),
+                             calibrate=not args.no_calibrate)
     print(report.table(rows))
     for c in summary["counts"]:
         print(f"requests / completed / refused: measured {c['measured']}, "
