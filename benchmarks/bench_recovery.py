@@ -60,6 +60,40 @@ def wait_for_executors(server, standby: bool, timeout: float = 300.0) -> tuple[i
     raise SystemExit("no executor (or standby) registered within the timeout")
 
 
+def memory_mib(pid: int) -> dict[str, float]:
+    """Rss, Pss and Shared_Clean+Shared_Dirty of ``pid`` in MiB (/proc/PID/smaps_rollup)."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if rest.strip().endswith("kB"):
+                fields[name] = int(rest.split()[0]) / 1024
+    return {"rss": fields.get("Rss", 0.0), "pss": fields.get("Pss", 0.0),
+            "shared": fields.get("Shared_Clean", 0.0) + fields.get("Shared_Dirty", 0.0)}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def describe_standby(server, idle_s: float = 10.0) -> None:
+    """What a registered, idle standby costs: memory beside the executor's, CPU over
+    ``idle_s`` seconds."""
+    active, standby = wait_for_executors(server, True)
+    time.sleep(15)  # its last start-up work (the grammar tokenizer) runs after its Hello
+    before = cpu_s(standby)
+    time.sleep(idle_s)
+    used = cpu_s(standby) - before
+    for name, pid in (("executor", active), ("standby", standby)):
+        m = memory_mib(pid)
+        print(f"{name} pid {pid}: RSS {m['rss']:.0f} MiB, PSS {m['pss']:.0f} MiB, "
+              f"shared {m['shared']:.0f} MiB")
+    print(f"idle standby CPU: {used:.2f} s over {idle_s:.0f} s ({100 * used / idle_s:.1f} %)")
+
+
 def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float], float]:
     """Returns (per stream: fault → first token after it, in s; detach logged after s)."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
@@ -114,6 +148,8 @@ def main() -> None:
                               # every stream must run: none shed for its queue time
                               "--max-queue-time-standard-s", "0")
         try:
+            if standby:
+                describe_standby(server)
             killed: list[float] = []
             for _ in range(args.repeats):
                 pid, _ = wait_for_executors(server, standby)

@@ -5,12 +5,14 @@ a deadline from the measured step-time distribution detects one within
 ``max(FLOOR_S, FACTOR × p99 step time)`` while the work planned for a step still
 stretches its own deadline, so a long prefill is never mistaken for a hang:
 
-    deadline(n) = max(FLOOR_S, FACTOR × (p99 of recent step times + n × per-token cost))
+    deadline(n) = max(FLOOR_S, FACTOR × (p99 step time + max(0, n - m) × per-token cost))
 
-``n`` is the step's planned tokens; the per-token cost is the p99 of seconds per token
-over recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is mostly
-its fixed cost, so small steps would overstate it), and never less than the executor's
-own measured prefill rate (its Hello) says. Until an incarnation has completed
+``n`` is the step's planned tokens and ``m`` the median tokens of the recent steps: a
+step like the recent ones gets 3x their p99, a bigger one (a long prefill) also its
+extra tokens at the per-token cost. That cost is the p99 of seconds per token over the
+recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is mostly its
+fixed cost, so small steps would overstate it) once MIN_COST_SAMPLES were seen, else
+what the executor's own prefill measurement (its Hello) says. Until an incarnation has completed
 WARMUP_STEPS steps there is no distribution to trust (first steps may compile or fault
 pages in): then the deadline is the old rule's, at least COLD_FLOOR_S. The history
 starts again with each executor: another process may be slower than the last.
@@ -29,6 +31,7 @@ COLD_FACTOR = 4.0
 WARMUP_STEPS = 8
 WINDOW = 256  # recent steps the p99 is taken over
 PREFILL_MIN_TOKENS = 64
+MIN_COST_SAMPLES = 4
 DEFAULT_TOKENS_PER_S = 100.0  # an executor that measured nothing
 
 
@@ -46,14 +49,16 @@ class StepDeadlines:
         self.cold_floor_s, self.warmup_steps = cold_floor_s, warmup_steps
         self._rate = DEFAULT_TOKENS_PER_S
         self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._tokens: collections.deque[int] = collections.deque(maxlen=WINDOW)
         self._per_token: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._cached: tuple[float, float] | None = None  # (p99 step s, per-token s)
+        self._cached: tuple[float, int, float] | None = None  # p99 s, median n, s/token
 
     def reset(self, prefill_tokens_per_s: float) -> None:
         """A new executor: forget the old one's times; ``prefill_tokens_per_s`` from its
         Hello bounds the per-token cost from below."""
         self._rate = prefill_tokens_per_s if prefill_tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
         self._steps.clear()
+        self._tokens.clear()
         self._per_token.clear()
         self._cached = None
 
@@ -61,6 +66,7 @@ class StepDeadlines:
         """A step of ``num_tokens`` planned tokens took ``elapsed_s`` (wall, as the
         scheduler saw it: from when the executor could start it to its answer)."""
         self._steps.append(elapsed_s)
+        self._tokens.append(num_tokens)
         if num_tokens >= PREFILL_MIN_TOKENS:
             self._per_token.append(elapsed_s / num_tokens)
         self._cached = None
@@ -72,18 +78,21 @@ class StepDeadlines:
     def p99_step_s(self) -> float:
         return self._stats()[0]
 
-    def _stats(self) -> tuple[float, float]:
+    def _stats(self) -> tuple[float, int, float]:
         if self._cached is None:
-            per_token = 1.0 / self._rate
-            if self._per_token:
-                per_token = max(per_token, _p99(self._per_token))
-            self._cached = (_p99(self._steps) if self._steps else 0.0, per_token)
+            per_token = (_p99(self._per_token) if len(self._per_token) >= MIN_COST_SAMPLES
+                         else 1.0 / self._rate)
+            if self._steps:
+                median = sorted(self._tokens)[len(self._tokens) // 2]
+                self._cached = (_p99(self._steps), median, per_token)
+            else:
+                self._cached = (0.0, 0, per_token)
         return self._cached
 
     def deadline(self, num_tokens: int) -> float:
         """Seconds a step of ``num_tokens`` planned tokens may take before it is a hang."""
-        p99, per_token = self._stats()
-        expected = p99 + num_tokens * per_token
+        p99, typical, per_token = self._stats()
+        expected = p99 + max(0, num_tokens - typical) * per_token
         if not self.warm:
             return max(self.cold_floor_s, COLD_FACTOR * expected)
         return max(self.floor_s, self.factor * expected)
