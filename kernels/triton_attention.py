@@ -38,7 +38,14 @@ def interpreting() -> bool:
 
 @functools.cache
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """triton imports (a wheel built for another Python or CUDA can be present and fail)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def available(device="cuda") -> bool:
