@@ -35,14 +35,15 @@ from benchmarks.reliability import (
 ROWS = ("overload", "hostile", "soak", "chaos", "fuzz")
 
 
-def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print) -> list[dict]:
+def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
+             per_kind: bool = False) -> list[dict]:
     """Runs the chosen rows in order; a row that fails to run is reported, not fatal."""
     results: list[dict] = []
     on_serve = only - ({"chaos"} if size != "short" else set())
     serve = procs.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
-                 ("hostile", lambda: hostile.run(serve, size)),
+                 ("hostile", lambda: hostile.run(serve, size, per_kind)),
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     form.add_argument("--long", action="store_true", help="bigger everywhere (~1 hour)")
     p.add_argument("--only", default=",".join(ROWS),
                    help=f"comma-separated subset of {','.join(ROWS)}")
+    p.add_argument("--per-kind", action="store_true",
+                   help="hostile row: each costly kind alone against its twin, not the mixes")
     p.add_argument("--json", type=pathlib.Path,
                    default=pathlib.Path(tempfile.gettempdir()) / "continuum-reliability.json",
                    help="where every figure goes (default: %(default)s)")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     procs.ensure_secret()
     os.environ.setdefault("PYTHONPATH", os.getcwd())  # children import the benchmarks too
     with tempfile.TemporaryDirectory(prefix="continuum-reliability-") as tmp:
-        rows = run_rows(pathlib.Path(tmp), size, only)
+        rows = run_rows(pathlib.Path(tmp), size, only, per_kind=a.per_kind)
     print(report.markdown(rows, size))
     report.write_json(rows, size, a.json)
     print(f"\nevery figure: {a.json}")

@@ -3,14 +3,14 @@
 One normal client streams greedy completions back to back (gRPC) for ``seconds``; its
 ITL p99 (gaps between consecutive token messages) is measured in four phases: alone
 (quiet), and while ``rate`` requests per second arrive (Poisson, a rotating mix, every
-one valid input) of each mix:
+one valid input) of each mix (the kinds and their twins: hostile_load.py):
 
 * ``costly``: requests whose cost is not in their tokens, each as large as the caps
   allow: 16 stop strings of 256 bytes, a chat of 32 messages, 20 top logprobs, ``n`` 16
   with ``max_tokens`` 1, a body near the 4 MiB limit (a long ``user`` field), 128 stop
   token ids with ``min_tokens`` 1, and a gRPC stream cancelled 10 ms after it started;
-* ``benign``: the costly mix's twins: the same prompts, ``max_tokens`` and ``n`` (the
-  same paid work) without what the caps bound;
+* ``benign``: the costly mix's twins: the same prompt tokens, ``max_tokens`` and ``n``
+  (the same paid work) without what the caps bound;
 * ``heavy``: prompts as long as the KV pool holds (a plain one and a chat of as many
   messages as fit), which pay for their cost in prompt tokens.
 
@@ -20,97 +20,72 @@ on two shared CPU cores it does not (every extra sequence in a step is compute),
 the row with the target compares the costly mix with its benign twin: what the
 requests cost beyond their tokens. The ratio against quiet is printed beside it.
 
-    .venv/bin/python -m benchmarks.reliability --only hostile [--long]
+``--per-kind`` runs, instead of the mixes, each costly kind alone at ``rate`` against
+its twin alone, in the order twin, kind, kind, twin (drift of the machine's load
+cancels), one row per kind: which kind's extra cost shows in the normal stream.
+
+Beside the ITLs every phase probes the two event loops that carry the normal stream's
+tokens: the gateway's (``GET /live`` round trips) and the scheduler's (``Stats``
+round trips); a kind that stalls a loop shows there, whatever the machine's load.
+The hostile requests come from a process of their own (hostile_load.Sender), so the
+normal client's loop, which stamps its tokens, does no hostile work.
+
+    .venv/bin/python -m benchmarks.reliability --only hostile [--long] [--per-kind]
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import random
+import dataclasses
+import json
+import os
+import pathlib
+import sys
 import time
+import urllib.request
 
 import aiohttp
 import grpc
 
 from benchmarks.reliability import procs
-from benchmarks.reliability.streams import grpc_stream, http_stream, percentile, request
-from protos.continuum.v1 import generation_pb2_grpc
+from benchmarks.reliability.hostile_load import (
+    Kind,
+    Sender,
+    benign_twin,
+    costly_kinds,
+    heavy_kinds,
+)
+from benchmarks.reliability.streams import grpc_stream, percentile, request
+from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-SIZES = {"short": dict(seconds=12.0, rate=20.0), "default": dict(seconds=30.0, rate=20.0),
-         "long": dict(seconds=90.0, rate=20.0)}
+SIZES = {"short": dict(seconds=12.0, rate=20.0, kind_seconds=5.0),
+         "default": dict(seconds=30.0, rate=20.0, kind_seconds=10.0),
+         "long": dict(seconds=90.0, rate=20.0, kind_seconds=30.0)}
 NORMAL_TOKENS = 48
-HOSTILE_TIMEOUT_S = 20.0
-BODY_LIMIT = 4 * 1024 * 1024
+LIVE_EVERY_S = 0.04  # the gateway loop probe: 25 GET /live a second
+STATS_EVERY_S = 0.1  # the scheduler loop probe: 10 Stats a second
 
 
-def _caps() -> tuple[int, int]:
-    """(most chat messages, most stop token ids) the gateway accepts."""
-    from gateway import validation
+@dataclasses.dataclass
+class Phase:
+    """What one phase measured: the normal stream's ITLs and the two loop probes'
+    round trips (seconds), the CPU seconds each server process used, and every
+    stream's outcome by kind and status."""
 
-    return (getattr(validation, "MAX_CHAT_MESSAGES", 1024),
-            getattr(validation, "MAX_STOP_TOKEN_IDS", 49152))
+    itls: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    live_rtts: list[float] = dataclasses.field(default_factory=list)
+    stats_rtts: list[float] = dataclasses.field(default_factory=list)
+    seen: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
-
-def _hostile_bodies(max_model_len: int, pool_tokens: int,
-                   mix: str = "costly") -> list[tuple[str, str, dict]]:
-    """(kind, path, body) for every HTTP kind of ``mix``; all valid, each as large as the
-    caps, the context and the KV pool allow (so none is refused as bad input).
-
-    ``costly``: requests whose cost is not in their token count (stop strings, stop ids,
-    logprobs, ``n``, a large body, a chat of many short messages: gateway and sampler
-    work the issue's caps bound). ``heavy``: prompts as long as the pool holds, which
-    pay for their cost in prompt tokens; what they may do to other streams' ITL is the
-    scheduler's per-step prefill budget's business."""
-    room = max(64, min(max_model_len, pool_tokens) - 96)
-    max_messages, max_stop_ids = _caps()
-    num_messages = max(2, min(max_messages, room // 10) // 2 * 2 - 1)  # ~9 tokens a turn
-    heavy = [
-        (f"chat {num_messages + 1} messages", "chat/completions",
-         {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
-                       for i in range(num_messages)]
-          + [{"role": "user", "content": "Sum it up."}], "max_tokens": 4}),
-        (f"prompt of ~{room} tokens", "completions",
-         {"prompt": "the " * room, "max_tokens": 1}),
-    ]
-    if mix == "heavy":
-        return heavy
-    few = max(2, min(max_messages, 32) // 2 * 2 - 1)
-    costly = [
-        ("stop strings 16x256B", "completions",
-         {"prompt": "Hi", "max_tokens": 8, "stop": [f"{i:03d}" + "z" * 253 for i in range(16)]}),
-        (f"chat {few + 1} messages", "chat/completions",
-         {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
-                       for i in range(few)]
-          + [{"role": "user", "content": "Sum it up."}], "max_tokens": 4}),
-        ("top_logprobs 20", "chat/completions",
-         {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
-          "logprobs": True, "top_logprobs": 20}),
-        ("n=16 max_tokens=1", "completions", {"prompt": "Once upon a time", "n": 16,
-                                              "max_tokens": 1, "temperature": 1.0}),
-        ("body near 4 MiB", "completions",
-         {"prompt": "Hi", "max_tokens": 2, "user": "u" * (BODY_LIMIT - 4096)}),
-        (f"{min(max_stop_ids, 49152)} stop token ids, min_tokens 1", "completions",
-         {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
-          "stop_token_ids": list(range(min(max_stop_ids, 49152)))}),
-    ]
-    return [_benign_twin(*b) for b in costly] if mix == "benign" else costly
-
-
-# What makes a costly kind costly without adding tokens; its benign twin drops it.
-_UNPAID = ("stop", "logprobs", "top_logprobs", "user", "stop_token_ids", "min_tokens")
-
-
-def _benign_twin(kind: str, path: str, body: dict) -> tuple[str, str, dict]:
-    """The same paid work (prompt text, ``max_tokens``, ``n``) without what the caps
-    bound: no stop strings or ids, no logprobs, a small body, one message for a chat
-    of many. The control for the costly mix: what these requests' tokens alone do to
-    a stream sharing the machine with them."""
-    twin = {k: v for k, v in body.items() if k not in _UNPAID}
-    if "messages" in twin:
-        text = " ".join(m["content"] for m in twin["messages"])
-        twin["messages"] = [{"role": "user", "content": text}]
-    return f"benign twin of {kind}", path, twin
+    def __iadd__(self, other: Phase) -> Phase:
+        self.itls += other.itls
+        self.live_rtts += other.live_rtts
+        self.stats_rtts += other.stats_rtts
+        self.cpu_s.update(other.cpu_s)
+        self.seen.update(other.seen)
+        return self
 
 
 async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> list[float]:
@@ -129,82 +104,161 @@ async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> 
     return itls
 
 
-async def _cancelled(serve: procs.Serve) -> str:
-    async with grpc.aio.insecure_channel(serve.addr) as ch:
-        call = generation_pb2_grpc.GenerationStub(ch).Generate(request("Hello", 64))
-        await asyncio.sleep(0.01)
-        call.cancel()
-    return "cancelled"
-
-
-async def _hostile(serve: procs.Serve, end: float, rate: float, mix: str,
-                   seen: collections.Counter) -> None:
-    stats = serve.stats()
-    bodies = _hostile_bodies(stats.max_model_len or 8192,
-                             stats.num_total_blocks * stats.block_size, mix)
-    rng = random.Random(20)
-    tasks = []
-    base = f"http://127.0.0.1:{serve.http_port}/v1/"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one(k: int) -> None:
-            if k % (len(bodies) + 1) == len(bodies):
-                seen["cancelled right away: " + await _cancelled(serve)] += 1
-                return
-            kind, path, body = bodies[k % (len(bodies) + 1)]
-            out = await http_stream(session, base + path, {"model": "", **body},
-                                    timeout=HOSTILE_TIMEOUT_S)
-            seen[f"{kind}: {out.status} {out.code}"] += 1
-        k = 0
+async def _probe_live(http_port: int, end: float) -> list[float]:
+    """Round trips of ``GET /live`` (no auth, no work: the time the gateway's loop takes
+    to get to it)."""
+    rtts: list[float] = []
+    url = f"http://127.0.0.1:{http_port}/live"
+    async with aiohttp.ClientSession() as session:
         while time.monotonic() < end:
-            tasks.append(asyncio.create_task(one(k)))
-            k += 1
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
+            started = time.monotonic()
+            async with session.get(url) as resp:
+                await resp.read()
+            rtts.append(time.monotonic() - started)
+            await asyncio.sleep(LIVE_EVERY_S)
+    return rtts
 
 
-async def _phase(serve: procs.Serve, seconds: float, rate: float | None, mix: str,
-                 seen: collections.Counter) -> list[float]:
+async def _probe_stats(scheduler_port: int, end: float) -> list[float]:
+    """Round trips of the scheduler's ``Stats`` (served on the loop that runs its steps)."""
+    rtts: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_port}") as ch:
+        stub = scheduler_pb2_grpc.SchedulerStub(ch)
+        while time.monotonic() < end:
+            started = time.monotonic()
+            await stub.Stats(scheduler_pb2.StatsRequest(), timeout=30,
+                             metadata=procs.internal_metadata())
+            rtts.append(time.monotonic() - started)
+            await asyncio.sleep(STATS_EVERY_S)
+    return rtts
+
+
+def _cpu_s(pids: dict[str, int]) -> collections.Counter:
+    """utime + stime of each role's process (/proc/PID/stat), in seconds: what a phase
+    cost each process, however busy the machine was."""
+    used: collections.Counter = collections.Counter()
+    for role, pid in pids.items():
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
+async def _phase(serve: procs.Serve, sender: Sender, seconds: float, rate: float | None,
+                 kinds: list[Kind]) -> Phase:
     end = time.monotonic() + seconds
-    normal = asyncio.create_task(_normal(serve, end, seen))
+    phase = Phase()
+    pids = procs.children_by_role(serve.proc.pid)
+    before = _cpu_s(pids)
+    normal = asyncio.create_task(_normal(serve, end, phase.seen))
+    live = asyncio.create_task(_probe_live(serve.http_port, end))
+    stats = asyncio.create_task(_probe_stats(serve.scheduler_port, end))
     if rate:
-        await _hostile(serve, end, rate, mix, seen)
-    return await normal
+        phase.seen.update(await sender.send(kinds, end, rate))
+    phase.itls, phase.live_rtts, phase.stats_rtts = await asyncio.gather(normal, live, stats)
+    phase.cpu_s = _cpu_s(pids)
+    phase.cpu_s.subtract(before)
+    return phase
 
 
-def run(serve: procs.Serve, size: str = "default") -> list[dict]:
+def _counter(serve: procs.Serve):
+    """``count_tokens(path, body)``: the served tokenizer's prompt token count."""
+    def count(path: str, body: dict) -> int:
+        data = json.dumps({"model": "", **{k: v for k, v in body.items()
+                                           if k in ("prompt", "messages")}}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{serve.http_port}/tokenize", data,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.load(resp)["count"]
+    return count
+
+
+def run(serve: procs.Serve, size: str = "default", per_kind: bool = False) -> list[dict]:
+    """The mix rows (or, ``per_kind``, one row per costly kind against its twin)."""
+    cfg = SIZES[size]
+    sender = Sender(serve.addr, serve.http_port)
+    try:
+        asyncio.run(_phase(serve, sender, 3.0, None, []))  # warm the normal path
+        costly = costly_kinds()
+        count = _counter(serve)
+        twins = [benign_twin(kind, count) for kind in costly]
+        if per_kind:
+            return [_one_kind(serve, sender, cfg, kind, twin) for kind, twin in zip(
+                costly, twins, strict=True)]
+        return _mixes(serve, sender, cfg, costly, twins)
+    finally:
+        sender.close()
+
+
+def _mixes(serve: procs.Serve, sender: Sender, cfg: dict, costly: list[Kind],
+           twins: list[Kind]) -> list[dict]:
     """Three rows on one quiet baseline: the costly mix against its benign twin (the
     same paid work without what the caps bound; target ratio 1.2) and against quiet,
     and the heavy mix against quiet (reported: what the scheduler lets long prompts do
     to a stream)."""
-    cfg = SIZES[size]
-    asyncio.run(_phase(serve, 3.0, None, "", collections.Counter()))  # warm the normal path
-    quiet_seen: collections.Counter = collections.Counter()
-    quiet = asyncio.run(_phase(serve, cfg["seconds"], None, "", quiet_seen))
-    loud: dict[str, tuple[list[float], collections.Counter]] = {}
-    for mix in ("benign", "costly", "heavy"):
-        seen = collections.Counter(quiet_seen)
-        loud[mix] = asyncio.run(_phase(serve, cfg["seconds"], cfg["rate"], mix, seen)), seen
+    quiet = asyncio.run(_phase(serve, sender, cfg["seconds"], None, []))
+    stats = serve.stats()
+    heavy = heavy_kinds(stats.max_model_len or 8192, stats.num_total_blocks * stats.block_size)
+    loud: dict[str, Phase] = {}
+    for mix, kinds in (("benign", twins), ("costly", costly), ("heavy", heavy)):
+        loud[mix] = asyncio.run(_phase(serve, sender, cfg["seconds"], cfg["rate"], kinds))
+        loud[mix].seen.update(quiet.seen)
         procs.wait_idle(serve.scheduler_port, 120)
     idle = procs.wait_idle(serve.scheduler_port, 120)
-    benign = loud["benign"][0]
-    return [_row("costly", "its benign twin", 1.2, cfg, benign, *loud["costly"], idle),
-            _row("costly", "quiet", None, cfg, quiet, *loud["costly"], idle),
-            _row("heavy", "quiet", None, cfg, quiet, *loud["heavy"], idle)]
+    return [_row("costly", "its benign twin", 1.2, cfg, loud["benign"], loud["costly"], idle),
+            _row("costly", "quiet", None, cfg, quiet, loud["costly"], idle),
+            _row("heavy", "quiet", None, cfg, quiet, loud["heavy"], idle)]
 
 
-def _row(mix: str, against: str, target: float | None, cfg: dict, quiet: list[float],
-         loud: list[float], seen: collections.Counter, idle) -> dict:
-    p99_quiet, p99_loud = percentile(quiet, 99), percentile(loud, 99)
+def _one_kind(serve: procs.Serve, sender: Sender, cfg: dict, kind: Kind,
+              twin: Kind) -> dict:
+    """One costly kind alone at the row's rate against its twin alone: twin, kind,
+    kind, twin, so that a drift of the machine's load weighs on both sides alike."""
+    without, with_ = Phase(), Phase()
+    for side, kinds in ((without, [twin]), (with_, [kind]), (with_, [kind]),
+                        (without, [twin])):
+        side += asyncio.run(_phase(serve, sender, cfg["kind_seconds"], cfg["rate"], kinds))
+        procs.wait_idle(serve.scheduler_port, 120)
+    row = _row(kind[0], "its benign twin", None, {**cfg, "seconds": 2 * cfg["kind_seconds"]},
+               without, with_, procs.wait_idle(serve.scheduler_port, 120))
+    print(f"[hostile] {kind[0]}: ITL p99 {row['itl_p99_ms_without']} -> "
+          f"{row['itl_p99_ms_with']} ms ({row['ratio_p99']}x); gateway /live p99 "
+          f"{row['gateway_live_rtt_ms_p99']} ms; scheduler Stats p99 "
+          f"{row['scheduler_stats_rtt_ms_p99']} ms; CPU s {row['cpu_s']} (twin, kind)",
+          file=sys.stderr, flush=True)
+    return {**row, "twin_body": _shown(twin[2]), "kind_body": _shown(kind[2])}
+
+
+def _shown(body: dict) -> str:
+    return json.dumps(body)[:300]
+
+
+def _row(mix: str, against: str, target: float | None, cfg: dict, quiet: Phase,
+         loud: Phase, idle) -> dict:
+    p99_quiet, p99_loud = percentile(quiet.itls, 99), percentile(loud.itls, 99)
     ratio = p99_loud / p99_quiet if p99_quiet and p99_loud else None
+    seen = loud.seen
     return {
         "row": "hostile_itl", "mix": mix, "against": against,
         "seconds_per_phase": cfg["seconds"],
         "hostile_rps": cfg["rate"],
         "itl_p99_ms_without": _ms(p99_quiet), "itl_p99_ms_with": _ms(p99_loud),
-        "itl_p50_ms_without": _ms(percentile(quiet, 50)),
-        "itl_p50_ms_with": _ms(percentile(loud, 50)),
+        "itl_p50_ms_without": _ms(percentile(quiet.itls, 50)),
+        "itl_p50_ms_with": _ms(percentile(loud.itls, 50)),
         "ratio_p99": None if ratio is None else round(ratio, 2), "target_ratio": target,
-        "itl_samples": [len(quiet), len(loud)], "hostile_outcomes": dict(seen),
+        "itl_samples": [len(quiet.itls), len(loud.itls)],
+        # The loops' responsiveness, [without, with]: p99 and max round trip (ms).
+        "gateway_live_rtt_ms_p99": [_ms(percentile(p.live_rtts, 99)) for p in (quiet, loud)],
+        "gateway_live_rtt_ms_max": [_ms(max(p.live_rtts, default=None)) for p in (quiet, loud)],
+        "scheduler_stats_rtt_ms_p99": [_ms(percentile(p.stats_rtts, 99)) for p in (quiet, loud)],
+        "scheduler_stats_rtt_ms_max": [_ms(max(p.stats_rtts, default=None))
+                                       for p in (quiet, loud)],
+        # CPU seconds each process used in the phase(s), [without, with].
+        "cpu_s": {role: [round(p.cpu_s[role], 2) for p in (quiet, loud)]
+                  for role in sorted(set(quiet.cpu_s) | set(loud.cpu_s))},
+        "hostile_outcomes": dict(seen),
         "server_errors": sum(v for k, v in seen.items() if "server_error" in k),
         "normal_not_ok": sum(v for k, v in seen.items() if k.startswith("normal stream")),
         "idle_after": idle.num_running == 0 and idle.num_waiting == 0,
