@@ -27,6 +27,8 @@ from __future__ import annotations
 import collections
 import enum
 
+from scheduler_svc.core.kv_events import KVEventLog
+
 
 class NoBlock(enum.Enum):
     """Why ``try_append_block`` appended nothing though a block is needed."""
@@ -44,11 +46,14 @@ class BlockManager:
 
     Predicate/action pairs: ``can_grow``/``grow``, ``num_cached_prefix``/
     ``share_prefix``, ``can_swap_out``/``swap_out``, ``can_swap_in``/``swap_in``;
-    ``free`` releases. ``assert_invariants`` checks the state table above.
+    ``free`` releases. ``assert_invariants`` checks the state table above. With
+    ``events``, every change to the hash index is recorded there (core/kv_events.py),
+    starting with ``cleared``: a new pool holds nothing.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         assert num_blocks >= 0 and block_size > 0 and num_host_blocks >= 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -69,6 +74,9 @@ class BlockManager:
         self._swapped_registered: dict[int, int] = {}
         self.num_cache_queries = 0  # prompt blocks looked up
         self.num_cache_hits = 0  # of those, found cached
+        self.events = events
+        if events is not None:
+            events.cleared()
 
     # -- accounting ------------------------------------------------------------------
 
@@ -133,6 +141,8 @@ class BlockManager:
         else:
             block = self._evictable.popitem(last=False)[0]
             del self._by_hash[self._hash[block]]
+            if self.events is not None:
+                self.events.removed([self._hash[block]])
             self._hash[block] = None
         self._ref[block] = 1
         self._tables[seq_id].append(block)
@@ -165,11 +175,15 @@ class BlockManager:
             evictable, by_hash, hashes = self._evictable, self._by_hash, self._hash
             # An evicted block's stored tokens stay until it is registered again: only
             # a block found through ``_by_hash`` has them compared.
+            evicted = []
             for _ in range(n - len(new)):
                 block = evictable.popitem(last=False)[0]
+                evicted.append(hashes[block])
                 del by_hash[hashes[block]]
                 hashes[block] = None
                 new.append(block)
+            if self.events is not None:
+                self.events.removed(evicted)
         ref = self._ref
         for block in new:
             ref[block] = 1
@@ -269,6 +283,7 @@ class BlockManager:
         by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
         num_hashed = len(hashes)
         parent = hashes[start - 1] if start else 0
+        indexed: list[int] | None = None if self.events is None else []
         for i in range(start, full):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             if i < num_hashed:
@@ -282,6 +297,10 @@ class BlockManager:
                 by_hash[h] = block
                 block_hash[block] = h
                 stored[block] = chunk
+                if indexed is not None:
+                    indexed.append(i)
+        if indexed:
+            self.events.stored_runs(indexed, hashes, token_ids, bs)
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):
@@ -291,6 +310,13 @@ class BlockManager:
         self._by_hash.clear()
         self._hash = [None] * self.num_blocks
         self._tokens = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
+
+    def indexed_blocks(self) -> dict[int, tuple[int, ...]]:
+        """The hash index now: chain hash → the block's token ids (what a subscriber
+        to the KV events must have rebuilt)."""
+        return {h: self._tokens[block] for h, block in self._by_hash.items()}
 
     # -- release ----------------------------------------------------------------------
 

@@ -40,9 +40,10 @@ from collections.abc import Callable, Sequence
 
 from scheduler_svc.core.admission import Admission, QueueFull
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig, tpot_targets
 from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.isolation import Isolation
+from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecord
 from scheduler_svc.core.policy import make_policy
@@ -52,6 +53,7 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
+from scheduler_svc.core.step_cost import StepCost, kv_tokens, step_prefill_limit
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
@@ -87,13 +89,17 @@ class Scheduler:
         self._events: list[Event] = []
         self._step_id = 0
         self.num_prefill_alerts = 0  # steps past SchedulerConfig.prefill_alert_tokens
+        self.step_cost = StepCost()  # fed by observe_step: the SLO-aware token budget
         self._hashed_block_size = 0  # the block size of every request's block_hashes
+        self.kv_events: KVEventLog | None = None  # set before attach: index changes go there
         self.reconfigure(config)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Replaces the config between steps (hot reload)."""
         self.config = config
         self.policy = make_policy(config)
+        targets = tpot_targets(config)  # the SLO-aware budget is the chunked policy's
+        self._targets = targets if config.policy == "chunked" and any(targets) else ()
         self.waiting.aging_s = config.aging_s
         self.admission.config = config
         self.lifecycle.config = config
@@ -136,11 +142,13 @@ class Scheduler:
         self.admission.serving_since = None  # set by the first admission step
         self.block_manager = self.lifecycle.block_manager = BlockManager(
             model.num_blocks, model.block_size, model.num_host_blocks,
-            self.config.enable_prefix_caching)
+            self.config.enable_prefix_caching, self.kv_events)
 
     def detach_executor(self) -> None:
         """The executor is gone: nothing runs until ``attach_executor``."""
         self._reset_kv()
+        if self.kv_events is not None:  # its cache went with it
+            self.kv_events.cleared()
         self.model = self.lifecycle.model = None
         self.block_manager = self.lifecycle.block_manager = None
 
@@ -275,11 +283,17 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens - len(rec.cached)
         clamp = cfg.max_prefill_tokens_per_step  # the prefill clamp: the rest is held
+        cap = self.policy.prefill_cap(cfg)
+        slo = step_prefill_limit(self.step_cost, self._targets, self.running_set.per_tier,
+                                 len(rec.cached), kv_tokens(self.block_manager), budget) \
+            if self._targets else None
+        if slo is not None:  # the step's budget, not a fixed chunk, bounds prompt work
+            clamp, cap = min(clamp, slo) if clamp else slo, budget
         held = budget - clamp if 0 < clamp < budget else 0
-        budget = self._schedule_prefills(rec, budget - held, prefills)
+        budget = self._schedule_prefills(rec, budget - held, prefills, cap)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
-            budget = self.lifecycle.admit(rec, budget, self.policy.prefill_cap(cfg),
+            budget = self.lifecycle.admit(rec, budget, cap,
                                           prefills, self._step_id, self._events)
         rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
         if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
@@ -290,9 +304,8 @@ class Scheduler:
                             cfg.prefill_alert_tokens, self.num_prefill_alerts)
 
     def _schedule_prefills(self, rec: StepRecord, budget: int,
-                           prefills: list[Request]) -> int:
+                           prefills: list[Request], cap: int) -> int:
         """Step 3: running partial prefills continue, chunk-capped."""
-        cap = self.policy.prefill_cap(self.config)
         for req in prefills:
             if budget <= 0:
                 break
@@ -353,6 +366,13 @@ class Scheduler:
         if results.awaiting:
             results.apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
+
+    def observe_step(self, out: SchedulerOutput, elapsed_s: float) -> None:
+        """One answered step's measured time: the SLO-aware budget's fit learns from it."""
+        if self.block_manager is not None:
+            self.step_cost.observe(out.num_batched_tokens - out.num_prefill_tokens,
+                                   out.num_prefill_tokens, kv_tokens(self.block_manager),
+                                   elapsed_s * 1e3)
 
     def take_events(self) -> list[Event]:
         """Events produced outside ``update`` (e.g. a request finished by schedule)."""
