@@ -6,6 +6,8 @@ dialect when the request has tools and a tool_choice other than "none":
 * "auto": the text goes through the request's parser (gateway/tool_parsers.py);
   content outside the calls is kept (``null`` in a non-streamed message when it is
   only whitespace). With ``parallel_tool_calls: false`` only the first call is kept.
+  A stream sends a Hermes call's name as soon as its block names it, then its
+  arguments as the model writes them; a call found only whole is sent whole.
 * a named function: the (grammar-constrained) text is that call's arguments; a
   stream sends the call's index, id, type and name first, then each piece of the
   arguments as it is generated.
@@ -13,8 +15,8 @@ dialect when the request has tools and a tool_choice other than "none":
 
 A stream sends each call as OpenAI does, in ``delta.tool_calls`` entries with the
 call's index (0, 1, ... within the choice): the first with ``id``, ``type`` and
-``function.name``, then ``function.arguments`` (auto and required send a call's
-arguments whole, in its first entry, once the call is complete). A choice that
+``function.name``, then ``function.arguments`` pieces ("required", and calls the
+parser finds only whole, send the arguments in the first entry). A choice that
 returned calls and stopped ends with ``finish_reason: "tool_calls"``; one cut by
 ``max_tokens`` keeps ``"length"`` (its last call's arguments may be incomplete).
 """
@@ -35,12 +37,33 @@ def call_id() -> str:
 class _Choice:
     """One choice's parse state."""
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, incremental: bool):
         self.plan = plan
-        self.stream = tool_parsers.PARSERS[plan.parser](plan.names)
+        self.stream = tool_parsers.PARSERS[plan.parser](plan.names, incremental)
         self.buffer = ""  # "required": the whole JSON list, parsed at the end
         self.calls = 0  # calls sent so far
         self.named_id = ""  # a named call's id, once its first entry is sent
+        self.open: int | None = None  # the index of the call whose arguments stream
+
+    def entries(self, found: Events) -> list[dict]:
+        """``delta.tool_calls`` entries for a stream's pieces (and whole calls)."""
+        pieces = found.pieces + [("call", call) for call in found.calls]
+        entries: list[dict] = []
+        for kind, value in pieces:
+            if kind == "arguments":
+                if self.open is not None:
+                    entries.append({"index": self.open, "function": {"arguments": value}})
+                continue
+            self.open = None
+            if not self.plan.parallel and self.calls:  # the first call only, as asked
+                continue
+            name, arguments = (value, "") if kind == "name" else (value.name, value.arguments)
+            entries.append({"index": self.calls, "id": call_id(), "type": "function",
+                            "function": {"name": name, "arguments": arguments}})
+            if kind == "name":
+                self.open = self.calls
+            self.calls += 1
+        return entries
 
     def feed(self, text: str, final: bool) -> Events:
         mode = self.plan.mode
@@ -48,9 +71,8 @@ class _Choice:
             found = self.stream.feed(text)
             if final:
                 rest = self.stream.finish()
-                found = Events(found.content + rest.content, found.calls + rest.calls)
-            if not self.plan.parallel:  # the first call only, as the client asked
-                found.calls = found.calls[:max(0, 1 - self.calls)]
+                found = Events(found.content + rest.content, found.calls + rest.calls,
+                               found.pieces + rest.pieces)
             return found
         self.buffer += text
         if not final:
@@ -68,13 +90,15 @@ class ToolAnswers:
         self.plan = plan
         self._choices: dict[int, _Choice] = {}
 
-    def _choice(self, index: int) -> _Choice:
-        return self._choices.setdefault(index, _Choice(self.plan))
+    def _choice(self, index: int, incremental: bool) -> _Choice:
+        if index not in self._choices:
+            self._choices[index] = _Choice(self.plan, incremental)
+        return self._choices[index]
 
     def delta(self, index: int, text: str, first: bool, reason: str | None
               ) -> tuple[dict, str | None]:
         """One streamed chunk's delta and finish reason."""
-        choice = self._choice(index)
+        choice = self._choice(index, incremental=True)
         delta: dict = {"role": "assistant"} if first else {}
         if self.plan.mode == "named":
             entries = self._named_entries(choice, text, first)
@@ -82,11 +106,7 @@ class ToolAnswers:
             found = choice.feed(text, final=reason is not None)
             if found.content or first:
                 delta["content"] = found.content
-            entries = []
-            for call in found.calls:
-                entries.append({"index": choice.calls, "id": call_id(), "type": "function",
-                                "function": {"name": call.name, "arguments": call.arguments}})
-                choice.calls += 1
+            entries = choice.entries(found)
         if entries:
             delta["tool_calls"] = entries
         return delta, self._reason(choice, reason)
@@ -101,12 +121,14 @@ class ToolAnswers:
 
     def message(self, index: int, text: str, reason: str | None) -> tuple[dict, str | None]:
         """A non-streamed choice's message and finish reason."""
-        choice = self._choice(index)
+        choice = self._choice(index, incremental=False)
         if self.plan.mode == "named":
             calls, content = [Call(self.plan.function, text)], None
         else:
             found = choice.feed(text, final=True)
             calls, content = found.calls, found.content
+            if not self.plan.parallel:  # the first call only, as the client asked
+                calls = calls[:1]
             if calls and not content.strip():
                 content = None
         choice.calls = len(calls)

@@ -16,15 +16,26 @@ text the model wrote is lost. Each parser is a stream: ``feed(text)`` answers wh
 can be said so far, ``finish()`` the rest; a non-streamed answer is one feed and a
 finish, so both paths parse alike. Text that may still become a call (the start of
 ``<tool_call>``, an answer opening with ``{``) is held back until it is decided.
+
+A stream made ``incremental`` (a streamed response) says instead what it found as
+``pieces`` in order: ``("call", Call)`` for a call found whole, and for a Hermes block
+that opens ``{"name": "<a tool>", "arguments": {`` a ``("name", name)`` at once, then
+``("arguments", text)`` pieces as they arrive; their concatenation is the arguments'
+JSON text as the model wrote it (all but the block's closing brace, which is held
+back until the tag shows it is not the arguments' own).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# A call block's start, up to its arguments object: where a stream can name the call.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*'
+                     r'"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 @dataclass
@@ -39,6 +50,7 @@ class Events:
 
     content: str = ""
     calls: list[Call] = field(default_factory=list)
+    pieces: list[tuple[str, object]] = field(default_factory=list)  # incremental only
 
 
 def call_of(value: object, names: Collection[str]) -> Call | None:
@@ -84,8 +96,9 @@ class JsonStream:
 
     tagged = False
 
-    def __init__(self, names: Collection[str]):
+    def __init__(self, names: Collection[str], incremental: bool = False):
         self.names = frozenset(names)
+        self.incremental = incremental
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "json": held, "text": passed on
 
@@ -105,8 +118,17 @@ class JsonStream:
             calls = bare_calls(self._buffer, self.names)
             if calls is not None:
                 self._buffer = ""
-                return Events(calls=calls)
+                out = Events()
+                for call in calls:
+                    self._emit(out, call)
+                return out
         return self._scan(final=True)
+
+    def _emit(self, out: Events, call: Call) -> None:
+        if self.incremental:
+            out.pieces.append(("call", call))
+        else:
+            out.calls.append(call)
 
     def _scan(self, final: bool) -> Events:
         out = Events(content=self._buffer)
@@ -119,9 +141,11 @@ class HermesStream(JsonStream):
 
     tagged = True
 
-    def __init__(self, names: Collection[str]):
-        super().__init__(names)
+    def __init__(self, names: Collection[str], incremental: bool = False):
+        super().__init__(names, incremental)
         self._in_call = False
+        self._open: int | None = None  # where a named block's arguments begin
+        self._sent = 0  # characters of them sent
 
     def _scan(self, final: bool) -> Events:
         out = Events()
@@ -138,23 +162,49 @@ class HermesStream(JsonStream):
                 self._in_call = True
                 continue
             at = self._buffer.find(CLOSE_TAG)
+            if self.incremental and self._stream_arguments(out, at, final):
+                return out
             if at < 0 and not final:
                 return out
             # At the end an unclosed block still counts: models often stop on EOS
             # where the closing tag should be.
             body = self._buffer if at < 0 else self._buffer[:at]
-            call = bare_calls(body.strip(), self.names)
-            if call is not None and len(call) == 1:
-                out.calls.extend(call)
-            else:
-                out.content += OPEN_TAG + body + (CLOSE_TAG if at >= 0 else "")
+            if self._open is None:  # (a streamed call's pieces are all sent by now)
+                call = bare_calls(body.strip(), self.names)
+                if call is not None and len(call) == 1:
+                    self._emit(out, call[0])
+                else:
+                    out.content += OPEN_TAG + body + (CLOSE_TAG if at >= 0 else "")
+            self._open = None
             self._buffer = "" if at < 0 else self._buffer[at + len(CLOSE_TAG):]
             self._in_call = False
             if at < 0:
                 return out
 
 
-PARSERS: dict[str, Callable[[Collection[str]], JsonStream]] = {
+    def _stream_arguments(self, out: Events, at: int, final: bool) -> bool:
+        """Names an open block once its header is in, and sends what is surely its
+        arguments; True while the block goes on (nothing more to do this feed)."""
+        if self._open is None:
+            header = _HEADER.match(self._buffer)
+            if header is None or header.group(1) not in self.names:
+                return False
+            self._open, self._sent = header.end(), 0
+            out.pieces.append(("name", header.group(1)))
+        ended = at >= 0 or final
+        region = self._buffer[self._open:at if at >= 0 else len(self._buffer)]
+        if not ended:
+            region = region[:len(region) - _partial_suffix(region, CLOSE_TAG)]
+        # The last "}" may close the block rather than the arguments: held back.
+        region = region.rstrip()
+        region = (region[:-1] if region.endswith("}") else region).rstrip()
+        if len(region) > self._sent:
+            out.pieces.append(("arguments", region[self._sent:]))
+            self._sent = len(region)
+        return not ended
+
+
+PARSERS: dict[str, Callable[..., JsonStream]] = {
     "hermes": HermesStream,
     "json": JsonStream,
     "llama3_json": JsonStream,

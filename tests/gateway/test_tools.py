@@ -86,6 +86,37 @@ def test_streaming_in_any_pieces_parses_as_the_whole(parser, text):
         assert (content + rest.content, calls + rest.calls) == (whole.content, whole.calls)
 
 
+def _rebuilt(pieces) -> list[tuple[str, object]]:
+    calls = []
+    for kind, value in pieces:
+        if kind == "name":
+            calls.append([value, ""])
+        elif kind == "arguments":
+            calls[-1][1] += value
+        else:
+            calls.append([value.name, value.arguments])
+    return [(name, json.loads(arguments)) for name, arguments in calls]
+
+
+@pytest.mark.parametrize("text", [HERMES, HERMES.replace("}}", "} }  "),
+                                  HERMES.replace('"arguments": {"city": "Paris"}',
+                                                 '"arguments": {"city": {"in": "Pa}ris"}}'),
+                                  HERMES[:-len("</tool_call>")]])
+def test_an_incremental_stream_names_each_call_first_then_sends_its_arguments(text):
+    whole = tool_parsers.parse_all(text, NAMES)
+    expected = [(c.name, json.loads(c.arguments)) for c in whole.calls]
+    for size in (1, 2, 5, len(text)):
+        stream = tool_parsers.HermesStream(NAMES, incremental=True)
+        pieces, content = [], ""
+        for start in range(0, len(text), size):
+            found = stream.feed(text[start:start + size])
+            pieces, content = pieces + found.pieces, content + found.content
+        rest = stream.finish()
+        pieces, content = pieces + rest.pieces, content + rest.content
+        assert [kind for kind, _ in pieces if kind != "arguments"] == ["name", "name"]
+        assert _rebuilt(pieces) == expected and content == whole.content
+
+
 # --- the template fallback -------------------------------------------------------------
 
 
@@ -176,8 +207,11 @@ def test_streamed_tool_calls_accumulate_in_the_openai_stream_helper(tokenizer):
 
     chunks, final = run(scenario())
     entries = [e for c in chunks for ch in c.choices for e in (ch.delta.tool_calls or [])]
-    assert [e.index for e in entries] == [0, 1]
-    assert all(e.id.startswith("call_") and e.function.name for e in entries)
+    heads = [e for e in entries if e.id is not None]  # id, type, name first, then arguments
+    assert [(e.index, e.type, e.function.name, e.function.arguments) for e in heads] == [
+        (0, "function", "get_weather", ""), (1, "function", "get_time", "")]
+    assert all(e.id.startswith("call_") for e in heads) and len(entries) > 6
+    assert all(e.function.name is None for e in entries if e.id is None)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     choice = final.choices[0]
     assert [(c.function.name, json.loads(c.function.arguments))
