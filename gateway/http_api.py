@@ -34,10 +34,10 @@ from gateway.http_replies import error_response, json_response, request_error
 from gateway.json_body import decode_json
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.openai_api import (
-    CHAT,
     COMPLETION,
     HTTP_STATUS,
     ApiRequest,
+    ChatDialect,
     Choices,
     Dialect,
     error_body,
@@ -75,8 +75,10 @@ def _sse(payload: dict | str) -> bytes:
 class HttpApi:
     def __init__(self, relay: Relay, admission: Admission, tokenizer: Tokenizer,
                  model_name: str, keys: ApiKeys, metrics: GatewayMetrics, replicas: ReplicaSet,
-                 limits: HttpLimits):
+                 limits: HttpLimits, tool_call_parser: str | None = None):
         self._relay = relay
+        # The chat dialect reads "auto" tool calls with the --tool-call-parser.
+        self._chat = ChatDialect(parser=tool_call_parser) if tool_call_parser else ChatDialect()
         self._admission = admission
         self._tokenizer = tokenizer
         self._model_name = model_name
@@ -199,7 +201,7 @@ class HttpApi:
         return await self._generate(request, COMPLETION)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, CHAT)
+        return await self._generate(request, self._chat)
 
     async def _generate(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         if self.draining:

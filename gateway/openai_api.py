@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from gateway import openai_fields as fields
-from gateway import tool_calls
+from gateway import tool_calls, tool_parsers
 from gateway.relay import finish_name
 from gateway.tokenizer import Tokenizer
 from gateway.tool_answers import ToolAnswers
@@ -174,15 +174,18 @@ def _message_text(content: Any, index: int) -> str:
 
 class ChatDialect(Dialect):
     """Chat; a request with tools gets its own instance, whose ``answers`` hold its
-    choices' tool-call parse state (gateway/tool_answers.py)."""
+    choices' tool-call parse state (gateway/tool_answers.py). ``parser``: how "auto"
+    reads calls (the gateway's ``--tool-call-parser``)."""
 
     name = "chat"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, answers: ToolAnswers | None = None):
+    def __init__(self, answers: ToolAnswers | None = None,
+                 parser: str = tool_parsers.DEFAULT_PARSER):
         self.answers = answers
+        self.parser = parser
 
     def parse(self, body: Any, served_model: str, tokenizer: Tokenizer) -> ApiRequest:
         if not isinstance(body, dict):
@@ -206,10 +209,11 @@ class ChatDialect(Dialect):
             entry = proto.chat.messages.add(role=role,
                                             content=_message_text(message.get("content"), index))
             tool_calls.read_message(message, entry, index)
-        plan = tool_calls.read(body, proto.chat)
+        plan = tool_calls.read(body, proto.chat, self.parser)
         fields.common(body, proto, served_model, tokenizer.info.vocab_size)
         tool_calls.constrain(plan, proto.chat, proto.sampling)
-        dialect = self if plan is None or plan.mode == "none" else ChatDialect(ToolAnswers(plan))
+        dialect = self if plan is None or plan.mode == "none" else \
+            ChatDialect(ToolAnswers(plan), self.parser)
         max_tokens = fields.integer(body, "max_completion_tokens", 1, fields.UINT32_MAX)
         if max_tokens is None:
             max_tokens = fields.integer(body, "max_tokens", 1, fields.UINT32_MAX, 0)

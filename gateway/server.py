@@ -21,7 +21,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import routing_headers, tool_calls
+from gateway import routing_headers
 from gateway.admission import Admission
 from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.config import GatewayConfig
@@ -238,7 +238,6 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                         keys: ApiKeys | None = None) -> RunningGateway:
     """Binds, starts serving and marks health SERVING; raises BindError."""
     keys = keys or ApiKeys()
-    tool_calls.use_parser(config.tool_call_parser)
     server = grpc.aio.server(
         options=_server_options(config),
         interceptors=[_AuthInterceptor(keys)] if keys.enabled else None,
@@ -269,7 +268,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                             lingering_s=config.http_lingering_s,
                             keepalive_s=config.http_keepalive_timeout_s)
         running.http = HttpApi(relay, admission, tokenizer, config.model_name, keys, metrics,
-                               replicas, limits)
+                               replicas, limits, config.tool_call_parser)
         try:
             running.http_runner, running.http_port = await start_http(
                 running.http, config.host, config.http_port)

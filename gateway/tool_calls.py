@@ -30,18 +30,6 @@ from gateway.validation import RequestError
 from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2
 
-_parser = tool_parsers.DEFAULT_PARSER
-
-
-def use_parser(name: str | None) -> None:
-    """Selects the "auto" parser of this process (``--tool-call-parser``); one gateway
-    serves one model, whose chat template fixes one convention."""
-    global _parser
-    if name is not None and name not in tool_parsers.PARSERS:
-        raise ValueError(f"--tool-call-parser {name!r} is not one of "
-                         f"{', '.join(sorted(tool_parsers.PARSERS))}")
-    _parser = name or tool_parsers.DEFAULT_PARSER
-
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -62,8 +50,10 @@ def _bad(message: str, param: str = "tools") -> RequestError:
 # --- the HTTP body --------------------------------------------------------------------
 
 
-def read(body: dict, chat: generation_pb2.ChatInput) -> ToolPlan | None:
-    """``tools`` into ``chat.tools``; the plan for the output, None when there are none."""
+def read(body: dict, chat: generation_pb2.ChatInput,
+         parser: str = tool_parsers.DEFAULT_PARSER) -> ToolPlan | None:
+    """``tools`` into ``chat.tools``; the plan for the output, None when there are none.
+    ``parser``: the gateway's ``--tool-call-parser``, for "auto"."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -86,7 +76,7 @@ def read(body: dict, chat: generation_pb2.ChatInput) -> ToolPlan | None:
         problem = tool_checks.chat_problem(chat)
         if problem is not None:
             raise _bad(problem)
-    return ToolPlan(mode, names, function, parallel is not False, _parser)
+    return ToolPlan(mode, names, function, parallel is not False, parser)
 
 
 def _read_tool(tool: Any, index: int, chat: generation_pb2.ChatInput) -> None:

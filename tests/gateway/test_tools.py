@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 
 import openai
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from gateway import tool_fallback, tool_parsers
 from gateway.chat_template import ChatTemplate
+from gateway.config import ConfigError, GatewayConfig
 from gateway.json_body import decode_json
 from gateway.openai_api import CHAT
 from gateway.tool_parsers import Call
@@ -327,3 +329,9 @@ def test_any_tool_body_is_validated_or_refused(tokenizer, body):
         assert exc.message
         return
     assert isinstance(result, ValidatedRequest)
+
+
+def test_an_unknown_tool_call_parser_is_refused_at_startup():
+    with pytest.raises(ConfigError, match="--tool-call-parser 'nope' is not one of hermes"):
+        GatewayConfig(model_dir=pathlib.Path("."), scheduler_address="127.0.0.1:1",
+                      tool_call_parser="nope")
