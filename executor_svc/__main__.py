@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from executor_svc.device import fit_gpu_kv_cache, resolve_device
+from executor_svc.device import decode_graphs, fit_gpu_kv_cache, resolve_device, resolve_dtype
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
@@ -85,6 +85,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 2048  # the profiled step on a GPU
     standby: bool = False  # a warm standby: every Hello says so (see main's docstring)
     switches: Switches = field(default_factory=Switches)
+    enforce_eager: bool = False  # no decode-step CUDA graphs (executor_svc/cuda_graphs.py)
 
 
 def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
@@ -98,7 +99,10 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     p.add_argument("--host-kv-cache-bytes", type=parse_bytes, default=0,
                    help="host (swap) pool; 0 disables swapping")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="weights' element type (auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a GPU, run decode steps op by op instead of replaying CUDA graphs")
     p.add_argument("--kv-cache-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="KV cache element type (auto: --dtype). float16 or bfloat16 with a "
                         "float32 model halves the KV bytes per token: twice the blocks for "
@@ -148,7 +152,7 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
         kv_cache_dtype=a.kv_cache_dtype, device=a.device,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_batched_tokens=a.max_num_batched_tokens, standby=a.standby,
-        switches=switches)
+        switches=switches, enforce_eager=a.enforce_eager)
 
 
 def build(
@@ -160,6 +164,7 @@ def build(
     are collectives)."""
     start = time.perf_counter()
     device = torch.device(device)
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, device))  # auto
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL and every default-device allocation follow it
     print(f"loading model from {path}", file=sys.stderr)
@@ -202,8 +207,10 @@ def build(
              torch.get_num_threads())
     guides = Guides(path, c.vocab_size, c.eos_token_ids)
     guides.warm()
-    return Runner(model, kv, backend, incarnation, sampler=sampler,
-                  faults=config.switches.faults, guides=guides), hello
+    runner = Runner(model, kv, backend, incarnation, sampler=sampler,
+                    faults=config.switches.faults, guides=guides)
+    runner.graphs = decode_graphs(model, kv, config.enforce_eager)  # before any sequence
+    return runner, hello
 
 
 def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,

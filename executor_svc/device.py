@@ -109,3 +109,35 @@ def fit_gpu_kv_cache(model: LlamaModel, spec: KVCacheSpec, backend, tokens: int,
              "%g)", device, total / 2**30, (total - free) / 2**30, weights / 2**30, tokens,
              activations / 2**30, blocks, blocks * spec.block_bytes / 2**30, utilization)
     return blocks
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """``--dtype`` -> the weights' (and, with ``--kv-cache-dtype auto``, the KV cache's)
+    element type: ``auto`` is bfloat16 on a GPU (half the bytes every decode step reads,
+    tensor cores' type) and float32 on the CPU (the native kernels' type)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def decode_graphs(model: LlamaModel, kv: KVCache, enforce_eager: bool):
+    """Captured decode-step CUDA graphs (executor_svc/cuda_graphs.py) for this model and
+    pool, or None, logged, where they cannot run: not on CUDA, ``--enforce-eager``, tensor
+    parallelism, or no Triton. Call before any sequence exists (capture writes the pool)."""
+    device = model.embed.device
+    why = ("not on CUDA" if device.type != "cuda" else "--enforce-eager" if enforce_eager
+           else "--tp-size > 1" if model.tp is not None else None)
+    if why is None:
+        from kernels import triton_attention
+
+        if not triton_attention.available(device):
+            why = "triton is not installed"
+    if why is not None:
+        if device.type == "cuda":
+            log.info("decode steps run eagerly, no CUDA graphs: %s", why)
+        return None
+    from executor_svc.cuda_graphs import BUCKETS, DecodeGraphs
+
+    graphs = DecodeGraphs(model, kv, max_batch=max(BUCKETS))
+    graphs.capture()
+    return graphs

@@ -53,6 +53,7 @@ class Runner:
         self.last_step_id = 0  # of the last plan executed (for heartbeats)
         self.faults = faults or FaultInjector()
         self.guides = guides
+        self.graphs = None  # decode-step CUDA graphs (executor_svc/cuda_graphs.py), or None
         if self.faults.faults:
             log.warning("TEST-ONLY fault injection is on: %r", self.faults)
 
@@ -146,6 +147,9 @@ class Runner:
         return seq.guide
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:  # [S, V]
+        logits = self.graphs.run(inputs) if self.graphs is not None else None
+        if logits is not None:  # a captured decode step, replayed
+            return logits
         return self.model.forward(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.meta,
             self.backend, self.kv, inputs.sample_rows,

@@ -114,3 +114,14 @@ def test_the_static_path_gives_the_plain_forwards_logits_and_cache():
     assert graphs.run(build_inputs([(seqs[2], 1)], 4, "cpu")).shape == (1, config.vocab_size)
     seqs[0].num_computed -= 1  # a two-token chunk: no graph, the caller runs it eagerly
     assert graphs.run(build_inputs([(seqs[0], 2)], 4, "cpu")) is None
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu_where_no_graphs_run():
+    from executor_svc.device import decode_graphs, resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert resolve_dtype("float16", torch.device("cuda", 0)) == "float16"
+    model = random_llama(llama_config(**_SHAPE), dtype=torch.float32, native_gemm=False)
+    kv = KVCache(KVCacheSpec(2, 2, 16, torch.float32, 4), 4)
+    assert decode_graphs(model, kv, enforce_eager=False) is None  # not on CUDA
