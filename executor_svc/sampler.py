@@ -144,12 +144,15 @@ class Sampler:
     def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         # logits [S, V] -> S token ids: one argmax for greedy rows, one batched draw for the rest.
         sampled = [i for i, row in enumerate(rows) if not row.config.greedy]
+        # On a GPU the ids stay there until the one device-to-host copy of the whole batch.
+        on_device = logits.device.type != "cpu"
         if len(sampled) < len(rows):
-            tokens = _argmax_rows(logits)
+            tokens = logits.argmax(dim=-1) if on_device else _argmax_rows(logits)
         else:
-            tokens = [0] * len(rows)
+            tokens = (torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+                      if on_device else [0] * len(rows))
         if not sampled:
-            return tokens
+            return tokens.tolist() if on_device else tokens
         # The per-row parameters go where the logits are (a GPU's, or the CPU).
         device = logits.device
         index = torch.tensor(sampled, dtype=torch.int64, device=device)
@@ -165,7 +168,11 @@ class Sampler:
         )
         uniforms = torch.tensor([row_uniform(rows[i].seed, rows[i].position) for i in sampled],
                                 dtype=torch.float64, device=device)
-        for i, token in zip(sampled, draw(probs, uniforms).tolist(), strict=True):
+        drawn = draw(probs, uniforms)
+        if on_device:
+            tokens[index] = drawn.to(torch.int64)
+            return tokens.tolist()
+        for i, token in zip(sampled, drawn.tolist(), strict=True):
             tokens[i] = token
         return tokens
 
