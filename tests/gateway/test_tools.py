@@ -157,6 +157,26 @@ def test_a_template_that_takes_tools_gets_them_as_transformers_passes_them():
         "tool:sunny;")
 
 
+_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{%- endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content or '' }}{%- for c in m.tool_calls or [] %}<tool_call>{{ {'name': "
+    "c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{%- if m.role == 'tool' %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_render_exactly_as_transformers_renders_them(hf_tokenizer):
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    expected = hf_tokenizer.apply_chat_template(
+        history, tools=[WEATHER, TIME], chat_template=_TOOLS_TEMPLATE, tokenize=False,
+        add_generation_prompt=True)
+    assert ChatTemplate(_TOOLS_TEMPLATE, {}).render(history, tools=[WEATHER, TIME]) == expected
+
+
 # --- the OpenAI surface in front of a scripted model -------------------------------------
 
 
