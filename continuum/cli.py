@@ -24,6 +24,11 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve the replica's vLLM-compatible /metrics (what inference gateways "
                         "scrape) on this loopback port (0: any; default: off)")
+    p.add_argument("--kv-events-endpoint", default="",
+                   help="publish vLLM's KV cache event stream (for llm-d's prefix-cache "
+                        "scorer) on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 "
+                        "(default: off)")
+    p.add_argument("--kv-events-topic", default="", help="the KV events' topic")
     p.add_argument("--scheduler-host", default="127.0.0.1",
                    help="internal scheduler bind address (loopback unless gateways elsewhere "
                         "use it; it always requires the internal secret)")
@@ -71,6 +76,11 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"refuse a {tier} request (429) that would wait longer than this "
                             "for its first step, by measured throughput (0: no bound; "
                             "default: the scheduler's)")
+    for tier in ("premium", "standard", "best-effort"):
+        p.add_argument(f"--tpot-target-{tier}-ms", type=float, default=None,
+                       help=f"the chunked policy sizes each step's prompt work so a step "
+                            f"holds this TPOT while {tier} requests decode (a step-time fit "
+                            "learned online; 0 or unset: the fixed --chunk-size)")
     p.add_argument("--max-step-failures", type=int, default=None,
                    help="failed steps after which a request (a poison request) ends with an "
                         "error, the last one run alone (default: the scheduler's, 2)")

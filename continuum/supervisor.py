@@ -72,6 +72,9 @@ def _queue_time_flags(args) -> list[str]:
         value = getattr(args, f"max_queue_time_{tier}_s", None)
         if value is not None:
             flags += [f"--max-queue-time-{tier.replace('_', '-')}-s", str(value)]
+        target = getattr(args, f"tpot_target_{tier}_ms", None)  # the SLO-aware budget
+        if target is not None:
+            flags += [f"--tpot-target-{tier.replace('_', '-')}-ms", str(target)]
     return flags
 
 def standby_count(args) -> int:
@@ -224,7 +227,9 @@ class Supervisor:
                     *_queue_time_flags(a), *_telemetry_flags(a),
                     *(["--config-file", os.path.abspath(a.config_file)]
                       if getattr(a, "config_file", None) else []),
-                    *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else [])]
+                    *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else []),
+                    *(["--kv-events-endpoint", a.kv_events_endpoint, "--kv-events-topic",
+                       a.kv_events_topic] if getattr(a, "kv_events_endpoint", "") else [])]
         if name in EXECUTORS:
             argv = ["--standby"] if name == "standby" else []
             argv += ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,

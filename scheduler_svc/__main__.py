@@ -30,6 +30,7 @@ from scheduler_svc import config_file, metrics
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
+from scheduler_svc.kv_events import KVEventPublisher
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.telemetry import Recorder
@@ -64,12 +65,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the /metrics port (it carries no secrets, but stays on "
                         "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
+    add_kv_events_flags(p)
     p.add_argument("--config-file", default="",
                    help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
                         "its fields win over the flags, and it is re-read every 2 s: a "
                         "change is applied live as a new config version")
     add_config_flags(p)
     return p.parse_args(argv)
+
+
+def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's KV event stream for prefix-aware routers (scheduler_svc/kv_events.py)."""
+    p.add_argument("--kv-events-endpoint", default="",
+                   help="publish KV cache events (vLLM's ZeroMQ PUB stream, what llm-d's "
+                        "precise prefix-cache scorer reads) on this endpoint, e.g. "
+                        "tcp://127.0.0.1:5557 (default: off)")
+    p.add_argument("--kv-events-topic", default="",
+                   help="topic of every message; llm-d expects kv@<pod>@<model>")
+    p.add_argument("--kv-events-replay-endpoint", default="",
+                   help="a ROUTER that re-sends buffered batches from a sequence number "
+                        "(default: none)")
+    p.add_argument("--kv-events-connect", action="store_true",
+                   help="connect the PUB to a subscriber that binds (a central indexer) "
+                        "instead of binding it")
+    p.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="allow binding the unauthenticated event ports off loopback "
+                        "(where a NetworkPolicy admits only routers)")
+
+
+def start_kv_events(args: argparse.Namespace, loop: EngineLoop) -> KVEventPublisher | None:
+    """The KV event publisher of --kv-events-endpoint, attached to the loop's core
+    before any executor attaches (None without the flag)."""
+    if not args.kv_events_endpoint:
+        return None
+    try:
+        publisher = KVEventPublisher(
+            args.kv_events_endpoint, topic=args.kv_events_topic,
+            replay_endpoint=args.kv_events_replay_endpoint, connect=args.kv_events_connect,
+            allow_remote=args.kv_events_allow_remote)
+    except (ValueError, zmq.ZMQError) as exc:
+        fail(f"cannot publish KV events on {args.kv_events_endpoint}: {exc}")
+    publisher.attach(loop.core)
+    log.info("kv events publishing", endpoint=publisher.endpoint, topic=args.kv_events_topic,
+             replay=args.kv_events_replay_endpoint or None)
+    return publisher
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -142,6 +181,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     private_ipc_dir(args.ipc)
     loop = EngineLoop(config, args.ipc, secret=secret)
     loop.recorder = open_telemetry(args, config)
+    kv_events = start_kv_events(args, loop)
     admin = ConfigAdmin(loop, config, flags, source="command line" + (
         f" and {args.config_file}" if args.config_file else ""),
         first_version=last_config_version(args.telemetry_dsn) + 1 if loop.recorder else 1)
@@ -182,6 +222,8 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     if metrics_server is not None:
         metrics_server.stop()
     await loop.stop()
+    if kv_events is not None:
+        kv_events.close()
     if loop.recorder is not None:
         await asyncio.to_thread(loop.recorder.writer.close, 5.0)
 

@@ -166,6 +166,9 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         *_metric("continuum:telemetry_dropped_total", "counter",
                  "Telemetry records dropped (the writer's queue was full).",
                  [(label, recorder.writer.num_dropped if recorder else 0)]),
+        *_metric("continuum:kv_events_dropped_total", "counter",
+                 "KV cache events not published (the publisher's queue was full).",
+                 [(label, core.kv_events.num_dropped if core.kv_events else 0)]),
         *_metric("continuum:metrics_published_timestamp_seconds", "gauge",
                  "When this page was rendered (Unix time).", [(label, time.time())]),
     ]

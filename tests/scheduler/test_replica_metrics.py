@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.core import Scheduler, SchedulerConfig
+from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.metrics import Histograms, MetricsServer, render
 from tests.scheduler.factories import make_model, make_request
 
@@ -91,3 +92,8 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
                 for s in families["continuum:num_preemptions_by_reason"].samples}
     assert by_cause == {("priority", "recompute"): 2, ("kv_full", "swap"): 1}
     assert {"continuum:prefill_alert_steps", "continuum:swap_cap_fallbacks"} <= set(families)
+    assert families["continuum:kv_events_dropped"].samples[0].value == 0  # no publisher
+    loop.core.kv_events = KVEventLog()
+    loop.core.kv_events.num_dropped = 3
+    families = _families(render(loop, Histograms(), "m"))
+    assert families["continuum:kv_events_dropped"].samples[0].value == 3
