@@ -37,7 +37,8 @@ from continuum.bench_workload import build_workload
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-POLICIES = ("static", "continuous", "chunked")
+# chunked-slo: chunked with the SLO-aware budget (--tpot-target-ms for every tier).
+POLICIES = ("static", "continuous", "chunked", "chunked-slo")
 
 
 def _free_port() -> int:
@@ -51,7 +52,8 @@ class Server:
 
     def __init__(self, policy: str, engine_args: list[str], workdir: pathlib.Path):
         self.port, self.scheduler_port = _free_port(), _free_port()
-        cmd = [sys.executable, "-m", "continuum", "serve", "--policy", policy,
+        cmd = [sys.executable, "-m", "continuum", "serve", "--policy",
+               policy.removesuffix("-slo"),
                "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
                "--http-port", "-1", "--ipc", f"ipc://{workdir}/{policy}.sock", *engine_args]
         # Our own secret for serve's internal planes, so that Stats can show it.
@@ -82,6 +84,9 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> 
     engine = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--chunk-size", str(args.chunk_size), "--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if policy == "chunked-slo":
+        for tier in ("premium", "standard", "best-effort"):
+            engine += [f"--tpot-target-{tier}-ms", str(args.tpot_target_ms)]
     server = Server(policy, engine, workdir)
     try:
         before = server.stats()
@@ -139,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--chunk-size", type=int, default=128)
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    parser.add_argument("--tpot-target-ms", type=float, default=60.0,
+                        help="chunked-slo's TPOT target, every tier")
     args = parser.parse_args(argv)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as workdir:

@@ -313,8 +313,9 @@ class EngineLoop:
         self._consecutive_refusals = 0
         out = item.out
         now = time.monotonic()  # it started when sent or when the last one ended:
-        self.deadlines.observe(now - max(item.sent_at, self._last_answer_at),
-                               out.num_batched_tokens)
+        elapsed = now - max(item.sent_at, self._last_answer_at)
+        self.deadlines.observe(elapsed, out.num_batched_tokens)
+        self.core.observe_step(out, elapsed)  # the SLO-aware budget's step-time fit
         self._last_answer_at = now
         self.num_steps += 1
         if out.num_batched_tokens > out.num_prefill_tokens:  # some sequence decoded

@@ -105,7 +105,9 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
     continuous: a budget of the model's context, so a prompt prefills in one step.
     static: a budget that lets one step admit a whole batch (``max_num_seqs`` ×
         2,048 tokens), which then runs to completion before the next is admitted.
-    The queue is unbounded unless a cap is given: the simulator measures waiting.
+    The queue is unbounded unless a cap is given: the simulator measures waiting (the
+    core's queue-time shedding, on by default in the service, is off here for that reason;
+    pass ``max_queue_time_*_s`` to simulate it).
     Prefix caching is on, as in the server (prompts share only what their ids share).
     """
     budgets = {"chunked": (512, 512), "continuous": (MAX_MODEL_LEN, 512),
@@ -114,7 +116,9 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
         raise ValueError(f"policy must be one of {', '.join(budgets)}, got {policy!r}")
     budget, chunk = budgets[policy]
     fields = dict(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                  chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True)
+                  chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True,
+                  max_queue_time_premium_s=0.0, max_queue_time_standard_s=0.0,
+                  max_queue_time_best_effort_s=0.0)
     fields.update(overrides)
     return SchedulerConfig(**fields)
 

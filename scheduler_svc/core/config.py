@@ -12,6 +12,9 @@ POLICIES = ("chunked", "continuous", "static")
 # Per priority tier (0 premium, 1 standard, 2 best effort): its queue-time bound field.
 QUEUE_TIME_FIELDS = ("max_queue_time_premium_s", "max_queue_time_standard_s",
                      "max_queue_time_best_effort_s")
+# Each tier's TPOT target (ms; 0: none), read in the same order.
+TPOT_TARGET_FIELDS = ("tpot_target_premium_ms", "tpot_target_standard_ms",
+                      "tpot_target_best_effort_ms")
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,12 @@ class SchedulerConfig:
         waited twice their bound, 429 at the gateway); the thrash guard is
         max_preemptions; a client that went silent is cancelled by the gateway's
         watchdog (gateway/watchdog.py), a vanished gateway by gRPC keepalive.
+    tpot_target_*_ms: the SLO-aware token budget (core/step_cost.py): with a target set
+        for a tier that has running sequences, the chunked policy sizes each step's prompt
+        tokens from an online fit of the measured step time so the step holds the tightest
+        such target: spare time goes to prefill when decodes are few, decodes are
+        protected when they are many, and chunk_size no longer caps a prompt (the step's
+        budget does). 0 (default): off for that tier (chunk_size applies).
     max_step_failures: failed steps (the executor raised, hung or died in them) after
         which a request is ended alone with an error; a request that failed runs in
         steps of its own until one succeeds, so the culprit of a poisoned batch is
@@ -93,6 +102,9 @@ class SchedulerConfig:
     prefill_alert_tokens: int = 0
     max_prefill_tokens_per_step: int = 0
     max_swapped: int = 0
+    tpot_target_premium_ms: float = 0.0
+    tpot_target_standard_ms: float = 0.0
+    tpot_target_best_effort_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -119,6 +131,12 @@ class SchedulerConfig:
             if not isinstance(value, int | float) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{tier} must be a number of seconds >= 0 (0: no bound), "
                                   f"got {value!r}")
+        for tier in TPOT_TARGET_FIELDS:
+            value = getattr(self, tier)
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not 0 <= value < float("inf"):
+                raise ConfigError(f"{tier} must be a number of milliseconds >= 0 (0: no "
+                                  f"target), got {value!r}")
         if self.aging_s <= 0 or self.preemption_window_s <= 0:
             raise ConfigError("aging_s and preemption_window_s must be > 0 seconds")
 
@@ -141,3 +159,8 @@ def _non_negative(cfg: SchedulerConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+
+
+def tpot_targets(cfg: SchedulerConfig) -> tuple[float, ...]:
+    """The per-tier TPOT targets in ms, premium first (0: none)."""
+    return tuple(getattr(cfg, f) for f in TPOT_TARGET_FIELDS)

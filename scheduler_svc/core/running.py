@@ -16,7 +16,7 @@ class RunningSet:
     it); ``add`` and ``remove`` keep the three views and ``Request._order_key`` (its
     ``priority_key`` as one int, so the order compares no tuples) in step."""
 
-    __slots__ = ("order", "_keys", "by_seq", "per_tenant", "_admit_seq")
+    __slots__ = ("order", "_keys", "by_seq", "per_tenant", "per_tier", "_admit_seq")
 
     def __init__(self) -> None:
         self.order: list[Request] = []
@@ -24,6 +24,7 @@ class RunningSet:
         self.by_seq: dict[int, Request] = {}
         # No zero entries: unique tenant names must not grow the per-step loop.
         self.per_tenant: collections.Counter[str] = collections.Counter()
+        self.per_tier: collections.Counter[int] = collections.Counter()  # zeros kept: <= 3
         self._admit_seq = 0
 
     def __len__(self) -> int:
@@ -40,6 +41,7 @@ class RunningSet:
         self.order.insert(i, req)
         self.by_seq[req.seq_id] = req
         self.per_tenant[req.tenant] += 1
+        self.per_tier[tier] += 1
 
     def remove(self, req: Request) -> None:
         i = bisect.bisect_left(self._keys, req._order_key)
@@ -47,6 +49,7 @@ class RunningSet:
         del self.order[i]
         del self._keys[i]
         del self.by_seq[req.seq_id]
+        self.per_tier[req._order_key >> 48] -= 1
         left = self.per_tenant[req.tenant] - 1
         if left:
             self.per_tenant[req.tenant] = left
@@ -70,3 +73,4 @@ class RunningSet:
         assert self._keys == [r._order_key for r in self.order]
         assert set(self.by_seq.values()) == set(self.order)
         assert sum(self.per_tenant.values()) == len(self.order)
+        assert +self.per_tier == collections.Counter(r._order_key >> 48 for r in self.order)

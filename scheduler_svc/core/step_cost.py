@@ -1,0 +1,110 @@
+"""A step-time model fitted online, and the prefill budget that holds a TPOT target.
+
+The executor's step time is close to linear in what the plan carries:
+
+    step_ms ≈ a + b · decodes + c · prefill_tokens + d · kv_tokens
+
+(weights streamed once per step, a per-sequence cost, a per-prompt-token cost, and the
+KV the attention reads). ``StepCost`` fits a, b, c, d by recursive least squares with
+forgetting (each step's measured time updates the fit in O(1), about 1,000 steps of
+memory, so it follows the machine it runs on: no profile file to keep in step), and
+keeps the spread of its residuals. Pure Python, no clock of its own: the service loop
+(or the simulator's virtual clock) calls ``observe`` with each answered step.
+
+``prefill_limit`` inverts the fit: the most prompt tokens a step with ``decodes``
+running sequences may carry so that its predicted time, plus two residual standard
+deviations, stays within the target. Spare time is spent on prefill when decodes are
+few; decodes are protected when they are many. Until the fit has seen enough steps
+with and without prompt work (``ready``) it answers None and the static chunk applies.
+"""
+
+from __future__ import annotations
+
+# Feature scales keep the normal equations well conditioned (x is O(1) for usual plans).
+_SCALES = (1.0, 1 / 64, 1 / 512, 1 / 65536)
+FORGET = 0.999
+MIN_STEPS = 32  # observations before the fit is trusted...
+MIN_PREFILL_STEPS = 8  # ...of which this many carried prompt tokens
+MIN_PREFILL_TOKENS = 32  # a step always gives prompts this much: TTFT must progress too
+_MAX_TRACE = 4e4  # the covariance's bound (its start is 1e4 per feature)
+
+
+class StepCost:
+    """Online fit of step time (ms) against (decodes, prefill tokens, KV tokens)."""
+
+    __slots__ = ("theta", "p", "num_steps", "num_prefill_steps", "resid_var")
+
+    def __init__(self) -> None:
+        self.theta = [0.0, 0.0, 0.0, 0.0]
+        self.p = [[1e4 if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self.num_steps = 0
+        self.num_prefill_steps = 0
+        self.resid_var = 0.0
+
+    def predict_ms(self, decodes: int, prefill_tokens: int, kv_tokens: int) -> float:
+        t = self.theta
+        return (t[0] + t[1] * decodes * _SCALES[1] + t[2] * prefill_tokens * _SCALES[2]
+                + t[3] * kv_tokens * _SCALES[3])
+
+    def observe(self, decodes: int, prefill_tokens: int, kv_tokens: int,
+                elapsed_ms: float) -> None:
+        """One answered step. A step far off the fit (a GC pause, a page fault) moves it
+        as if it were 4 residual deviations off: one outlier cannot skew the budget."""
+        if not elapsed_ms > 0:
+            return
+        x1, x2, x3 = decodes * _SCALES[1], prefill_tokens * _SCALES[2], kv_tokens * _SCALES[3]
+        p, theta = self.p, self.theta
+        px = [r[0] + r[1] * x1 + r[2] * x2 + r[3] * x3 for r in p]  # unrolled: ~4x cheaper
+        g = 1.0 / (FORGET + px[0] + px[1] * x1 + px[2] * x2 + px[3] * x3)
+        predicted = theta[0] + theta[1] * x1 + theta[2] * x2 + theta[3] * x3
+        err = elapsed_ms - predicted
+        if self.num_steps >= MIN_STEPS:  # the fit has settled: track its spread
+            bound = max(4.0 * self.resid_var ** 0.5, 0.05 * abs(predicted))
+            err = max(-bound, min(bound, err))
+            self.resid_var = 0.98 * self.resid_var + 0.02 * err * err
+        ge = g * err
+        self.theta = [theta[i] + px[i] * ge for i in range(4)]
+        inv = 1.0 / FORGET
+        p0, p1, p2, p3 = px
+        self.p = p = [[(r[0] - ki * p0) * inv, (r[1] - ki * p1) * inv, (r[2] - ki * p2) * inv,
+                       (r[3] - ki * p3) * inv] for r, ki in zip(p, [v * g for v in px],
+                                                                strict=True)]
+        trace = p[0][0] + p[1][1] + p[2][2] + p[3][3]
+        if trace > _MAX_TRACE:  # a feature unseen for long (no prompts): no wind-up
+            scale = _MAX_TRACE / trace
+            self.p = [[v * scale for v in r] for r in p]
+        self.num_steps += 1
+        if prefill_tokens:
+            self.num_prefill_steps += 1
+
+    @property
+    def ready(self) -> bool:
+        return (self.num_steps >= MIN_STEPS and self.num_prefill_steps >= MIN_PREFILL_STEPS
+                and self.theta[2] > 0)
+
+    def prefill_limit(self, target_ms: float, decodes: int, kv_tokens: int,
+                      ceiling: int) -> int | None:
+        """Prompt tokens a step may carry to hold ``target_ms``, in
+        [MIN_PREFILL_TOKENS, ceiling]; None while the fit is not ``ready``."""
+        if not self.ready:
+            return None
+        per_token = self.theta[2] * _SCALES[2]
+        room = target_ms - 2.0 * self.resid_var ** 0.5 - self.predict_ms(decodes, 0, kv_tokens)
+        tokens = int(room / per_token) if room > 0 else 0
+        return max(min(tokens, ceiling), min(MIN_PREFILL_TOKENS, ceiling))
+
+
+def kv_tokens(block_manager) -> int:
+    """KV tokens the running sequences hold (whole blocks): what a step's attention reads."""
+    return (block_manager.num_blocks - block_manager.num_free_blocks) * block_manager.block_size
+
+
+def step_prefill_limit(cost: StepCost, targets: tuple[float, ...], per_tier, decodes: int,
+                       kv: int, ceiling: int) -> int | None:
+    """This step's prompt-token limit under the tightest target of a tier with running
+    sequences: all of ``ceiling`` when no running decode has a target to protect, None
+    while the fit is not ready (the static chunk rules then)."""
+    last = len(targets) - 1
+    target = min((targets[min(tier, last)] for tier, n in per_tier.items()
+                  if n and targets[min(tier, last)] > 0), default=0.0) if decodes else 0.0
+    return cost.prefill_limit(target, decodes, kv, ceiling) if target else ceiling
