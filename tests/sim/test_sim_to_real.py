@@ -1,0 +1,54 @@
+"""The sim-to-real loop, small. ``benchmarks.fit_profile --quick`` measures the real
+executor in this process and writes a profile; ``benchmarks.sim_validate --quick`` starts
+a real ``continuum serve``, replays three rates of tiny Azure-mix requests through it and
+through the simulator. Asserted: both run, every figure reported is finite, and both
+sides account for the same requests. Not accuracy: CI machines are shared and a quick
+profile has eight points (the validation takes a stated profile, so the two tests do not
+wait on each other)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks import fit_profile, sim_validate
+from sim.profile import ExecutorProfile
+from tests.sim.test_profile import make_profile
+
+
+def test_fit_profile_quick_measures_the_executor(tmp_path, model_dir):
+    path = tmp_path / "profile.json"
+    assert fit_profile.main(["--quick", "--repeats", "1", "--kv-cache-bytes", str(64 << 20),
+                             "--out", str(path)]) == 0
+    profile = ExecutorProfile.load(path)
+    assert profile.executor["weight_format"] and profile.executor["attention_backend"]
+    assert profile.machine["git_rev"] and profile.machine["cpu"]
+    assert profile.fit["num_points"] == 8 and len(profile.fit["points"]) == 8
+    assert all(p["seconds"] > 0 for p in profile.fit["points"])
+    assert all(v >= 0 for v in profile.coefficients.values())
+    assert profile.decode_step_time(4, 64) > 0 and profile.copy_bytes_per_s > 0
+
+
+def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
+    profile_path = tmp_path / "profile.json"
+    make_profile().save(profile_path)
+    out = tmp_path / "validate.json"
+    assert sim_validate.main(["--profile", str(profile_path), "--quick", "--rates", "4,8,16",
+                              "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| rate req/s | figure | measured | simulated | error % |" in printed
+    assert "took" in printed
+    result = json.loads(out.read_text())
+    rows, summary = result["rows"], result["summary"]
+    assert len(rows) == 3 * len(sim_validate.FIGURES)
+    for row in rows:
+        if row["figure"] in ("output tok/s", "TTFT p50 ms", "TTFT p99 ms"):
+            assert math.isfinite(row["measured"]) and math.isfinite(row["simulated"]), row
+            assert math.isfinite(row["error %"]), row
+    assert math.isfinite(summary["median_abs_error_pct"])
+    expected = sim_validate.QUICK.num_prompts + sim_validate.QUICK.burst
+    for side in summary["counts"]:
+        for counts in side.values():
+            assert counts["requests"] == expected
+            assert counts["completed"] + counts["refused"] == expected
+            assert counts["completed"] > 0
