@@ -9,6 +9,9 @@ numba, tokenizers, safetensors, numpy). ``.gpu/model.gguf``: the bundled SmolLM2
 its first ``--layers`` transformer blocks only (the whole GGUF is 98 MB): the same
 tokenizer, embeddings and head, few enough bytes to carry. Token-exactness against
 transformers does not need all 30 layers; both load the same truncated file.
+``.gpu/azure_sample.csv``: every k-th row of the Azure conversation trace (``--trace``;
+default $CONTINUUM_DATA_DIR/traces/, else ../shared/data/traces/ beside the repository),
+``--trace-rows`` of them: the length mix of scripts/gpu_bench.py's serving run.
 
 Then, with the device tool, carry ``.gpu`` and ``protos/continuum/v1`` (the generated
 code is ignored by git) and run ``scripts/gpu_check.sh``.
@@ -17,6 +20,7 @@ code is ignored by git) and run ``scripts/gpu_check.sh``.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,6 +65,23 @@ def truncate_gguf(src: pathlib.Path, dst: pathlib.Path, num_layers: int) -> None
     writer.close()
 
 
+def default_trace() -> pathlib.Path:
+    data = os.environ.get("CONTINUUM_DATA_DIR")
+    base = pathlib.Path(data) if data else ROOT.parent / "shared" / "data"
+    return base / "traces" / "azure_conv_2023.csv"
+
+
+def sample_trace(src: pathlib.Path, dst: pathlib.Path, rows: int) -> int:
+    """Every k-th data row of ``src`` (the header kept), at most ``rows``: the same length
+    mix in a few tens of KiB. Returns the rows written."""
+    lines = src.read_text().splitlines()
+    header, data = lines[0], lines[1:]
+    step = max(1, len(data) // rows)
+    kept = data[::step][:rows]
+    dst.write_text("\n".join([header, *kept]) + "\n")
+    return len(kept)
+
+
 def download_wheels(dest: pathlib.Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
@@ -74,11 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=6,
                         help="transformer blocks to keep (the carried model's size)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / ".gpu")
+    parser.add_argument("--trace", type=pathlib.Path, default=default_trace())
+    parser.add_argument("--trace-rows", type=int, default=2000)
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error("--layers must be positive")
     args.out.mkdir(exist_ok=True)
     truncate_gguf(bundled_gguf(), args.out / "model.gguf", args.layers)
+    if not args.trace.exists():
+        parser.error(f"--trace {args.trace}: no such file (the Azure conversation trace)")
+    sample_trace(args.trace, args.out / "azure_sample.csv", args.trace_rows)
     download_wheels(args.out / "whl")
     total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"{args.out}: {total / 2**20:.1f} MiB (the device tool carries at most 64 MiB, "

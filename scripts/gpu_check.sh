@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
 # The executor's CUDA path, on a machine with an NVIDIA GPU: run from anywhere in the
 # repository, with its virtualenv (.venv), PYTHON=/path/to/python, or the machine's python3.
-# One PASS, FAIL or SKIP line per check, then the verdict; exits 1 when a check failed. Each
-# check has a time limit; all together at most 8 minutes (about 2-4 on one GPU).
+# A PASS, FAIL or SKIP line per check as it ends, then ONE table of every check and figure
+# (paste it into docs/gpu.md), then the verdict; exits 1 when a check failed. Each check
+# has a time limit; together at most 8 minutes on one H200 (the limits below sum to 480 s).
+#
+#   1. torch sees a CUDA device
+#   2. the Triton kernels against the reference, on the GPU ($GPU_KERNEL_TESTS)
+#   3. tests/executor/test_cuda.py: the bundled model's greedy tokens on cuda = transformers
+#      = the CPU executor; sampling, KV sizing, pinned swaps, the process on cuda
+#   4. tests/executor/test_device.py: flags, device choice and sizing with a GPU present
+#   5. scripts/gpu_bench.py: an 8B-shaped Llama (random bf16 weights, built on the device):
+#      decode step time at batch 1/32/128 vs the HBM roofline, graph = eager logits,
+#      prefill MFU, tokens/s at 128 in flight on the Azure trace's length mix
 #
 # On the device tool's lent machine (no network, 64 MiB carried): first, here,
-#   .venv/bin/python scripts/gpu_bundle.py       # .gpu/: wheels + a 6-layer model, ~45 MiB
+#   .venv/bin/python scripts/gpu_bundle.py       # .gpu/: wheels, a 6-layer model, a trace sample
 # then run `bash scripts/gpu_check.sh` there with carry [".gpu", "protos/continuum/v1"].
 # The wheels go to /tmp/site; the tests use .gpu/model.gguf (CONTINUUM_TEST_MODEL).
+# DRY_RUN=1: the same script on the CPU (CI: tests/scripts/test_gpu_check.py): the GPU
+# checks are SKIP rows and gpu_bench.py runs --tiny; the verdict is "dry run".
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -15,9 +27,39 @@ if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
+DRY_RUN=${DRY_RUN:-0}
+GPU_KERNEL_TESTS=${GPU_KERNEL_TESTS:-tests/kernels/test_triton_cuda.py}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+rows="$out/rows"
+: >"$rows"
 failed=0
+
+# add NAME STATUS FIGURE: one row of the table, and its line now.
+add() {
+    printf '%s|%s|%s\n' "$1" "$2" "$3" >>"$rows"
+    echo "$2: $1${3:+ ($3)}"
+    if [ "$2" = FAIL ]; then failed=1; fi
+}
+
+# pytest_check NAME LIMIT_S FILE...: PASS when every test passed and none skipped.
+pytest_check() {
+    local name=$1 limit=$2 log="$out/pytest.txt"
+    shift 2
+    if [ "$DRY_RUN" = 1 ]; then add "$name" SKIP "dry run"; return; fi
+    if timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider "$@" >"$log" 2>&1; then
+        if grep -q "skipped" "$log"; then
+            tail -n 20 "$log"
+            add "$name" FAIL "tests skipped: $(grep -c SKIPPED "$log" || true)"
+        else
+            add "$name" PASS "$(tail -n 1 "$log" | tr -d '=' | sed 's/^ *//')"
+        fi
+    else
+        local code=$?
+        tail -n 40 "$log"
+        add "$name" FAIL "exit status $code$([ "$code" = 124 ] && echo ", over ${limit} s")"
+    fi
+}
 
 # Carried by scripts/gpu_bundle.py: what the device's image lacks (a venv has it all).
 if [ -d .gpu/whl ] && [ "$PY" != .venv/bin/python ]; then
@@ -34,51 +76,65 @@ if ! ls protos/continuum/v1/executor_pb2.py >/dev/null 2>&1; then
     exit 1
 fi
 
-# Without a GPU every test below would skip and prove nothing: stop here.
-if timeout 60 "$PY" - <<'PYEOF'
+# 1. Without a GPU every check below would skip and prove nothing: stop here.
+if [ "$DRY_RUN" = 1 ]; then
+    add "CUDA device" SKIP "dry run on the CPU"
+elif device=$(timeout 30 "$PY" - 2>&1 <<'PYEOF'
 import torch
 
 assert torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA device"
 free, total = torch.cuda.mem_get_info(0)
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.device_count()} "
-      f"GPU(s); cuda:0 {torch.cuda.get_device_name(0)}: {free / 2**30:.1f} of "
-      f"{total / 2**30:.1f} GiB free")
+print(f"{torch.cuda.get_device_name(0)}, {free / 2**30:.0f} of {total / 2**30:.0f} GiB free, "
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}")
 PYEOF
-then
-    echo "PASS: torch sees a CUDA device"
+); then
+    add "CUDA device" PASS "$device"
 else
-    echo "FAIL: torch sees no CUDA device (a CPU-only torch build, or no driver)"
+    add "CUDA device" FAIL "$(echo "$device" | tail -n 1)"
     echo "gpu_check: FAIL"
     exit 1
 fi
 
-# Greedy tokens against transformers and the CPU executor, sampling, KV sizing, pinned
-# swaps and the process on cuda. A skipped test here means it did not run: a failure.
-if timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/executor/test_cuda.py \
-        2>&1 | tee "$out/cuda.txt"; then
-    if grep -q "skipped" "$out/cuda.txt"; then
-        echo "FAIL: tests/executor/test_cuda.py skipped tests (see above)"
-        failed=1
-    else
-        echo "PASS: tests/executor/test_cuda.py"
-    fi
+# 2. The Triton kernels on the GPU against the reference (the kernels' owner's test).
+if [ -f "$GPU_KERNEL_TESTS" ]; then
+    pytest_check "Triton kernels = reference on the GPU" 90 "$GPU_KERNEL_TESTS"
 else
-    echo "FAIL: tests/executor/test_cuda.py (exit status $?)"
-    failed=1
+    add "Triton kernels = reference on the GPU" SKIP "$GPU_KERNEL_TESTS not in this tree"
 fi
 
-# Flags, device choice and sizing arithmetic with a GPU present (its CUDA-less cases skip).
-if timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/executor/test_device.py; then
-    echo "PASS: tests/executor/test_device.py"
-else
-    echo "FAIL: tests/executor/test_device.py (exit status $?)"
-    failed=1
-fi
+# 3-4. A skipped test in these files means it did not run: a failure.
+pytest_check "bundled model on cuda (tests/executor/test_cuda.py)" 150 \
+    tests/executor/test_cuda.py
+pytest_check "device flags and sizing (tests/executor/test_device.py)" 60 \
+    tests/executor/test_device.py
 
-echo "SKIP: benchmarks.bench_executor (it has no --device flag: a CPU benchmark)"
-if [ "$failed" -eq 0 ]; then
-    echo "gpu_check: PASS"
+# 5. The 8B-shaped model: its rows go into the table as they are.
+bench_args=()
+if [ "$DRY_RUN" = 1 ]; then bench_args=(--tiny); fi
+if timeout 150 "$PY" scripts/gpu_bench.py "${bench_args[@]}" --serve-seconds 40 \
+        >"$out/bench.txt" 2>"$out/bench.err"; then
+    :
 else
+    code=$?
+    tail -n 30 "$out/bench.err"
+    add "scripts/gpu_bench.py" FAIL "exit status $code$([ "$code" = 124 ] && echo ", over 150 s")"
+fi
+while IFS='|' read -r name status figure; do
+    [ -n "$name" ] && add "$name" "$status" "$figure"
+done <"$out/bench.txt"
+
+echo
+echo "| check | result | figures |"
+echo "|---|---|---|"
+while IFS='|' read -r name status figure; do
+    echo "| $name | $status | $figure |"
+done <"$rows"
+echo
+if [ "$failed" -ne 0 ]; then
     echo "gpu_check: FAIL"
+elif [ "$DRY_RUN" = 1 ]; then
+    echo "gpu_check: dry run (no GPU checked)"
+else
+    echo "gpu_check: PASS"
 fi
 exit "$failed"
