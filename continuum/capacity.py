@@ -113,8 +113,12 @@ def main(args) -> int:
         if args.capacity_command == "content-id":
             print(batching_contract.content_id(load(Path(args.contract))))
             return 0
+        profile = getattr(args, "from_profile", None)
         if batching_contract.is_batching(load(Path(args.contract))):
-            return _batching(Path(args.contract), Path(args.workload))
+            return _batching(Path(args.contract), Path(args.workload), profile)
+        if profile:
+            raise AuditError([f"{args.contract}: --from-profile screens a batching contract "
+                              "(kind = \"batching\", e.g. docs/capacity/seed-contract.toml)"])
         contract, _, decision = audit(Path(args.contract), Path(args.workload))
     except AuditError as exc:
         for problem in exc.problems:
@@ -124,11 +128,26 @@ def main(args) -> int:
     return 0 if decision.verdict == "CAPACITY_WITHIN_DECLARED_BOUND" else 1
 
 
-def _batching(contract_path: Path, workload_path: Path) -> int:
+def _batching(contract_path: Path, workload_path: Path, profile_path: str | None) -> int:
     contract = batching_contract.parse_contract(load(contract_path), str(contract_path))
     workload = batching_contract.parse_workload(load(workload_path), str(workload_path))
     batching_contract.bind(contract, workload)
-    report = batching_audit.evaluate(contract, workload.classes)
-    print(batching_audit.render(contract, report,
-                                batching_audit.shed(contract, workload.classes)))
+    extra: list[str] = []
+    audited = contract
+    if profile_path:
+        from continuum import batching_profile
+        from sim.profile import ExecutorProfile
+
+        try:
+            profile = ExecutorProfile.load(Path(profile_path))
+        except ValueError as exc:
+            raise AuditError([str(exc)]) from None
+        audited, served, report = batching_profile.screen(profile, contract, workload.classes)
+        extra = batching_profile.describe(profile, contract, served, audited)
+    else:
+        report = batching_audit.evaluate(contract, workload.classes)
+    print(batching_audit.render(audited, report,
+                                batching_audit.shed(audited, workload.classes)))
+    for line in extra:
+        print(line)
     return 0 if report.decision == batching_audit.WITHIN else 1

@@ -103,6 +103,10 @@ def _capacity_parser(sub) -> None:
                                        "(exit 0 within bound, 1 over, 2 bad input)")
     a.add_argument("contract", help="the contract (TOML or JSON), e.g. docs/capacity/contract.toml")
     a.add_argument("workload", help="per-class workload (TOML or JSON)")
+    a.add_argument("--from-profile", default=None, metavar="PROFILE",
+                   help="a batching contract's partitions from this machine's fitted executor "
+                        "profile (python -m benchmarks.fit_profile) instead of the declared "
+                        "ones")
     c = verbs.add_parser("content-id", help="a batching contract's content id, to bind a "
                                             "workload to it (contract_content_id)")
     c.add_argument("contract", help="the batching contract (TOML or JSON)")

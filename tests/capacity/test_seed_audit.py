@@ -146,3 +146,48 @@ def test_bad_classes_name_the_field(tmp_path, bad):
     done = _cli("audit", str(CONTRACT), str(_write(tmp_path, "w", workload)))
     assert done.returncode == 2
     assert f"class 'chat': {next(iter(bad))}" in done.stderr
+
+
+def _profile(tmp_path: Path, step_s: float, per_token_s: float) -> Path:
+    from sim.profile import FEATURES, ExecutorProfile
+
+    coefficients = dict.fromkeys(FEATURES, 0.0)
+    coefficients.update(step=step_s, tokens=per_token_s)
+    path = tmp_path / "profile.json"
+    ExecutorProfile(coefficients, kv_bytes_per_token=36864, kv_pool_bytes=1 << 30,
+                    copy_bytes_per_s=1e10, prefill_tokens_per_s=1000.0,
+                    machine={"cpu": "test"}).save(path)
+    return path
+
+
+def test_from_profile_audits_what_this_machine_serves(tmp_path):
+    # 10 ms a step plus 0.1 ms a token: a 20 ms iteration holds 100 tokens, split 60:40
+    # as the contract's partitions are: 3,000 prompt and 2,000 decode tokens a second.
+    profile = _profile(tmp_path, 0.010, 0.0001)
+    workload = _toml(WORKLOAD)
+    workload["classes"] = [{"name": "chat", "tier": 0, "rate_per_s": 2, "prompt_tokens": 300,
+                            "output_tokens": 100}]
+    c_path, w_path = _bound(tmp_path, _toml(CONTRACT), workload)
+    done = _cli("audit", str(c_path), str(w_path), "--from-profile", str(profile))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "served_per_iteration=decodes:40,prefill_tokens:60," in done.stdout
+    assert "declared_token_budget_per_s=40000;served=5000;prefill=3000;decode=2000" in lines
+    assert "utilization_permille=160;prefill=200;decode=100" in lines  # 800/5000, 600/3000
+    assert "note=the contract declares more token/s than this machine serves" in done.stdout
+    workload["classes"][0]["rate_per_s"] = 9  # 2,700 of 3,000 prompt tokens/s: over 850 ‰
+    c_path, w_path = _bound(tmp_path, _toml(CONTRACT), workload)
+    over = _cli("audit", str(c_path), str(w_path), "--from-profile", str(profile))
+    assert over.returncode == 1
+    assert "decision=CAPACITY_EXCEEDS_DECLARED_BOUND" in over.stdout
+    assert "prefill_utilization" in over.stdout
+
+
+def test_from_profile_needs_a_profile_and_a_batching_contract(tmp_path):
+    bad = tmp_path / "nope.json"
+    bad.write_text("{}")
+    done = _cli("audit", str(CONTRACT), str(WORKLOAD), "--from-profile", str(bad))
+    assert done.returncode == 2 and "not a continuum.executor_profile.v1 file" in done.stderr
+    old = _cli("audit", str(DOCS / "contract.toml"), str(DOCS / "workload.toml"),
+               "--from-profile", str(_profile(tmp_path, 0.01, 0.0001)))
+    assert old.returncode == 2 and "--from-profile screens a batching contract" in old.stderr
