@@ -31,9 +31,11 @@ from executor_svc.model_files import bundled_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Pinned as in pyproject.toml; gguf brings no dependency the image lacks.
-WHEELS = ("protobuf==7.36.2", "pyzmq==27.3.0", "structlog==26.1.0", "gguf==0.19.0")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64", "any")
+# llguidance: executor_svc/guided.py (imported by the executor at start), not in the image.
+WHEELS = ("protobuf==7.36.2", "pyzmq==27.3.0", "structlog==26.1.0", "gguf==0.19.0",
+          "llguidance==1.9.1")
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 
 
 def truncate_gguf(src: pathlib.Path, dst: pathlib.Path, num_layers: int) -> None:
