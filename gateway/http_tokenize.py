@@ -38,7 +38,8 @@ def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
     _check_model(body, model_name)
     dialect = CHAT if "messages" in body else COMPLETION
     want_strs = fields.boolean(body, "return_token_strs")
-    body = {k: v for k, v in body.items() if k in ("model", "prompt", "messages")}
+    # tools too (as vLLM's): they are rendered into a chat prompt (gateway/tool_calls.py)
+    body = {k: v for k, v in body.items() if k in ("model", "prompt", "messages", "tools")}
     ids = prompt_token_ids(dialect.parse(body, model_name, tokenizer).proto, tokenizer)
     answer: dict = {"count": len(ids), "max_model_len": tokenizer.info.max_model_len,
                     "tokens": ids}

@@ -6,6 +6,7 @@ gRPC API takes the same tools, its call forced through ``sampling.guided``."""
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import grpc
@@ -87,7 +88,7 @@ def test_required_gives_one_call_of_the_tools(client):
     assert answer.choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_turns_in_the_history_are_rendered_and_answered(client):
+def test_tool_turns_in_the_history_are_rendered_and_answered(client, server):
     history = [*ASK,
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_abc", "type": "function", "function": {
@@ -96,13 +97,22 @@ def test_tool_turns_in_the_history_are_rendered_and_answered(client):
                {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees, sunny"}]
     with_tools = client.chat.completions.create(
         model="", messages=history, tools=[WEATHER], max_tokens=4, temperature=0)
-    without = client.chat.completions.create(
-        model="", messages=ASK, max_tokens=1, temperature=0)
     choice = with_tools.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls
-    # the tools block, the earlier call and its result were all in the prompt
-    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 100
+    # /tokenize renders the same prompt: the tools block, the call and its result
+    assert _token_count(server, {"messages": history, "tools": [WEATHER]}) == \
+        with_tools.usage.prompt_tokens
+    assert with_tools.usage.prompt_tokens > _token_count(server, {"messages": ASK}) + 100
+
+
+def _token_count(server, body: dict) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    connection.request("POST", "/tokenize", json.dumps(body),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    return json.loads(response.read())["count"]
 
 
 def test_grpc_takes_tools_and_forces_a_call_through_guided(server):
