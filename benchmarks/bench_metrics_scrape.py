@@ -6,17 +6,24 @@ saturated pod; issue 18's target is a scrape p99 under 10 ms at full load. This 
 back, scrapes every 50 ms for ``--seconds``, and prints the scrape latency p50/p99/max
 and the page's age (now minus continuum:metrics_published_timestamp_seconds).
 
+The scraper runs in a process of its own, as Prometheus and the endpoint picker do: in
+this one its latency would include waiting for the GIL behind the 32 load threads. It
+keeps its connection open as they do (``--no-keep-alive``: a new one per scrape).
+
     .venv/bin/python -m benchmarks.bench_metrics_scrape [--streams 32] [--seconds 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import pathlib
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 import grpc
 
@@ -38,11 +45,40 @@ def _load(addr: str, stop: threading.Event) -> None:
                 time.sleep(0.5)  # refused under overload: the load stays at the bound
 
 
+def scrape(port: int, seconds: float, keep_alive: bool) -> dict[str, list[float]]:
+    """Scrapes every 50 ms for ``seconds``: latencies (s), page ages (s), running."""
+    latencies, ages, running = [], [], []
+    conn = None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        if conn is None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        if not keep_alive:
+            conn.close()
+            conn = None
+        latencies.append(time.perf_counter() - start)
+        for line in text.splitlines():
+            if line.startswith("continuum:metrics_published_timestamp_seconds{"):
+                ages.append(time.time() - float(line.rsplit(" ", 1)[1]))
+            elif line.startswith("vllm:num_requests_running{"):
+                running.append(float(line.rsplit(" ", 1)[1]))
+        time.sleep(0.05)
+    return {"latencies": latencies, "ages": ages, "running": running}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_metrics_scrape")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--no-keep-alive", action="store_true")
+    p.add_argument("--scrape-only", type=int, metavar="PORT", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.scrape_only:  # the scraper process
+        print(json.dumps(scrape(a.scrape_only, a.seconds, not a.no_keep_alive)))
+        return 0
     port = procs.free_port()
     serve = procs.start_serve(pathlib.Path(tempfile.mkdtemp()), "--metrics-port", str(port),
                               "--telemetry-dsn", "off")
@@ -53,21 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.start()
         time.sleep(3.0)  # the batch fills
-        latencies, ages, running = [], [], []
-        end = time.monotonic() + a.seconds
-        while time.monotonic() < end:
-            start = time.perf_counter()
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-            latencies.append(time.perf_counter() - start)
-            for line in text.splitlines():
-                if line.startswith("continuum:metrics_published_timestamp_seconds{"):
-                    ages.append(time.time() - float(line.rsplit(" ", 1)[1]))
-                elif line.startswith("vllm:num_requests_running{"):
-                    running.append(float(line.rsplit(" ", 1)[1]))
-            time.sleep(0.05)
-        ms = [x * 1e3 for x in latencies]
-        print(f"{len(ms)} scrapes under {a.streams} streams (running p50 "
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_metrics_scrape", "--scrape-only",
+             str(port), "--seconds", str(a.seconds),
+             *(["--no-keep-alive"] if a.no_keep_alive else [])],
+            capture_output=True, text=True, check=True).stdout
+        got = json.loads(out)
+        ages, running = got["ages"], got["running"]
+        ms = [x * 1e3 for x in got["latencies"]]
+        print(f"{len(ms)} scrapes ({'new connection each' if a.no_keep_alive else 'keep-alive'})"
+              f" under {a.streams} streams (running p50 "
               f"{percentile(running, 50):.0f}): latency p50 {percentile(ms, 50):.2f} ms, "
               f"p99 {percentile(ms, 99):.2f} ms, max {max(ms):.2f} ms; page age p50 "
               f"{percentile(ages, 50) * 1e3:.0f} ms, p99 {percentile(ages, 99) * 1e3:.0f} ms "

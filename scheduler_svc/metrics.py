@@ -9,9 +9,11 @@ latency histograms and preemption counters. This module serves them, with vLLM's
 (per-tier gauges, shed requests, telemetry drops).
 
 Never by waiting on the loop: the loop renders the whole page every ``PUBLISH_S`` into
-bytes (``publish``), and a stdlib HTTP server on its own thread answers every scrape
-with the last bytes (``MetricsServer``). A blocked loop makes the page stale, never the
-scrape slow; ``continuum:metrics_published_timestamp_seconds`` says how stale.
+bytes (``publish``) and copies them into a shared file; a stdlib HTTP server in a child
+process answers every scrape with the last bytes (``MetricsServer``,
+scheduler_svc/metrics_server.py), so a scrape never waits for this process's GIL either.
+A blocked loop makes the page stale, never the scrape slow;
+``continuum:metrics_published_timestamp_seconds`` says how stale.
 
 Latency histograms are fed when a request's stream ends (``Histograms.request_ended``,
 from the servicer), in the request's own coroutine, not per step.
@@ -21,13 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import http.server
+import contextlib
 import math
-import threading
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
+from scheduler_svc import metrics_server
+
 PUBLISH_S = 0.05
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = metrics_server.CONTENT_TYPE
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards and alerts carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -185,39 +192,53 @@ def _escape(value: str) -> str:
 
 
 class MetricsServer:
-    """``GET /metrics`` on its own thread, answered from the last published page."""
+    """``GET /metrics`` from the last published page, served by a child process
+    (scheduler_svc/metrics_server.py: no scrape waits for this process's GIL).
+
+    Binds at construction: OSError (with errno and strerror) when it cannot. Setting
+    ``page`` publishes; the child exits with this process or at ``stop``."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.page = b""
-        server = self
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        fd, self._path = tempfile.mkstemp(prefix="continuum-metrics-", dir=shm)
+        os.close(fd)
+        self._file = metrics_server.PageFile(self._path, create=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "scheduler_svc.metrics_server", "--page-file", self._path,
+             "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
+            stdout=subprocess.PIPE, text=True)
+        first = self._proc.stdout.readline().split(" ", 2)
+        if first[0] != "listening":
+            self.stop()
+            raise OSError(int(first[1]) if len(first) > 1 else 0,
+                          first[2].strip() if len(first) > 2 else "the server did not start")
+        self.port = int(first[1])
+        self._page = b""
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                if self.path.split("?", 1)[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = server.page
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    @property
+    def page(self) -> bytes:
+        return self._page
 
-            def log_message(self, *args) -> None:  # scrapes every 50 ms: not logged
-                pass
-
-        self._http = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._http.daemon_threads = True
-        self.port = self._http.server_address[1]
-        self._thread = threading.Thread(target=self._http.serve_forever, name="metrics",
-                                        daemon=True)
+    @page.setter
+    def page(self, page: bytes) -> None:
+        self._page = page
+        self._file.write(page)
 
     def start(self) -> None:
-        self._thread.start()
+        """Serving since construction (kept for the callers' start/stop pairing)."""
 
     def stop(self) -> None:
-        self._http.shutdown()
-        self._http.server_close()
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()
+        self._file.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
 
 
 async def publish(loop, histograms: Histograms, server: MetricsServer,

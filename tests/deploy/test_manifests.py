@@ -15,6 +15,7 @@ import json
 import pathlib
 import re
 import shlex
+import urllib.parse
 
 import kubernetes_validate
 import pytest
@@ -228,7 +229,10 @@ def test_gateways_find_the_replicas_through_the_headless_service(rendered):
     assert service["spec"]["selector"] == replica["spec"]["template"]["metadata"]["labels"]
     scheduler = pod_container(objects, "scheduler_svc")
     port = int(_flag(scheduler["args"], "--port"))
-    assert [p["targetPort"] for p in service["spec"]["ports"]] == [port]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [port, *_reader_ports(
+        scheduler)]
+    declared = {p["containerPort"] for p in scheduler["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= declared
     gateway = pod_container(objects, "gateway")
     assert gateway_main.parse_args(gateway["args"]).scheduler_addresses == \
         [f"dns:///{service['metadata']['name']}:{port}"]
@@ -312,14 +316,31 @@ def test_only_gateways_reach_the_schedulers(rendered):
     gateway_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"] == replica_labels
     assert policy["policyTypes"] == ["Ingress"]
-    [rule] = policy["ingress"]
+    rule, readers = policy["ingress"]
     [source] = rule["from"]
     assert source == {"podSelector": {"matchLabels": gateway_labels}}
     scheduler = pod_container(objects, "scheduler_svc")
-    # The only port let in is the scheduler's; the executor listens on none.
+    # Gateways reach only the scheduler's gRPC port; the executor listens on none.
     assert rule["ports"] == [{"protocol": "TCP", "port": int(_flag(scheduler["args"],
                                                                    "--port"))}]
     assert "ports" not in pod_container(objects, "executor_svc")
+    # Scrapers and routers (pods labelled as readers) reach /metrics and the KV events.
+    [source] = readers["from"]
+    assert source["podSelector"] == {"matchLabels": {"continuum.ai/replica-reader": "true"}}
+    assert readers["ports"] == [{"protocol": "TCP", "port": p}
+                                for p in _reader_ports(scheduler)]
+
+
+def _reader_ports(scheduler: dict) -> list[int]:
+    """The scheduler's /metrics and KV event ports, as its own parser reads its args;
+    both bind off loopback (the KV stream only with its explicit opt-in)."""
+    args = scheduler_main.parse_args(scheduler["args"])
+    assert args.metrics_port > 0 and args.metrics_host == "0.0.0.0"
+    kv = urllib.parse.urlsplit(args.kv_events_endpoint)
+    assert kv.scheme == "tcp" and args.kv_events_allow_remote
+    assert args.kv_events_topic.startswith("kv@$(POD_IP)@")  # llm-d's kv@<pod>@<model>
+    assert any(e["name"] == "POD_IP" for e in scheduler["env"])
+    return [args.metrics_port, kv.port]
 
 
 def _exported_metric_names() -> set[str]:
