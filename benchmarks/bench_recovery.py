@@ -137,6 +137,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--standby-executors", type=int, choices=(0, 1), default=1)
+    p.add_argument("--server-log", default=None, help="write the server's stderr here")
     args = p.parse_args()
     from executor_svc.model_files import resolve_model
     from executor_svc.settings import Switches
@@ -182,6 +183,8 @@ def main() -> None:
             raise
         finally:
             stop_server(server)
+            if args.server_log:
+                pathlib.Path(args.server_log).write_text("".join(server.stderr_lines))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ while running it) is blamed on the requests in it (Scheduler.step_failed: one
 that keeps failing is ended alone with ERROR, the rest recompute); a plan it
 refuses for another reason is resynchronized, and blamed too only after
 MAX_CONSECUTIVE_REFUSALS in a row. A step is late by the deadline its planned
-work and the executor's measured step times give (scheduler_svc/step_deadline.py).
+work and the executor's measured step times give (scheduler_svc/step_deadline.py),
+and hung if its process is not working then (scheduler_svc/hang_check.py).
 A lost executor is replaced at once by the link's warm standby when one is
 registered (the same recompute as after a restart, minus the process start and the
 model load). A task the loop depends on that dies resolves ``fatal``: the process
@@ -31,6 +32,7 @@ from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
 from scheduler_svc.executors import ExecutorInfo
+from scheduler_svc.hang_check import await_answer
 from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
 from scheduler_svc.logprobs import with_logprobs
@@ -288,17 +290,14 @@ class EngineLoop:
             return False
         item = self._inflight.oldest()
         self._stepping = True
-        why = "the executor was lost during the step"
         try:
-            deadline = self.deadlines.deadline(item.out.num_batched_tokens)
-            try:
-                result = await asyncio.wait_for(item.answer, deadline)
-            except TimeoutError:
-                log.error("executor missed its step deadline", step_id=item.out.step_id,
-                          deadline_s=round(deadline, 1))
-                result, why = None, f"the step ran past its {deadline:.1f} s deadline"
+            result, why = await await_answer(item.answer, self.deadlines,
+                                             item.out.num_batched_tokens, self.executor.pid)
         finally:
             self._stepping = False
+        if why:
+            log.error("executor missed its step deadline", step_id=item.out.step_id, why=why)
+        why = why or "the executor was lost during the step"
         if result is None:
             if item.sent:  # it ran the step and hung or died in it
                 self._fail_step(item.out, why)

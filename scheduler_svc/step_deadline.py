@@ -91,8 +91,15 @@ class StepDeadlines:
 
     def deadline(self, num_tokens: int) -> float:
         """Seconds a step of ``num_tokens`` planned tokens may take before it is a hang."""
-        p99, typical, per_token = self._stats()
-        expected = p99 + max(0, num_tokens - typical) * per_token
         if not self.warm:
-            return max(self.cold_floor_s, COLD_FACTOR * expected)
-        return max(self.floor_s, self.factor * expected)
+            return self.limit(num_tokens)
+        return max(self.floor_s, self.factor * self._expected(num_tokens))
+
+    def limit(self, num_tokens: int) -> float:
+        """The cold rule: the most a step may take even while its executor is seen
+        working (scheduler_svc/hang_check.py)."""
+        return max(self.cold_floor_s, COLD_FACTOR * self._expected(num_tokens))
+
+    def _expected(self, num_tokens: int) -> float:
+        p99, typical, per_token = self._stats()
+        return p99 + max(0, num_tokens - typical) * per_token
