@@ -166,8 +166,10 @@ def test_a_gpu_share_too_small_for_the_kv_cache_is_a_clear_error(model_dir):
 def test_the_executor_process_serves_on_cuda(model_dir, hf_model, tmp_path):
     address = f"ipc://{tmp_path}/executor.sock"
     scheduler = FakeScheduler(address)
+    # float32 as transformers' reference (--dtype auto would be bfloat16 on cuda).
     proc = start_executor("--device", "cuda", "--model", str(model_dir), "--ipc", address,
-                          "--gpu-memory-utilization", "0.3", "--warmup-tokens", "16")
+                          "--gpu-memory-utilization", "0.3", "--warmup-tokens", "16",
+                          "--dtype", "float32")
     try:
         kind, hello = scheduler.recv()
         assert kind == "hello" and hello.num_device_blocks >= 8192 // 16
