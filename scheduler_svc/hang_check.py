@@ -9,9 +9,9 @@ Hello's pid names a live process whose command line is an executor's):
 
 * stopped (SIGSTOP, a debugger: state T/t) or no CPU used since the step was sent (a
   deadlock, a wait that never ends): hung, at the deadline;
-* it used CPU: slow, not hung; checked again every FLOOR_S, up to the cold rule's
-  deadline (StepDeadlines.limit, the old fixed-floor bound), after which even a busy
-  executor (a loop that never ends) is hung.
+* it used CPU: slow, not hung; checked again every FLOOR_S, up to StepDeadlines.limit
+  (twice the old fixed-floor rule's deadline), after which even a busy executor (a
+  loop that never ends) is hung.
 
 Where the process cannot be seen (another pod's PID namespace), the deadline alone
 decides.

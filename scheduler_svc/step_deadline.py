@@ -14,7 +14,8 @@ recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is most
 fixed cost, so small steps would overstate it) once MIN_COST_SAMPLES were seen, else
 what the executor's own prefill measurement (its Hello) says. Until an incarnation has completed
 WARMUP_STEPS steps there is no distribution to trust (first steps may compile or fault
-pages in): then the deadline is the old rule's, at least COLD_FLOOR_S. The history
+pages in): then the deadline is the old rule's, COLD_FLOOR_S + COLD_FACTOR × the same
+expected time. The history
 starts again with each executor: another process may be slower than the last.
 
 Pure Python (no asyncio, torch or zmq): the loop feeds it, tests drive it directly.
@@ -28,6 +29,7 @@ FLOOR_S = 1.0
 FACTOR = 3.0
 COLD_FLOOR_S = 5.0
 COLD_FACTOR = 4.0
+LIMIT_FACTOR = 2.0
 WARMUP_STEPS = 8
 WINDOW = 256  # recent steps the p99 is taken over
 PREFILL_MIN_TOKENS = 64
@@ -92,13 +94,16 @@ class StepDeadlines:
     def deadline(self, num_tokens: int) -> float:
         """Seconds a step of ``num_tokens`` planned tokens may take before it is a hang."""
         if not self.warm:
-            return self.limit(num_tokens)
+            return self._cold(num_tokens)
         return max(self.floor_s, self.factor * self._expected(num_tokens))
 
     def limit(self, num_tokens: int) -> float:
-        """The cold rule: the most a step may take even while its executor is seen
-        working (scheduler_svc/hang_check.py)."""
-        return max(self.cold_floor_s, COLD_FACTOR * self._expected(num_tokens))
+        """The most a step may take while its executor is seen working (a starved CPU,
+        scheduler_svc/hang_check.py): LIMIT_FACTOR times the cold rule."""
+        return LIMIT_FACTOR * self._cold(num_tokens)
+
+    def _cold(self, num_tokens: int) -> float:
+        return self.cold_floor_s + COLD_FACTOR * self._expected(num_tokens)
 
     def _expected(self, num_tokens: int) -> float:
         p99, typical, per_token = self._stats()

