@@ -18,13 +18,11 @@ import gc
 import os
 import statistics
 import time
-from collections import defaultdict
 
-import numpy as np
 import torch
 
-import executor_svc.model as model_mod
-import executor_svc.runner as runner_mod
+from benchmarks.bench_breakdown import breakdown
+from benchmarks.bench_formats import format_ab, weight_bytes
 from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, project
@@ -32,7 +30,6 @@ from executor_svc.model_files import resolve_model
 from executor_svc.runner import Runner
 from executor_svc.settings import Switches
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
-from kernels.native_decoder import NativeDecoder
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -72,13 +69,12 @@ def model_flops_per_token(model: LlamaModel, context: int) -> float:
 
 
 def step_bytes(model: LlamaModel, batch: int, context: int, kv_bytes: int = 4) -> float:
-    """Weights (tied embedding counted once: only the LM head reads it whole) + every KV
-    (``kv_bytes`` per element: 2 with --kv-cache-dtype float16 / bfloat16)."""
+    """Weights as the model's weight format stores them (bench_formats.weight_bytes; tied
+    embedding counted once) + every KV (``kv_bytes`` per element: 2 with --kv-cache-dtype
+    float16 / bfloat16)."""
     c = model.config
-    weights = sum(t.numel() for layer in model.layers for t in vars(layer).values())
-    weights += model.lm_head.numel() + model.norm.numel()
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * batch
-    return 4 * weights + kv_bytes * kv
+    return weight_bytes(model) + kv_bytes * kv
 
 
 class DecodeRun:
@@ -127,77 +123,6 @@ class DecodeRun:
         for _ in range(warmup):
             self.step()
         return statistics.median(self.step() for _ in range(steps))
-
-
-class Breakdown:
-    """Wall time per component, by wrapping the functions a step calls (instrumentation
-    only: the bench restores every wrapped attribute)."""
-
-    def __init__(self, clock) -> None:
-        self.clock = clock
-        self.seconds: dict[str, float] = defaultdict(float)
-        self._undo: list[tuple[object, str, object]] = []
-
-    def wrap(self, owner, attr: str, name_of) -> None:
-        original = getattr(owner, attr)
-
-        def timed(*args, **kwargs):
-            start = self.clock()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[name_of(*args)] += self.clock() - start
-
-        self._undo.append((owner, attr, original))
-        setattr(owner, attr, timed)
-
-    def restore(self) -> None:
-        for owner, attr, original in reversed(self._undo):
-            setattr(owner, attr, original)
-
-
-def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]:
-    """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
-    KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute. A
-    step's layers run in one native call (kernels/cpu_decoder.cpp): its phases
-    come from the decoder's own clock, the rest from wrapped Python functions."""
-    b, r = Breakdown(run.clock), run.runner
-    decoder = model._decoder
-    phases = np.zeros(len(NativeDecoder.PHASES)) if decoder is not None else None
-    if decoder is not None:
-        decoder.phase_seconds = phases
-    head = model.lm_head
-    b.wrap(runner_mod, "check_plan", lambda *a: "plan check + apply")
-    b.wrap(r, "_apply", lambda *a: "plan check + apply")
-    b.wrap(runner_mod, "build_inputs", lambda *a: "batch building")
-    b.wrap(model_mod, "linear", lambda x, w: "LM head" if w is head else "layer matmuls")
-    b.wrap(model_mod, "project", lambda w, x: "layer matmuls")  # tensor or packed weight
-    b.wrap(native.PackedWeight, "mm_t", lambda w, x: "LM head")
-    b.wrap(r.backend, "forward", lambda *a: "attention")
-    b.wrap(r.backend, "prepare", lambda *a: "attention")
-    b.wrap(r.kv, "write", lambda *a: "KV write")
-    b.wrap(r, "forward", lambda *a: "forward")
-    b.wrap(r.sampler, "sample", lambda *a: "sampling")
-    total = 0.0
-    try:
-        for _ in range(steps):
-            total += run.step()
-    finally:
-        b.restore()
-        if decoder is not None:
-            decoder.phase_seconds = None
-    ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
-    for name, seconds in zip(NativeDecoder.PHASES, phases if phases is not None else (),
-                             strict=False):
-        ms[name] = ms.get(name, 0.0) + seconds * 1e3 / steps
-    inner = sum(ms.setdefault(k, 0.0) for k in ("layer matmuls", "LM head", "attention",
-                                                 "KV write"))
-    inner += sum(ms.get(k, 0.0) for k in ("norms + residual", "rope + q/k/v layout", "SwiGLU"))
-    ms["other forward ops"] = ms.pop("forward") - inner
-    ms["total"] = total * 1e3 / steps
-    ms["rest of execute"] = ms["total"] - ms["other forward ops"] - inner - sum(
-        ms[k] for k in ("plan check + apply", "batch building", "sampling"))
-    return ms
 
 
 def ours(model, backends: dict, args, clock, headline: str,
@@ -259,6 +184,9 @@ def parse_args() -> argparse.Namespace:
                    help=f"attention backends to time, first is the headline ({BACKEND_NAMES})")
     p.add_argument("--breakdown-batch", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f],
+                   default=["native", "fp32"],
+                   help="weight formats to A/B at batch 1 and 64 at the end ('' to skip)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch (and numba) threads; default torch's (one per core)")
     p.add_argument("--cpu-time", action="store_true",
@@ -327,6 +255,10 @@ def main() -> None:
               f"{load()}):")
         for key, value in sorted(ms.items(), key=lambda kv: -kv[1]):
             print(f"  {key:<24} {value:8.1f}  {value / ms['total']:6.1%}")
+    if args.formats:
+        del model
+        gc.collect()
+        format_ab(path, args.switches, args.formats, [1, 64], args.context, 4, args.steps, clock)
 
 
 def report(model, ceil, point_ceilings, args, step_s, hf_s, headline: str) -> None:
@@ -340,6 +272,7 @@ def report(model, ceil, point_ceilings, args, step_s, hf_s, headline: str) -> No
         memory = step_bytes(model, batch, args.context, kv_bytes) / (c["read_gbs"] * 1e9)
         return compute, memory * 1e3
 
+    print(f"\nweight format {model.weight_format}: {weight_bytes(model) / 1e6:.0f} MB/step")
     print(f"\ncontext {args.context}, {args.steps} timed steps after {args.warmup}; roofline: "
           f"max({flops / 1e6:.0f} MFLOP/token / GFLOP/s, bytes / GB/s), each point's ceilings "
           f"the best of those measured just before and after it ({load()})")

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
 from executor_svc.tp_shard import load_shard
-from kernels import native
+from executor_svc.weight_formats import embedding, fuse, prepare, read_native, resolve
+from kernels import native, quant
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.native_decoder import NativeDecoder
 
@@ -65,7 +66,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D / 2]
     return torch.where(medium, blended, scaled)
 
 
-Weight = torch.Tensor | native.PackedWeight  # a projection: [out, in], either form
+# A projection [out, in]: a tensor, packed fp32 or GGUF blocks (executor_svc/weight_formats.py).
+Weight = torch.Tensor | native.PackedWeight | quant.QuantWeight
 
 _MM_MAX_ROWS = 128
 # Output columns per piece of a wide ``linear`` (the LM head): [2048, 64] fp32 = 512 KiB,
@@ -128,10 +130,12 @@ class LlamaModel:
     def __init__(
         self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype, device,
         tp: TPComm | None = None, *, native_options: native.NativeOptions | None = None,
-        native_gemm: bool = True, native_decoder: bool = True,
+        native_gemm: bool = True, native_decoder: bool = True, weight_format: str = "fp32",
     ):
         """``native_*``: the executor's switches (executor_svc/settings.py); the defaults use
-        the C++ library, its GEMM and its decoder wherever they apply (fp32 on the CPU)."""
+        the C++ library, its GEMM and its decoder wherever they apply (fp32 on the CPU).
+        ``weight_format``: as weight_formats.resolve decided (``weights`` then holds
+        RawTensors for "native")."""
         self.config = config
         self.dtype = dtype
         self.tp = tp
@@ -141,13 +145,16 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"checkpoint has no tensor {name!r}: not a Llama-family model?")
-            return weights.pop(name).to(device=device, dtype=dtype)
+            w = weights.pop(name)
+            return w if isinstance(w, quant.RawTensor) else w.to(device=device, dtype=dtype)
 
         self.embed = take("model.embed_tokens.weight")  # [V, H]
         self.norm = take("model.norm.weight")  # [H]
         lm_head = weights.pop("lm_head.weight", None)
         tied = config.tie_word_embeddings or lm_head is None
-        self.lm_head = self.embed if tied else lm_head.to(device=device, dtype=dtype)  # [V, H]
+        if not tied and not isinstance(lm_head, quant.RawTensor):
+            lm_head = lm_head.to(device=device, dtype=dtype)
+        self.lm_head = self.embed if tied else lm_head  # [V, H]
         self.layers = [_Layer.load(i, take) for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(device)  # [D / 2] fp32
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -155,18 +162,25 @@ class LlamaModel:
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         self._native = native.load(native_options) if cpu_fp32 else None
         self._decoder: NativeDecoder | None = None
+        self.weight_format = weight_format if self._native is not None and native_gemm else "fp32"
+        if self.weight_format != weight_format:
+            raise ValueError(f"weight format {weight_format} needs the native GEMM")
         if self._native is not None and native_gemm:
             self._pack_weights(self._native, native_decoder)
 
     def _pack_weights(self, lib: native.NativeKernels, decoder: bool) -> None:
-        """Every projection and the LM head into the native GEMM's layout (the plain tensors
-        are dropped; a tied LM head keeps the embedding for the lookup: +113 MB here); and,
-        if ``decoder`` (and not under tp), the native decoder that runs a step's layers in
-        one call."""
+        """Every projection and the LM head into the native GEMM's form for the weight
+        format (fp32: packed panels, the plain tensors dropped, a tied LM head keeping the
+        embedding for the lookup: +113 MB here; native / bf16: blocks, the embedding's own
+        serving both); and, if ``decoder`` (and not under tp), the native decoder that runs
+        a step's layers in one call."""
+        fmt, tied = self.weight_format, self.lm_head is self.embed
         for layer in self.layers:
             for name in ("wqkv", "wo", "w13", "w2"):
-                setattr(layer, name, lib.pack_weight(getattr(layer, name)))
-        self.lm_head = lib.pack_weight(self.lm_head)
+                setattr(layer, name, prepare(lib, getattr(layer, name), fmt))
+        self.embed = embedding(lib, self.embed, fmt)
+        head = self.embed if tied else self.lm_head
+        self.lm_head = head if isinstance(head, quant.QuantWeight) else prepare(lib, head, fmt)
         if self.tp is None and decoder:
             c = self.config
             self._decoder = NativeDecoder(
@@ -223,18 +237,25 @@ class LlamaModel:
     @staticmethod
     def load(path: pathlib.Path, dtype=torch.float32, device="cpu", tp: TPComm | None = None,
              *, native_options: native.NativeOptions | None = None, native_gemm: bool = True,
-             native_decoder: bool = True) -> LlamaModel:
+             native_decoder: bool = True, weight_format: str = "auto") -> LlamaModel:
         """The checkpoint in ``path``; under tp only this rank's slices are read
-        (tp_shard.load_shard: a rank never holds the whole model)."""
+        (tp_shard.load_shard: a rank never holds the whole model). ``weight_format``: auto,
+        native, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not possible)."""
         config = ModelConfig.from_dir(path)
+        cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
+        lib = native.load(native_options) if cpu_fp32 else None
+        fmt = resolve(weight_format, path, lib, native_gemm, tp is not None)
         if tp is not None:
             weights = load_shard(path, config, tp.layout)
+        elif fmt == "native":
+            weights = read_native(path)
         else:
             weights = {}
             for file in sorted(path.glob("*.safetensors")):
                 weights.update(load_file(str(file)))
         return LlamaModel(config, weights, dtype, device, tp, native_options=native_options,
-                          native_gemm=native_gemm, native_decoder=native_decoder)
+                          native_gemm=native_gemm, native_decoder=native_decoder,
+                          weight_format=fmt)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32
@@ -267,7 +288,7 @@ class LlamaModel:
             if ffn is not None:
                 x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
-        if isinstance(self.lm_head, native.PackedWeight):  # writes [S, V] token-major
+        if isinstance(self.lm_head, native.PackedWeight | quant.QuantWeight):  # [S, V]
             h = rms_norm(x[:, sample_rows], self.norm, self.config.rms_norm_eps, dim=0)  # [H, S]
             logits = self.lm_head.mm_t(h)
         else:
@@ -295,10 +316,10 @@ class _Layer:
         gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
         return _Layer(
             attn_norm=take(p + "input_layernorm.weight"),
-            wqkv=torch.cat(qkv, dim=0),
+            wqkv=fuse(qkv),
             wo=take(p + "self_attn.o_proj.weight"),
             ffn_norm=take(p + "post_attention_layernorm.weight"),
-            w13=torch.cat(gate_up, dim=0),
+            w13=fuse(gate_up),
             w2=take(p + "mlp.down_proj.weight"),
         )
 

@@ -31,6 +31,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 CONVERTER_VERSION = 1
 _STALE_TMP_S = 3600.0
 DEFAULT_CACHE_DIR = "~/.cache/continuum"
+SOURCE_FILE = "gguf_source.json"  # executor_svc/weight_formats.py reads it
 
 
 class ModelError(ValueError):
@@ -101,6 +102,11 @@ def cache_entry(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
 def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
     final = cache_entry(gguf_path, root)
     if final.is_dir():
+        if not (final / SOURCE_FILE).is_file():  # an entry from before the native format
+            try:
+                _write_source(gguf_path, final)
+            except OSError:  # a read-only shared cache: --weight-format native is then off
+                pass
         return final
     from executor_svc.gguf_convert import ConversionError, convert, read_gguf
 
@@ -112,6 +118,7 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
     print(f"converting {gguf_path.name} to an HF directory (once) -> {final}", file=sys.stderr)
     try:
         convert(read_gguf(gguf_path), tmp, name=gguf_path.stem)
+        _write_source(gguf_path, tmp)
         for file in tmp.iterdir():
             file.chmod(0o644)  # readable by the other containers sharing the cache
         os.rename(tmp, final)
@@ -125,6 +132,17 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"converted in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     return final
+
+
+def _write_source(gguf_path: pathlib.Path, entry: pathlib.Path) -> None:
+    """``gguf_source.json``: the GGUF this entry came from (size and mtime as converted), for
+    the native weight format (executor_svc/weight_formats.py), written atomically."""
+    st = gguf_path.stat()
+    meta = {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    tmp = entry / f".{SOURCE_FILE}.{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(meta) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, entry / SOURCE_FILE)
 
 
 def _remove_stale_tmp(root: pathlib.Path) -> None:

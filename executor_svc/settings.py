@@ -39,6 +39,11 @@ class Switches:
                                                 packed for the native GEMM (and no decoder)
     CONTINUUM_NATIVE_DECODER   native_decoder   ``0``: decode steps layer by layer from
                                                 Python instead of one native call
+    CONTINUUM_WEIGHT_FORMAT    weight_format    auto (native for a GGUF where the native GEMM
+                                                runs, else fp32), native (the GGUF's own
+                                                blocks), fp32 or bf16: weight_formats.py
+    CONTINUUM_CPU_ISA          cpu_isa          auto (the highest the CPU has), avx2 or
+                                                avx512: which native library build loads
     CONTINUUM_CACHE_DIR        cache_dir        where GGUF conversions go (``<dir>/models``;
                                                 default ``~/.cache/continuum``)
     CONTINUUM_FAULT_INJECT     faults           test-only fault injection (faults.py)
@@ -55,6 +60,8 @@ class Switches:
     compiler: str | None = None
     native_gemm: bool = True
     native_decoder: bool = True
+    weight_format: str = "auto"
+    cpu_isa: str = "auto"
     cache_dir: str | None = None
     faults: FaultInjector = field(default_factory=FaultInjector)
 
@@ -65,7 +72,15 @@ class Switches:
         def on(name: str) -> bool:  # as before: anything but "0" leaves a switch on
             return environ.get(name, "1") != "0"
 
+        def choice(name: str, allowed: tuple[str, ...]) -> str:
+            value = environ.get(name) or "auto"
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+            return value
+
         return cls(
+            weight_format=choice("CONTINUUM_WEIGHT_FORMAT", ("auto", "native", "fp32", "bf16")),
+            cpu_isa=choice("CONTINUUM_CPU_ISA", ("auto", "avx2", "avx512")),
             native_kernels=on("CONTINUUM_NATIVE_KERNELS"),
             kernel_cache=environ.get("CONTINUUM_KERNEL_CACHE") or None,
             compiler=environ.get("CXX") or None,
@@ -82,9 +97,9 @@ class Switches:
         from kernels.native import NativeOptions
 
         return NativeOptions(enabled=self.native_kernels, cache_dir=self.kernel_cache,
-                             compiler=self.compiler)
+                             compiler=self.compiler, isa=self.cpu_isa)
 
     def model_options(self) -> dict:
         """LlamaModel's keyword arguments for these switches."""
         return {"native_options": self.native_options(), "native_gemm": self.native_gemm,
-                "native_decoder": self.native_decoder}
+                "native_decoder": self.native_decoder, "weight_format": self.weight_format}

@@ -33,28 +33,32 @@ namespace {
 constexpr int64_t MR = 6, NR = 16, N_CHUNK = 128;
 
 // out[r * ldo + j] = sum_k wp[k * MR + r] * xp[k * NR + j] for the tile's 6 x 16 entries.
+// kRows: the panel is row-major [6][K] instead (cpu_qgemm.cpp's dequantized rows, written
+// without an interleaving pass); the same sums in the same order.
+template <bool kRows = false>
 inline void tile(const float* __restrict wp, const float* __restrict xp, int64_t K,
                  float* __restrict out, int64_t ldo, const char* next) {
+  const int64_t rs = kRows ? K : 1, ks = kRows ? 1 : MR;  // row and k strides in wp
   __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps(), a11 = _mm256_setzero_ps();
   __m256 a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps();
   __m256 a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
   __m256 a40 = _mm256_setzero_ps(), a41 = _mm256_setzero_ps();
   __m256 a50 = _mm256_setzero_ps(), a51 = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k++, wp += MR, xp += NR) {
+  for (int64_t k = 0; k < K; k++, wp += ks, xp += NR) {
     if (next != nullptr && (k & 1) == 0) _mm_prefetch(next + k * MR * 4, _MM_HINT_T0);
     const __m256 x0 = _mm256_load_ps(xp), x1 = _mm256_load_ps(xp + 8);
-    __m256 b = _mm256_broadcast_ss(wp + 0);
+    __m256 b = _mm256_broadcast_ss(wp);
     a00 = _mm256_fmadd_ps(b, x0, a00), a01 = _mm256_fmadd_ps(b, x1, a01);
-    b = _mm256_broadcast_ss(wp + 1);
+    b = _mm256_broadcast_ss(wp + 1 * rs);
     a10 = _mm256_fmadd_ps(b, x0, a10), a11 = _mm256_fmadd_ps(b, x1, a11);
-    b = _mm256_broadcast_ss(wp + 2);
+    b = _mm256_broadcast_ss(wp + 2 * rs);
     a20 = _mm256_fmadd_ps(b, x0, a20), a21 = _mm256_fmadd_ps(b, x1, a21);
-    b = _mm256_broadcast_ss(wp + 3);
+    b = _mm256_broadcast_ss(wp + 3 * rs);
     a30 = _mm256_fmadd_ps(b, x0, a30), a31 = _mm256_fmadd_ps(b, x1, a31);
-    b = _mm256_broadcast_ss(wp + 4);
+    b = _mm256_broadcast_ss(wp + 4 * rs);
     a40 = _mm256_fmadd_ps(b, x0, a40), a41 = _mm256_fmadd_ps(b, x1, a41);
-    b = _mm256_broadcast_ss(wp + 5);
+    b = _mm256_broadcast_ss(wp + 5 * rs);
     a50 = _mm256_fmadd_ps(b, x0, a50), a51 = _mm256_fmadd_ps(b, x1, a51);
   }
   _mm256_storeu_ps(out + 0 * ldo, a00), _mm256_storeu_ps(out + 0 * ldo + 8, a01);
@@ -145,7 +149,8 @@ void narrow_gemm(const float* wp, int64_t M, int64_t K, const float* x, int64_t 
 
 // The wide (N > 4) GEMM over panels that `src` supplies: src(p, scratch) -> panel p in the
 // [K][6] layout (the packed weight itself, or cpu_qgemm.cpp's dequantized copy in
-// `scratch`, MR * K floats per thread); src.next(p): where to prefetch panel p + 1 from.
+// `scratch`, MR * K floats per thread, row-major: Source::kRows); src.next(p): where to
+// prefetch panel p + 1 from.
 template <class Source>
 void wide_gemm(const Source& src, int64_t M, int64_t K, const float* x, int64_t ldx_k,
                int64_t ldx_n, int64_t N, float* c, int64_t ldc_m, int64_t ldc_n,
@@ -173,9 +178,9 @@ void wide_gemm(const Source& src, int64_t M, int64_t K, const float* x, int64_t 
           // The first column block streams the next panel in (weights come from memory).
           const char* next = b == 0 && p + 1 < panels ? src.next(p) : nullptr;
           if (rows == MR && cols == NR && ldc_n == 1) {  // straight into C
-            tile(wpp, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m, next);
+            tile<Source::kRows>(wpp, xp + b * K * NR, K, c + m0 * ldc_m + j0, ldc_m, next);
           } else {
-            tile(wpp, xp + b * K * NR, K, t, NR, next);
+            tile<Source::kRows>(wpp, xp + b * K * NR, K, t, NR, next);
             store_tile(t, rows, cols, c + m0 * ldc_m + j0 * ldc_n, ldc_m, ldc_n);
           }
         }
@@ -185,7 +190,7 @@ void wide_gemm(const Source& src, int64_t M, int64_t K, const float* x, int64_t 
 }
 
 struct PackedSource {  // gemm_pack_weight_f32's panels, read in place
-  static constexpr bool needs_scratch = false;
+  static constexpr bool needs_scratch = false, kRows = false;
   const float* wp;
   int64_t K;
   const float* operator()(int64_t p, float*) const { return wp + p * MR * K; }
@@ -195,7 +200,7 @@ struct PackedSource {  // gemm_pack_weight_f32's panels, read in place
 using PanelFn = const float* (*)(const void* ctx, int64_t panel, float* scratch);
 
 struct CallbackSource {  // panels built per call (cpu_qgemm.cpp's dequantization)
-  static constexpr bool needs_scratch = true;
+  static constexpr bool needs_scratch = true, kRows = true;  // rows [6][K]
   PanelFn fn;
   const void* ctx;
   const float* operator()(int64_t p, float* scratch) const { return fn(ctx, p, scratch); }

@@ -5,13 +5,14 @@
 // gguf.quants.dequantize gives (what transformers loads), and numpy rounds d * q + m twice;
 // a contracted FMA would round once and differ in the last bit.
 //
-// Two shapes of work. Few columns (N <= 4: decode batches of 1-4, weight-streaming bound):
+// Two shapes of work. Few columns (N <= 8: decode batches of 1-8, weight-streaming bound):
 // each row's blocks are dequantized into an L1 buffer and multiplied into N accumulators at
 // once, so the quantized bytes stream from memory exactly once per step (4.5-8.5 bits per
 // weight instead of fp32's 32). More columns (larger batches and prefill): each 6-row panel
-// is dequantized once per 128-column chunk into cpu_gemm.cpp's fp32 panel layout and the
-// same 6 x 16 register tile runs over it (gemm_panels_f32), so the dequantization is ~3% of
-// the FMAs and the result equals the fp32 GEMM over the dequantized weights.
+// is dequantized once per 128-column chunk into a row-major fp32 panel [6][K] (SIMD
+// stores, no interleaving pass) and cpu_gemm.cpp's 6 x 16 register tile runs over it
+// (gemm_panels_f32, the tile's kRows layout): the same sums as the fp32 GEMM over the
+// dequantized weights.
 //
 // A weight is a chain of row segments (QWeight.next): q/k/v (and gate/up) are fused into one
 // projection even when their formats differ (Q4_K_M files keep attn_v in Q6_K). Format 0 is
@@ -48,6 +49,7 @@ enum Format : int32_t {
   kPacked = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30
 };
 constexpr int64_t MR = 6;  // cpu_gemm.cpp's panel height
+constexpr int64_t kNarrow = 8;  // N up to this: the narrow kernel (one pass over the blocks)
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -181,8 +183,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// C[m, n] for the segment's rows, NN <= 4 columns of xt [NN][K] (token-major, contiguous):
-// the row's blocks dequantized into `buf` (L1) and multiplied into 2 accumulators per column.
+// C[m, n] for the segment's rows, NN <= kNarrow columns of xt [NN][K] (token-major, contiguous):
+// the row's blocks dequantized into `buf` (L1) and multiplied into 1-2 accumulators per column.
 template <int F, int NN>
 void narrow(const QWeight& w, const float* xt, float* c, int64_t ldc_m, int64_t ldc_n,
             int threads) {
@@ -206,8 +208,10 @@ void narrow(const QWeight& w, const float* xt, float* c, int64_t ldc_m, int64_t 
     }
     for (int n = 0; n < NN; n++) c[m * ldc_m + n * ldc_n] = _mm512_reduce_add_ps(acc[n]);
 #else
-    __m256 acc[NN][2];
-    for (int n = 0; n < NN; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+    constexpr int A = NN <= 4 ? 2 : 1;  // accumulators per column: 2 hide FMA latency
+    __m256 acc[NN][A];
+    for (int n = 0; n < NN; n++)
+      for (int a = 0; a < A; a++) acc[n][a] = _mm256_setzero_ps();
     for (int64_t k0 = 0; k0 < K; k0 += B::kBlock) {
       B::block(row + k0 / B::kBlock * B::kBytes, buf);
       for (int64_t j = 0; j < B::kBlock; j += 16) {
@@ -215,33 +219,29 @@ void narrow(const QWeight& w, const float* xt, float* c, int64_t ldc_m, int64_t 
         for (int n = 0; n < NN; n++) {
           const float* xk = xt + n * K + k0 + j;
           acc[n][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xk), acc[n][0]);
-          acc[n][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 8), acc[n][1]);
+          acc[n][A - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 8), acc[n][A - 1]);
         }
       }
     }
     for (int n = 0; n < NN; n++)
-      c[m * ldc_m + n * ldc_n] = hsum(_mm256_add_ps(acc[n][0], acc[n][1]));
+      c[m * ldc_m + n * ldc_n] = hsum(A == 2 ? _mm256_add_ps(acc[n][0], acc[n][A - 1])
+                                             : acc[n][0]);
 #endif
   }
 }
 
-// gemm_panels_f32's source: panel p's rows dequantized into cpu_gemm.cpp's [K][6] layout.
+// gemm_panels_f32's source: panel p's 6 rows dequantized, row-major [6][K] (the tile's
+// kRows layout: no interleaving pass), rows past the end zero.
 template <int F>
 const float* panel(const void* ctx, int64_t p, float* scratch) {
   const QWeight& w = *static_cast<const QWeight*>(ctx);
   const int64_t K = w.cols;
-  alignas(64) float buf[Fmt<F>::kBlock];
   for (int64_t r = 0; r < MR; r++) {
     const int64_t m = p * MR + r;
-    if (m >= w.rows) {
-      for (int64_t k = 0; k < K; k++) scratch[k * MR + r] = 0.0f;
-      continue;
-    }
-    const uint8_t* row = static_cast<const uint8_t*>(w.data) + m * w.row_bytes;
-    for (int64_t k0 = 0; k0 < K; k0 += Fmt<F>::kBlock) {
-      Fmt<F>::block(row + k0 / Fmt<F>::kBlock * Fmt<F>::kBytes, buf);
-      for (int64_t j = 0; j < Fmt<F>::kBlock; j++) scratch[(k0 + j) * MR + r] = buf[j];
-    }
+    if (m < w.rows)
+      dequant_row<F>(static_cast<const uint8_t*>(w.data) + m * w.row_bytes, K, scratch + r * K);
+    else
+      memset(scratch + r * K, 0, K * sizeof(float));
   }
   return scratch;
 }
@@ -254,6 +254,10 @@ void segment_gemm(const QWeight& w, const float* x, int64_t ldx_k, int64_t ldx_n
     case 2: return narrow<F, 2>(w, xt, c, ldc_m, ldc_n, threads);
     case 3: return narrow<F, 3>(w, xt, c, ldc_m, ldc_n, threads);
     case 4: return narrow<F, 4>(w, xt, c, ldc_m, ldc_n, threads);
+    case 5: return narrow<F, 5>(w, xt, c, ldc_m, ldc_n, threads);
+    case 6: return narrow<F, 6>(w, xt, c, ldc_m, ldc_n, threads);
+    case 7: return narrow<F, 7>(w, xt, c, ldc_m, ldc_n, threads);
+    case 8: return narrow<F, 8>(w, xt, c, ldc_m, ldc_n, threads);
     default:
       gemm_panels_f32(panel<F>, &w, w.rows, w.cols, x, ldx_k, ldx_n, N, c, ldc_m, ldc_n, threads);
   }
@@ -294,7 +298,7 @@ void qweight_gemm(const QWeight* w, const float* x, int64_t ldx_k, int64_t ldx_n
   const float* xt = nullptr;
   bool blocks = false;  // any segment in GGUF blocks (packed fp32 reads X as it is)
   for (const QWeight* s = w; s != nullptr; s = s->next) blocks |= s->format != kPacked;
-  if (N <= 4 && blocks) {  // the narrow kernel reads X token-major: [N][K], K contiguous
+  if (N <= kNarrow && blocks) {  // the narrow kernel reads X token-major: [N][K], K contiguous
     if (int64_t(xt_buf.size()) < N * K) xt_buf.resize(N * K);
     for (int64_t n = 0; n < N; n++)
       for (int64_t k = 0; k < K; k++) xt_buf[n * K + k] = x[k * ldx_k + n * ldx_n];

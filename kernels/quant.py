@@ -9,6 +9,7 @@ native.PackedWeight so a layer calls ``w.mm(x)`` whichever kind of weight it hol
 from __future__ import annotations
 
 import ctypes
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,8 +105,10 @@ class QuantWeight:
             if part.format == 0:  # fp32: cpu_gemm.cpp's panels, via gemm_packed_f32
                 packed = lib.pack_weight(torch.from_numpy(np.ascontiguousarray(part.data)))
                 data, row_bytes = packed.data, 0
-            else:
-                data = torch.from_numpy(np.ascontiguousarray(part.data))
+            else:  # read in place: a GGUF memmap's pages stay shared with the page cache
+                with warnings.catch_warnings():  # read-only memmap: never written here
+                    warnings.simplefilter("ignore", UserWarning)
+                    data = torch.from_numpy(np.ascontiguousarray(part.data))
                 row_bytes = data.shape[1]
             self._keep.append(data)
             seg = self._chain[i]

@@ -11,6 +11,7 @@ import pytest
 from executor_svc import __main__ as executor_main
 from executor_svc.settings import Switches
 from kernels import native
+from kernels.quant import QuantWeight
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 IPC = ["--ipc", "ipc:///tmp/continuum-test-settings.sock"]
@@ -33,7 +34,7 @@ def test_each_variable_lands_in_its_field():
     assert s.native_options() == native.NativeOptions(enabled=False, cache_dir="/k",
                                                       compiler="clang++")
     assert s.model_options() == {"native_options": s.native_options(), "native_gemm": False,
-                                 "native_decoder": False}
+                                 "native_decoder": False, "weight_format": "auto"}
     assert s.cache_dir == "/models" and s.faults.faults == {7: "raise_on_token"}
 
 
@@ -89,4 +90,5 @@ def test_the_executor_build_passes_the_switches_down(model_dir, env):
         pytest.skip("no native kernels here: nothing to switch off")
     else:
         assert model._native is not None and runner.backend.native is not None
-        assert model._decoder is None and isinstance(model.lm_head, native.PackedWeight)
+        assert model._decoder is None
+        assert isinstance(model.lm_head, native.PackedWeight | QuantWeight)

@@ -51,7 +51,7 @@ def test_dequantized_values_equal_gguf_and_the_gemm_matches(fmt):
     want = reference(t)
     assert np.array_equal(w.dequantize().numpy(), want), "a weight value differs from gguf's"
     ref = torch.from_numpy(want).double()
-    for n in (1, 3, 4, 5, 21):
+    for n in (1, 3, 4, 6, 8, 9, 21):
         x = torch.randn(512, n)
         got = w.mm(x)
         expect = (ref @ x.double()).float()
@@ -99,9 +99,10 @@ def test_isa_choice_never_picks_what_the_cpu_lacks():
         native.choose_isa("avx9", avx2)
 
 
-def test_the_avx512_build_compiles_and_agrees_with_avx2_where_it_runs():
-    path = native.build("avx512")  # compiles on any x86-64 with g++
-    assert path.exists()
+def test_the_avx512_build_compiles_and_agrees_with_avx2_where_it_runs(tmp_path):
+    # Its AVX-512 paths (cpu_qgemm.cpp) compile on any x86-64 with g++; the whole library is
+    # built where it can run.
+    assert native.compile_check("avx512", tmp_path).stat().st_size > 0
     if native.choose_isa("auto", native.cpu_flags()) != "avx512":
         pytest.skip("this CPU lacks AVX-512 F/BW/VL/DQ: the build compiles, it cannot run here")
     fast = native.load(native.NativeOptions(isa="avx512"))

@@ -1,0 +1,120 @@
+"""Weight formats A/B in one run (executor_svc/weight_formats.py): decode steps at batch 1
+and 64 and one 512-token prefill per format, rounds alternating between the formats so a
+busy machine's minute-to-minute drift hits each the same; each step against the roofline of
+the bytes that format actually streams (weights as stored + the KV it reads) over the read
+bandwidth measured in the same round.
+
+    .venv/bin/python -m benchmarks.bench_formats [--formats native,fp32] [--batches 1,64]
+
+``make bench-executor`` runs it after its own table (benchmarks/bench_executor.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+from executor_svc.model import LlamaModel
+from executor_svc.model_files import resolve_model
+from executor_svc.settings import Switches
+from executor_svc.weight_formats import streamed_bytes
+from kernels import make_backend
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """What one step reads of the weights: every projection and the LM head as stored (a
+    tied embedding once: the lookup reads only the step's rows), plus the norms."""
+    total = sum(streamed_bytes(w) for layer in model.layers
+                for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
+    total += sum(layer.attn_norm.numel() + layer.ffn_norm.numel() for layer in model.layers) * 4
+    return total + streamed_bytes(model.lm_head) + model.norm.numel() * 4
+
+
+def read_gbs(clock) -> float:
+    """Streaming read bandwidth, best of 5 sums over 256 MiB (more than any cache)."""
+    big = torch.ones(64 << 20)
+    best = float("inf")
+    for _ in range(5):
+        start = clock()
+        big.sum()
+        best = min(best, clock() - start)
+    return big.numel() * 4 / best / 1e9
+
+
+def format_ab(path, switches: Switches, formats: list[str], batches: list[int], context: int,
+              rounds: int, steps: int, clock=time.perf_counter) -> None:
+    """Prints the A/B table: per format and batch the median over rounds of each round's
+    median step, bytes per step, GB/s achieved and the share of the memory roofline."""
+    from benchmarks.bench_executor import DecodeRun, ours_prefill_tokens_per_s
+
+    options = {**switches.model_options()}
+    models = {}
+    for fmt in formats:
+        start = time.perf_counter()
+        models[fmt] = LlamaModel.load(path, **{**options, "weight_format": fmt})
+        print(f"  {fmt}: loaded in {time.perf_counter() - start:.1f} s as "
+              f"{models[fmt].weight_format}, {weight_bytes(models[fmt]) / 1e6:.0f} MB of "
+              f"weights per step", flush=True)
+    backend = make_backend(None, native_options=switches.native_options())
+    c = next(iter(models.values())).config
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    times: dict[tuple[str, int], list[float]] = {(f, b): [] for f in formats for b in batches}
+    prefill: dict[str, list[float]] = {f: [] for f in formats}
+    bandwidth: list[float] = []
+    for r in range(rounds):
+        bandwidth.append(read_gbs(clock))
+        order = formats if r % 2 == 0 else formats[::-1]  # ABBA: drift hits both alike
+        for fmt in order:
+            for batch in batches:
+                run = DecodeRun(models[fmt], backend, batch, context, steps + 2, clock)
+                times[fmt, batch].append(run.timed(2, steps))
+                del run
+            prefill[fmt].append(ours_prefill_tokens_per_s(models[fmt], backend, 512, clock))
+            gc.collect()
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{f} b{b} {statistics.median(times[f, b][-1:]) * 1e3:.1f} ms" for f in formats
+            for b in batches) + f"; read {bandwidth[-1]:.1f} GB/s; load "
+            + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
+    gbs = max(bandwidth)
+    print(f"\nweight formats, A/B over {rounds} alternating rounds (median of per-round "
+          f"medians of {steps} steps), context {context}, {torch.get_num_threads()} threads; "
+          f"roofline: bytes/step over the best measured read bandwidth, {gbs:.1f} GB/s")
+    print("| format | batch | weights MB/step | KV MB/step | ms/step | tok/s | GB/s achieved "
+          "| roofline ms | of roofline |")
+    for fmt in formats:
+        weights = weight_bytes(models[fmt])
+        for batch in batches:
+            seconds = statistics.median(times[fmt, batch])
+            total = weights + kv_per_token * context * batch
+            bound = total / (gbs * 1e9)
+            print(f"| {fmt} | {batch} | {weights / 1e6:.0f} | "
+                  f"{kv_per_token * context * batch / 1e6:.0f} | {seconds * 1e3:.1f} | "
+                  f"{batch / seconds:.0f} | {total / seconds / 1e9:.1f} | {bound * 1e3:.1f} | "
+                  f"{bound / seconds:.0%} |")
+    print("prefill, one 512-token prompt (tokens/s, median): " + ", ".join(
+        f"{f} {statistics.median(v):.0f}" for f, v in prefill.items()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--formats", type=lambda s: s.split(","), default=["native", "fp32"])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    switches = Switches.from_env()
+    format_ab(resolve_model(None, switches.cache_dir), switches, args.formats, args.batches,
+              args.context, args.rounds, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The executor's weight formats (``CONTINUUM_WEIGHT_FORMAT``, executor_svc/settings.py):
+
+* ``native``: a converted GGUF's own tensors in their block formats (Q4_0, Q4_1, Q8_0, Q4_K,
+  Q6_K, F16, BF16), read raw from the GGUF (``gguf.GGUFReader``) and multiplied by
+  kernels/cpu_qgemm.cpp, dequantized inside the GEMM. Every weight value equals what
+  ``gguf.quants.dequantize`` gives (so what transformers loads from the converted directory):
+  greedy outputs stay token-exact. A batch-1 step streams ~4.5-8.5 bits per weight instead
+  of 32 (the bundled Q4_1 model: 101 MB instead of 540 MB).
+* ``bf16``: an HF directory's fp32 weights rounded to bfloat16 (half the bytes; the values
+  change, so outputs are close to, not equal to, the fp32 model's).
+* ``fp32``: as before: dequantized / safetensors fp32, packed for cpu_gemm.cpp.
+* ``auto`` (the default): ``native`` where it applies (a GGUF source, fp32 activations on an
+  AVX2 CPU, the native GEMM on, no tensor parallelism), else ``fp32``. Chosen by
+  measurement: docs/executor-performance.md (batch 1 and 64, A/B in one run).
+
+A converted directory names its GGUF in ``gguf_source.json`` (executor_svc/model_files.py
+writes it), which is how ``native`` finds the blocks behind an HF directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from executor_svc.model_files import SOURCE_FILE
+from kernels import native, quant
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FORMATS = ("auto", "native", "fp32", "bf16")  # settings.py checks the same names
+
+
+def gguf_source(path: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a converted directory came from, if it says so and the file is the
+    same one (size and mtime as recorded); else None."""
+    try:
+        meta = json.loads((path / SOURCE_FILE).read_text())
+        source = pathlib.Path(meta["path"])
+        st = source.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    same = st.st_size == meta.get("size") and st.st_mtime_ns == meta.get("mtime_ns")
+    return source if same else None
+
+
+def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None,
+            gemm: bool, tp: bool) -> str:
+    """The format to load: ``requested`` checked against what this model and machine allow
+    (ValueError saying why, for an explicit request that cannot be met)."""
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {requested!r}: expected one of {WEIGHT_FORMATS}")
+    if requested == "fp32":
+        return "fp32"
+    why = ("tensor parallelism reads fp32 safetensors slices" if tp else
+           "the native kernels are not in use (fp32 on an AVX2 CPU, CONTINUUM_NATIVE_KERNELS "
+           "and CONTINUUM_NATIVE_GEMM on)" if lib is None or not gemm else None)
+    if requested == "bf16":
+        if why:
+            raise ValueError(f"weight format bf16 needs the native GEMM: {why}")
+        return "bf16"
+    if why is None and gguf_source(path) is None:
+        why = f"{path} is not a GGUF conversion (no current {SOURCE_FILE})"
+    if why is None:
+        return "native"
+    if requested == "native":
+        raise ValueError(f"weight format native is not available: {why}")
+    log.info("weight format auto -> fp32 (%s)", why)
+    return "fp32"
+
+
+def read_native(path: pathlib.Path) -> dict[str, torch.Tensor | quant.RawTensor]:
+    """The GGUF behind ``path``'s tensors under HF names: 1-D ones (norms) as float32
+    tensors, 2-D ones as RawTensors in their own format (fp32 where cpu_qgemm.cpp cannot
+    read the format), Q/K rows in HF's order (llama.cpp's rope permutation undone)."""
+    from executor_svc.gguf_convert import _dequantize, _hf_name
+
+    source = gguf_source(path)
+    if source is None:
+        raise ValueError(f"{path}: no current {SOURCE_FILE}, cannot read native weights")
+    reader = GGUFReader(source)
+    fields = {n: f.contents() for n, f in reader.fields.items()}
+    arch = fields["general.architecture"]
+    heads = fields[f"{arch}.attention.head_count"]
+    kv_heads = fields.get(f"{arch}.attention.head_count_kv", heads)
+    out: dict[str, torch.Tensor | quant.RawTensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if len(t.shape) == 1:
+            out[name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        raw = quant.RawTensor(int(t.tensor_type), (rows, cols),
+                              np.asarray(t.data).reshape(rows, -1).view(np.uint8))
+        if raw.format == 0 or not quant.readable(raw):
+            raw = quant.RawTensor(0, (rows, cols), _dequantize(t).reshape(rows, cols))
+        n = heads if name.endswith("q_proj.weight") else kv_heads
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            order = np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(1, 2).reshape(-1)
+            raw = raw.take_rows(order)
+        out[name] = raw
+    return out
+
+
+def fuse(parts: list) -> torch.Tensor | list:
+    """q/k/v or gate/up stacked by rows: one tensor, or (native) the list of RawTensors."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts, dim=0)
+    return list(parts)
+
+
+def prepare(lib: native.NativeKernels, w, fmt: str):
+    """A projection (tensor, RawTensor or list of them) in the GEMM's form for ``fmt``:
+    native.PackedWeight (fp32) or quant.QuantWeight (blocks, bf16)."""
+    parts = w if isinstance(w, list) else [w]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        dense = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if fmt == "bf16" and dense.shape[1] % 32 == 0:
+            return quant.QuantWeight(lib, [quant.RawTensor.bf16(dense)])
+        return lib.pack_weight(dense)
+    raws = [p if isinstance(p, quant.RawTensor) else
+            quant.RawTensor(0, tuple(p.shape), p.float().numpy()) for p in parts]
+    return quant.QuantWeight(lib, raws)
+
+
+def embedding(lib: native.NativeKernels, w, fmt: str):
+    """The token embedding for the lookup (and a tied LM head): blocks stay blocks (Q8_0 is
+    a quarter of fp32's bytes), bf16 is rounded; an fp32 tensor stays a tensor."""
+    if isinstance(w, quant.RawTensor) and w.format != 0:
+        return quant.QuantWeight(lib, [w])
+    dense = w if isinstance(w, torch.Tensor) else torch.from_numpy(np.array(w.data))
+    if fmt == "bf16" and dense.shape[1] % 32 == 0:
+        return quant.QuantWeight(lib, [quant.RawTensor.bf16(dense)])
+    return dense.float()
+
+
+def streamed_bytes(w) -> int:
+    """Bytes a step reads for weight ``w`` (bench_executor.py's roofline)."""
+    if isinstance(w, quant.QuantWeight):
+        return w.nbytes
+    return w.numel() * (w.element_size() if isinstance(w, torch.Tensor) else 4)

@@ -1,0 +1,127 @@
+"""The weight formats (executor_svc/weight_formats.py): the bundled GGUF served in its own
+Q4_1 / Q8_0 blocks with every weight equal to the fp32 conversion's (transformers' values),
+its logits against transformers'; bf16 for an HF directory; the choice and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from executor_svc import weight_formats
+from executor_svc.kv_cache import KVCache, KVCacheSpec
+from executor_svc.model import LlamaModel
+from executor_svc.model_files import bundled_gguf
+from kernels import make_backend, native, quant
+from kernels.attention import AttentionMetadata
+
+LIB = native.load()
+needs_native = pytest.mark.skipif(LIB is None, reason="no AVX2 CPU or compiler: fp32 only")
+
+
+@needs_native
+def test_the_default_serves_the_gguf_blocks_with_transformers_values(model, model_dir):
+    # The suite's `model` fixture loads with every switch at its default: auto -> native.
+    if weight_formats.gguf_source(model_dir) != bundled_gguf().resolve():
+        pytest.skip("$CONTINUUM_TEST_MODEL is not the bundled Q4_1 GGUF")
+    assert model.weight_format == "native"
+    assert model.layers[0].wqkv.formats == ("Q4_1",) * 3 and model.embed.formats == ("Q8_0",)
+    assert model.lm_head is model.embed  # tied: one copy of the Q8_0 blocks serves both
+    fp32 = load_file(str(model_dir / "model.safetensors"))  # gguf.dequantize + un-permute
+    for i in (0, 29):
+        p = f"model.layers.{i}."
+        layer = model.layers[i]
+        want = {"wqkv": [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
+                "wo": [p + "self_attn.o_proj.weight"], "w2": [p + "mlp.down_proj.weight"],
+                "w13": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]}
+        for name, parts in want.items():
+            expected = torch.cat([fp32[n] for n in parts])
+            assert torch.equal(getattr(layer, name).dequantize(), expected), (i, name)
+    assert torch.equal(model.embed.dequantize(), fp32["model.embed_tokens.weight"])
+    # The step streams the blocks: ~4.7x fewer weight bytes than fp32.
+    ours = sum(weight_formats.streamed_bytes(w) for lay in model.layers
+               for w in (lay.wqkv, lay.wo, lay.w13, lay.w2)) + model.lm_head.nbytes
+    assert ours * 4 < sum(t.numel() * 4 for n, t in fp32.items() if n.endswith("proj.weight")
+                          or n == "model.embed_tokens.weight")
+
+
+@needs_native
+def test_native_logits_match_transformers(model, hf_model):
+    """A 40-token prefill in two chunks and one decode step, the sampled rows against
+    transformers' fp32 logits over the same (dequantized) weights."""
+    c = model.config
+    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 16), 8)
+    ids = torch.randint(0, c.vocab_size, (41,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf_model(ids[None]).logits[0]
+    backend = make_backend(None)
+    for start, end in [(0, 25), (25, 40), (40, 41)]:
+        meta = AttentionMetadata.build([end - start], [end], [[0, 1, 2]], 16)
+        rows = torch.tensor([0, end - start - 1])
+        got = model.forward(ids[start:end], torch.arange(start, end), torch.arange(start, end),
+                            meta, backend, kv, rows)
+        torch.testing.assert_close(got, want[[start, end - 1]], atol=2e-3, rtol=2e-3)
+        assert torch.equal(got.argmax(-1), want[[start, end - 1]].argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+@needs_native
+def test_bf16_weights_for_an_hf_dir_stay_close(tiny_dir):
+    path, hf = tiny_dir
+    model = LlamaModel.load(path, weight_format="bf16")
+    assert model.layers[1].w13.formats == ("BF16",) and model.lm_head.formats == ("BF16",)
+    w = model.layers[1].w13.dequantize()
+    gate = hf.model.layers[1].mlp.gate_proj.weight.detach()
+    assert torch.equal(w[:128], gate.to(torch.bfloat16).float())
+    c = model.config
+    kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 16), 4)
+    ids = torch.arange(5, 25)
+    meta = AttentionMetadata.build([20], [20], [[0, 1]], 16)
+    got = model.forward(ids, torch.arange(20), torch.arange(20), meta, make_backend(None), kv,
+                        torch.tensor([19]))
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0, -1]
+    torch.testing.assert_close(got[0], want, atol=0.03, rtol=0.03)  # bf16 weights: ~1e-2
+
+
+def test_the_choice_and_its_errors(tiny_dir, model_dir):
+    path, _ = tiny_dir
+    assert weight_formats.resolve("auto", path, LIB, True, False) == "fp32"  # no GGUF behind
+    assert weight_formats.resolve("fp32", model_dir, LIB, True, False) == "fp32"
+    with pytest.raises(ValueError, match="not a GGUF conversion"):
+        weight_formats.resolve("native", path, LIB, True, False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        weight_formats.resolve("native", model_dir, LIB, True, True)
+    with pytest.raises(ValueError, match="native GEMM"):
+        weight_formats.resolve("bf16", path, None, True, False)
+    with pytest.raises(ValueError, match="expected one of"):
+        weight_formats.resolve("int3", path, LIB, True, False)
+    if LIB is not None:
+        assert weight_formats.resolve("auto", model_dir, LIB, True, False) == "native"
+        assert weight_formats.resolve("auto", model_dir, LIB, False, False) == "fp32"
+
+
+def test_a_moved_or_changed_gguf_is_not_read(tmp_path, model_dir):
+    meta = json.loads((model_dir / weight_formats.SOURCE_FILE).read_text())
+    (tmp_path / weight_formats.SOURCE_FILE).write_text(json.dumps({**meta, "size": 1}))
+    assert weight_formats.gguf_source(model_dir) is not None
+    assert weight_formats.gguf_source(tmp_path) is None
+
+
+def test_a_row_permutation_of_blocks_is_exact():
+    raw = quant.RawTensor(2, (4, 32), torch.arange(4 * 18, dtype=torch.uint8).view(4, 18).numpy())
+    assert (raw.take_rows([2, 0, 3, 1]).data[1] == raw.data[0]).all()
