@@ -60,7 +60,7 @@ def test_padding_repeats_the_last_real_row():
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra pins it)")
 
-_SHAPE = dict(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+_SHAPE = dict(hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
               head_dim=16, vocab_size=97, max_position_embeddings=128)
 
 
@@ -123,5 +123,5 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu_where_no_graphs_
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert resolve_dtype("float16", torch.device("cuda", 0)) == "float16"
     model = random_llama(llama_config(**_SHAPE), dtype=torch.float32, native_gemm=False)
-    kv = KVCache(KVCacheSpec(2, 2, 16, torch.float32, 4), 4)
+    kv = KVCache(KVCacheSpec(1, 2, 16, torch.float32, 4), 4)
     assert decode_graphs(model, kv, enforce_eager=False) is None  # not on CUDA
