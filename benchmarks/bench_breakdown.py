@@ -14,7 +14,7 @@ from kernels import native, quant
 from kernels.native_decoder import NativeDecoder
 
 if TYPE_CHECKING:
-    from benchmarks.bench_executor import DecodeRun
+    from benchmarks.bench_decode import DecodeRun
     from executor_svc.model import LlamaModel
 
 

@@ -16,24 +16,18 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import time
 
 import torch
 
 from benchmarks.bench_breakdown import breakdown
+from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
 from benchmarks.bench_formats import format_ab, weight_bytes
 from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
-from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.model import LlamaModel, project
 from executor_svc.model_files import resolve_model
-from executor_svc.runner import Runner
 from executor_svc.settings import Switches
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
-from protos.continuum.v1 import executor_pb2 as pb
-from protos.continuum.v1 import sampling_pb2
-
-INCARNATION = "bench"
 
 
 def load() -> str:
@@ -77,54 +71,6 @@ def step_bytes(model: LlamaModel, batch: int, context: int, kv_bytes: int = 4) -
     return weight_bytes(model) + kv_bytes * kv
 
 
-class DecodeRun:
-    """``batch`` sequences at ``context`` tokens, decoding one token per step via plans."""
-
-    def __init__(self, model: LlamaModel, backend, batch: int, context: int, steps: int,
-                 clock=time.perf_counter, kv_dtype: torch.dtype = torch.float32,
-                 native_options=None):
-        c, bs = model.config, 16
-        self.clock = clock
-        self.blocks_per_seq = -(-(context + steps + 1) // bs)
-        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype, bs)
-        kv = KVCache(spec, batch * self.blocks_per_seq, native_options=native_options)
-        self.runner = Runner(model, kv, backend, INCARNATION)
-        self.batch, self.context, self.step_id = batch, context, 0
-        self.vocab = c.vocab_size
-
-    def plan(self) -> pb.BatchPlan:
-        self.step_id += 1
-        plan = pb.BatchPlan(incarnation=INCARNATION, step_id=self.step_id)
-        if self.step_id > 1:  # decode deltas; every block was handed out up front
-            plan.cached_seq_ids.extend(range(self.batch))
-            plan.cached_num_scheduled_tokens.extend([1] * self.batch)
-            plan.cached_num_new_blocks.extend([0] * self.batch)
-            return plan
-        gen = torch.Generator().manual_seed(0)
-        greedy = sampling_pb2.SamplingParams(temperature=0.0)
-        for i in range(self.batch):  # arrives with context - 1 tokens cached, decodes the last
-            tokens = torch.randint(3, self.vocab, (self.context,), generator=gen).tolist()
-            blocks = range(i * self.blocks_per_seq, (i + 1) * self.blocks_per_seq)
-            plan.new_seqs.add(seq_id=i, token_ids=tokens, num_computed_tokens=self.context - 1,
-                              num_scheduled_tokens=1, block_ids=blocks, sampling=greedy,
-                              num_prompt_tokens=self.context)
-        return plan
-
-    def step(self) -> float:
-        plan = self.plan()
-        start = self.clock()
-        result = self.runner.execute(plan)
-        elapsed = self.clock() - start
-        assert result.error_code == 0 and len(result.token_ids) == self.batch, result
-        return elapsed
-
-    def timed(self, warmup: int, steps: int) -> float:
-        """Median seconds per step after ``warmup`` steps."""
-        for _ in range(warmup):
-            self.step()
-        return statistics.median(self.step() for _ in range(steps))
-
-
 def ours(model, backends: dict, args, clock, headline: str,
          ceilings: dict[int, dict[str, float]]) -> dict[tuple[str, int], float]:
     """Seconds per decode step, per (backend, batch). The machine's ceilings are measured
@@ -150,22 +96,6 @@ def ours(model, backends: dict, args, clock, headline: str,
             del run
             gc.collect()
     return out
-
-
-def ours_prefill_tokens_per_s(model, backend, num_tokens: int, clock,
-                              native_options=None) -> float:
-    """One ``num_tokens`` prompt in one plan (chunk = whole prompt), best of two."""
-    def once():
-        run = DecodeRun(model, backend, 1, num_tokens, 0, native_options=native_options)
-        plan = pb.BatchPlan(incarnation=INCARNATION, step_id=1)
-        plan.new_seqs.add(seq_id=0, token_ids=[5] * num_tokens, num_scheduled_tokens=num_tokens,
-                          block_ids=range(run.blocks_per_seq), num_prompt_tokens=num_tokens,
-                          sampling=sampling_pb2.SamplingParams(temperature=0.0))
-        start = clock()
-        run.runner.execute(plan)
-        return clock() - start
-
-    return num_tokens / min(once() for _ in range(3))
 
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

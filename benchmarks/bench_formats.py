@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
 from executor_svc.model import LlamaModel
 from executor_svc.model_files import resolve_model
 from executor_svc.settings import Switches
@@ -50,8 +51,6 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
               rounds: int, steps: int, clock=time.perf_counter) -> None:
     """Prints the A/B table: per format and batch the median over rounds of each round's
     median step, bytes per step, GB/s achieved and the share of the memory roofline."""
-    from benchmarks.bench_executor import DecodeRun, ours_prefill_tokens_per_s
-
     options = {**switches.model_options()}
     models = {}
     for fmt in formats:
