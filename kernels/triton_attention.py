@@ -23,10 +23,13 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 
-# Tile sizes: tl.dot needs every dimension >= 16. The interpreter runs a tile per numpy op,
-# so smaller context tiles there only make the tests walk more loop iterations.
-BLOCK_N = 64
-BLOCK_M = 64
+# Launch shapes: tl.dot needs every dimension >= 16. Chosen where sm_90 builds keep every
+# value in registers (python -m kernels.triton_aot, bf16, 8B shape): decode 186 registers,
+# prefill 219, no spills; 4 warps, or 64-position prefill tiles, spill 0.8-2 KB a thread.
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 32
+LAUNCH = {"num_warps": 8, "num_stages": 2}
 MAX_SPLITS = 16
 MIN_SPLIT_LEN = 256  # a split shorter than this costs more in the reduction than it saves
 
@@ -110,17 +113,19 @@ class TritonAttentionBackend(AttentionBackend):
 
     ``num_splits`` fixes the decode split count (tests force split-K on; a CUDA graph needs
     launch shapes that do not change with the context); None: ``choose_splits`` per step.
-    ``block_n`` overrides the context tile (tests use 16 to walk many tiles).
+    ``block_n`` / ``block_m`` override the context / query tiles (the interpreter tests use 16
+    to walk many tiles); None: the tuned defaults above.
     """
 
-    def __init__(self, num_splits: int | None = None, block_n: int = BLOCK_N,
-                 block_m: int = BLOCK_M) -> None:
+    def __init__(self, num_splits: int | None = None, block_n: int | None = None,
+                 block_m: int | None = None) -> None:
         if not triton_installed():
             raise ValueError("the triton attention backend needs the triton package "
                              "(pip install 'continuum[gpu]')")
         self.num_splits = num_splits
-        self.block_n = block_n
-        self.block_m = block_m
+        self.decode_block_n = block_n or DECODE_BLOCK_N
+        self.prefill_block_n = block_n or PREFILL_BLOCK_N
+        self.block_m = block_m or PREFILL_BLOCK_M
 
     def prepare(self, meta: AttentionMetadata) -> TritonStepPlan:
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
@@ -165,8 +170,8 @@ class TritonAttentionBackend(AttentionBackend):
             plan.meta.query_start, plan.decode_seqs, out, part_o, part_lse,
             scale * kern.LOG2E, *_strides(q, out, k_cache, v_cache, plan),
             hq, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_H=_pow2(hq // hkv),
-            BLOCK_N=self.block_n, BLOCK_D=_pow2(dim), NUM_SPLITS=splits,
-            DOT_F32=_dot_f32(q, k_cache))
+            BLOCK_N=self.decode_block_n, BLOCK_D=_pow2(dim), NUM_SPLITS=splits,
+            DOT_F32=_dot_f32(q, k_cache), **LAUNCH)
         if splits > 1:
             kern.decode_reduce_kernel[(rows, hq)](
                 part_o, part_lse, plan.meta.query_start, plan.decode_seqs, out,
@@ -183,7 +188,8 @@ class TritonAttentionBackend(AttentionBackend):
             plan.meta.query_start, plan.chunk_seqs, out, scale * kern.LOG2E,
             *_strides(q, out, k_cache, v_cache, plan),
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=self.block_m,
-            BLOCK_N=self.block_n, BLOCK_D=_pow2(dim), DOT_F32=_dot_f32(q, k_cache))
+            BLOCK_N=self.prefill_block_n, BLOCK_D=_pow2(dim), DOT_F32=_dot_f32(q, k_cache),
+            **LAUNCH)
 
 
 def _strides(q, out, k_cache, v_cache, plan: TritonStepPlan) -> tuple[int, ...]:

@@ -26,8 +26,10 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     """a @ b with float32 accumulation; inputs in float32, or in b's (the cache's) 16-bit
     type, to which a (q of the same type, or the float32 probabilities) is cast."""
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
+    return out
 
 
 @triton.jit
