@@ -112,9 +112,13 @@ async def _probe_live(http_port: int, end: float) -> list[float]:
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < end:
             started = time.monotonic()
-            async with session.get(url) as resp:
-                await resp.read()
-            rtts.append(time.monotonic() - started)
+            try:
+                async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # a probe that failed measured nothing; the row counts streams
+            else:
+                rtts.append(time.monotonic() - started)
             await asyncio.sleep(LIVE_EVERY_S)
     return rtts
 
@@ -126,9 +130,13 @@ async def _probe_stats(scheduler_port: int, end: float) -> list[float]:
         stub = scheduler_pb2_grpc.SchedulerStub(ch)
         while time.monotonic() < end:
             started = time.monotonic()
-            await stub.Stats(scheduler_pb2.StatsRequest(), timeout=30,
-                             metadata=procs.internal_metadata())
-            rtts.append(time.monotonic() - started)
+            try:
+                await stub.Stats(scheduler_pb2.StatsRequest(), timeout=30,
+                                 metadata=procs.internal_metadata())
+            except grpc.RpcError:
+                pass
+            else:
+                rtts.append(time.monotonic() - started)
             await asyncio.sleep(STATS_EVERY_S)
     return rtts
 
@@ -201,11 +209,17 @@ def _mixes(serve: procs.Serve, sender: Sender, cfg: dict, costly: list[Kind],
     quiet = asyncio.run(_phase(serve, sender, cfg["seconds"], None, []))
     stats = serve.stats()
     heavy = heavy_kinds(stats.max_model_len or 8192, stats.num_total_blocks * stats.block_size)
-    loud: dict[str, Phase] = {}
-    for mix, kinds in (("benign", twins), ("costly", costly), ("heavy", heavy)):
-        loud[mix] = asyncio.run(_phase(serve, sender, cfg["seconds"], cfg["rate"], kinds))
-        loud[mix].seen.update(quiet.seen)
+    # The target's two sides in halves, benign, costly, costly, benign: a drift of the
+    # machine's load weighs on both alike (one phase each, in a fixed order, did not).
+    half = cfg["seconds"] / 2
+    loud: dict[str, Phase] = {"benign": Phase(), "costly": Phase(), "heavy": Phase()}
+    for mix, kinds, seconds in (("benign", twins, half), ("costly", costly, half),
+                                ("costly", costly, half), ("benign", twins, half),
+                                ("heavy", heavy, cfg["seconds"])):
+        loud[mix] += asyncio.run(_phase(serve, sender, seconds, cfg["rate"], kinds))
         procs.wait_idle(serve.scheduler_port, 120)
+    for phase in loud.values():
+        phase.seen.update(quiet.seen)
     idle = procs.wait_idle(serve.scheduler_port, 120)
     return [_row("costly", "its benign twin", 1.2, cfg, loud["benign"], loud["costly"], idle),
             _row("costly", "quiet", None, cfg, quiet, loud["costly"], idle),
