@@ -1,13 +1,15 @@
 """GPU correctness check of the Triton (and flash-attn) attention against the reference.
 
-    python -m kernels.triton_check              # on CUDA: ~1 min, prints one table, rc 1 on a miss
+    python -m kernels.triton_check    # on CUDA: one table; rc 0 ok, 1 a miss, 2 cannot run
     TRITON_INTERPRET=1 python -m kernels.triton_check --device cpu --quick   # the CI smoke run
 
 Small steps are checked against kernels/reference.py (float64, on CPU copies); 8B-shaped
 steps (32 query heads, 8 KV heads, head dim 128, contexts to 8k) against the torch backend
-on the device, which the suite checks against the reference. Every step has block tables
-with holes and blocks out of order, partial last blocks, and NaN in every slot no sequence
-owns. On CUDA each row also gives the mean time of one layer's attention call.
+on the device, which the suite checks against the reference (bf16 and fp16 only; float32
+pools are checked on the small steps). Every step has block tables with holes and blocks
+out of order, partial last blocks, and NaN in every slot no sequence owns. On CUDA each row
+also gives the mean time of one layer's attention call. Never run on a GPU yet: its first
+run compiles some 40 kernel variants (seconds each; ~/.triton/cache keeps them).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kernels.triton_attention import TritonAttentionBackend, available, kv_write
 
 # Max abs error allowed against a float32-or-better answer, by pool dtype.
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ms/call':>8}  ok")
     for case in cases(a.quick):
         for label, dtype in DTYPES.items():
+            if dtype == torch.float32 and case.against == "torch":
+                continue  # fp32's "ieee" dot builds take minutes; the small cases cover it
             step = paged_step(case, dtype, a.device)
             scale = case.dim ** -0.5
             want = _want(case, step, scale)
