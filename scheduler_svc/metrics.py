@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import math
 import os
 import subprocess
@@ -208,6 +207,9 @@ class MetricsServer:
              "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
             stdout=subprocess.PIPE, text=True)
         first = self._proc.stdout.readline().split(" ", 2)
+        # Both sides have it mapped now (or the child is gone): the name is not needed,
+        # and nothing is left in /dev/shm however this process ends.
+        os.unlink(self._path)
         if first[0] != "listening":
             self.stop()
             raise OSError(int(first[1]) if len(first) > 1 else 0,
@@ -237,8 +239,6 @@ class MetricsServer:
                 self._proc.wait()
         self._proc.stdout.close()
         self._file.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
 
 
 async def publish(loop, histograms: Histograms, server: MetricsServer,

@@ -1,8 +1,11 @@
 """The replica's /metrics (scheduler_svc/metrics.py): vLLM's names, labels and buckets,
-parsed with Prometheus' own text parser, served from the last published page."""
+parsed with Prometheus' own text parser, served from the last published page by the
+server process (scheduler_svc/metrics_server.py)."""
 
 from __future__ import annotations
 
+import errno
+import http.client
 import time
 import types
 import urllib.error
@@ -97,3 +100,21 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     loop.core.kv_events.num_dropped = 3
     families = _families(render(loop, Histograms(), "m"))
     assert families["continuum:kv_events_dropped"].samples[0].value == 3
+
+
+def test_the_server_process_keeps_the_connection_and_serves_each_new_page_whole():
+    server = MetricsServer("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError) as taken:  # a bind error surfaces in the parent
+            MetricsServer("127.0.0.1", server.port)
+        assert taken.value.errno == errno.EADDRINUSE and taken.value.strerror
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        for i in range(50):  # one kept-alive connection, as Prometheus and the EPP scrape
+            server.page = f"# page {i}\n".encode() * (1 + i * 37)
+            conn.request("GET", "/metrics")
+            body = conn.getresponse().read()
+            assert body == f"# page {i}\n".encode() * (1 + i * 37)  # never torn or stale
+        conn.close()
+    finally:
+        server.stop()
+    assert server._proc.returncode is not None  # the child is gone with the server
