@@ -42,9 +42,9 @@ def interpreting() -> bool:
 @functools.cache
 def triton_installed() -> bool:
     """triton imports (a wheel built for another Python or CUDA can be present and fail)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
     try:
+        if importlib.util.find_spec("triton") is None:
+            return False
         import triton  # noqa: F401
     except Exception:
         return False
