@@ -50,7 +50,7 @@ def scrape(port: int, seconds: float, keep_alive: bool) -> dict[str, list[float]
     latencies, ages, running = [], [], []
     conn = None
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while not latencies or time.monotonic() < end:  # at least one scrape
         start = time.perf_counter()
         if conn is None:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -67,6 +67,18 @@ def scrape(port: int, seconds: float, keep_alive: bool) -> dict[str, list[float]
                 running.append(float(line.rsplit(" ", 1)[1]))
         time.sleep(0.05)
     return {"latencies": latencies, "ages": ages, "running": running}
+
+
+def _wait_for_load(port: int, streams: int, timeout_s: float = 300.0) -> None:
+    """Until the page shows the batch full (half the streams running): the executor may
+    still be warming up when serve says ready, on a busy machine for minutes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        running = scrape(port, 0.0, keep_alive=False)["running"]
+        if running and running[0] >= streams // 2:
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"the load never filled the batch within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                    for _ in range(a.streams)]
         for t in threads:
             t.start()
-        time.sleep(3.0)  # the batch fills
+        _wait_for_load(port, a.streams)
         out = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_metrics_scrape", "--scrape-only",
              str(port), "--seconds", str(a.seconds),
