@@ -53,7 +53,7 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
-from scheduler_svc.core.step_cost import StepCost, kv_tokens, step_prefill_limit
+from scheduler_svc.core.step_cost import StepCost, kv_tokens, prompt_bounds
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
@@ -282,14 +282,10 @@ class Scheduler:
         self.running_set.charge_decodes(self.waiting.charge, prefills)
         cfg = self.config
         budget = cfg.max_num_batched_tokens - len(rec.cached)
-        clamp = cfg.max_prefill_tokens_per_step  # the prefill clamp: the rest is held
-        cap = self.policy.prefill_cap(cfg)
-        slo = step_prefill_limit(self.step_cost, self._targets, self.running_set.per_tier,
-                                 len(rec.cached), kv_tokens(self.block_manager), budget) \
-            if self._targets else None
-        if slo is not None:  # the step's budget, not a fixed chunk, bounds prompt work
-            clamp, cap = min(clamp, slo) if clamp else slo, budget
-        held = budget - clamp if 0 < clamp < budget else 0
+        # Prompt tokens this step: the clamp's or the SLO budget's (core/step_cost.py).
+        held, cap = prompt_bounds(self.step_cost, self._targets, self.running_set.per_tier,
+                                  len(rec.cached), self.block_manager, budget,
+                                  cfg.max_prefill_tokens_per_step, self.policy.prefill_cap(cfg))
         budget = self._schedule_prefills(rec, budget - held, prefills, cap)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):

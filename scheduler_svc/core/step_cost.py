@@ -108,3 +108,17 @@ def step_prefill_limit(cost: StepCost, targets: tuple[float, ...], per_tier, dec
     target = min((targets[min(tier, last)] for tier, n in per_tier.items()
                   if n and targets[min(tier, last)] > 0), default=0.0) if decodes else 0.0
     return cost.prefill_limit(target, decodes, kv, ceiling) if target else ceiling
+
+
+def prompt_bounds(cost: StepCost, targets: tuple[float, ...], per_tier, decodes: int,
+                  block_manager, budget: int, clamp: int, cap: int) -> tuple[int, int]:
+    """(tokens of ``budget`` held back from prompts, the per-sequence prompt cap) for one
+    step: the prefill clamp (``max_prefill_tokens_per_step``, 0: off) and the policy's
+    chunk ``cap``, or, with TPOT targets, the SLO budget: the step's limit bounds prompt
+    work in all and no fixed chunk caps one prompt."""
+    if targets:
+        slo = step_prefill_limit(cost, targets, per_tier, decodes, kv_tokens(block_manager),
+                                 budget)
+        if slo is not None:
+            clamp, cap = min(clamp, slo) if clamp else slo, budget
+    return (budget - clamp if 0 < clamp < budget else 0), cap
