@@ -101,9 +101,9 @@ class _Ring:
         return self._slots + ((m - 1) % self.num_slots) * (self.slot_bytes // 8)
 
     def close(self) -> None:
-        self.bytes.release()
-        self.words = self.bytes = None  # views must go before the map closes
+        view, self.words, self.bytes = self.bytes, None, None  # views go before the map
         try:
+            view.release()
             self._map.close()
         except BufferError:  # a caller still holds a view; the map goes with the process
             pass
