@@ -36,6 +36,7 @@ from scheduler_svc.core import (
     Scheduler,
     SchedulerConfig,
 )
+from scheduler_svc.core.config import TPOT_TARGET_FIELDS
 from sim.cost_model import StepCostModel
 from sim.workload import TraceRequest
 
@@ -45,6 +46,12 @@ _ID_SPAN = 128253  # ids 3..128255: the first block is unique per request below 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384  # Llama-3.3-70B allows 128 k; the trace's longest request is 14,089
 VOCAB = 128256
+# chunked-slo at 70B / 4xA100: a decode-only step is 35-60 ms (DESIGN §7), so 100 ms
+# leaves room for ~300 prompt tokens a step; at 70 ms prefill starves at 0.4x the trace
+# (TTFT p99 10 s, docs/capacity/README.md). The ceiling lets a lone prompt prefill in one
+# step when nothing decodes.
+SLO_TPOT_TARGET_MS = 100.0
+SLO_BUDGET = 4096
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +110,9 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
         0.6's default with chunked prefill; a 2,048-token step of a 70B model on
         4×A100 takes ≈ 400 ms, which is every running decode's TPOT that step).
     continuous: a budget of the model's context, so a prompt prefills in one step.
+    chunked-slo: chunked with the SLO-aware budget (core/step_cost.py): every tier's
+        TPOT target ``SLO_TPOT_TARGET_MS``, under a ``SLO_BUDGET``-token ceiling, sizes
+        each step's prompt work from the online step-time fit.
     static: a budget that lets one step admit a whole batch (``max_num_seqs`` ×
         2,048 tokens), which then runs to completion before the next is admitted.
     The queue is unbounded unless a cap is given: the simulator measures waiting (the
@@ -111,11 +121,13 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
     Prefix caching is on, as in the server (prompts share only what their ids share).
     """
     budgets = {"chunked": (512, 512), "continuous": (MAX_MODEL_LEN, 512),
-               "static": (max_num_seqs * 2048, 512)}
+               "static": (max_num_seqs * 2048, 512), "chunked-slo": (SLO_BUDGET, 512)}
     if policy not in budgets:
         raise ValueError(f"policy must be one of {', '.join(budgets)}, got {policy!r}")
     budget, chunk = budgets[policy]
-    fields = dict(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+    slo = {f: SLO_TPOT_TARGET_MS for f in TPOT_TARGET_FIELDS} if policy == "chunked-slo" else {}
+    fields = dict(policy=policy.removesuffix("-slo"), max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=budget, **slo,
                   chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True,
                   max_queue_time_premium_s=0.0, max_queue_time_standard_s=0.0,
                   max_queue_time_best_effort_s=0.0)

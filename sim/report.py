@@ -13,7 +13,7 @@ from sim.engine import SimResult, Simulation, policy_config
 from sim.metrics import cost_per_million, summarize
 from sim.workload import TraceRequest, merge, poisson_class, split_classes
 
-POLICIES = ("static", "continuous", "chunked")
+POLICIES = ("static", "continuous", "chunked", "chunked-slo")
 # The seed's price of the simulated hardware (a 4xA100 80GB spot node), and its target:
 # under $0.50 per 1M output tokens. `python -m sim --dollars-per-hour` changes the price.
 DOLLARS_PER_HOUR = 8.20
