@@ -6,8 +6,8 @@
 The interpreter (TRITON_INTERPRET, what the suite runs) accepts code the compiler refuses;
 this goes through the real pipeline (Triton IR -> PTX -> ptxas, all inside the triton
 wheel) and prints each kernel's registers, spills and shared memory from the cubin
-(the wheel's cuobjdump). No driver needed. A minute or two per dtype on a busy CPU; the
-float32 ("ieee" dot) variants take several. Not part of the suite: run it after editing
+(the wheel's cuobjdump). No driver needed. A minute or two per dtype on a busy CPU.
+Not part of the suite: run it after editing
 kernels/triton_kernels.py, where no GPU is lent.
 """
 

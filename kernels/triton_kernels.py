@@ -8,9 +8,12 @@ gathered a tile at a time through the table, so any block size and any table (ho
 out of order) work, and no tile reads a slot past the sequence's context.
 
 Numerics: scores and the softmax run in float32 (exp2 with the scale folded into log2 e).
-``DOT_F32`` picks the matmul inputs: float32 ("ieee" precision, for float32 pools or a
-float32 model) or the cache's own 16-bit type (tensor cores). Triton's interpreter cannot
-do bfloat16 arithmetic, so under TRITON_INTERPRET the launchers ask for float32 there.
+``DOT_F32`` picks the matmul inputs: float32 (for float32 pools or a float32 model) or the
+cache's own 16-bit type (tensor cores). float32 dots run as "tf32x3" (three TF32 tensor-core
+products, float32-level error): "ieee" FMA dots took minutes to build per prefill variant
+on this project's loaded CPU machine, where tf32x3 takes tens of seconds. Triton's
+interpreter cannot do bfloat16 arithmetic, so under TRITON_INTERPRET the launchers ask for
+float32 there.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     """a @ b with float32 accumulation; inputs in float32, or in b's (the cache's) 16-bit
     type, to which a (q of the same type, or the float32 probabilities) is cast."""
     if DOT_F32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         out = tl.dot(a.to(b.dtype), b, out_dtype=tl.float32)
     return out

@@ -1,9 +1,11 @@
 """The Triton kernels equal the slow reference, on the CPU through triton's interpreter.
 
 TRITON_INTERPRET=1 must be set before kernels/triton_kernels.py is imported (``triton.jit``
-reads it when a kernel is decorated), so this module sets it at import and puts the old
-value back when its tests are done. The interpreter runs every tile as numpy operations:
-shapes stay small (the file takes ~20 s on one core of the project's CPU machine).
+reads it when a kernel is decorated; the first launch imports it) and while the kernels run
+(the launchers ask for float32 matmuls under it), so a module fixture sets it and puts the
+old value back after the last test: another module's teardown may have removed it. The
+interpreter runs every tile as numpy operations: shapes stay small (the file takes ~20 s of
+CPU, imports included; minutes of wall time when the shared machine is loaded).
 """
 
 from __future__ import annotations
@@ -13,9 +15,6 @@ import random
 
 import pytest
 import torch
-
-_OLD_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton", reason="triton is not installed (the test extra pins it)")
 
@@ -32,11 +31,13 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3),
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
     yield
-    if _OLD_INTERPRET is None:
+    if old is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
-        os.environ["TRITON_INTERPRET"] = _OLD_INTERPRET
+        os.environ["TRITON_INTERPRET"] = old
 
 
 def paged_step(seed, specs, block_size, hq, hkv, dim, dtype, q_dtype=None):
