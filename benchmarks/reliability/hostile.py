@@ -56,7 +56,7 @@ from benchmarks.reliability.hostile_load import (
     costly_kinds,
     heavy_kinds,
 )
-from benchmarks.reliability.streams import grpc_stream, percentile, request
+from benchmarks.reliability.streams import Outcome, grpc_stream, percentile, request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SIZES = {"short": dict(seconds=12.0, rate=20.0, kind_seconds=5.0),
@@ -89,15 +89,22 @@ class Phase:
 
 
 async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> list[float]:
-    """The normal client's ITLs; a refusal is counted and waited out as its hint says."""
+    """The normal client's ITLs; a refusal is counted and waited out as its hint says.
+    The stream running at ``end`` is cancelled there (its gaps so far count), so that a
+    phase lasts ``seconds`` however slow the machine makes each stream."""
     itls: list[float] = []
     async with grpc.aio.insecure_channel(serve.addr) as ch:
         i = 0
         while time.monotonic() < end:
-            out = await grpc_stream(serve.addr, request(f"Describe city number {i}.",
-                                                        NORMAL_TOKENS), channel=ch)
+            out = Outcome("grpc")
+            try:
+                await asyncio.wait_for(grpc_stream(serve.addr, request(
+                    f"Describe city number {i}.", NORMAL_TOKENS), channel=ch, out=out),
+                    max(0.1, end - time.monotonic()))
+            except TimeoutError:
+                out.status = "cancelled"  # the phase ended, not the stream
             itls += [b - a for a, b in zip(out.token_times, out.token_times[1:], strict=False)]
-            if out.status != "ok":
+            if out.status not in ("ok", "cancelled"):
                 seen[f"normal stream: {out.status} {out.code}"] += 1
                 await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
             i += 1
