@@ -107,12 +107,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="this process's CPU time, not wall time (robust on a busy machine "
+                        "with --threads 1)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     switches = Switches.from_env()
     format_ab(resolve_model(None, switches.cache_dir), switches, args.formats, args.batches,
-              args.context, args.rounds, args.steps)
+              args.context, args.rounds, args.steps,
+              time.process_time if args.cpu_time else time.perf_counter)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 CONVERTER_VERSION = 1
 _STALE_TMP_S = 3600.0
 DEFAULT_CACHE_DIR = "~/.cache/continuum"
-SOURCE_FILE = "gguf_source.json"  # executor_svc/weight_formats.py reads it
+# The GGUF's own blocks (executor_svc/weight_formats.py); not *.safetensors, which the fp32
+# loaders glob.
+NATIVE_FILE = "gguf_blocks.st"
 
 
 class ModelError(ValueError):
@@ -102,13 +104,14 @@ def cache_entry(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
 def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
     final = cache_entry(gguf_path, root)
     if final.is_dir():
-        if not (final / SOURCE_FILE).is_file():  # an entry from before the native format
+        if not (final / NATIVE_FILE).is_file():  # an entry from before the native format
             try:
-                _write_source(gguf_path, final)
-            except OSError:  # a read-only shared cache: --weight-format native is then off
+                _save_native(gguf_path, final)
+            except OSError:  # a read-only shared cache: the native weight format is then off
                 pass
         return final
     from executor_svc.gguf_convert import ConversionError, convert, read_gguf
+    from executor_svc.weight_formats import save_native
 
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(root)
@@ -117,8 +120,9 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
     start = time.perf_counter()
     print(f"converting {gguf_path.name} to an HF directory (once) -> {final}", file=sys.stderr)
     try:
-        convert(read_gguf(gguf_path), tmp, name=gguf_path.stem)
-        _write_source(gguf_path, tmp)
+        gguf = read_gguf(gguf_path)
+        convert(gguf, tmp, name=gguf_path.stem)
+        save_native(gguf.reader, tmp)
         for file in tmp.iterdir():
             file.chmod(0o644)  # readable by the other containers sharing the cache
         os.rename(tmp, final)
@@ -134,15 +138,13 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
     return final
 
 
-def _write_source(gguf_path: pathlib.Path, entry: pathlib.Path) -> None:
-    """``gguf_source.json``: the GGUF this entry came from (size and mtime as converted), for
-    the native weight format (executor_svc/weight_formats.py), written atomically."""
-    st = gguf_path.stat()
-    meta = {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    tmp = entry / f".{SOURCE_FILE}.{uuid.uuid4().hex[:8]}"
-    tmp.write_text(json.dumps(meta) + "\n")
-    tmp.chmod(0o644)
-    os.replace(tmp, entry / SOURCE_FILE)
+def _save_native(gguf_path: pathlib.Path, entry: pathlib.Path) -> None:
+    """Adds the native blocks to an entry converted before they were saved (once)."""
+    from gguf import GGUFReader
+
+    from executor_svc.weight_formats import save_native
+
+    save_native(GGUFReader(gguf_path), entry)
 
 
 def _remove_stale_tmp(root: pathlib.Path) -> None:

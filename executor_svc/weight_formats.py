@@ -13,39 +13,36 @@
   AVX2 CPU, the native GEMM on, no tensor parallelism), else ``fp32``. Chosen by
   measurement: docs/executor-performance.md (batch 1 and 64, A/B in one run).
 
-A converted directory names its GGUF in ``gguf_source.json`` (executor_svc/model_files.py
-writes it), which is how ``native`` finds the blocks behind an HF directory.
+A converted directory keeps its GGUF's blocks in ``gguf_blocks.st`` (``save_native``,
+which executor_svc/model_files.py calls once per conversion), which is how ``native`` finds
+them behind an HF directory.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
+import uuid
 
 import numpy as np
 import torch
 from gguf import GGUFReader
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from executor_svc.model_files import SOURCE_FILE
 from kernels import native, quant
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("auto", "native", "fp32", "bf16")  # settings.py checks the same names
+NATIVE_FILE = "gguf_blocks.st"  # safetensors, but not *.safetensors: the fp32 loaders glob those
 
 
-def gguf_source(path: pathlib.Path) -> pathlib.Path | None:
-    """The GGUF file a converted directory came from, if it says so and the file is the
-    same one (size and mtime as recorded); else None."""
-    try:
-        meta = json.loads((path / SOURCE_FILE).read_text())
-        source = pathlib.Path(meta["path"])
-        st = source.stat()
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    same = st.st_size == meta.get("size") and st.st_mtime_ns == meta.get("mtime_ns")
-    return source if same else None
+def has_native(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a GGUF conversion with its blocks saved (``gguf_blocks.st``)."""
+    return (path / NATIVE_FILE).is_file()
 
 
 def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None,
@@ -63,8 +60,8 @@ def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None
         if why:
             raise ValueError(f"weight format bf16 needs the native GEMM: {why}")
         return "bf16"
-    if why is None and gguf_source(path) is None:
-        why = f"{path} is not a GGUF conversion (no current {SOURCE_FILE})"
+    if why is None and not has_native(path):
+        why = f"{path} is not a GGUF conversion (no {NATIVE_FILE})"
     if why is None:
         return "native"
     if requested == "native":
@@ -73,25 +70,27 @@ def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None
     return "fp32"
 
 
-def read_native(path: pathlib.Path) -> dict[str, torch.Tensor | quant.RawTensor]:
-    """The GGUF behind ``path``'s tensors under HF names: 1-D ones (norms) as float32
-    tensors, 2-D ones as RawTensors in their own format (fp32 where cpu_qgemm.cpp cannot
-    read the format), Q/K rows in HF's order (llama.cpp's rope permutation undone)."""
+def save_native(reader: GGUFReader, out_dir: pathlib.Path) -> None:
+    """Writes ``gguf_blocks.st`` in ``out_dir``: every GGUF tensor under its HF name as
+    stored (uint8 rows of blocks; 1-D ones and formats cpu_qgemm.cpp cannot read as fp32),
+    Q/K rows in HF's order (llama.cpp's rope permutation undone: a row permutation, exact),
+    each tensor's format and shape in the metadata. Once per conversion (executor_svc/
+    model_files.py): GGUFReader parses the ~50k-entry vocabulary in Python (seconds), a
+    safetensors file then loads in milliseconds."""
     from executor_svc.gguf_convert import _dequantize, _hf_name
 
-    source = gguf_source(path)
-    if source is None:
-        raise ValueError(f"{path}: no current {SOURCE_FILE}, cannot read native weights")
-    reader = GGUFReader(source)
-    fields = {n: f.contents() for n, f in reader.fields.items()}
-    arch = fields["general.architecture"]
-    heads = fields[f"{arch}.attention.head_count"]
-    kv_heads = fields.get(f"{arch}.attention.head_count_kv", heads)
-    out: dict[str, torch.Tensor | quant.RawTensor] = {}
+    def field(name: str, default=None):
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads = field(f"{arch}.attention.head_count")
+    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
+    tensors, formats = {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if len(t.shape) == 1:
-            out[name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            tensors[name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])
         raw = quant.RawTensor(int(t.tensor_type), (rows, cols),
@@ -102,7 +101,26 @@ def read_native(path: pathlib.Path) -> dict[str, torch.Tensor | quant.RawTensor]
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             order = np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(1, 2).reshape(-1)
             raw = raw.take_rows(order)
-        out[name] = raw
+        tensors[name] = torch.from_numpy(np.array(raw.data))  # a copy: the memmap is read-only
+        formats[name] = [raw.format, rows, cols]
+    tmp = out_dir / f".{NATIVE_FILE}.{uuid.uuid4().hex[:8]}"  # concurrent writers: own files
+    save_file(tensors, str(tmp), metadata={"formats": json.dumps(formats)})
+    tmp.chmod(0o644)
+    os.replace(tmp, out_dir / NATIVE_FILE)
+
+
+def read_native(path: pathlib.Path) -> dict[str, torch.Tensor | quant.RawTensor]:
+    """``save_native``'s tensors: 1-D ones as float32 tensors, 2-D ones as RawTensors."""
+    with safe_open(str(path / NATIVE_FILE), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        out: dict[str, torch.Tensor | quant.RawTensor] = {}
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            t = f.get_tensor(name)
+            if name not in formats:
+                out[name] = t
+                continue
+            fmt, rows, cols = formats[name]
+            out[name] = quant.RawTensor(fmt, (rows, cols), t.numpy())
     return out
 
 
