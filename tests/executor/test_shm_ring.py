@@ -143,3 +143,48 @@ def test_a_reader_refuses_what_is_not_a_ring(writer):
         RingReader("../etc/passwd", writer.doorbell, 0)
     with pytest.raises(ValueError, match="no reader 5"):
         RingReader(writer.name, writer.doorbell, 5)
+
+
+def _tp_rank(rank: int, tmp: str, results) -> None:
+    """Two groups in turn, in one process (torch's import is the slow part): the ring, then
+    the broadcast because rank 1 cannot attach (as when /dev/shm is not shared with it)."""
+    from types import SimpleNamespace
+
+    from executor_svc import tp_comm
+
+    big = bytes(range(256)) * 400  # past gloo's inline header and a ring slot
+    reader = tp_comm.shm_ring.RingReader
+    for attempt, break_attach in enumerate((False, True)):
+        if break_attach and rank == 1:
+            def refuse(*args):
+                raise OSError("no such ring here")
+
+            tp_comm.shm_ring.RingReader = refuse
+        comm = tp_comm.TPComm(SimpleNamespace(rank=rank, tp_size=2))
+        comm.connect(f"file://{tmp}/rendezvous-{attempt}", timeout_s=60, device="cpu")
+        if rank == 0:
+            comm.send_command(tp_comm.Command.PLAN, big)
+            comm.send_command(tp_comm.Command.STOP)
+        else:
+            got = [comm.receive_command(), comm.receive_command()]
+            results.put((comm._reader is not None, got == [(tp_comm.Command.PLAN, big),
+                                                          (tp_comm.Command.STOP, b"")]))
+        comm.close()
+        tp_comm.shm_ring.RingReader = reader
+
+
+def test_tp_commands_take_the_ring_or_all_ranks_fall_back_to_gloo(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, str(tmp_path), results)) for r in range(2)]
+    before = _ours()
+    for p in procs:
+        p.start()
+    assert results.get(timeout=120) == (True, True)  # the ring, every byte
+    assert results.get(timeout=120) == (False, True)  # gloo on every rank, every byte
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert _ours() <= before
