@@ -125,14 +125,16 @@ def _exceeds(over: list[str], shown: int = 3) -> str:
 
 
 def audit_row(profile: ExecutorProfile, plan: Plan, num_requests: int) -> tuple[dict, int]:
-    """(the audit's row, the prefill chunk it capped to)."""
+    """(the audit's row, the prefill chunk it capped to: the declared one when not one
+    step fits the iteration, so the simulator and the server still run a sane config)."""
     _, served, r = batching_profile.screen(profile, plan.contract, plan.workload.classes)
     verdict = "WITHIN" if r.decision == WITHIN else _exceeds(list(r.violations))
     nothing = served.decodes == 0 and served.prefill_tokens == 0  # no step fits T
     return {"source": "audit", "utilization %": math.inf if nothing else 100 * float(r.utilization),
             "queue p50 ms": float(r.queue_ms), "TTFT p99 ms": float(r.worst_ttft_ms),
             "TPOT p99 ms": float(r.tpot_ms), "requests": num_requests, "completed": "–",
-            "refused": "–", "verdict": verdict}, max(1, r.chunk_tokens)
+            "refused": "–", "verdict": verdict}, (r.chunk_tokens
+                                                  or plan.contract.max_prefill_chunk_tokens)
 
 
 class _Busy:
