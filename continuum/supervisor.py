@@ -181,7 +181,7 @@ class Supervisor:
             self._start("executor")
             self._start("gateway")
             self._wait_ready(started)
-            if self.num_standby:
+            if self.num_standby and not self._stop:
                 self._start("standby")
             return self._watch()
         finally:
