@@ -16,6 +16,9 @@ import random
 import pytest
 import torch
 
+# Before triton itself is imported, too: with the switch set only after that, the
+# interpreted kernels failed here calling their @triton.jit helpers.
+os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the test extra pins it)")
 
 from kernels import triton_attention  # noqa: E402
@@ -31,13 +34,9 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3),
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     yield
-    if old is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    os.environ.pop("TRITON_INTERPRET", None)  # what other modules' processes should inherit
 
 
 def paged_step(seed, specs, block_size, hq, hkv, dim, dtype, q_dtype=None):
