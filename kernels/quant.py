@@ -89,6 +89,19 @@ def chain_of(w: QuantWeight | PackedWeight) -> QuantWeight:
     return chain
 
 
+def _merge(parts: list[RawTensor]) -> list[RawTensor]:
+    """Neighbouring parts in one block format as one segment (rows of blocks concatenate):
+    q/k/v of one format become one GEMM call, one parallel region and one X packing."""
+    out: list[RawTensor] = []
+    for p in parts:
+        if out and out[-1].format == p.format != 0:
+            last = out.pop()
+            p = RawTensor(p.format, (last.shape[0] + p.shape[0], p.shape[1]),
+                          np.concatenate([last.data, p.data]))
+        out.append(p)
+    return out
+
+
 class QuantWeight:
     """A weight [M, K]: ``parts`` stacked by rows (q, k, v; gate, up), each in its own
     format. Holds its bytes (torch uint8 / float32 tensors) and the segment chain."""
@@ -100,6 +113,7 @@ class QuantWeight:
                              f"{[(FORMATS.get(p.format, p.format), p.shape) for p in parts]}")
         self._lib = _bind(lib)
         self._keep: list = []
+        parts = _merge(parts)
         self._chain = (_QWeight * len(parts))()
         for i, part in enumerate(parts):
             if part.format == 0:  # fp32: cpu_gemm.cpp's panels, via gemm_packed_f32

@@ -63,8 +63,9 @@ def test_dequantized_values_equal_gguf_and_the_gemm_matches(fmt):
 
 def test_mixed_segments_and_the_embedding_lookup():
     # q/k/v fused across formats (Q4_K_M keeps attn_v in Q6_K), a 130-column prefill chunk.
-    parts = [random_tensor(12, 8, 256, 1), random_tensor(14, 5, 256, 2),
-             random_tensor(8, 9, 256, 3)]
+    # Neighbours in one format merge into one segment.
+    parts = [random_tensor(12, 8, 256, 1), random_tensor(12, 3, 256, 4),
+             random_tensor(14, 2, 256, 2), random_tensor(8, 9, 256, 3)]
     w = quant.QuantWeight(LIB, parts)
     want = np.concatenate([reference(p) for p in parts])
     assert w.shape == (22, 256) and w.formats == ("Q4_K", "Q6_K", "Q8_0")
