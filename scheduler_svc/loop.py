@@ -99,6 +99,7 @@ class EngineLoop:
         self.draining = False  # set on SIGTERM: Submit is refused
         self.num_executor_losses = 0
         self.num_standby_takeovers = 0
+        self._untried_standby = False  # in service after a takeover, no answer yet
         self.last_lost_executor_pid = 0
         self._tasks: list[asyncio.Task] = []
         self.recorder: Recorder | None = None  # telemetry (scheduler_svc/telemetry.py)
@@ -194,6 +195,7 @@ class EngineLoop:
             prefill_tokens_per_s=round(hello.prefill_tokens_per_s),
         )
         self._pending_hello = hello
+        self._untried_standby = False
         if self.recorder is not None:
             self.recorder.model_version = hello.model_id
         # Acknowledge, so the executor stops re-sending its Hello.
@@ -256,6 +258,7 @@ class EngineLoop:
         log.warning("the warm standby executor takes over", incarnation=hello.incarnation,
                     pid=hello.pid)
         self.num_standby_takeovers += 1
+        self._untried_standby = True
         self._pending_hello = hello
         self.link.send_heartbeat(hello.incarnation, 0)
         self._wake.set()
@@ -299,13 +302,16 @@ class EngineLoop:
             log.error("executor missed its step deadline", step_id=item.out.step_id, why=why)
         why = why or "the executor was lost during the step"
         if result is None:
-            if item.sent:  # it ran the step and hung or died in it
+            # It ran the step and hung or died in it; but a standby lost before it answered
+            # anything may have been dead already (killed with the executor): not blamed.
+            if item.sent and not self._untried_standby:
                 self._fail_step(item.out, why)
             self._inflight.void_all()
             if self._pending_hello is None:
                 self._detach()
             return False
         self._inflight.pop_oldest()
+        self._untried_standby = False
         if result.error_code:
             self._refused(item.out, result)
             return True

@@ -165,3 +165,28 @@ def test_a_silent_standby_is_dropped_and_named_for_its_supervisor(tmp_path):
             await loop.stop()
 
     asyncio.run(go())
+
+
+def test_both_dying_at_once_ends_no_request(tmp_path):
+    """The standby and the executor die together: a plan sent to the standby the link had
+    not yet seen go is not blamed on its requests (they were blamed once already, for
+    the executor's step), so a fresh executor finishes every one without an error."""
+    async def go():
+        loop, address = _engine(tmp_path)
+        loop.start()
+        active, standby = await _register(loop, address)
+        fresh = FakePeer(address, b"fresh")
+        try:
+            queues = _submit(loop)
+            await _serve_then(active, 4, "die")  # the standby goes in the same instant
+            standby.close()
+            await until(lambda: loop.executor is None and loop.link.standby is None)
+            await fresh.say_hello(make_hello(pid=55))
+            server = asyncio.create_task(fresh.serve(timeout=30))
+            await _finish(queues)
+            server.cancel()
+        finally:
+            fresh.close()
+            await loop.stop()
+
+    asyncio.run(go())
