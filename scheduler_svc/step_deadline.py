@@ -8,7 +8,8 @@ stretches its own deadline, so a long prefill is never mistaken for a hang:
     deadline(n) = max(FLOOR_S, FACTOR × (p99 step time + max(0, n - m) × per-token cost))
 
 ``n`` is the step's planned tokens and ``m`` the median tokens of the recent steps: a
-step like the recent ones gets 3x their p99, a bigger one (a long prefill) also its
+step like the recent ones gets 3x the p99 of those like the median one (at most
+2m + PREFILL_MIN_TOKENS tokens), a bigger one (a long prefill) also its
 extra tokens at the per-token cost. That cost is the p99 of seconds per token over the
 recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is mostly its
 fixed cost, so small steps would overstate it) once MIN_COST_SAMPLES were seen, else
@@ -86,7 +87,11 @@ class StepDeadlines:
                          else 1.0 / self._rate)
             if self._steps:
                 median = sorted(self._tokens)[len(self._tokens) // 2]
-                self._cached = (_p99(self._steps), median, per_token)
+                # The p99 of steps like the median one: a few big ones (a recompute after
+                # a takeover) are paid for by the per-token term, not by every deadline.
+                like = [t for t, n in zip(self._steps, self._tokens, strict=True)
+                        if n <= 2 * median + PREFILL_MIN_TOKENS]
+                self._cached = (_p99(like), median, per_token)
             else:
                 self._cached = (0.0, 0, per_token)
         return self._cached

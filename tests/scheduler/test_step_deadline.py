@@ -66,3 +66,12 @@ def test_the_measured_prefill_cost_replaces_the_hello_s_once_seen():
 def test_an_executor_that_measured_nothing_is_given_a_slow_rate():
     d = warmed(0.05, rate=0.0)
     assert d.deadline(100) == pytest.approx(3 * (0.05 + 84 / sd.DEFAULT_TOKENS_PER_S))
+
+
+def test_a_few_big_steps_do_not_stretch_every_deadline():
+    d = warmed(0.05, steps=40)
+    for _ in range(5):
+        d.observe(3.0, 800)  # a takeover's recompute: 3.75 ms a token
+    assert d.p99_step_s() == 0.05  # the p99 of decode-like steps
+    assert d.deadline(16) == sd.FLOOR_S
+    assert d.deadline(816) == pytest.approx(3 * (0.05 + 800 * 3.0 / 800))
