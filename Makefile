@@ -29,7 +29,7 @@ run: setup
 	$(VENV)/bin/continuum serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

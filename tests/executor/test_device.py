@@ -117,7 +117,10 @@ def test_each_tensor_parallel_rank_takes_its_own_gpu(monkeypatch):
 
 def test_the_backend_follows_the_device_and_numba_is_refused_off_the_cpu():
     assert backend_for(None, "cpu") == "numba"
-    assert backend_for(None, torch.device("cuda", 0)) == "torch"
+    # On a GPU: the first importable of flash-attn > triton > torch (kernels/__init__.py).
+    from kernels import _importable, gpu_default
+
+    assert backend_for(None, torch.device("cuda", 0)) == gpu_default(*_importable())
     assert backend_for("reference", "cuda") == "reference"
     with pytest.raises(ValueError, match="numba runs on the CPU only; use --attention-backend "
                                          "torch with --device cuda"):

@@ -45,8 +45,11 @@ def _health_status(srv) -> int:
 
 
 def test_sigterm_drains_in_flight_work_and_refuses_new(tmp_path, model_dir):
+    # The six wait behind the anchor for as long as this test holds it: no queue-time bound
+    # (it would shed them on a slow machine; shedding has its own tests).
     srv = start_server(tmp_path, model_dir, "--kv-cache-bytes", KV_BYTES,
-                       "--grace-period", "120", "--max-num-seqs", "1")
+                       "--grace-period", "120", "--max-num-seqs", "1",
+                       "--max-queue-time-standard-s", "0")
     with grpc.insecure_channel(srv.addr) as channel, \
             concurrent.futures.ThreadPoolExecutor(6) as pool:
         anchor = srv.generation_stub(channel).Generate(

@@ -38,6 +38,10 @@ def test_fit_profile_quick_measures_the_executor(tmp_path, model_dir):
 
 @pytest.mark.timeout(LOADED_MACHINE_TIMEOUT_S)
 def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
+    from sim.data import default_trace
+
+    if not default_trace().exists():  # the workload is the Azure trace's length mix
+        pytest.skip(f"the Azure trace is not at {default_trace()} ($CONTINUUM_DATA_DIR)")
     profile_path = tmp_path / "profile.json"
     make_profile().save(profile_path)
     out = tmp_path / "validate.json"
