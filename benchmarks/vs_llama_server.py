@@ -26,18 +26,13 @@ import asyncio
 import contextlib
 import json
 import pathlib
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 
 from benchmarks.reliability import procs
 from continuum.bench import add_arguments, run_point, validate_args
 
 # Issue 19: our output tok/s over llama-server's, at least, by streams.
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
-READY_TIMEOUT_S = 300.0
 
 
 def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
@@ -60,32 +55,21 @@ def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def _ours(url: str | None, extra: list[str]):
-    """Yields our base URL: ``url`` as given, or a ``continuum serve`` started here."""
+    """Yields our base URL: ``url`` as given, or a ``continuum serve`` started here with
+    make run's defaults (``--policy chunked`` is serve's default: it only keeps
+    ``start_serve`` from substituting its small test pool for them)."""
     if url:
         yield url
         return
-    procs.ensure_secret()
-    http_port = procs.free_port()
     with tempfile.TemporaryDirectory(prefix="continuum-vs-llama-") as tmp:
-        cmd = [sys.executable, "-m", "continuum", "serve", "--port", str(procs.free_port()),
-               "--scheduler-port", str(procs.free_port()), "--http-port", str(http_port),
-               "--ipc", f"ipc://{tmp}/executor.sock", *extra]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
-        log: list[str] = []
-        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-        ready = threading.Event()
-        threading.Thread(target=lambda: ready.set() if proc.stdout.readline() else None,
-                         daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT_S
         try:
-            while not ready.wait(0.5):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("continuum serve did not become ready:\n"
-                                     + "".join(log[-20:]))
-            yield f"http://127.0.0.1:{http_port}/v1"
+            serve = procs.start_serve(pathlib.Path(tmp), "--policy", "chunked", *extra)
+        except procs.ServerError as exc:
+            raise SystemExit(str(exc)) from None
+        try:
+            yield f"http://127.0.0.1:{serve.http_port}/v1"
         finally:
-            procs.stop(proc)
+            serve.stop()
 
 
 def _row(streams: int, ours: dict, theirs: dict) -> dict:
