@@ -73,6 +73,9 @@ class ExecutorLink:
         # before the bytes are held (a real executor never comes near this).
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Events queue here unread once the link stops: a context collected without close()
+        # (a test that forgot it) must not block forever in term() on them.
+        self._monitor.setsockopt(zmq.LINGER, 0)
         self._tasks: list[asyncio.Task] = []
         self.peer: bytes | None = None
         self.peer_incarnation = ""
