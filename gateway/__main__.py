@@ -69,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-bytes",
         type=int,
-        default=4 * 1024 * 1024,
-        help="largest HTTP body / gRPC message accepted",
+        default=None,
+        help="largest HTTP body / gRPC message accepted (default: 32 bytes per context "
+        "token, at least 1 MiB: 1 MiB for an 8k context, 4 MiB for 128k)",
     )
     parser.add_argument(
         "--api-keys-file",

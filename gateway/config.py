@@ -10,6 +10,26 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message says which flag to change."""
 
 
+# The default body limit pays for the longest prompt the context holds: 32 bytes a
+# token covers English (~4 bytes a token), CJK in UTF-8 (~3 bytes a character) and
+# JSON's \uXXXX escapes (6 bytes a character) with room; every other field is capped
+# far below (tools 48 KiB, a guided spec 64 KiB: protos/limits.py). Never below
+# 1 MiB, nginx's default `client_max_body_size` (TGI's `--payload-limit` is 2 MB):
+# 1 MiB for an 8k context, 4 MiB for 128k. Each byte of a body costs the gateway
+# CPU under the GIL that every other stream's tokens wait on: at 20 bodies a second
+# near 4 MiB a normal stream's ITL p99 rose 4.2x over small twins on 2 cores, near
+# 1 MiB 1.16-1.33x (docs/reliability.md).
+BODY_BYTES_PER_TOKEN = 32
+MIN_DEFAULT_BODY_BYTES = 1 << 20
+
+
+def default_body_limit(max_model_len: int) -> int:
+    """The `--max-body-bytes` default for a context of `max_model_len` tokens: a whole
+    number of MiB, at least 1."""
+    mib = 1 << 20
+    return max(MIN_DEFAULT_BODY_BYTES, -(-max_model_len * BODY_BYTES_PER_TOKEN // mib) * mib)
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     model_dir: pathlib.Path
@@ -28,8 +48,9 @@ class GatewayConfig:
     grace_period_s: float = 5.0
     # The OpenAI-compatible HTTP API's port; None: no HTTP server, 0: any free port.
     http_port: int | None = None
-    # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it).
-    max_body_bytes: int = 4 * 1024 * 1024
+    # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it);
+    # None: derived from the context length (`default_body_limit`).
+    max_body_bytes: int | None = None
     # File of API keys (KEY, KEY:TENANT or KEY:TENANT:TIERS per line); see gateway/auth.py.
     api_keys_file: pathlib.Path | None = None
     # Connections cannot be held hostage (defaults after nginx's client_header_timeout
@@ -69,6 +90,10 @@ class GatewayConfig:
     # None: hermes.
     tool_call_parser: str | None = None
 
+    def body_limit(self, max_model_len: int) -> int:
+        """The body limit in force: `--max-body-bytes`, or the context's default."""
+        return self.max_body_bytes or default_body_limit(max_model_len)
+
     @property
     def scheduler_addresses(self) -> list[str]:
         return [a.strip() for a in self.scheduler_address.split(",") if a.strip()]
@@ -89,7 +114,7 @@ class GatewayConfig:
             raise ConfigError(f"--http-port {self.http_port} is not a TCP port (0..65535)")
         if self.http_port and self.http_port == self.port:
             raise ConfigError(f"--http-port and --port are both {self.port}; pick two ports")
-        if self.max_body_bytes < 1024:
+        if self.max_body_bytes is not None and self.max_body_bytes < 1024:
             raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")

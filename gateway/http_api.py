@@ -128,7 +128,7 @@ class HttpApi:
                 raise
             if exc.status == 413:
                 message = (f"the request body is larger than the server's limit of "
-                           f"{self._max_body_bytes} bytes")
+                           f"{self._max_body_bytes} bytes (the gateway's --max-body-bytes)")
             elif exc.status == 404:
                 message = f"no route {request.path}; see /v1/completions, /v1/chat/completions"
             elif exc.status == 405:

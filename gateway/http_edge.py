@@ -33,7 +33,7 @@ from gateway.validation import RequestError
 
 @dataclass(frozen=True)
 class HttpLimits:
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 1 << 20
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 2048

@@ -129,16 +129,16 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def _server_options(config: GatewayConfig) -> list[tuple[str, int]]:
+def _server_options(config: GatewayConfig, max_body_bytes: int) -> list[tuple[str, int]]:
     """Channel arguments of the client-facing gRPC server (see GatewayConfig for the
-    references each default follows). Messages over max_body_bytes are
+    references each default follows). Messages over `max_body_bytes` are
     RESOURCE_EXHAUSTED before any of our code runs; streams past the per-connection
     cap wait in the client (HTTP/2 flow control), they are not refused."""
     options = [
         # SO_REUSEPORT (grpc's default on Linux) would let a second gateway bind a
         # port that is already in use and silently share its traffic.
         ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", config.max_body_bytes),
+        ("grpc.max_receive_message_length", max_body_bytes),
         ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
         # Dead peers are found by pinging every minute (grpc-go servers: 2 h), and a
         # connection that does not answer within 20 s is closed with its streams.
@@ -238,8 +238,9 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                         keys: ApiKeys | None = None) -> RunningGateway:
     """Binds, starts serving and marks health SERVING; raises BindError."""
     keys = keys or ApiKeys()
+    max_body_bytes = config.body_limit(tokenizer.info.max_model_len)
     server = grpc.aio.server(
-        options=_server_options(config),
+        options=_server_options(config, max_body_bytes),
         interceptors=[_AuthInterceptor(keys)] if keys.enabled else None,
     )
     port = _bind(server, config.host, config.port)
@@ -261,7 +262,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     )
     running = RunningGateway(server, health_servicer, replicas, port, metrics, relay=relay)
     if config.http_port is not None:
-        limits = HttpLimits(max_body_bytes=config.max_body_bytes,
+        limits = HttpLimits(max_body_bytes=max_body_bytes,
                             header_timeout_s=config.http_header_timeout_s,
                             body_timeout_s=config.http_body_timeout_s,
                             max_connections=config.http_max_connections,

@@ -7,7 +7,7 @@ one valid input) of each mix (the kinds and their twins: hostile_load.py):
 
 * ``costly``: requests whose cost is not in their tokens, each as large as the caps
   allow: 16 stop strings of 256 bytes, a chat of 32 messages, 20 top logprobs, ``n`` 16
-  with ``max_tokens`` 1, a body near the 4 MiB limit (a long ``user`` field), 128 stop
+  with ``max_tokens`` 1, a body near the body limit (a long ``user`` field), 128 stop
   token ids with ``min_tokens`` 1, and a gRPC stream cancelled 10 ms after it started;
 * ``benign``: the costly mix's twins: the same prompt tokens, ``max_tokens`` and ``n``
   (the same paid work) without what the caps bound;
@@ -196,7 +196,7 @@ def run(serve: procs.Serve, size: str = "default", per_kind: bool = False) -> li
     sender = Sender(serve.addr, serve.http_port)
     try:
         asyncio.run(_phase(serve, sender, 3.0, None, []))  # warm the normal path
-        costly = costly_kinds()
+        costly = costly_kinds(serve.stats().max_model_len or 8192)
         count = _counter(serve)
         twins = [benign_twin(kind, count) for kind in costly]
         if per_kind:

@@ -29,7 +29,6 @@ from benchmarks.reliability.streams import grpc_stream, http_stream, request
 from protos.continuum.v1 import generation_pb2_grpc
 
 HOSTILE_TIMEOUT_S = 20.0
-BODY_LIMIT = 4 * 1024 * 1024
 CANCEL_AFTER_S = 0.01
 CANCELLED = ("gRPC stream cancelled 10 ms after start", "grpc-cancel",
              {"prompt": "Hello", "max_tokens": 64})
@@ -65,10 +64,14 @@ def heavy_kinds(max_model_len: int, pool_tokens: int) -> list[Kind]:
                                                           "max_tokens": 1})]
 
 
-def costly_kinds() -> list[Kind]:
+def costly_kinds(max_model_len: int = 8192) -> list[Kind]:
     """Requests whose cost is not in their token count, each as large as the caps allow
-    (gateway and sampler work the issue's caps bound); all valid input."""
+    (gateway and sampler work the issue's caps bound) for a server of `max_model_len`
+    tokens of context (its default body limit follows it); all valid input."""
+    from gateway.config import default_body_limit
+
     max_messages, max_stop_ids = _caps()
+    body_limit = default_body_limit(max_model_len)
     few = max(2, min(max_messages, 32) // 2 * 2 - 1)
     num_ids = min(max_stop_ids, 49152)
     return [
@@ -80,8 +83,8 @@ def costly_kinds() -> list[Kind]:
           "logprobs": True, "top_logprobs": 20}),
         ("n=16 max_tokens=1", "completions", {"prompt": "Once upon a time", "n": 16,
                                               "max_tokens": 1, "temperature": 1.0}),
-        ("body near 4 MiB", "completions",
-         {"prompt": "Hi", "max_tokens": 2, "user": "u" * (BODY_LIMIT - 4096)}),
+        (f"body near the {body_limit >> 20} MiB limit", "completions",
+         {"prompt": "Hi", "max_tokens": 2, "user": "u" * (body_limit - 4096)}),
         (f"{num_ids} stop token ids, min_tokens 1", "completions",
          {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
           "stop_token_ids": list(range(num_ids))}),

@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import json
 
-from gateway.config import GatewayConfig
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, default_body_limit
 from gateway.server import _server_options
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run
@@ -107,10 +109,22 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(tokenizer):
 def test_grpc_server_options_bound_streams_and_idle_connections(tmp_path):
     config = GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1",
                            grpc_max_concurrent_streams=100, grpc_max_connection_idle_s=300)
-    options = dict(_server_options(config))
+    options = dict(_server_options(config, config.body_limit(8192)))
     assert options["grpc.max_concurrent_streams"] == 100
     assert options["grpc.max_connection_idle_ms"] == 300_000
-    assert options["grpc.max_receive_message_length"] == config.max_body_bytes
+    assert options["grpc.max_receive_message_length"] == 1 << 20
+
+
+def test_the_default_body_limit_follows_the_context_and_a_flag_overrides_it(tmp_path):
+    assert [default_body_limit(n) for n in (512, 8192, 32768, 131072, 131073)] == [
+        1 << 20, 1 << 20, 1 << 20, 4 << 20, 5 << 20]
+    config = GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1")
+    assert config.body_limit(131072) == 4 << 20
+    pinned = GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1",
+                           max_body_bytes=4096)
+    assert pinned.body_limit(131072) == 4096
+    with pytest.raises(ConfigError, match="--max-body-bytes"):
+        GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1", max_body_bytes=10)
 
 
 def test_an_idle_keep_alive_connection_outlives_the_header_timeout(tokenizer):

@@ -144,6 +144,11 @@ ROWS = [
      400, "presence_penalty must be between -2 and 2"),
     ("not JSON", http_row(COMP, b"{prompt: hi}"), 400, "not valid JSON"),
     ("empty body", http_row(COMP, b""), 400, "not valid JSON"),
+    # The default body limit of an 8k context (1 MiB), on both APIs.
+    ("body past the default limit", http_row(COMP, {"prompt": "hi", "user": "u" * (1 << 20)}),
+     413, "--max-body-bytes"),
+    ("grpc: message past the default limit", grpc_row(gen.GenerateRequest(
+        prompt="hi", tenant="t" * (1 << 20))), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger"),
     ("array body", http_row(CHAT, [1, 2]), 400, "must be a JSON object"),
     ("null body", http_row(COMP, None), 400, "must be a JSON object"),
     ("5000-digit integer", http_row(COMP, b'{"prompt": "hi", "n": 1' + b"0" * 5000 + b"}"),
