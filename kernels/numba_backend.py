@@ -25,9 +25,12 @@ from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.numba_kernels import paged_decode, paged_decode_serial
 from kernels.torch_backend import TorchAttentionBackend, chunk_attention, plan_chunk
 
-# Below this many context tokens in a step's decode rows (~0.5 ms of kernel on one core),
+# Below this many context tokens in a step's decode rows (~60 us of kernel on one core),
 # the kernel runs in the calling thread: starting a parallel region costs more than it saves.
-PARALLEL_MIN_TOKENS = 4096
+# The threads are hot from the layer's GEMMs, so a region costs microseconds: at 4096 (the
+# old value) a batch-8 step at context 192 ran its attention on one of two cores, 10.8 of a
+# 46 ms step; at 256, 40-43 ms (bench_executor --batches 8 --context 192, A/B twice).
+PARALLEL_MIN_TOKENS = 512
 
 
 @dataclass
