@@ -16,9 +16,20 @@ running sequences may carry so that its predicted time, plus two residual standa
 deviations, stays within the target. Spare time is spent on prefill when decodes are
 few; decodes are protected when they are many. Until the fit has seen enough steps
 with and without prompt work (``ready``) it answers None and the static chunk applies.
+
+``TtftGuard`` spends a ration of long steps on the TTFT tail: a TPOT target caps every
+step's prompt work, so under a queue the prompts that arrived in a burst wait many steps
+for their first token, and a policy that prefills a prompt in one step (continuous)
+reaches it sooner by stalling every decode. ITL p99 is the 1 % tail of the gaps, TTFT
+p99 the 1 % tail of the requests: a step given the whole budget at most once in
+``BOOST_EVERY_STEPS`` (0.5 % of steps, so 0.5 % of the gaps) for a prompt that has
+waited as long as the recent TTFTs' p95 shortens that tail without reaching the gaps'.
 """
 
 from __future__ import annotations
+
+import collections
+import math
 
 # Feature scales keep the normal equations well conditioned (x is O(1) for usual plans).
 _SCALES = (1.0, 1 / 64, 1 / 512, 1 / 65536)
@@ -94,6 +105,45 @@ class StepCost:
         return max(min(tokens, ceiling), min(MIN_PREFILL_TOKENS, ceiling))
 
 
+BOOST_EVERY_STEPS = 200  # one boosted step per 200 at most
+MAX_BOOST_CREDIT = 2.0  # steps saved up for a burst
+TTFT_WINDOW = 512  # the recent prompts whose waits set the threshold
+TTFT_QUANTILE = 0.95
+
+
+class TtftGuard:
+    """Rations whole-budget steps to prompts that have waited into the TTFT tail."""
+
+    __slots__ = ("credit", "recent", "threshold_s", "num_boosts", "_fresh")
+
+    def __init__(self) -> None:
+        self.credit = 0.0
+        self.recent: collections.deque[float] = collections.deque(maxlen=TTFT_WINDOW)
+        self.threshold_s = math.inf  # until enough prompts finished
+        self.num_boosts = 0
+        self._fresh = 0
+
+    def prompt_done(self, waited_s: float) -> None:
+        """A prompt's last chunk was scheduled ``waited_s`` after it arrived (~its TTFT)."""
+        self.recent.append(waited_s)
+        self._fresh += 1
+        if self._fresh >= 32 and len(self.recent) >= 64:  # sorted every 32 prompts
+            self._fresh = 0
+            ordered = sorted(self.recent)
+            self.threshold_s = ordered[int(TTFT_QUANTILE * (len(ordered) - 1))]
+
+    def boost(self, oldest_age_s: float | None) -> bool:
+        """Called once a step: whether this step gives prompts the whole budget because
+        the oldest prompt without a first token (``oldest_age_s`` since its arrival)
+        has waited as long as the TTFT tail, and the ration allows a long step."""
+        self.credit = min(self.credit + 1.0 / BOOST_EVERY_STEPS, MAX_BOOST_CREDIT)
+        if oldest_age_s is None or self.credit < 1.0 or oldest_age_s < self.threshold_s:
+            return False
+        self.credit -= 1.0
+        self.num_boosts += 1
+        return True
+
+
 def kv_tokens(block_manager) -> int:
     """KV tokens the running sequences hold (whole blocks): what a step's attention reads."""
     return (block_manager.num_blocks - block_manager.num_free_blocks) * block_manager.block_size
@@ -111,14 +161,16 @@ def step_prefill_limit(cost: StepCost, targets: tuple[float, ...], per_tier, dec
 
 
 def prompt_bounds(cost: StepCost, targets: tuple[float, ...], per_tier, decodes: int,
-                  block_manager, budget: int, clamp: int, cap: int) -> tuple[int, int]:
+                  block_manager, budget: int, clamp: int, cap: int,
+                  boost: bool = False) -> tuple[int, int]:
     """(tokens of ``budget`` held back from prompts, the per-sequence prompt cap) for one
     step: the prefill clamp (``max_prefill_tokens_per_step``, 0: off) and the policy's
     chunk ``cap``, or, with TPOT targets, the SLO budget: the step's limit bounds prompt
-    work in all and no fixed chunk caps one prompt."""
+    work in all and no fixed chunk caps one prompt; a ``boost`` (TtftGuard) step gives
+    prompts the whole budget."""
     if targets:
-        slo = step_prefill_limit(cost, targets, per_tier, decodes, kv_tokens(block_manager),
-                                 budget)
+        slo = budget if boost else step_prefill_limit(
+            cost, targets, per_tier, decodes, kv_tokens(block_manager), budget)
         if slo is not None:
             clamp, cap = min(clamp, slo) if clamp else slo, budget
     return (budget - clamp if 0 < clamp < budget else 0), cap

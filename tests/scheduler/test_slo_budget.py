@@ -12,7 +12,8 @@ import random
 import pytest
 
 from scheduler_svc.core import ConfigError, SchedulerConfig
-from scheduler_svc.core.step_cost import MIN_PREFILL_TOKENS, StepCost
+from scheduler_svc.core import step_cost
+from scheduler_svc.core.step_cost import MIN_PREFILL_TOKENS, StepCost, TtftGuard
 from tests.scheduler.factories import fake_execute, make_request, make_scheduler
 
 # The stand-in executor: 20 ms per step, 0.1 ms per decode, 0.05 ms per prompt token.
@@ -104,6 +105,42 @@ def test_without_decodes_a_prompt_takes_the_whole_budget():
     sched.add_request(make_request(prompt_len=4000, max_tokens=2))
     first = sched.schedule()
     assert first.num_prefill_tokens == 2048  # nothing decodes: spare time goes to prefill
+
+
+def test_the_ttft_guard_boosts_only_the_tail_and_at_most_its_ration():
+    guard = TtftGuard()
+    assert not any(guard.boost(1e9) for _ in range(1000))  # no TTFTs seen: no threshold
+    for i in range(100):
+        guard.prompt_done(i / 100)  # waits 0.00 .. 0.99 s: p95 ~0.94 s
+    assert 0.9 <= guard.threshold_s <= 0.99
+    assert not any(guard.boost(0.5) for _ in range(1000))  # a normal wait: never
+    boosts = sum(guard.boost(5.0) for _ in range(10 * step_cost.BOOST_EVERY_STEPS))
+    # The saved-up credit plus one per BOOST_EVERY_STEPS steps, never more.
+    assert 10 <= boosts <= 10 + step_cost.MAX_BOOST_CREDIT
+
+
+def test_a_prompt_waiting_into_the_tail_gets_a_whole_budget_step():
+    sched = make_scheduler(num_blocks=4096, block_size=16, max_num_batched_tokens=4096,
+                           max_num_seqs=128, chunk_size=256, async_scheduling=False,
+                           tpot_target_standard_ms=40.0)
+    for i in range(60):
+        sched.add_request(make_request(prompt_len=64 + i, max_tokens=400, request_id=f"d{i}"))
+        _drive(sched, 1)
+    assert sched.step_cost.ready
+    sched.ttft_guard.threshold_s = 0.5  # as if the recent prompts' p95 wait were 0.5 s
+    sched.ttft_guard.credit = 1.0
+    late = make_request(prompt_len=3000, max_tokens=4, request_id="late",
+                        arrival_time=sched.clock() - 10.0)
+    sched.add_request(late)
+    out = _drive(sched, 1)[0]
+    decodes = out.num_batched_tokens - out.num_prefill_tokens
+    assert late.num_output_tokens == 1  # the whole prompt in one step (less its cached
+    assert out.num_prefill_tokens > 2500  # prefix), past the 40 ms target
+    assert _step_ms(decodes, out.num_prefill_tokens) > 40.0
+    assert sched.ttft_guard.num_boosts == 1
+    nxt = _drive(sched, 1)[0]  # the ration is spent: the target holds again
+    assert _step_ms(nxt.num_batched_tokens - nxt.num_prefill_tokens,
+                    nxt.num_prefill_tokens) <= 40.0 + 1.0
 
 
 def test_targets_are_validated_with_a_message():
