@@ -240,6 +240,8 @@ class Supervisor:
                     "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
             if a.kv_cache_bytes is not None:  # else the executor's default for its device
                 argv += ["--kv-cache-bytes", str(a.kv_cache_bytes)]
+            if getattr(a, "weight_format", None):
+                argv += ["--weight-format", a.weight_format]
             if getattr(a, "swap_space_bytes", 0):  # the host (swap) pool: 0 disables swap
                 argv += ["--host-kv-cache-bytes", str(a.swap_space_bytes)]
             argv += ["--tp-size", str(a.tp_size)]

@@ -42,6 +42,7 @@ class Switches:
     CONTINUUM_WEIGHT_FORMAT    weight_format    auto (native for a GGUF where the native GEMM
                                                 runs, else fp32), native (the GGUF's own
                                                 blocks), fp32 or bf16: weight_formats.py
+                                                (the --weight-format flag wins)
     CONTINUUM_CPU_ISA          cpu_isa          auto (the highest the CPU has), avx2 or
                                                 avx512: which native library build loads
     CONTINUUM_CACHE_DIR        cache_dir        where GGUF conversions go (``<dir>/models``;

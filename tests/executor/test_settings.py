@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import shutil
 
 import pytest
 
@@ -51,6 +52,32 @@ def test_a_malformed_switch_is_a_usage_error_naming_it(capsys):
         executor_main.parse_args(IPC, {"CONTINUUM_FAULT_INJECT": "explode=now"})
     assert info.value.code == 2
     assert "CONTINUUM_FAULT_INJECT='explode=now': expected" in capsys.readouterr().err
+
+
+def test_the_weight_format_flag_wins_over_the_variable(capsys):
+    env = {"CONTINUUM_WEIGHT_FORMAT": "bf16"}
+    assert executor_main.parse_args(IPC, env).switches.weight_format == "bf16"
+    flagged = executor_main.parse_args([*IPC, "--weight-format", "fp32"], env)
+    assert flagged.switches.model_options()["weight_format"] == "fp32"
+    with pytest.raises(SystemExit) as info:
+        executor_main.parse_args([*IPC, "--weight-format", "q4"], {})
+    assert info.value.code == 2 and "--weight-format" in capsys.readouterr().err
+
+
+def test_serve_passes_the_weight_format_to_its_executors(tmp_path):
+    from continuum.cli import build_parser
+    from continuum.supervisor import Supervisor
+
+    parser, _ = build_parser()
+    for flags, passed in (([], None), (["--weight-format", "fp32"], "fp32")):
+        args = parser.parse_args(["serve", "--ipc", f"ipc://{tmp_path}/e.sock", *flags])
+        supervisor = Supervisor(args)
+        supervisor.model_dir, supervisor.model_name = str(tmp_path), "m"  # set by run()
+        for name in ("executor", "standby"):
+            argv = supervisor._argv(name)
+            given = argv[argv.index("--weight-format") + 1] if "--weight-format" in argv else None
+            assert given == passed, (name, argv)
+        shutil.rmtree(supervisor.workdir)
 
 
 def test_the_config_is_built_by_keyword_and_frozen():
