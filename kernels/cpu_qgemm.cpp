@@ -57,13 +57,31 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);  // exact, as numpy's float16 -> float32
 }
 
+// The two fp16 values at p, p + 2 (p's 4 bytes must be readable), exactly as half() converts
+// them, as vectors [p0 p1 p0 p1 ...]: one broadcast load and one conversion; permute_ps(.,
+// 0x00) broadcasts the first, 0x55 the second (in-lane shuffles, cheaper than two scalar
+// conversions and broadcasts).
+inline __m256 half_pair(const uint8_t* p) {
+  float bits;
+  memcpy(&bits, p, 4);
+  return _mm256_cvtph_ps(_mm_castps_si128(_mm_set1_ps(bits)));
+}
+
 // 16 bytes of nibbles -> the 32 values, low nibbles first (ggml's Q4 layout), as int32 x 4.
+// Both 128-bit lanes hold the 16 bytes; one in-lane byte shuffle spreads 8 of them into
+// dwords (zero-extended), then a mask gives the low nibbles and a shift the high ones: 2
+// shuffles per block instead of 6 (byte-to-dword extensions and lane moves), which shared
+// the FP ports with the GEMM's FMAs.
 inline void nibbles(const uint8_t* qs, __m256i out[4]) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-  out[0] = _mm256_cvtepu8_epi32(lo), out[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-  out[2] = _mm256_cvtepu8_epi32(hi), out[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+  const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                         4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i second = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                          12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+  const __m256i b0 = _mm256_shuffle_epi8(q, first), b1 = _mm256_shuffle_epi8(q, second);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  out[0] = _mm256_and_si256(b0, mask), out[1] = _mm256_and_si256(b1, mask);
+  out[2] = _mm256_srli_epi32(b0, 4), out[3] = _mm256_srli_epi32(b1, 4);
 }
 
 // Each format: kBlock values in kBytes; block(src, out) writes the kBlock values of one
@@ -73,7 +91,7 @@ template <int F> struct Fmt;
 template <> struct Fmt<kQ4_0> {  // d f16, 16 bytes of nibbles: d * (q - 8)
   static constexpr int64_t kBlock = 32, kBytes = 18;
   static void block(const uint8_t* b, float* out) {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const __m256 d = _mm256_permute_ps(half_pair(b), 0x00);  // b + 2: the nibbles
     __m256i q[4];
     nibbles(b + 2, q);
     for (int i = 0; i < 4; i++)
@@ -84,19 +102,22 @@ template <> struct Fmt<kQ4_0> {  // d f16, 16 bytes of nibbles: d * (q - 8)
 
 template <> struct Fmt<kQ4_1> {  // d, m f16, nibbles: (d * q) + m, two roundings
   static constexpr int64_t kBlock = 32, kBytes = 20;
+  // d * q is exact in fp32 (an 11-bit significand times a 4-bit integer), so one fused
+  // multiply-add rounds exactly as numpy's multiply then add: one FP op instead of two.
   static void block(const uint8_t* b, float* out) {
-    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    const __m256 dm = half_pair(b);
+    const __m256 d = _mm256_permute_ps(dm, 0x00), m = _mm256_permute_ps(dm, 0x55);
     __m256i q[4];
     nibbles(b + 4, q);
     for (int i = 0; i < 4; i++)
-      _mm256_store_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[i])), m));
+      _mm256_store_ps(out + 8 * i, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m));
   }
 };
 
 template <> struct Fmt<kQ8_0> {  // d f16, 32 int8: q * d
   static constexpr int64_t kBlock = 32, kBytes = 34;
   static void block(const uint8_t* b, float* out) {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const __m256 d = _mm256_permute_ps(half_pair(b), 0x00);  // b + 2: the int8s
     for (int i = 0; i < 4; i++) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
       _mm256_store_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
@@ -184,7 +205,11 @@ inline float hsum(__m256 v) {
 }
 
 // C[m, n] for the segment's rows, NN <= kNarrow columns of xt [NN][K] (token-major, contiguous):
-// the row's blocks dequantized into `buf` (L1) and multiplied into 1-2 accumulators per column.
+// the row's blocks dequantized into `buf` (L1; the compiler keeps them in registers) and
+// multiplied into 1-2 accumulators per column. Accumulator a of column n sums the 8-lane
+// chunks j = a (mod A) in k order, lane by lane; C = hsum of the A sums added. (Several rows
+// at once, sharing each X load, measured slower: g++ then reloads X per row and spills
+// accumulators.)
 template <int F, int NN>
 void narrow(const QWeight& w, const float* xt, float* c, int64_t ldc_m, int64_t ldc_n,
             int threads) {
