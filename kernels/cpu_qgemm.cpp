@@ -12,7 +12,15 @@
 // is dequantized once per 128-column chunk into a row-major fp32 panel [6][K] (SIMD
 // stores, no interleaving pass) and cpu_gemm.cpp's 6 x 16 register tile runs over it
 // (gemm_panels_f32, the tile's kRows layout): the same sums as the fp32 GEMM over the
-// dequantized weights.
+// dequantized weights. Each output's summation order is part of the contract (greedy output
+// is token-exact only while every C[m, n] keeps its bits): tests/kernels/test_qgemm.py
+// recomputes both orders with exactly rounded FMAs and compares bit for bit.
+//
+// Where the time goes on AVX2 (Zen 3, measured): at N <= 4 the dequantization (~20 FP-port
+// uops per 32-value block against 4-16 FMAs); at N = 5..8 one X load per FMA and only N
+// dependent FMA chains (A = 1), ~55-65% of the FMA ports. Register-blocking several rows to
+// share X loads was tried (and a two-phase dequantize-then-tile kernel): no robust gain
+// with g++'s allocation, so the one-row loop stays.
 //
 // A weight is a chain of row segments (QWeight.next): q/k/v (and gate/up) are fused into one
 // projection even when their formats differ (Q4_K_M files keep attn_v in Q6_K). Format 0 is

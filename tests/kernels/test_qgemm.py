@@ -1,7 +1,8 @@
 """kernels/cpu_qgemm.cpp through kernels/quant.py: per GGUF format, random blocks ->
 every dequantized weight EQUAL to gguf.quants.dequantize (what transformers loads), and the
-GEMM (narrow decode kernel, N <= 4, and the panel path, N > 4) against dequantize-then-fp32
-matmul; the AVX-512 build compiles on any machine and agrees with AVX2 where the CPU runs it."""
+GEMM (narrow decode kernel, N <= 8, and the panel path, N > 8) against dequantize-then-fp32
+matmul, and bit for bit against its documented summation order (AVX2); the AVX-512 build
+compiles on any machine and agrees with AVX2 where the CPU runs it."""
 
 from __future__ import annotations
 
@@ -117,3 +118,63 @@ def test_the_avx512_build_compiles_and_agrees_with_avx2_where_it_runs(tmp_path):
             x = torch.randn(1024, n)
             want = b.mm(x)
             torch.testing.assert_close(a.mm(x), want, rtol=TOL, atol=TOL * want.abs().max())
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 fused multiply-add, exactly rounded: a * b is exact in float64 (48 bits), the sum
+    p + c splits into s + e (TwoSum, exact), and s rounds to float32 as the exact value does
+    unless it is a float32 midpoint, where the sign of e decides."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    bp = s - c
+    e = (p - bp) + (c - (s - bp))
+    f = s.astype(np.float32)
+    lo = np.where(f.astype(np.float64) > s, np.nextafter(f, np.float32(-np.inf)), f)
+    hi = np.nextafter(lo, np.float32(np.inf))
+    tie = (lo.astype(np.float64) + hi.astype(np.float64)) / 2 == s
+    return np.where(tie & (e > 0), hi, np.where(tie & (e < 0), lo, f))
+
+
+def _lane_sums(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The AVX2 narrow kernel's order (N <= 8): per output, accumulator a sums the 8-lane
+    chunks j = a (mod A) lane by lane (A = 2 for N <= 4, else 1), then the A sums are added
+    and the 8 lanes reduced as hsum does: (l + l+4), then (l + l+2), then lane 0 + lane 1."""
+    m, k = w.shape
+    n = x.shape[1]
+    accs = 2 if n <= 4 else 1
+    wc = w.reshape(m, 1, k // 8, 8)
+    xc = x.T.reshape(1, n, k // 8, 8)
+    acc = [np.zeros((m, n, 8), np.float32) for _ in range(accs)]
+    for j in range(k // 8):
+        acc[j % accs] = _fma32(wc[:, :, j], xc[:, :, j], acc[j % accs])
+    v = acc[0] + acc[1] if accs == 2 else acc[0]
+    v = v[..., :4] + v[..., 4:]
+    v = v[..., :2] + v[..., 2:]
+    return v[..., 0] + v[..., 1]
+
+
+def _sequential_sums(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The 6 x 16 tile's order (N > 8): one FMA chain over k per output, from zero."""
+    acc = np.zeros((w.shape[0], x.shape[1]), np.float32)
+    for j in range(w.shape[1]):
+        acc = _fma32(w[:, j:j + 1], x[j:j + 1, :], acc)
+    return acc
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_every_output_is_the_documented_fp32_sum_bit_for_bit(fmt):
+    # The summation order is a contract, not a detail: greedy output stays token-exact only
+    # while every C[m, n] keeps its bits, so a faster kernel must keep this order (AVX2's;
+    # the AVX-512 build sums 16 lanes and agrees within TOL).
+    lib = native.load(native.NativeOptions(isa="avx2"))
+    t = random_tensor(fmt, 7, 256, seed=fmt + 40)
+    w = quant.QuantWeight(lib, [t])
+    dense = reference(t)
+    rng = np.random.default_rng(fmt)
+    for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32):
+        x = rng.standard_normal((256, n)).astype(np.float32)
+        want = _lane_sums(dense, x) if n <= 8 else _sequential_sums(dense, x)
+        got = w.mm(torch.from_numpy(x)).numpy()
+        assert np.array_equal(got, want), f"N={n}: {np.abs(got - want).max()}"
+        assert np.array_equal(w.mm_t(torch.from_numpy(x)).numpy(), want.T)
