@@ -27,6 +27,7 @@ import contextlib
 import json
 import pathlib
 import tempfile
+import time
 
 from benchmarks.reliability import procs
 from continuum.bench import add_arguments, run_point, validate_args
@@ -55,11 +56,12 @@ def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def _ours(url: str | None, extra: list[str]):
-    """Yields our base URL: ``url`` as given, or a ``continuum serve`` started here with
-    make run's defaults (``--policy chunked`` is serve's default: it only keeps
-    ``start_serve`` from substituting its small test pool for them)."""
+    """Yields (our base URL, {role: pid} of our processes or None): ``url`` as given, or
+    a ``continuum serve`` started here with make run's defaults (``--policy chunked`` is
+    serve's default: it only keeps ``start_serve`` from substituting its small test pool
+    for them)."""
     if url:
-        yield url
+        yield url, None
         return
     with tempfile.TemporaryDirectory(prefix="continuum-vs-llama-") as tmp:
         try:
@@ -67,7 +69,8 @@ def _ours(url: str | None, extra: list[str]):
         except procs.ServerError as exc:
             raise SystemExit(str(exc)) from None
         try:
-            yield f"http://127.0.0.1:{serve.http_port}/v1"
+            yield (f"http://127.0.0.1:{serve.http_port}/v1",
+                   procs.children_by_role(serve.proc.pid))
         finally:
             serve.stop()
 
@@ -122,14 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         raise SystemExit(f"--streams {args.streams!r}: comma-separated integers") from None
     rows = []
-    with _ours(args.ours_url, args.serve_arg) as ours_url:
+    with _ours(args.ours_url, args.serve_arg) as (ours_url, pids):
         for i, n in enumerate(streams):
             order = [("ours", ours_url), ("theirs", args.llama_url)]
-            results = dict((name, _point(url, n, args)) for name, url in
-                           (order if i % 2 == 0 else order[::-1]))
-            rows.append(_row(n, results["ours"], results["theirs"]))
+            results, cores = {}, {}
+            for name, url in (order if i % 2 == 0 else order[::-1]):
+                before, started = procs.cpu_seconds(pids or {}), time.monotonic()
+                results[name] = _point(url, n, args)
+                if name == "ours" and pids:  # which of our processes the run kept busy
+                    used = procs.cpu_seconds(pids)
+                    used.subtract(before)
+                    cores = {role: round(s / (time.monotonic() - started), 2)
+                             for role, s in sorted(used.items())}
+            rows.append({**_row(n, results["ours"], results["theirs"]), "ours_cores": cores})
             print(f"{n} streams: ours {results['ours']['output_throughput']:.0f} tok/s, "
-                  f"llama-server {results['theirs']['output_throughput']:.0f}", flush=True)
+                  f"llama-server {results['theirs']['output_throughput']:.0f}"
+                  + (f"; our CPU use in cores {cores}" if cores else ""), flush=True)
     print(render(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -39,8 +39,6 @@ import asyncio
 import collections
 import dataclasses
 import json
-import os
-import pathlib
 import sys
 import time
 import urllib.request
@@ -148,32 +146,19 @@ async def _probe_stats(scheduler_port: int, end: float) -> list[float]:
     return rtts
 
 
-def _cpu_s(pids: dict[str, int]) -> collections.Counter:
-    """utime + stime of each role's process (/proc/PID/stat), in seconds: what a phase
-    cost each process, however busy the machine was."""
-    used: collections.Counter = collections.Counter()
-    for role, pid in pids.items():
-        try:
-            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        used[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return used
-
-
 async def _phase(serve: procs.Serve, sender: Sender, seconds: float, rate: float | None,
                  kinds: list[Kind]) -> Phase:
     end = time.monotonic() + seconds
     phase = Phase()
     pids = procs.children_by_role(serve.proc.pid)
-    before = _cpu_s(pids)
+    before = procs.cpu_seconds(pids)
     normal = asyncio.create_task(_normal(serve, end, phase.seen))
     live = asyncio.create_task(_probe_live(serve.http_port, end))
     stats = asyncio.create_task(_probe_stats(serve.scheduler_port, end))
     if rate:
         phase.seen.update(await sender.send(kinds, end, rate))
     phase.itls, phase.live_rtts, phase.stats_rtts = await asyncio.gather(normal, live, stats)
-    phase.cpu_s = _cpu_s(pids)
+    phase.cpu_s = procs.cpu_seconds(pids)
     phase.cpu_s.subtract(before)
     return phase
 

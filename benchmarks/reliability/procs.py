@@ -14,6 +14,7 @@ sends it, so the harness works with the internal planes authenticated or not.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -102,6 +103,19 @@ def num_fds(pid: int) -> int:
         return len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return 0
+
+
+def cpu_seconds(pids: dict[str, int]) -> collections.Counter:
+    """utime + stime of each role's process (/proc/PID/stat), in seconds: what a phase
+    or a run cost each process, however busy the machine was."""
+    used: collections.Counter = collections.Counter()
+    for role, pid in pids.items():
+        try:
+            fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
 def children_by_role(parent: int) -> dict[str, int]:
