@@ -34,14 +34,13 @@ the running set.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 
 from scheduler_svc.core.admission import Admission, QueueFull
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.config import QUEUE_TIME_FIELDS, SchedulerConfig, tpot_targets
+from scheduler_svc.core.config import SchedulerConfig, tpot_targets
 from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.isolation import Isolation
 from scheduler_svc.core.kv_events import KVEventLog
@@ -54,7 +53,13 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
-from scheduler_svc.core.step_cost import StepCost, TtftGuard, kv_tokens, prompt_bounds
+from scheduler_svc.core.step_cost import (
+    StepCost,
+    TtftGuard,
+    kv_tokens,
+    oldest_wait_s,
+    prompt_bounds,
+)
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
@@ -285,7 +290,8 @@ class Scheduler:
         cfg = self.config
         budget = cfg.max_num_batched_tokens - len(rec.cached)
         # Prompt tokens this step: the clamp's or the SLO budget's (core/step_cost.py).
-        boost = bool(self._targets) and self.ttft_guard.boost(self._oldest_wait_s(prefills))
+        boost = bool(self._targets) and self.ttft_guard.boost(
+            oldest_wait_s(self.waiting, prefills, self.clock()))
         held, cap = prompt_bounds(self.step_cost, self._targets, self.running_set.per_tier,
                                   len(rec.cached), self.block_manager, budget,
                                   cfg.max_prefill_tokens_per_step, self.policy.prefill_cap(cfg),
@@ -296,7 +302,7 @@ class Scheduler:
             budget = self.lifecycle.admit(rec, budget, cap,
                                           prefills, self._step_id, self._events)
         if self._targets:
-            self._note_prompts_done(rec)
+            self.ttft_guard.note_prompts_done(rec, self.clock())
         rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
         if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
             self.num_prefill_alerts += 1
@@ -304,22 +310,6 @@ class Scheduler:
                 log.warning("prefill ceiling passed: %d prompt tokens in step %d (ceiling "
                             "%d; %d such steps)", rec.num_prefill_tokens, self._step_id,
                             cfg.prefill_alert_tokens, self.num_prefill_alerts)
-
-    def _oldest_wait_s(self, prefills: list[Request]) -> float | None:
-        """How long the longest-waiting prompt without a first token has waited: a
-        partial prefill's or the queue's oldest."""
-        oldest = self.waiting.oldest_arrival_up_to(len(QUEUE_TIME_FIELDS))  # every tier
-        for req in prefills:
-            if req.num_output_tokens == 0 and (oldest is None or req.arrival_time < oldest):
-                oldest = req.arrival_time
-        return None if oldest is None else self.clock() - oldest
-
-    def _note_prompts_done(self, rec: StepRecord) -> None:
-        """Each prompt whose last chunk this step carries tells the TtftGuard its wait."""
-        now = self.clock()
-        for req in itertools.chain(rec.cached_prefills, (r for r, _ in rec.new)):
-            if req.num_computed_tokens >= req.num_prompt_tokens and not req.num_output_tokens:
-                self.ttft_guard.prompt_done(now - req.arrival_time)
 
     def _schedule_prefills(self, rec: StepRecord, budget: int,
                            prefills: list[Request], cap: int) -> int:

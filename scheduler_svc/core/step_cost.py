@@ -29,7 +29,10 @@ waited as long as the recent TTFTs' p95 shortens that tail without reaching the 
 from __future__ import annotations
 
 import collections
+import itertools
 import math
+
+from scheduler_svc.core.config import QUEUE_TIME_FIELDS
 
 # Feature scales keep the normal equations well conditioned (x is O(1) for usual plans).
 _SCALES = (1.0, 1 / 64, 1 / 512, 1 / 65536)
@@ -142,6 +145,22 @@ class TtftGuard:
         self.credit -= 1.0
         self.num_boosts += 1
         return True
+
+    def note_prompts_done(self, rec, now: float) -> None:
+        """Each prompt whose last chunk the step ``rec`` (a StepRecord) carries: its wait."""
+        for req in itertools.chain(rec.cached_prefills, (r for r, _ in rec.new)):
+            if req.num_computed_tokens >= req.num_prompt_tokens and not req.num_output_tokens:
+                self.prompt_done(now - req.arrival_time)
+
+
+def oldest_wait_s(waiting, prefills, now: float) -> float | None:
+    """How long the longest-waiting prompt without a first token has waited: a partial
+    prefill's (``prefills``: running requests) or the ``waiting`` queue's oldest."""
+    oldest = waiting.oldest_arrival_up_to(len(QUEUE_TIME_FIELDS))  # every tier
+    for req in prefills:
+        if req.num_output_tokens == 0 and (oldest is None or req.arrival_time < oldest):
+            oldest = req.arrival_time
+    return None if oldest is None else now - oldest
 
 
 def kv_tokens(block_manager) -> int:
