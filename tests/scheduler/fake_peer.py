@@ -102,8 +102,10 @@ class FakePeer:
                 await self.send("heartbeat", pb.Heartbeat(incarnation=self.hello.incarnation))
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        """Idempotent: a test closes a peer to kill it, its fixture closes it again."""
+        if not self.ctx.closed:
+            self.sock.close(linger=0)
+            self.ctx.term()
 
 
 @contextlib.asynccontextmanager

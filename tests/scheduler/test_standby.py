@@ -51,62 +51,74 @@ async def _serve_then(peer: FakePeer, plans: int, then: str) -> None:
         await asyncio.sleep(3600)
 
 
-async def _register(loop: EngineLoop, address: str) -> tuple[FakePeer, FakePeer]:
-    active, standby = FakePeer(address, b"active"), FakePeer(address, b"standby")
-    await active.say_hello(make_hello(pid=11))
-    await until(lambda: loop.executor is not None)
-    await standby.say_hello(make_hello(pid=22, standby=True))
-    await until(lambda: loop.link.standby == b"standby")
-    assert loop.executor.pid == 11 and loop.link.peer == b"active"
-    return active, standby
+class _Replica:
+    """A started engine loop with an executor (pid 11) and a standby (pid 22)
+    registered; ``peer`` makes more fake executors. Every peer (a ZeroMQ context each)
+    and the loop are closed on exit however the test ended: a context left to the
+    garbage collector can block in term() in a later test."""
+
+    def __init__(self, tmp_path) -> None:
+        self.loop, self.address = _engine(tmp_path)
+        self.peers: list[FakePeer] = []
+
+    def peer(self, identity: bytes) -> FakePeer:
+        self.peers.append(FakePeer(self.address, identity))
+        return self.peers[-1]
+
+    async def __aenter__(self) -> _Replica:
+        self.loop.start()
+        try:
+            self.active, self.standby = self.peer(b"active"), self.peer(b"standby")
+            await self.active.say_hello(make_hello(pid=11))
+            await until(lambda: self.loop.executor is not None)
+            await self.standby.say_hello(make_hello(pid=22, standby=True))
+            await until(lambda: self.loop.link.standby == b"standby")
+        except BaseException:
+            await self.__aexit__()
+            raise
+        assert self.loop.executor.pid == 11 and self.loop.link.peer == b"active"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for peer in self.peers:
+            peer.close()
+        await self.loop.stop()
 
 
 def test_the_standby_takes_over_when_the_executor_disconnects(tmp_path):
     async def go():
-        loop, address = _engine(tmp_path)
-        loop.start()
-        active, standby = await _register(loop, address)
-        try:
-            queues = _submit(loop)
-            tasks = [asyncio.create_task(_serve_then(active, 6, "die")),
-                     asyncio.create_task(standby.serve(timeout=30))]
+        async with _Replica(tmp_path) as r:
+            queues = _submit(r.loop)
+            tasks = [asyncio.create_task(_serve_then(r.active, 6, "die")),
+                     asyncio.create_task(r.standby.serve(timeout=30))]
             await _finish(queues)
-            assert loop.num_standby_takeovers == 1 and loop.executor.pid == 22
-            assert loop.link.standby is None and not loop.fatal.done()
+            assert r.loop.num_standby_takeovers == 1 and r.loop.executor.pid == 22
+            assert r.loop.link.standby is None and not r.loop.fatal.done()
             for task in tasks:
                 task.cancel()
-        finally:
-            standby.close()
-            await loop.stop()
 
     asyncio.run(go())
 
 
 def test_a_hung_executor_is_called_by_the_measured_deadline_and_replaced(tmp_path):
     async def go():
-        loop, address = _engine(tmp_path)
-        loop.start()
-        active, standby = await _register(loop, address)
-        try:
+        async with _Replica(tmp_path) as r:
+            loop = r.loop
             queues = _submit(loop)
-            hang = asyncio.create_task(_serve_then(active, 12, "hang"))
+            hang = asyncio.create_task(_serve_then(r.active, 12, "hang"))
             await until(lambda: hang.done() or loop.num_steps >= 12)
             assert loop.deadlines.warm  # 12 fast steps: the floor applies, not the cold one
             stalled_at = time.monotonic()
-            served = asyncio.create_task(standby.next_plan(timeout=60))
+            served = asyncio.create_task(r.standby.next_plan(timeout=60))
             first = await served
             # Called well before the cold floor (the old fixed 5 s); generous for a busy box.
             assert time.monotonic() - stalled_at < COLD_FLOOR_S - 1
-            await standby.send("result", standby.answer(first))
-            server = asyncio.create_task(standby.serve(timeout=30))
+            await r.standby.send("result", r.standby.answer(first))
+            server = asyncio.create_task(r.standby.serve(timeout=30))
             await _finish(queues)
             assert loop.num_standby_takeovers == 1 and loop.last_lost_executor_pid == 11
             hang.cancel()
             server.cancel()
-        finally:
-            active.close()
-            standby.close()
-            await loop.stop()
 
     asyncio.run(go())
 
@@ -115,22 +127,17 @@ def test_losing_the_standby_first_or_during_its_takeover_waits_for_a_new_executo
     """The standby dies before the executor, then the replacement dies on its first
     plan: each time the loop has nobody, waits, and a fresh executor finishes the work."""
     async def go():
-        loop, address = _engine(tmp_path)
-        loop.start()
-        active, standby = await _register(loop, address)
-        fresh = []
-        try:
-            standby.close()
+        async with _Replica(tmp_path) as r:
+            loop = r.loop
+            r.standby.close()
             await until(lambda: loop.link.standby is None)  # forgotten on disconnect
             queues = _submit(loop)
-            await _serve_then(active, 4, "die")
+            await _serve_then(r.active, 4, "die")
             await until(lambda: loop.executor is None)
-            second = FakePeer(address, b"second")
-            fresh.append(second)
+            second = r.peer(b"second")
             await second.say_hello(make_hello(pid=33, standby=True))  # nobody: in service
             await until(lambda: loop.executor is not None and loop.executor.pid == 33)
-            third = FakePeer(address, b"third")
-            fresh.append(third)
+            third = r.peer(b"third")
             await third.say_hello(make_hello(pid=44, standby=True))
             await until(lambda: loop.link.standby == b"third")
             await second.next_plan()
@@ -139,30 +146,20 @@ def test_losing_the_standby_first_or_during_its_takeover_waits_for_a_new_executo
             await _finish(queues)
             assert loop.executor.pid == 44 and loop.num_standby_takeovers == 1
             server.cancel()
-        finally:
-            for peer in fresh:
-                peer.close()
-            await loop.stop()
 
     asyncio.run(go())
 
 
 def test_a_silent_standby_is_dropped_and_named_for_its_supervisor(tmp_path):
     async def go():
-        loop, address = _engine(tmp_path)
-        loop.heartbeat_timeout_s = 1.5  # probes go every HEARTBEAT_S (1 s)
-        loop.start()
-        active, standby = await _register(loop, address)
-        try:
-            server = asyncio.create_task(active.serve(timeout=30))  # answers heartbeats
-            await until(lambda: loop.link.standby is None)  # the standby never answers
-            assert loop.last_lost_executor_pid == 22 and loop.executor.pid == 11
-            assert loop.num_executor_losses == 0
+        replica = _Replica(tmp_path)
+        replica.loop.heartbeat_timeout_s = 1.5  # probes go every HEARTBEAT_S (1 s)
+        async with replica as r:
+            server = asyncio.create_task(r.active.serve(timeout=30))  # answers heartbeats
+            await until(lambda: r.loop.link.standby is None)  # the standby never answers
+            assert r.loop.last_lost_executor_pid == 22 and r.loop.executor.pid == 11
+            assert r.loop.num_executor_losses == 0
             server.cancel()
-        finally:
-            active.close()
-            standby.close()
-            await loop.stop()
 
     asyncio.run(go())
 
@@ -172,21 +169,15 @@ def test_both_dying_at_once_ends_no_request(tmp_path):
     not yet seen go is not blamed on its requests (they were blamed once already, for
     the executor's step), so a fresh executor finishes every one without an error."""
     async def go():
-        loop, address = _engine(tmp_path)
-        loop.start()
-        active, standby = await _register(loop, address)
-        fresh = FakePeer(address, b"fresh")
-        try:
-            queues = _submit(loop)
-            await _serve_then(active, 4, "die")  # the standby goes in the same instant
-            standby.close()
-            await until(lambda: loop.executor is None and loop.link.standby is None)
+        async with _Replica(tmp_path) as r:
+            fresh = r.peer(b"fresh")
+            queues = _submit(r.loop)
+            await _serve_then(r.active, 4, "die")  # the standby goes in the same instant
+            r.standby.close()
+            await until(lambda: r.loop.executor is None and r.loop.link.standby is None)
             await fresh.say_hello(make_hello(pid=55))
             server = asyncio.create_task(fresh.serve(timeout=30))
             await _finish(queues)
             server.cancel()
-        finally:
-            fresh.close()
-            await loop.stop()
 
     asyncio.run(go())
