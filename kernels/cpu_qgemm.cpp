@@ -155,27 +155,32 @@ template <> struct Fmt<kBF16> {  // the top 16 bits of an fp32
 
 // Q4_K (144 bytes per 256): d, dmin f16, 12 bytes of 6-bit scales/mins for 8 sub-blocks of
 // 32, 128 bytes of nibbles (per 64 values: 32 low nibbles, then the same bytes' high ones).
-// value = (d * sc) * q - (dmin * m), each product rounded, as Q4_K.dequantize_blocks.
+// value = (d * sc) * q - (dmin * m), each product rounded, as Q4_K.dequantize_blocks. Both
+// products are exact in fp32 (11-bit significands times 6-bit then 4-bit integers), so
+// the SIMD multiply and subtract give numpy's values.
 template <> struct Fmt<kQ4_K> {
   static constexpr int64_t kBlock = 256, kBytes = 144;
   static void block(const uint8_t* b, float* out) {
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* s = b + 4;
     const uint8_t* qs = b + 16;
-    for (int j = 0; j < 8; j++) {
-      int sc, mn;
-      if (j < 4) {
-        sc = s[j] & 0x3F, mn = s[j + 4] & 0x3F;
-      } else {
-        sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-        mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-      }
-      const float ds = d * float(sc), dm = dmin * float(mn);
-      const uint8_t* q = qs + 32 * (j / 2);
-      const int shift = 4 * (j % 2);
-      for (int i = 0; i < 32; i++) {
-        const float p = ds * float((q[i] >> shift) & 0x0F);
-        out[32 * j + i] = p - dm;
+    for (int j = 0; j < 8; j += 2) {  // sub-blocks j (low nibbles) and j + 1 (high)
+      __m256i q[2][4];
+      nibbles(qs + 16 * j, q[0]), nibbles(qs + 16 * j + 16, q[1]);
+      for (int h = 0; h < 2; h++) {
+        const int jj = j + h;
+        int sc, mn;
+        if (jj < 4) {
+          sc = s[jj] & 0x3F, mn = s[jj + 4] & 0x3F;
+        } else {
+          sc = (s[jj + 4] & 0x0F) | ((s[jj - 4] >> 2) & 0x30);
+          mn = (s[jj + 4] >> 4) | ((s[jj] >> 2) & 0x30);
+        }
+        const __m256 ds = _mm256_set1_ps(d * float(sc)), dm = _mm256_set1_ps(dmin * float(mn));
+        float* o = out + 32 * jj;
+        for (int i = 0; i < 4; i++)  // values 8i..8i+7: bytes 8i..8i+7 of the 32
+          _mm256_store_ps(o + 8 * i, _mm256_sub_ps(_mm256_mul_ps(
+              ds, _mm256_cvtepi32_ps(q[i / 2][2 * h + i % 2])), dm));
       }
     }
   }
