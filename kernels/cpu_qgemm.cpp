@@ -2,8 +2,9 @@
 // BF16): C = W @ X with fp32 activations and fp32 accumulation, the blocks dequantized inside
 // the kernel. Built by kernels/native.py into the same library as cpu_gemm.cpp, but compiled
 // on its own with -ffp-contract=off: every dequantized value must EQUAL what
-// gguf.quants.dequantize gives (what transformers loads), and numpy rounds d * q + m twice;
-// a contracted FMA would round once and differ in the last bit.
+// gguf.quants.dequantize gives (what transformers loads), and numpy rounds each product and
+// sum; a contracted FMA would round once and differ in the last bit. (Explicit FMAs appear
+// only where the product is exact, so one rounding equals numpy's two: Q4_1's d * q + m.)
 //
 // Two shapes of work. Few columns (N <= 8: decode batches of 1-8, weight-streaming bound):
 // each row's blocks are dequantized into an L1 buffer and multiplied into N accumulators at
@@ -18,7 +19,7 @@
 //
 // Where the time goes on AVX2 (Zen 3, measured): at N <= 4 the dequantization (~20 FP-port
 // uops per 32-value block against 4-16 FMAs); at N = 5..8 one X load per FMA and only N
-// dependent FMA chains (A = 1), ~55-65% of the FMA ports. Register-blocking several rows to
+// dependent FMA chains (A = 1): 50-66 GF/s a core at N = 8 of ~75. Register-blocking rows to
 // share X loads was tried (and a two-phase dequantize-then-tile kernel): no robust gain
 // with g++'s allocation, so the one-row loop stays.
 //
