@@ -187,18 +187,29 @@ def measured(server: Server, specs) -> dict:
             "preemptions": server.stats().num_preemptions - before}
 
 
-def link_overhead_s(server: Server, profile: ExecutorProfile, output_tokens: int = 24) -> float:
-    """The per-step time the server adds to the in-process profile (scheduler, ZeroMQ
-    link, gateway stream), from one lone calibration request (it also warms the server
-    up): its measured TPOT minus the profile's single-sequence decode step."""
+CALIBRATION_BATCH = 8
+
+
+def link_overhead_s(server: Server, profile: ExecutorProfile,
+                    output_tokens: int = 24) -> tuple[float, float]:
+    """(per step, per sampled sequence): the time the server adds to the in-process
+    profile (scheduler, ZeroMQ link, gateway stream), from two calibrations that also
+    warm the server up: one lone request, and ``CALIBRATION_BATCH`` arriving together.
+    Each one's measured TPOT minus the profile's decode step of that batch gives the
+    overhead at 1 and at ``CALIBRATION_BATCH`` sequences; the line through them splits
+    it into a per-step and a per-sequence part (each at least 0)."""
     from continuum.bench_workload import Spec
 
-    spec = Spec(index=0, arrival_s=0.0, prompt_ids=list(range(1000, 1016)),
-                max_tokens=output_tokens)
-    real = measured(server, [spec])
-    predicted = profile.decode_step_time(1, 16 + output_tokens // 2)
-    tpot = real["TPOT p50 ms"] / 1e3
-    return max(0.0, tpot - predicted) if math.isfinite(tpot) else 0.0
+    def overhead(batch: int) -> float:
+        specs = [Spec(index=i, arrival_s=0.0, prompt_ids=list(range(1000 + i, 1016 + i)),
+                      max_tokens=output_tokens) for i in range(batch)]
+        tpot = measured(server, specs)["TPOT p50 ms"] / 1e3
+        predicted = profile.decode_step_time(batch, 16 + output_tokens // 2)
+        return max(0.0, tpot - predicted) if math.isfinite(tpot) else 0.0
+
+    one, many = overhead(1), overhead(CALIBRATION_BATCH)
+    per_seq = max(0.0, (many - one) / (CALIBRATION_BATCH - 1))
+    return max(0.0, one - per_seq), per_seq
 
 
 def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:
@@ -241,10 +252,12 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")
             if calibrate:
-                overhead = link_overhead_s(server, profile)
-                profile = dataclasses.replace(profile, link_overhead_s=overhead)
-                log(f"per-step overhead of the server over the profile: {overhead * 1e3:.2f} ms "
-                    "(one lone request's TPOT minus the profile's decode step)")
+                step, per_seq = link_overhead_s(server, profile)
+                profile = dataclasses.replace(profile, link_overhead_s=step,
+                                              link_overhead_per_seq_s=per_seq)
+                log(f"overhead of the server over the profile: {step * 1e3:.2f} ms a step + "
+                    f"{per_seq * 1e3:.2f} ms a sequence (TPOT of 1 and of "
+                    f"{CALIBRATION_BATCH} requests minus the profile's decode steps)")
             rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
             for point, rate in enumerate(rates):
                 specs = bench_specs(w, rate, seed + point)
@@ -261,6 +274,7 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             server.stop()
     summary = _summary(rows, counts, time.perf_counter() - started)
     summary["link_overhead_ms"] = profile.link_overhead_s * 1e3
+    summary["link_overhead_per_seq_ms"] = profile.link_overhead_per_seq_s * 1e3
     return rows, summary
 
 

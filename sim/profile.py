@@ -75,6 +75,9 @@ class ExecutorProfile:
     executor: dict = dataclasses.field(default_factory=dict)  # model, weight format, kernels
     fit: dict = dataclasses.field(default_factory=dict)  # points, held-out error
     link_overhead_s: float = 0.0  # per step, scheduler + link, when measured from a server
+    # ...and per sequence sampled in the step (the scheduler's and the gateway's work per
+    # streamed token, which takes CPU from a CPU executor's threads)
+    link_overhead_per_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FEATURES if f not in self.coefficients]
@@ -90,7 +93,8 @@ class ExecutorProfile:
         if tokens <= 0:
             return 0.0
         x = features(tokens, seqs, sampled, decode_kv, kpairs, mixed)
-        return sum(c * v for c, v in zip(self._c, x, strict=True)) + self.link_overhead_s
+        return (sum(c * v for c, v in zip(self._c, x, strict=True)) + self.link_overhead_s
+                + self.link_overhead_per_seq_s * sampled)
 
     def step_time(self, seqs: Iterable[tuple[int, int]],
                   num_sampled: int | None = None) -> float:

@@ -46,6 +46,9 @@ def test_a_step_is_the_dot_product_of_its_counts():
     assert p.swap_time(10, 16) == pytest.approx(10 * 16 * 46080 / 5e9)
     assert p.num_kv_blocks(16) == 512
     assert p.core_cost_model(16).block_bytes == 16 * 46080
+    # A server's measured overhead: per step, and per sampled sequence.
+    served = make_profile(link_overhead_s=2e-3, link_overhead_per_seq_s=5e-4)
+    assert served.step_time(seqs, 4) == pytest.approx(expected + 2e-3 + 4 * 5e-4)
 
 
 def test_the_fit_recovers_a_known_model_and_never_goes_negative():
