@@ -11,8 +11,7 @@ import random
 
 import pytest
 
-from scheduler_svc.core import ConfigError, SchedulerConfig
-from scheduler_svc.core import step_cost
+from scheduler_svc.core import ConfigError, SchedulerConfig, step_cost
 from scheduler_svc.core.step_cost import MIN_PREFILL_TOKENS, StepCost, TtftGuard
 from tests.scheduler.factories import fake_execute, make_request, make_scheduler
 
