@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 def test_compares_two_real_servers_and_prints_the_table(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    with vs_llama_server._ours(None, ["--kv-cache-bytes", str(64 << 20)]) as url:
+    with vs_llama_server._ours(None, ["--kv-cache-bytes", str(64 << 20)]) as (url, pids):
+        assert set(pids) == {"gateway", "scheduler_svc", "executor_svc"}  # what it measures
         code = vs_llama_server.main(["--llama-url", url, "--ours-url", url, "--streams", "1,3",
                                      "--input-len", "16", "--output-len", "4",
                                      "--prompts-per-stream", "1", "--json", str(out)])
@@ -30,6 +31,7 @@ def test_compares_two_real_servers_and_prints_the_table(tmp_path, capsys):
         for side in ("ours", "theirs"):
             assert r[side]["num_completed"] == requests
             assert r[side]["total_output_tokens"] == 4 * requests
+        assert r["ours_cores"] == {}  # a server given by --ours-url: its processes unknown
         assert r["ratio"] == pytest.approx(
             r["ours"]["output_throughput"] / r["theirs"]["output_throughput"])
     assert "| streams | llama-server tok/s | ours tok/s |" in printed
