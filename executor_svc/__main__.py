@@ -140,11 +140,9 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     if not a.ipc.startswith(("ipc://", "tcp://", "inproc://")):
         p.error(f"--ipc must be a zmq address such as ipc:///tmp/continuum.sock, got {a.ipc!r}")
     try:
-        switches = Switches.from_env(environ)
+        switches = Switches.from_env(environ, weight_format=a.weight_format)
     except ValueError as exc:
         p.error(str(exc))
-    if a.weight_format:  # the flag wins over CONTINUUM_WEIGHT_FORMAT
-        switches = dataclasses.replace(switches, weight_format=a.weight_format)
     return ExecutorConfig(
         model=a.model or None, ipc=a.ipc, kv_cache_bytes=a.kv_cache_bytes,
         host_kv_cache_bytes=a.host_kv_cache_bytes, block_size=a.block_size, dtype=a.dtype,

@@ -67,8 +67,10 @@ class Switches:
     faults: FaultInjector = field(default_factory=FaultInjector)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Switches:
-        """Raises ValueError (naming the variable) for a value that cannot be meant."""
+    def from_env(cls, environ: Mapping[str, str] = os.environ,
+                 weight_format: str | None = None) -> Switches:
+        """Raises ValueError (naming the variable) for a value that cannot be meant.
+        ``weight_format``: the ``--weight-format`` flag, which wins over the variable."""
 
         def on(name: str) -> bool:  # as before: anything but "0" leaves a switch on
             return environ.get(name, "1") != "0"
@@ -80,7 +82,8 @@ class Switches:
             return value
 
         return cls(
-            weight_format=choice("CONTINUUM_WEIGHT_FORMAT", ("auto", "native", "fp32", "bf16")),
+            weight_format=weight_format or choice("CONTINUUM_WEIGHT_FORMAT",
+                                                  ("auto", "native", "fp32", "bf16")),
             cpu_isa=choice("CONTINUUM_CPU_ISA", ("auto", "avx2", "avx512")),
             native_kernels=on("CONTINUUM_NATIVE_KERNELS"),
             kernel_cache=environ.get("CONTINUUM_KERNEL_CACHE") or None,

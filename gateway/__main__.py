@@ -70,8 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-bytes",
         type=int,
         default=None,
-        help="largest HTTP body / gRPC message accepted (default: 32 bytes per context "
-        "token, at least 1 MiB: 1 MiB for an 8k context, 4 MiB for 128k)",
+        help="largest HTTP body / gRPC message (default: 32 B a context token, >= 1 MiB)",
     )
     parser.add_argument(
         "--api-keys-file",

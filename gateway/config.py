@@ -12,7 +12,7 @@ class ConfigError(ValueError):
 
 # The default body limit pays for the longest prompt the context holds: 32 bytes a
 # token covers English (~4 bytes a token), CJK in UTF-8 (~3 bytes a character) and
-# JSON's \uXXXX escapes (6 bytes a character) with room; every other field is capped
+# JSON's \u escapes (6 bytes a character) with room; every other field is capped
 # far below (tools 48 KiB, a guided spec 64 KiB: protos/limits.py). Never below
 # 1 MiB, nginx's default `client_max_body_size` (TGI's `--payload-limit` is 2 MB):
 # 1 MiB for an 8k context, 4 MiB for 128k. Each byte of a body costs the gateway
