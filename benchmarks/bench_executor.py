@@ -68,7 +68,7 @@ def step_bytes(model: LlamaModel, batch: int, context: int, kv_bytes: int = 4) -
     float16 / bfloat16)."""
     c = model.config
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * batch
-    return weight_bytes(model) + kv_bytes * kv
+    return weight_bytes(model, batch) + kv_bytes * kv
 
 
 def ours(model, backends: dict, args, clock, headline: str,
@@ -115,7 +115,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--breakdown-batch", type=int, default=64)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f],
-                   default=["native", "fp32"],
+                   default=["native", "hybrid", "fp32"],
                    help="weight formats to A/B at batch 1 and 64 at the end ('' to skip)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch (and numba) threads; default torch's (one per core)")

@@ -27,13 +27,14 @@ from executor_svc.weight_formats import streamed_bytes
 from kernels import make_backend
 
 
-def weight_bytes(model: LlamaModel) -> int:
-    """What one step reads of the weights: every projection and the LM head as stored (a
-    tied embedding once: the lookup reads only the step's rows), plus the norms."""
-    total = sum(streamed_bytes(w) for layer in model.layers
+def weight_bytes(model: LlamaModel, batch: int = 1) -> int:
+    """What one step of ``batch`` tokens reads of the weights: every projection and the LM
+    head as stored (a tied embedding once: the lookup reads only the step's rows; hybrid's
+    fp32 copy past 8 tokens), plus the norms."""
+    total = sum(streamed_bytes(w, batch) for layer in model.layers
                 for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
     total += sum(layer.attn_norm.numel() + layer.ffn_norm.numel() for layer in model.layers) * 4
-    return total + streamed_bytes(model.lm_head) + model.norm.numel() * 4
+    return total + streamed_bytes(model.lm_head, batch) + model.norm.numel() * 4
 
 
 def read_gbs(clock) -> float:
@@ -86,8 +87,8 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
     print("| format | batch | weights MB/step | KV MB/step | ms/step | tok/s | GB/s achieved "
           "| roofline ms | of roofline |")
     for fmt in formats:
-        weights = weight_bytes(models[fmt])
         for batch in batches:
+            weights = weight_bytes(models[fmt], batch)
             seconds = statistics.median(times[fmt, batch])
             total = weights + kv_per_token * context * batch
             bound = total / (gbs * 1e9)
@@ -101,7 +102,7 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--formats", type=lambda s: s.split(","), default=["native", "fp32"])
+    p.add_argument("--formats", type=lambda s: s.split(","), default=["native", "hybrid", "fp32"])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4)

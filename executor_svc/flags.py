@@ -8,7 +8,7 @@ import argparse
 import re
 
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
-WEIGHT_FORMATS = ("auto", "native", "fp32", "bf16")
+WEIGHT_FORMATS = ("auto", "native", "hybrid", "fp32", "bf16")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -29,9 +29,11 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                         "GPU what --gpu-memory-utilization leaves)")
     p.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=None,
                    help="how the layers' weights are held: native (a GGUF's own quantized "
-                        "blocks, dequantized inside the GEMM), fp32, bf16 (HF directories); "
-                        "default auto: native for a GGUF where the native GEMM runs, else "
-                        "fp32 (overrides CONTINUUM_WEIGHT_FORMAT)")
+                        "blocks, dequantized inside the GEMM), hybrid (the blocks for "
+                        "batches of <= 8 tokens, an fp32 copy for larger ones: same "
+                        "outputs), fp32, bf16 (HF directories); default auto: hybrid for a "
+                        "GGUF where the native GEMM runs and the copy takes <= 1/8 of free "
+                        "memory, else native, else fp32 (overrides CONTINUUM_WEIGHT_FORMAT)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of each GPU the executor may use: weights, one step of "
                         "--max-num-batched-tokens, and the KV cache in what is left")

@@ -181,6 +181,8 @@ class LlamaModel:
         self.embed = embedding(lib, self.embed, fmt)
         head = self.embed if tied else self.lm_head
         self.lm_head = head if isinstance(head, quant.QuantWeight) else prepare(lib, head, fmt)
+        if fmt == "hybrid" and isinstance(self.lm_head, quant.QuantWeight):
+            self.lm_head.add_wide_copy()  # the LM head's GEMM (the lookup reads the blocks)
         if self.tp is None and decoder:
             c = self.config
             self._decoder = NativeDecoder(
@@ -240,14 +242,14 @@ class LlamaModel:
              native_decoder: bool = True, weight_format: str = "auto") -> LlamaModel:
         """The checkpoint in ``path``; under tp only this rank's slices are read
         (tp_shard.load_shard: a rank never holds the whole model). ``weight_format``: auto,
-        native, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not possible)."""
+        native, hybrid, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not possible)."""
         config = ModelConfig.from_dir(path)
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         lib = native.load(native_options) if cpu_fp32 else None
         fmt = resolve(weight_format, path, lib, native_gemm, tp is not None)
         if tp is not None:
             weights = load_shard(path, config, tp.layout)
-        elif fmt == "native":
+        elif fmt in ("native", "hybrid"):
             weights = read_native(path)
         else:
             weights = {}

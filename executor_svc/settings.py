@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from executor_svc.faults import ENV_FAULT_INJECT, FaultInjector
+from executor_svc.flags import WEIGHT_FORMATS
 
 if TYPE_CHECKING:
     from kernels.native import NativeOptions
@@ -39,10 +40,11 @@ class Switches:
                                                 packed for the native GEMM (and no decoder)
     CONTINUUM_NATIVE_DECODER   native_decoder   ``0``: decode steps layer by layer from
                                                 Python instead of one native call
-    CONTINUUM_WEIGHT_FORMAT    weight_format    auto (native for a GGUF where the native GEMM
-                                                runs, else fp32), native (the GGUF's own
-                                                blocks), fp32 or bf16: weight_formats.py
-                                                (the --weight-format flag wins)
+    CONTINUUM_WEIGHT_FORMAT    weight_format    auto (hybrid or native for a GGUF where the
+                                                native GEMM runs, else fp32), native (the
+                                                GGUF's own blocks), hybrid (blocks plus an
+                                                fp32 copy for wide GEMMs), fp32 or bf16:
+                                                weight_formats.py (the flag wins)
     CONTINUUM_CPU_ISA          cpu_isa          auto (the highest the CPU has), avx2 or
                                                 avx512: which native library build loads
     CONTINUUM_CACHE_DIR        cache_dir        where GGUF conversions go (``<dir>/models``;
@@ -82,8 +84,7 @@ class Switches:
             return value
 
         return cls(
-            weight_format=weight_format or choice("CONTINUUM_WEIGHT_FORMAT",
-                                                  ("auto", "native", "fp32", "bf16")),
+            weight_format=weight_format or choice("CONTINUUM_WEIGHT_FORMAT", WEIGHT_FORMATS),
             cpu_isa=choice("CONTINUUM_CPU_ISA", ("auto", "avx2", "avx512")),
             native_kernels=on("CONTINUUM_NATIVE_KERNELS"),
             kernel_cache=environ.get("CONTINUUM_KERNEL_CACHE") or None,

@@ -6,12 +6,20 @@
   ``gguf.quants.dequantize`` gives (so what transformers loads from the converted directory):
   greedy outputs stay token-exact. A batch-1 step streams ~4.5-8.5 bits per weight instead
   of 32 (the bundled Q4_1 model: 101 MB instead of 540 MB).
+* ``hybrid``: ``native``, plus each projection and the LM head dequantized once at load and
+  packed as ``fp32`` packs them; a GEMM over more than 8 tokens (larger decode batches,
+  prefill) reads that copy instead of the blocks. Its tile reads the same values in the
+  same order, so the outputs are the same bits as ``native``'s (tests/kernels/
+  test_qgemm.py); it skips the blocks' dequantization per panel and 128 columns, ~5-8 % of
+  those compute-bound GEMMs. Costs 4 bytes a weight more (the bundled model: +540 MB).
 * ``bf16``: an HF directory's fp32 weights rounded to bfloat16 (half the bytes; the values
   change, so outputs are close to, not equal to, the fp32 model's).
 * ``fp32``: as before: dequantized / safetensors fp32, packed for cpu_gemm.cpp.
-* ``auto`` (the default): ``native`` where it applies (a GGUF source, fp32 activations on an
-  AVX2 CPU, the native GEMM on, no tensor parallelism), else ``fp32``. Chosen by
-  measurement: docs/executor-performance.md (batch 1 and 64, A/B in one run).
+* ``auto`` (the default): ``hybrid`` where ``native`` applies (a GGUF source, fp32
+  activations on an AVX2 CPU, the native GEMM on, no tensor parallelism) and the fp32 copy
+  takes at most 1/8 of the memory available at load (``HYBRID_MEMORY_SHARE``), ``native``
+  where it does not fit (a 7B model's copy would be ~28 GB), else ``fp32``. Chosen by
+  measurement: docs/executor-performance.md (A/B in one run).
 
 A converted directory keeps its GGUF's blocks in ``gguf_blocks.st`` (``save_native``,
 which executor_svc/model_files.py calls once per conversion), which is how ``native`` finds
@@ -32,11 +40,13 @@ from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from executor_svc.flags import WEIGHT_FORMATS  # one list of the names
 from kernels import native, quant
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FORMATS = ("auto", "native", "fp32", "bf16")  # settings.py checks the same names
+# auto picks hybrid when its fp32 copy takes at most this share of MemAvailable.
+HYBRID_MEMORY_SHARE = 1 / 8
 NATIVE_FILE = "gguf_blocks.st"  # safetensors, but not *.safetensors: the fp32 loaders glob those
 
 
@@ -63,11 +73,36 @@ def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None
     if why is None and not has_native(path):
         why = f"{path} is not a GGUF conversion (no {NATIVE_FILE})"
     if why is None:
-        return "native"
-    if requested == "native":
-        raise ValueError(f"weight format native is not available: {why}")
+        if requested != "auto":
+            return requested
+        copy, free = wide_copy_bytes(path), available_memory()
+        if free is not None and copy > free * HYBRID_MEMORY_SHARE:
+            log.info("weight format auto -> native (the hybrid fp32 copy, %d MB, is over "
+                     "1/8 of the %d MB available)", copy >> 20, free >> 20)
+            return "native"
+        return "hybrid"
+    if requested in ("native", "hybrid"):
+        raise ValueError(f"weight format {requested} is not available: {why}")
     log.info("weight format auto -> fp32 (%s)", why)
     return "fp32"
+
+
+def wide_copy_bytes(path: pathlib.Path) -> int:
+    """Bytes of ``hybrid``'s fp32 copy of a conversion's blocks (from the metadata only)."""
+    with safe_open(str(path / NATIVE_FILE), framework="pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+    return sum(rows * cols * 4 for fmt, rows, cols in formats.values() if fmt != 0)
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def save_native(reader: GGUFReader, out_dir: pathlib.Path) -> None:
@@ -133,7 +168,8 @@ def fuse(parts: list) -> torch.Tensor | list:
 
 def prepare(lib: native.NativeKernels, w, fmt: str):
     """A projection (tensor, RawTensor or list of them) in the GEMM's form for ``fmt``:
-    native.PackedWeight (fp32) or quant.QuantWeight (blocks, bf16)."""
+    native.PackedWeight (fp32) or quant.QuantWeight (blocks, bf16; hybrid: blocks with
+    their fp32 copy)."""
     parts = w if isinstance(w, list) else [w]
     if all(isinstance(p, torch.Tensor) for p in parts):
         dense = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -142,7 +178,10 @@ def prepare(lib: native.NativeKernels, w, fmt: str):
         return lib.pack_weight(dense)
     raws = [p if isinstance(p, quant.RawTensor) else
             quant.RawTensor(0, tuple(p.shape), p.float().numpy()) for p in parts]
-    return quant.QuantWeight(lib, raws)
+    weight = quant.QuantWeight(lib, raws)
+    if fmt == "hybrid":
+        weight.add_wide_copy()
+    return weight
 
 
 def embedding(lib: native.NativeKernels, w, fmt: str):
@@ -156,8 +195,9 @@ def embedding(lib: native.NativeKernels, w, fmt: str):
     return dense.float()
 
 
-def streamed_bytes(w) -> int:
-    """Bytes a step reads for weight ``w`` (bench_executor.py's roofline)."""
+def streamed_bytes(w, tokens: int = 1) -> int:
+    """Bytes a step of ``tokens`` columns reads for weight ``w`` (bench_executor.py's
+    roofline): hybrid's fp32 copy past the narrow kernel's 8 columns, else as stored."""
     if isinstance(w, quant.QuantWeight):
-        return w.nbytes
+        return w.wide_nbytes if tokens > 8 and w.wide_nbytes else w.nbytes
     return w.numel() * (w.element_size() if isinstance(w, torch.Tensor) else 4)

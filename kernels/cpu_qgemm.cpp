@@ -49,6 +49,11 @@ struct QWeight {  // kernels/quant.py's _QWeight
   int64_t rows, cols, row_bytes;
   const void* data;
   const QWeight* next;
+  // The first segment's only: null, or the whole weight dequantized and packed for
+  // cpu_gemm.cpp (one fp32 segment), which calls with N > kNarrow go to instead: the
+  // same sums in the same order as the panels over the blocks (their tile reads the same
+  // values), at fp32's speed on the compute-bound shapes (no dequantization per panel).
+  const QWeight* wide;
 };
 }
 
@@ -347,6 +352,7 @@ int qweight_supports(int32_t format) { return known(format) ? 1 : 0; }
 void qweight_gemm(const QWeight* w, const float* x, int64_t ldx_k, int64_t ldx_n, int64_t N,
                   float* c, int64_t ldc_m, int64_t ldc_n, int threads) {
   if (N <= 0) return;
+  if (N > kNarrow && w->wide != nullptr) w = w->wide;
   const int64_t K = w->cols;
   static thread_local std::vector<float> xt_buf;
   const float* xt = nullptr;

@@ -60,7 +60,8 @@ class _QWeight(ctypes.Structure):  # cpu_qgemm.cpp's QWeight
 
 
 _QWeight._fields_ = [("format", ctypes.c_int32), ("rows", _I64), ("cols", _I64),
-                     ("row_bytes", _I64), ("data", _PTR), ("next", ctypes.POINTER(_QWeight))]
+                     ("row_bytes", _I64), ("data", _PTR), ("next", ctypes.POINTER(_QWeight)),
+                     ("wide", ctypes.POINTER(_QWeight))]
 
 
 def _bind(lib: NativeKernels):
@@ -182,3 +183,22 @@ class QuantWeight:
     def dequantize(self) -> torch.Tensor:
         """The whole weight as float32 [M, K] (tests; a fallback path)."""
         return self.rows(torch.arange(self.shape[0]))
+
+    @property
+    def wide_nbytes(self) -> int:
+        """Bytes of the fp32 copy ``add_wide_copy`` holds (0 without one)."""
+        return self._wide.nbytes if getattr(self, "_wide", None) is not None else 0
+
+    def add_wide_copy(self) -> bool:
+        """Holds the weight dequantized and packed for cpu_gemm.cpp too (4 bytes a weight),
+        which GEMMs of more than 8 columns then read instead of the blocks: the same sums in
+        the same order, so the same bits (tests/kernels/test_qgemm.py), without a panel's
+        dequantization per 128 columns (the ``hybrid`` weight format). False, and nothing
+        held, for a weight with fp32 segments (those are packed fp32 already)."""
+        if "F32" in self.formats:
+            return False
+        if getattr(self, "_wide", None) is None:
+            dense = self.dequantize()
+            self._wide = chain_of(self._lib.pack_weight(dense))
+            self._chain[0].wide = ctypes.pointer(self._wide._chain[0])
+        return True

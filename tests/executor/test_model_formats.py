@@ -5,6 +5,7 @@ its logits against transformers'; bf16 for an HF directory; the choice and its e
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -23,10 +24,16 @@ needs_native = pytest.mark.skipif(LIB is None, reason="no AVX2 CPU or compiler: 
 
 @needs_native
 def test_the_default_serves_the_gguf_blocks_with_transformers_values(model, model_dir):
-    # The suite's `model` fixture loads with every switch at its default: auto -> native.
+    # The suite's `model` fixture loads with every switch at its default: auto -> hybrid
+    # (native where its fp32 copy would not fit in memory).
     if json.loads((model_dir / "config.json").read_text())["_name_or_path"] != bundled_gguf().stem:
         pytest.skip("$CONTINUUM_TEST_MODEL is not the bundled Q4_1 GGUF")
-    assert model.weight_format == "native"
+    assert model.weight_format == weight_formats.resolve("auto", model_dir, LIB, True, False)
+    assert model.weight_format in ("hybrid", "native")
+    wide = model.weight_format == "hybrid"
+    assert all((w.wide_nbytes > 0) == wide for lay in model.layers
+               for w in (lay.wqkv, lay.wo, lay.w13, lay.w2))
+    assert (model.lm_head.wide_nbytes == 49152 * 576 * 4) == wide
     # q/k/v are all Q4_1: one segment (one GEMM call); the embedding Q8_0.
     assert model.layers[0].wqkv.formats == ("Q4_1",) and model.embed.formats == ("Q8_0",)
     assert model.lm_head is model.embed  # tied: one copy of the Q8_0 blocks serves both
@@ -111,9 +118,41 @@ def test_the_choice_and_its_errors(tiny_dir, model_dir):
         weight_formats.resolve("bf16", path, None, True, False)
     with pytest.raises(ValueError, match="expected one of"):
         weight_formats.resolve("int3", path, LIB, True, False)
+    with pytest.raises(ValueError, match="hybrid is not available.*not a GGUF conversion"):
+        weight_formats.resolve("hybrid", path, LIB, True, False)
     if LIB is not None:
-        assert weight_formats.resolve("auto", model_dir, LIB, True, False) == "native"
         assert weight_formats.resolve("auto", model_dir, LIB, False, False) == "fp32"
+        assert weight_formats.resolve("native", model_dir, LIB, True, False) == "native"
+        assert weight_formats.resolve("hybrid", model_dir, LIB, True, False) == "hybrid"
+        # auto: hybrid while the fp32 copy (540 MB here) takes <= 1/8 of available memory.
+        copy = weight_formats.wide_copy_bytes(model_dir)
+        assert 500 << 20 < copy < 600 << 20
+        for free, want in ((copy * 8, "hybrid"), (copy * 8 - 1, "native"), (None, "hybrid")):
+            with mock.patch.object(weight_formats, "available_memory", return_value=free):
+                assert weight_formats.resolve("auto", model_dir, LIB, True, False) == want
+
+
+@needs_native
+def test_hybrid_outputs_are_the_native_formats_bits(model_dir):
+    """The fp32 copy that hybrid's wide GEMMs read gives the blocks' panel path's bits: a
+    41-token prefill (wide GEMMs) and a 6-row decode, logits equal to the last bit."""
+    models = {f: LlamaModel.load(model_dir, weight_format=f) for f in ("native", "hybrid")}
+    assert models["hybrid"].layers[3].w13.wide_nbytes == 2 * 1536 * 576 * 4
+    assert models["native"].layers[3].w13.wide_nbytes == 0
+    c = models["native"].config
+    ids = torch.randint(0, c.vocab_size, (47,), generator=torch.Generator().manual_seed(5))
+    got = {}
+    for fmt, model in models.items():
+        kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, 16), 8)
+        out = []
+        for start, end in [(0, 41), (41, 47)]:
+            meta = AttentionMetadata.build([end - start], [end], [[0, 1, 2]], 16)
+            rows = torch.arange(end - start)
+            out.append(model.forward(ids[start:end], torch.arange(start, end),
+                                     torch.arange(start, end), meta, make_backend(None), kv, rows))
+        got[fmt] = out
+    for a, b in zip(got["native"], got["hybrid"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_the_blocks_are_saved_beside_the_conversion_and_not_globbed(model_dir):

@@ -62,6 +62,26 @@ def test_dequantized_values_equal_gguf_and_the_gemm_matches(fmt):
                                rtol=TOL, atol=TOL * 30)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_a_wide_copy_gives_the_blocks_bits_and_serves_only_wide_gemms(fmt):
+    """The hybrid format's fp32 copy: GEMMs over more than 8 columns read it, and give the
+    blocks' bits (same values, same summation order); 8 columns or fewer read the blocks."""
+    parts = [random_tensor(fmt, 37, 512, seed=fmt), random_tensor(fmt, 11, 512, seed=9)]
+    blocks, hybrid = quant.QuantWeight(LIB, parts), quant.QuantWeight(LIB, parts)
+    assert hybrid.add_wide_copy() and hybrid.wide_nbytes >= 48 * 512 * 4
+    for n in (1, 8, 9, 16, 33, 130):
+        x = torch.randn(512, n)
+        assert torch.equal(blocks.mm(x), hybrid.mm(x)), n
+        xt = torch.randn(n, 512)
+        assert torch.equal(blocks.mm_t(xt.t()), hybrid.mm_t(xt.t())), n
+    hybrid._wide._keep[0].mul_(2)  # a different copy shows which one a call read
+    x = torch.randn(512, 9)
+    assert torch.equal(hybrid.mm(x), 2 * blocks.mm(x))
+    assert torch.equal(hybrid.mm(x[:, :8]), blocks.mm(x[:, :8]))
+    fp32 = quant.QuantWeight(LIB, [quant.RawTensor(0, (6, 512), np.ones((6, 512), np.float32))])
+    assert not fp32.add_wide_copy() and fp32.wide_nbytes == 0  # packed fp32 already
+
+
 def test_mixed_segments_and_the_embedding_lookup():
     # q/k/v fused across formats (Q4_K_M keeps attn_v in Q6_K), a 130-column prefill chunk.
     # Neighbours in one format merge into one segment.
