@@ -242,7 +242,8 @@ class LlamaModel:
              native_decoder: bool = True, weight_format: str = "auto") -> LlamaModel:
         """The checkpoint in ``path``; under tp only this rank's slices are read
         (tp_shard.load_shard: a rank never holds the whole model). ``weight_format``: auto,
-        native, hybrid, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not possible)."""
+        native, hybrid, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not
+        possible)."""
         config = ModelConfig.from_dir(path)
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         lib = native.load(native_options) if cpu_fp32 else None
