@@ -94,15 +94,26 @@ def wide_copy_bytes(path: pathlib.Path) -> int:
     return sum(rows * cols * 4 for fmt, rows, cols in formats.values() if fmt != 0)
 
 
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes; None where it cannot be read."""
+def available_memory(root: pathlib.Path = pathlib.Path("/")) -> int | None:
+    """Bytes this process may still take: MemAvailable, or less where a cgroup limit
+    (v2 memory.max, v1 memory.limit_in_bytes: a container's) leaves less; None where
+    neither can be read."""
+    found = []
     try:
-        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+        for line in (root / "proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    cgroup = root / "sys/fs/cgroup"
+    for limit, used in (("memory.max", "memory.current"),
+                        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            found.append(int((cgroup / limit).read_text()) - int((cgroup / used).read_text()))
+            break
+        except (OSError, ValueError):  # absent, or "max": no limit
+            continue
+    return max(0, min(found)) if found else None
 
 
 def save_native(reader: GGUFReader, out_dir: pathlib.Path) -> None:

@@ -132,6 +132,26 @@ def test_the_choice_and_its_errors(tiny_dir, model_dir):
                 assert weight_formats.resolve("auto", model_dir, LIB, True, False) == want
 
 
+def test_available_memory_is_the_tighter_of_the_host_and_its_cgroup(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 24000000 kB\nMemAvailable: 2000000 kB\n")
+    assert weight_formats.available_memory(tmp_path) == 2_048_000_000
+    cgroup = tmp_path / "sys/fs/cgroup"
+    cgroup.mkdir(parents=True)
+    (cgroup / "memory.max").write_text("max\n")  # v2, no limit
+    (cgroup / "memory.current").write_text("1000\n")
+    assert weight_formats.available_memory(tmp_path) == 2_048_000_000
+    (cgroup / "memory.max").write_text(f"{4 << 30}\n")  # a 4 GiB container, 3.5 GiB used
+    (cgroup / "memory.current").write_text(f"{7 << 29}\n")
+    assert weight_formats.available_memory(tmp_path) == 1 << 29
+    (cgroup / "memory.max").unlink()
+    (cgroup / "memory").mkdir()  # v1
+    (cgroup / "memory/memory.limit_in_bytes").write_text(f"{1 << 30}\n")
+    (cgroup / "memory/memory.usage_in_bytes").write_text(f"{1 << 29}\n")
+    assert weight_formats.available_memory(tmp_path) == 1 << 29
+    assert weight_formats.available_memory(tmp_path / "nowhere") is None
+
+
 @needs_native
 def test_hybrid_outputs_are_the_native_formats_bits(model_dir):
     """The fp32 copy that hybrid's wide GEMMs read gives the blocks' panel path's bits: a
