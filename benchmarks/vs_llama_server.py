@@ -14,7 +14,9 @@ GGUF, or the token ids mean different text on the two sides.
     llama-server -m "$gguf" -np 64 --cont-batching -c 65536 --port 8080
     .venv/bin/python -m benchmarks.vs_llama_server --llama-url http://127.0.0.1:8080/v1
 
-Ours is started here with ``make run``'s defaults (``continuum serve`` on loopback, the
+Restart llama-server before each run: its slots keep each prompt's KV (``cache_prompt``),
+and the prompts are fixed by ``--seed``, so a second run against the same process measures
+its prefix cache. Ours is started here with ``make run``'s defaults (``continuum serve`` on loopback, the
 bundled model) unless ``--ours-url`` points at a running one. Prints one markdown table
 and whether each of issue 19's targets was met; ``--json`` writes every figure.
 """
