@@ -16,9 +16,10 @@ GGUF, or the token ids mean different text on the two sides.
 
 Restart llama-server before each run: its slots keep each prompt's KV (``cache_prompt``),
 and the prompts are fixed by ``--seed``, so a second run against the same process measures
-its prefix cache. Ours is started here with ``make run``'s defaults (``continuum serve`` on loopback, the
-bundled model) unless ``--ours-url`` points at a running one. Prints one markdown table
-and whether each of issue 19's targets was met; ``--json`` writes every figure.
+its prefix cache. Ours is started here with ``make run``'s defaults (``continuum serve``
+on loopback, the bundled model) unless ``--ours-url`` points at a running one. Prints one
+markdown table and whether each of issue 19's targets was met; ``--json`` writes every
+figure.
 """
 
 from __future__ import annotations

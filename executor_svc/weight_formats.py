@@ -45,7 +45,7 @@ from kernels import native, quant
 
 log = logging.getLogger(__name__)
 
-# auto picks hybrid when its fp32 copy takes at most this share of MemAvailable.
+# auto picks hybrid when its fp32 copy takes at most this share of available_memory().
 HYBRID_MEMORY_SHARE = 1 / 8
 NATIVE_FILE = "gguf_blocks.st"  # safetensors, but not *.safetensors: the fp32 loaders glob those
 
@@ -78,7 +78,7 @@ def resolve(requested: str, path: pathlib.Path, lib: native.NativeKernels | None
         copy, free = wide_copy_bytes(path), available_memory()
         if free is not None and copy > free * HYBRID_MEMORY_SHARE:
             log.info("weight format auto -> native (the hybrid fp32 copy, %d MB, is over "
-                     "1/8 of the %d MB available)", copy >> 20, free >> 20)
+                     "%.3g of the %d MB available)", copy >> 20, HYBRID_MEMORY_SHARE, free >> 20)
             return "native"
         return "hybrid"
     if requested in ("native", "hybrid"):
@@ -210,5 +210,6 @@ def streamed_bytes(w, tokens: int = 1) -> int:
     """Bytes a step of ``tokens`` columns reads for weight ``w`` (bench_executor.py's
     roofline): hybrid's fp32 copy past the narrow kernel's 8 columns, else as stored."""
     if isinstance(w, quant.QuantWeight):
-        return w.wide_nbytes if tokens > 8 and w.wide_nbytes else w.nbytes
+        wide = tokens > quant.NARROW_MAX_COLUMNS and w.wide_nbytes
+        return w.wide_nbytes if wide else w.nbytes
     return w.numel() * (w.element_size() if isinstance(w, torch.Tensor) else 4)

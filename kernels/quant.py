@@ -55,6 +55,10 @@ def readable(t: RawTensor) -> bool:
     return t.format == 0 or (cols % max(block, 32) == 0 and t.data.shape[1] == cols // block * size)
 
 
+# cpu_qgemm.cpp's kNarrow: GEMMs of up to this many columns read the blocks in one pass.
+NARROW_MAX_COLUMNS = 8
+
+
 class _QWeight(ctypes.Structure):  # cpu_qgemm.cpp's QWeight
     pass
 
@@ -106,6 +110,8 @@ def _merge(parts: list[RawTensor]) -> list[RawTensor]:
 class QuantWeight:
     """A weight [M, K]: ``parts`` stacked by rows (q, k, v; gate, up), each in its own
     format. Holds its bytes (torch uint8 / float32 tensors) and the segment chain."""
+
+    _wide: QuantWeight | None = None  # add_wide_copy's (chain_of builds without __init__)
 
     def __init__(self, lib: NativeKernels, parts: list[RawTensor]) -> None:
         cols = {p.shape[1] for p in parts}
@@ -187,17 +193,17 @@ class QuantWeight:
     @property
     def wide_nbytes(self) -> int:
         """Bytes of the fp32 copy ``add_wide_copy`` holds (0 without one)."""
-        return self._wide.nbytes if getattr(self, "_wide", None) is not None else 0
+        return self._wide.nbytes if self._wide is not None else 0
 
     def add_wide_copy(self) -> bool:
         """Holds the weight dequantized and packed for cpu_gemm.cpp too (4 bytes a weight),
-        which GEMMs of more than 8 columns then read instead of the blocks: the same sums in
-        the same order, so the same bits (tests/kernels/test_qgemm.py), without a panel's
-        dequantization per 128 columns (the ``hybrid`` weight format). False, and nothing
+        which GEMMs of more than NARROW_MAX_COLUMNS columns then read instead of the
+        blocks: the same sums in the same order, so the same bits (tests/kernels/
+        test_qgemm.py), without a panel's dequantization per 128 columns (the ``hybrid`` weight format). False, and nothing
         held, for a weight with fp32 segments (those are packed fp32 already)."""
         if "F32" in self.formats:
             return False
-        if getattr(self, "_wide", None) is None:
+        if self._wide is None:
             dense = self.dequantize()
             self._wide = chain_of(self._lib.pack_weight(dense))
             self._chain[0].wide = ctypes.pointer(self._wide._chain[0])
