@@ -199,8 +199,9 @@ class QuantWeight:
         """Holds the weight dequantized and packed for cpu_gemm.cpp too (4 bytes a weight),
         which GEMMs of more than NARROW_MAX_COLUMNS columns then read instead of the
         blocks: the same sums in the same order, so the same bits (tests/kernels/
-        test_qgemm.py), without a panel's dequantization per 128 columns (the ``hybrid`` weight format). False, and nothing
-        held, for a weight with fp32 segments (those are packed fp32 already)."""
+        test_qgemm.py), without a panel's dequantization per 128 columns (the ``hybrid``
+        weight format). False, and nothing held, for a weight with fp32 segments (those
+        are packed fp32 already)."""
         if "F32" in self.formats:
             return False
         if self._wide is None:
