@@ -10,8 +10,11 @@ no processes, no threads.
 
 Sampled tokens are a fixed non-EOS id and ``max_tokens`` is the trace's output
 length, so each request stops by length after exactly its traced output.
-Scheduling is synchronous (one plan in flight): the simulator models the device,
-and the scheduler's own CPU time is inside the cost model's per-step overhead.
+By default scheduling is synchronous (one plan in flight); ``pipeline_depth=2`` keeps
+two in flight as the service does with ``async_scheduling`` (each plan is built when the
+one before it is sent, so it cannot see what that one samples or who arrives during it).
+The simulator models the device, and the scheduler's own CPU time is inside the cost
+model's per-step overhead.
 
 Prefix caching is on, as in the server: a request's prompt is its trace row's
 ``prompt_ids`` when given (``sim.prefix_trace`` synthesizes shared system prompts and
@@ -24,6 +27,7 @@ blocks out or in costs their copy time (``swap_time``) on top of its compute.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -89,6 +93,9 @@ class SimResult:
     num_output_tokens: int  # generated, finished or not
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
+    busy_s: float = 0.0  # the steps' own time (end_s less the idle waits for arrivals)
+    num_step_seqs: int = 0  # sequences over all steps (÷ num_steps: the mean batch)
+    num_prefill_tokens: int = 0  # prompt tokens computed over all steps
 
     @property
     def prefix_hit_tokens(self) -> int:
@@ -147,16 +154,46 @@ class _Clock:
         return self.now
 
 
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """A plan in flight: what it samples, what it costs, when the executor ends it."""
+
+    out: object
+    sampled: list[int]
+    compute_s: float  # the cost model's step time
+    seconds: float  # ... plus any swap copies
+    ends_s: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Counts:
+    steps: int = 0
+    decode_steps: int = 0  # steps that advanced at least one decode
+    stalled: int = 0  # ... and also carried prefill tokens
+    swapped_out: int = 0
+    swapped_in: int = 0
+    busy_s: float = 0.0
+    step_seqs: int = 0
+    prefill: int = 0
+
+
 class Simulation:
     """One run of ``requests`` through a scheduler built from ``config``."""
 
     def __init__(self, requests: Sequence[TraceRequest], config: SchedulerConfig,
                  cost: StepCostModel, record_token_times: bool = False,
                  num_blocks: int | None = None, num_host_blocks: int | None = None,
-                 max_model_len: int = MAX_MODEL_LEN, vocab: int = VOCAB) -> None:
+                 max_model_len: int = MAX_MODEL_LEN, vocab: int = VOCAB,
+                 pipeline_depth: int = 1) -> None:
         """``num_blocks`` / ``num_host_blocks``: the device and host pools in blocks
         (default: what the cost model's memory holds; a cost model without
-        ``host_kv_blocks`` has no host pool, so preemption recomputes)."""
+        ``host_kv_blocks`` has no host pool, so preemption recomputes).
+        ``pipeline_depth``: plans in flight, as the service loop keeps them (2 with
+        ``async_scheduling``: step N+1 is built when step N is sent, so a request that
+        arrives during step N waits for N+1 too); 1, one step at a time."""
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth {pipeline_depth}: at least 1")
+        self.pipeline_depth = pipeline_depth
         self.requests = requests
         self.cost = cost
         self.clock = _Clock()
@@ -196,56 +233,76 @@ class Simulation:
     def run(self, max_sim_s: float = float("inf")) -> SimResult:
         """Until every request is done, or the clock passes ``max_sim_s``."""
         start = time.perf_counter()
-        sched, clock, cost, records = self.sched, self.clock, self.cost, self.records
+        sched, clock, records = self.sched, self.clock, self.records
         arrivals = [r.arrival_s for r in self.requests]
         n, i = len(arrivals), 0
-        steps = decode_steps = stalled = swapped_out = swapped_in = 0
+        inflight: collections.deque[_Step] = collections.deque()
+        free_at = 0.0  # when the executor is done with the steps in flight
+        self._counts = counts = _Counts()
         while clock.now < max_sim_s:
             while i < n and arrivals[i] <= clock.now:
                 self._submit(i)
                 i += 1
-            if not sched.has_work():
-                if i >= n:
+            # As the service loop's _send_plans: plans are built until ``depth`` are in
+            # flight; the executor runs them one after another.
+            while len(inflight) < self.pipeline_depth and sched.has_work():
+                step = self._plan()
+                if step is None:
                     break
-                clock.now = arrivals[i]
-                continue
-            out = sched.schedule()
-            pairs, sampled = [], []
-            num_decodes = 0
-            for req, q, _ in out.scheduled():
-                computed = req.num_computed_tokens
-                pairs.append((q, computed - q))
-                rec = records[req.seq_id]
-                if rec.first_scheduled is None:  # admission: what the prefix cache held
-                    rec.first_scheduled = clock.now
-                    rec.prefix_hit_tokens = computed - q
-                num_decodes += q == 1 and computed > req.num_prompt_tokens
-                if computed == len(req.token_ids):
-                    sampled.append(req.seq_id)
-            if not pairs and not out.finished_seq_ids:
-                # Nothing fits and nothing runs to free room: wait for the next arrival.
-                for event in sched.take_events():
-                    self._record(event)
+                free_at = step.ends_s = max(clock.now, free_at) + step.seconds
+                inflight.append(step)
+            if not inflight:  # nothing runs: wait for the next arrival
                 if i >= n:
                     break
                 clock.now = max(clock.now, arrivals[i])
                 continue
-            steps += 1
-            if num_decodes:
-                decode_steps += 1
-                stalled += out.num_prefill_tokens > 0
-            step_s = cost.step_time(pairs, len(sampled))
-            clock.now += step_s
-            sched.observe_step(out, step_s)  # as the service loop does: the SLO budget's fit
-            if out.swap_out or out.swap_in:
-                swapped_out += len(out.swap_out)
-                swapped_in += len(out.swap_in)
-                clock.now += self._swap_time(len(out.swap_out) + len(out.swap_in), BLOCK_SIZE)
-            for event in sched.update(out, sampled, [SAMPLED] * len(sampled)):
+            step = inflight.popleft()
+            clock.now = step.ends_s
+            sched.observe_step(step.out, step.compute_s)  # the SLO budget's fit, as served
+            for event in sched.update(step.out, step.sampled, [SAMPLED] * len(step.sampled)):
                 self._record(event)
-        return SimResult(records, clock.now, time.perf_counter() - start, steps, decode_steps,
-                         stalled, sched.num_preemptions, self.num_output_tokens,
-                         swapped_out, swapped_in)
+        c = counts
+        return SimResult(records, clock.now, time.perf_counter() - start, c.steps,
+                         c.decode_steps, c.stalled, sched.num_preemptions,
+                         self.num_output_tokens, c.swapped_out, c.swapped_in, c.busy_s,
+                         c.step_seqs, c.prefill)
+
+    def _plan(self) -> _Step | None:
+        """The next plan, priced; None when nothing fits and nothing runs to free room."""
+        sched, clock, records, c = self.sched, self.clock, self.records, self._counts
+        out = sched.schedule()
+        pairs, sampled = [], []
+        num_decodes = 0
+        for req, q, _ in out.scheduled():
+            computed = req.num_computed_tokens
+            pairs.append((q, computed - q))
+            rec = records[req.seq_id]
+            if rec.first_scheduled is None:  # admission: what the prefix cache held
+                rec.first_scheduled = clock.now
+                rec.prefix_hit_tokens = computed - q
+            num_decodes += q == 1 and computed > req.num_prompt_tokens
+            # Samples when it reaches its last token; scheduled ahead of an unanswered
+            # step, a decode is one past the history (the pending sample's).
+            if computed >= len(req.token_ids):
+                sampled.append(req.seq_id)
+        if not pairs and not out.finished_seq_ids:
+            for event in sched.take_events():
+                self._record(event)
+            return None
+        c.steps += 1
+        if num_decodes:
+            c.decode_steps += 1
+            c.stalled += out.num_prefill_tokens > 0
+        compute = self.cost.step_time(pairs, len(sampled))
+        seconds = compute
+        if out.swap_out or out.swap_in:
+            c.swapped_out += len(out.swap_out)
+            c.swapped_in += len(out.swap_in)
+            seconds += self._swap_time(len(out.swap_out) + len(out.swap_in), BLOCK_SIZE)
+        c.busy_s += seconds
+        c.step_seqs += len(pairs)
+        c.prefill += out.num_prefill_tokens
+        return _Step(out, sampled, compute, seconds)
 
     def _record(self, event) -> None:
         """One core event: (request, token or None, finish reason or None[, logprob]);

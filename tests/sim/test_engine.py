@@ -54,6 +54,38 @@ def test_clock_jumps_over_idle_time_without_waiting():
     assert res.end_s > 10_000 and res.wall_s < 5
 
 
+class FixedCost(LinearCost):
+    """One second a step, whatever it holds."""
+
+    def step_time(self, pairs, num_sampled=None) -> float:
+        super().step_time(pairs, num_sampled)
+        return 1.0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_two_plans_in_flight_as_the_service_keeps_them(depth):
+    """With async scheduling the service builds step N+1 when it sends step N: a request
+    that arrives during step 1 misses plan 2, which was built at 0, and prefills in step 3;
+    one step at a time it prefills in step 2. Every output is still exactly traced."""
+    trace = [TraceRequest(0.0, 10, 6), TraceRequest(0.5, 10, 3)]
+    cost = FixedCost()
+    res = Simulation(trace, policy_config("chunked", 4), cost, pipeline_depth=depth).run()
+    late = res.records[1]
+    assert late.first_token_s == pytest.approx(2.0 if depth == 1 else 3.0)
+    assert [r.num_output_tokens for r in res.records] == [6, 3]
+    # The first request decodes every step either way: its 6 tokens take 6 steps.
+    assert res.records[0].finish_s == pytest.approx(6.0)
+    assert res.busy_s == pytest.approx(res.num_steps) and res.num_steps == len(cost.steps)
+    assert res.num_prefill_tokens == 20
+    assert res.num_step_seqs == sum(len(step) for step in cost.steps)
+
+
+def test_pipeline_depth_is_at_least_one():
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        Simulation([TraceRequest(0.0, 10, 3)], policy_config("chunked", 4), LinearCost(),
+                   pipeline_depth=0)
+
+
 def test_token_times_give_itl():
     trace = [TraceRequest(0.0, 10, 4)]
     res = Simulation(trace, policy_config("chunked", 4), LinearCost(),
