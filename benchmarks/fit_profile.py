@@ -43,14 +43,18 @@ def grid(quick: bool) -> list[Point]:
                 [(1, 64, True)] * 4 + [(64, 0, False)], [(1, 16, True)],
                 [(1, 256, True)] * 2, [(64, 128, True)]]
     points: list[Point] = []
-    for batch, context in ((1, 16), (1, 512), (4, 128), (8, 1024), (16, 32), (16, 512),
-                           (32, 128), (32, 512), (48, 256), (64, 64), (64, 256)):
+    for batch, context in ((1, 16), (1, 512), (2, 64), (4, 128), (8, 128), (8, 1024),
+                           (16, 32), (16, 512), (32, 128), (32, 512), (48, 256), (64, 64),
+                           (64, 256)):
         points.append([(1, context, True)] * batch)
     for q, c, last in ((16, 0, True), (64, 0, True), (128, 0, False), (256, 0, True),
                        (512, 0, True), (1024, 0, True), (2048, 0, False), (512, 512, True),
                        (256, 1024, False), (1024, 1024, True)):
         points.append([(q, c, last)])
-    for batch, context, q in ((4, 256, 64), (8, 512, 512), (16, 128, 256), (32, 256, 128),
+    # A few decodes beside a prompt is what a lightly loaded server steps most (the
+    # validation's low rates); many beside a chunk, what a saturated one does.
+    for batch, context, q in ((1, 128, 32), (2, 64, 128), (3, 128, 256), (2, 256, 384),
+                              (4, 256, 64), (8, 512, 512), (16, 128, 256), (32, 256, 128),
                               (32, 64, 1024), (48, 128, 512)):
         points.append([(1, context, True)] * batch + [(q, 0, False)])
     points.append([(1, 256, True)] * 8 + [(256, 0, True), (256, 256, False)])

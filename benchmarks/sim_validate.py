@@ -111,11 +111,12 @@ class Server:
         self.secret = os.environ.get(internal_auth.ENV_SECRET) or secrets.token_hex(24)
         self._metadata = internal_auth.metadata(self.secret.encode())
         self.port, self.sched_port = _free_port(), _free_port()
+        self.telemetry = os.path.join(tmp, "telemetry.sqlite")  # the steps, per rate
         env = {**os.environ, internal_auth.ENV_SECRET: self.secret}
         env.pop(internal_auth.ENV_SECRET_FILE, None)
         cmd = [sys.executable, "-m", "continuum", "serve", "--port", str(self.port),
                "--scheduler-port", str(self.sched_port), "--http-port", "-1",
-               "--ipc", f"ipc://{tmp}/executor.sock", "--telemetry-dsn", "off",
+               "--ipc", f"ipc://{tmp}/executor.sock", "--telemetry-dsn", self.telemetry,
                "--kv-cache-bytes", str(w.kv_cache_bytes), "--policy", config.policy,
                "--max-num-seqs", str(config.max_num_seqs),
                "--max-num-batched-tokens", str(config.max_num_batched_tokens),
@@ -149,6 +150,49 @@ class Server:
             return scheduler_pb2_grpc.SchedulerStub(ch).Stats(
                 scheduler_pb2.StatsRequest(), timeout=10, metadata=self._metadata)
 
+    def steps(self, since: float, until: float) -> dict:
+        """The steps the scheduler recorded between two wall times (its telemetry store):
+        how many, their mean time, mean batch, prompt tokens. A step's time is the gap
+        since the previous record, or its own latency (plan sent to answer) where that is
+        shorter: the gap holds any idle wait before it, the latency any queueing behind
+        the step before it (plans are sent a step ahead)."""
+        import sqlite3
+
+        deadline = time.monotonic() + 5  # the store's writer batches its inserts
+        while True:
+            with sqlite3.connect(self.telemetry) as db:
+                rows = db.execute(
+                    "SELECT recorded_at, step_latency_ms / 1e3, num_seqs, num_prefill_tokens "
+                    "FROM scheduler_iterations WHERE recorded_at >= ? AND recorded_at <= ? "
+                    "ORDER BY recorded_at", (since, until)).fetchall()
+            if (rows and rows[-1][0] >= until - 1.0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        busy = sum(min(b[0] - a[0], b[1]) for a, b in zip(rows, rows[1:], strict=False))
+        busy += rows[0][1] if rows else 0.0
+        return step_figures(len(rows), busy, sum(r[2] for r in rows), sum(r[3] for r in rows))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) so far of serve's processes, by module: the
+        executor, and what shares its cores with it here (scheduler, gateway)."""
+        out: dict[str, float] = {}
+        pending = [self.proc.pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    pending += [int(c) for c in f.read().split()]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, ValueError):
+                continue
+            name = next((a.decode() for a in argv if a.endswith((b"_svc", b"gateway"))), None)
+            if name and pid != self.proc.pid:
+                out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -157,6 +201,29 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat's first line), None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def stolen_pct(before: list[int] | None, after: list[int] | None) -> float:
+    """Of the CPU time between two readings, the share the hypervisor gave to other guests
+    (steal, the 8th counter): a virtual machine's noisy neighbours, which no profile holds."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return math.nan
+    total = sum(after) - sum(before)
+    return 100.0 * (after[7] - before[7]) / total if total > 0 else math.nan
+
+
+def step_figures(steps: int, busy_s: float, seqs: int, prefill: int) -> dict:
+    return {"steps": steps, "mean step ms": 1e3 * busy_s / steps if steps else 0.0,
+            "seqs a step": seqs / steps if steps else 0.0, "prompt tokens": prefill}
 
 
 def _free_port() -> int:
@@ -178,38 +245,73 @@ def measured(server: Server, specs) -> dict:
         finally:
             await client.close()
 
+    since, cpu, used = time.time(), cpu_times(), server.cpu_seconds()
     outcomes, duration = asyncio.run(go())
+    steps = server.steps(since, time.time())
+    steps["cpu stolen %"] = stolen_pct(cpu, cpu_times())
+    wall = time.time() - since
+    for name, seconds in server.cpu_seconds().items():  # cores each process held
+        steps[f"{name} cores"] = (seconds - used.get(name, 0.0)) / wall
     s = summarize_outcomes(outcomes, duration, {})["overall"]
     return {"requests": len(specs), "completed": s["num_completed"],
             "refused": sum(s["errors"].values()), "output tok/s": s["output_throughput"],
             "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],
             "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
-            "preemptions": server.stats().num_preemptions - before}
+            "preemptions": server.stats().num_preemptions - before, "step figures": steps}
 
 
-CALIBRATION_BATCH = 8
+CALIBRATION_BATCH = 24  # near the concurrency of the saturated rate (8-30 running)
+CALIBRATION_PROMPTS = (32, 256)  # lone prefills: their TTFTs' difference gives the speed
+CALIBRATION_REPEATS = 3  # each calibration's figure is the median of this many runs
 
 
-def link_overhead_s(server: Server, profile: ExecutorProfile,
-                    output_tokens: int = 24) -> tuple[float, float]:
-    """(per step, per sampled sequence): the time the server adds to the in-process
-    profile (scheduler, ZeroMQ link, gateway stream), from two calibrations that also
-    warm the server up: one lone request, and ``CALIBRATION_BATCH`` arriving together.
-    Each one's measured TPOT minus the profile's decode step of that batch gives the
-    overhead at 1 and at ``CALIBRATION_BATCH`` sequences; the line through them splits
-    it into a per-step and a per-sequence part (each at least 0)."""
-    from continuum.bench_workload import Spec
+def calibration(server: Server, profile: ExecutorProfile,
+                output_tokens: int = 24) -> ExecutorProfile:
+    """``profile`` calibrated on the running server (the calibrations also warm it up):
 
-    def overhead(batch: int) -> float:
-        specs = [Spec(index=i, arrival_s=0.0, prompt_ids=list(range(1000 + i, 1016 + i)),
-                      max_tokens=output_tokens) for i in range(batch)]
-        tpot = measured(server, specs)["TPOT p50 ms"] / 1e3
-        predicted = profile.decode_step_time(batch, 16 + output_tokens // 2)
+    * ``speed_scale``: the machine's speed now against the fit's. Lone prompts of the two
+      ``CALIBRATION_PROMPTS`` lengths (fresh ids, so the prefix cache holds none), one
+      output token each: the difference of their TTFTs over the profile's difference of
+      their prefills (whatever TTFT holds besides the prefill cancels out).
+    * the server's overhead over the in-process profile (scheduler, ZeroMQ link, gateway
+      stream): one lone request, and ``CALIBRATION_BATCH`` arriving together; each one's
+      TPOT minus the scaled profile's decode step of that batch gives the overhead at 1
+      and at ``CALIBRATION_BATCH`` sequences, and the line through them splits it into a
+      per-step and a per-sequence part (each at least 0).
+    """
+    from continuum.bench_workload import TOKEN_ID_RANGE, Spec
+
+    rng = random.Random(7)
+
+    def median(figure: str, specs) -> float:
+        runs = [measured(server, specs())[figure] / 1e3 for _ in range(CALIBRATION_REPEATS)]
+        runs = [r for r in runs if math.isfinite(r)]
+        return statistics.median(runs) if runs else math.nan
+
+    def lone_prompt(n: int):
+        return lambda: [Spec(index=0, arrival_s=0.0, max_tokens=1, prompt_ids=[
+            rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)])]
+
+    def batch(n: int):
+        return lambda: [Spec(index=i, arrival_s=0.0, prompt_ids=list(range(1000 + i, 1016 + i)),
+                             max_tokens=output_tokens) for i in range(n)]
+
+    fit = dataclasses.replace(profile, speed_scale=1.0, link_overhead_s=0.0,
+                              link_overhead_per_seq_s=0.0)
+    short, long = CALIBRATION_PROMPTS
+    ttft = [median("TTFT p50 ms", lone_prompt(n)) for n in CALIBRATION_PROMPTS]
+    scale = (ttft[1] - ttft[0]) / (fit.prefill_time(long) - fit.prefill_time(short))
+    scaled = dataclasses.replace(fit, speed_scale=scale if 0 < scale < math.inf else 1.0)
+
+    def overhead(n: int) -> float:
+        tpot = median("TPOT p50 ms", batch(n))
+        predicted = scaled.decode_step_time(n, 16 + output_tokens // 2)
         return max(0.0, tpot - predicted) if math.isfinite(tpot) else 0.0
 
     one, many = overhead(1), overhead(CALIBRATION_BATCH)
     per_seq = max(0.0, (many - one) / (CALIBRATION_BATCH - 1))
-    return max(0.0, one - per_seq), per_seq
+    return dataclasses.replace(scaled, link_overhead_s=max(0.0, one - per_seq),
+                               link_overhead_per_seq_s=per_seq)
 
 
 def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:
@@ -217,7 +319,8 @@ def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -
                          priority_tier=s.tier, prompt_ids=tuple(s.prompt_ids)) for s in specs]
     res = Simulation(reqs, config, profile, num_blocks=stats.num_total_blocks,
                      num_host_blocks=0, max_model_len=stats.max_model_len,
-                     vocab=stats.vocab_size).run()
+                     vocab=stats.vocab_size,
+                     pipeline_depth=2 if config.async_scheduling else 1).run()
     if stats.block_size != 16:
         raise RuntimeError(f"the server's block size is {stats.block_size}; the simulator's 16")
     s = summarize([r.timing() for r in res.finished], duration_s=res.end_s or None)
@@ -225,7 +328,9 @@ def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -
             "output tok/s": res.num_output_tokens / res.end_s if res.end_s else 0.0,
             "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],
             "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
-            "preemptions": res.num_preemptions}
+            "preemptions": res.num_preemptions,
+            "step figures": step_figures(res.num_steps, res.busy_s, res.num_step_seqs,
+                                         res.num_prefill_tokens)}
 
 
 def error_pct(real: float, sim: float) -> float:
@@ -239,8 +344,8 @@ def error_pct(real: float, sim: float) -> float:
 def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = None,
              seed: int = 0, log=print, calibrate: bool = True) -> tuple[list[dict], dict]:
     """(rows: one per rate and figure, summary); starts and stops the server itself.
-    ``calibrate``: add the server's measured per-step overhead (``link_overhead_s``) to
-    the profile before simulating."""
+    ``calibrate``: scale the profile to the machine's speed in this run and add the
+    server's measured overhead (``calibration``) before simulating."""
     started = time.perf_counter()
     config = SchedulerConfig(max_num_seqs=w.max_num_seqs)  # serve's defaults otherwise
     rows, counts = [], []
@@ -252,12 +357,13 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")
             if calibrate:
-                step, per_seq = link_overhead_s(server, profile)
-                profile = dataclasses.replace(profile, link_overhead_s=step,
-                                              link_overhead_per_seq_s=per_seq)
-                log(f"overhead of the server over the profile: {step * 1e3:.2f} ms a step + "
-                    f"{per_seq * 1e3:.2f} ms a sequence (TPOT of 1 and of "
-                    f"{CALIBRATION_BATCH} requests minus the profile's decode steps)")
+                profile = calibration(server, profile)
+                log(f"calibrated on the server: its machine runs the profile's steps x "
+                    f"{profile.speed_scale:.3f} (lone prefills of {CALIBRATION_PROMPTS[0]} and "
+                    f"{CALIBRATION_PROMPTS[1]} tokens); its overhead over the profile "
+                    f"{profile.link_overhead_s * 1e3:.2f} ms a step + "
+                    f"{profile.link_overhead_per_seq_s * 1e3:.2f} ms a sequence (TPOT of 1 "
+                    f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps)")
             rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
             for point, rate in enumerate(rates):
                 specs = bench_specs(w, rate, seed + point)
@@ -265,7 +371,8 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
                 sim = simulated(profile, config, specs, stats)
                 counts.append((real, sim))
                 log(f"rate {rate:.3g} req/s: {len(specs)} requests measured and simulated "
-                    f"({time.perf_counter() - started:.0f} s)")
+                    f"({time.perf_counter() - started:.0f} s); steps measured "
+                    f"{_steps_line(real)}, simulated {_steps_line(sim)}")
                 for fig in FIGURES:
                     rows.append({"rate req/s": rate, "figure": fig, "measured": real[fig],
                                  "simulated": sim[fig],
@@ -275,7 +382,21 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
     summary = _summary(rows, counts, time.perf_counter() - started)
     summary["link_overhead_ms"] = profile.link_overhead_s * 1e3
     summary["link_overhead_per_seq_ms"] = profile.link_overhead_per_seq_s * 1e3
+    summary["speed_scale"] = profile.speed_scale
     return rows, summary
+
+
+COUNTS = ("requests", "completed", "refused", "step figures")
+
+
+def _steps_line(figures: dict) -> str:
+    f = figures["step figures"]
+    stolen = f"; {f['cpu stolen %']:.1f} % of the CPU stolen" if "cpu stolen %" in f else ""
+    cores = ", ".join(f"{k.removesuffix(' cores')} {v:.2f}" for k, v in f.items()
+                      if k.endswith(" cores"))
+    stolen += f"; cores held: {cores}" if cores else ""
+    return (f"{f['steps']} of {f['mean step ms']:.1f} ms, {f['seqs a step']:.1f} sequences and "
+            f"{f['prompt tokens'] / max(1, f['steps']):.0f} prompt tokens a step{stolen}")
 
 
 def _summary(rows: list[dict], counts, seconds: float) -> dict:
@@ -286,9 +407,8 @@ def _summary(rows: list[dict], counts, seconds: float) -> dict:
            and math.isfinite(r["error %"])]
     return {"median_abs_error_pct": statistics.median(errs) if errs else float("nan"),
             "max_abs_p50_error_pct": max(p50) if p50 else float("nan"),
-            "counts": [{"measured": {k: r[k] for k in ("requests", "completed", "refused")},
-                        "simulated": {k: s[k] for k in ("requests", "completed", "refused")}}
-                       for r, s in counts],
+            "counts": [{"measured": {k: r[k] for k in COUNTS},
+                        "simulated": {k: s[k] for k in COUNTS}} for r, s in counts],
             "duration_s": seconds}
 
 

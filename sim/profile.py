@@ -78,11 +78,16 @@ class ExecutorProfile:
     # ...and per sequence sampled in the step (the scheduler's and the gateway's work per
     # streamed token, which takes CPU from a CPU executor's threads)
     link_overhead_per_seq_s: float = 0.0
+    # The fitted model's time × this: the machine's speed in a server run against the
+    # fit's, measured from lone prefills there (the same machine drifts 10-15 % in an hour)
+    speed_scale: float = 1.0
 
     def __post_init__(self) -> None:
         missing = [f for f in FEATURES if f not in self.coefficients]
         if missing:
             raise ValueError(f"profile lacks coefficients {missing} (schema {SCHEMA})")
+        if not 0 < self.speed_scale < math.inf:
+            raise ValueError(f"speed_scale {self.speed_scale}: a positive factor")
         self._c = [float(self.coefficients[f]) for f in FEATURES]
 
     # -- pricing ----------------------------------------------------------------------
@@ -93,8 +98,8 @@ class ExecutorProfile:
         if tokens <= 0:
             return 0.0
         x = features(tokens, seqs, sampled, decode_kv, kpairs, mixed)
-        return (sum(c * v for c, v in zip(self._c, x, strict=True)) + self.link_overhead_s
-                + self.link_overhead_per_seq_s * sampled)
+        return (self.speed_scale * sum(c * v for c, v in zip(self._c, x, strict=True))
+                + self.link_overhead_s + self.link_overhead_per_seq_s * sampled)
 
     def step_time(self, seqs: Iterable[tuple[int, int]],
                   num_sampled: int | None = None) -> float:

@@ -49,6 +49,12 @@ def test_a_step_is_the_dot_product_of_its_counts():
     # A server's measured overhead: per step, and per sampled sequence.
     served = make_profile(link_overhead_s=2e-3, link_overhead_per_seq_s=5e-4)
     assert served.step_time(seqs, 4) == pytest.approx(expected + 2e-3 + 4 * 5e-4)
+    # The machine's speed in a server run scales the fitted part, not the measured overhead.
+    slower = make_profile(speed_scale=1.25, link_overhead_s=2e-3)
+    assert slower.step_time(seqs, 4) == pytest.approx(1.25 * expected + 2e-3)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="speed_scale"):
+            make_profile(speed_scale=bad)
 
 
 def test_the_fit_recovers_a_known_model_and_never_goes_negative():

@@ -64,3 +64,8 @@ def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
             assert counts["requests"] == expected
             assert counts["completed"] + counts["refused"] == expected
             assert counts["completed"] > 0
+            # Both sides ran steps: the server's from its telemetry store.
+            steps = counts["step figures"]
+            assert steps["steps"] > 0 and steps["mean step ms"] > 0, steps
+            assert steps["prompt tokens"] > 0 and steps["seqs a step"] > 0, steps
+    assert 0 < summary["speed_scale"] < math.inf
