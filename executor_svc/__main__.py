@@ -38,7 +38,7 @@ from executor_svc.device import decode_graphs, fit_gpu_kv_cache, resolve_device,
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.link import SchedulerLink, ServeLoop
+from executor_svc.link import IncarnationFile, SchedulerLink, ServeLoop
 from executor_svc.model import LlamaModel
 from executor_svc.model_config import ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
@@ -84,6 +84,7 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 2048  # the profiled step on a GPU
     standby: bool = False  # a warm standby: every Hello says so (see main's docstring)
+    incarnation_file: str | None = None  # each Hello's incarnation, for a probe of its own
     switches: Switches = field(default_factory=Switches)
     enforce_eager: bool = False  # no decode-step CUDA graphs (executor_svc/cuda_graphs.py)
 
@@ -124,6 +125,11 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
                    help="register as a warm standby: loaded and idle until the scheduler's "
                         "executor dies or hangs, then it takes over on the next step (an "
                         "executor with no peer in service is taken at once)")
+    p.add_argument("--incarnation-file", default=None,
+                   help="write the incarnation of each Hello to this file (removed at exit), "
+                        "so a probe can ask the scheduler whether it holds this executor in "
+                        "service or as its standby (deploy/probe.py executor "
+                        "--incarnation-file)")
     for internal in ("--tp-rank", "--tp-init-method", "--incarnation"):  # rank 0 -> workers
         p.add_argument(internal, type=int if internal == "--tp-rank" else str,
                        default=0 if internal == "--tp-rank" else None, help=argparse.SUPPRESS)
@@ -152,7 +158,7 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
         kv_cache_dtype=a.kv_cache_dtype, device=a.device,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_batched_tokens=a.max_num_batched_tokens, standby=a.standby,
-        switches=switches, enforce_eager=a.enforce_eager)
+        incarnation_file=a.incarnation_file, switches=switches, enforce_eager=a.enforce_eager)
 
 
 def build(
@@ -324,9 +330,10 @@ def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: 
             front.keepalive()
             return stop.requested
     stop.serving = True
+    marker = IncarnationFile(config.incarnation_file) if config.incarnation_file else None
     try:
         ServeLoop(link, front, hello, should_stop, secret=secret,
-                  renew_incarnation=tp is None).run()
+                  renew_incarnation=tp is None, on_hello=marker).run()
         if tp is not None:
             front.stop()
             tp.close()
@@ -335,6 +342,8 @@ def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: 
         return EXIT_RANK_LOST
     finally:
         link.close()
+        if marker is not None:
+            marker.remove()
     log.info("stopped")
     return 0
 

@@ -21,6 +21,7 @@ are not one decodable SchedulerMessage are dropped and counted (``num_dropped_fr
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -88,10 +89,13 @@ class ServeLoop:
         poll_ms: int = 100,
         secret: bytes | None = None,
         renew_incarnation: bool = True,
+        on_hello: Callable[[str], None] | None = None,
     ) -> None:
         """``secret``: signs every Hello (None: the insecure opt-out). ``renew_incarnation``
-        False keeps the incarnation on re-registration (tensor-parallel ranks check it)."""
+        False keeps the incarnation on re-registration (tensor-parallel ranks check it).
+        ``on_hello``: called with the incarnation each Hello names, before it is sent."""
         self.link, self.runner, self.hello = link, runner, hello
+        self.on_hello = on_hello
         self.secret = secret
         self.renew_incarnation = renew_incarnation
         self.num_dropped_frames = 0
@@ -171,6 +175,8 @@ class ServeLoop:
             self.runner.reset(self.hello.incarnation)
         else:
             self.runner.reset()
+        if self.on_hello is not None:
+            self.on_hello(self.hello.incarnation)
         self.hello.ClearField("auth_tag")
         self.hello.sent_at = time.time()  # signed: a recorded Hello goes stale
         if self.secret is not None:
@@ -179,3 +185,29 @@ class ServeLoop:
         self._last_hello = time.monotonic()
         self._answered = False
         log.info("hello sent (%s), incarnation %s", why, self.hello.incarnation)
+
+
+class IncarnationFile:
+    """``--incarnation-file``: the incarnation of this executor's latest Hello, for a probe
+    of its own (deploy/probe.py executor --incarnation-file): whether the scheduler holds
+    this process in service or as its standby. Written whole (a temporary file renamed
+    over it); removed when the executor stops. A file that cannot be written is logged,
+    never fatal: the probe then fails, which is the right signal."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, incarnation: str) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(incarnation + "\n")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("cannot write the incarnation file %s: %s", self.path, exc)
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass

@@ -161,7 +161,7 @@ def _by_tier(loop: EngineLoop) -> tuple[list[int], list[int]]:
 def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
     s = loop.core.stats()
     running_by_tier, waiting_by_tier = _by_tier(loop)
-    ex = loop.executor
+    ex, standby = loop.executor, loop.link.standby_hello
     return scheduler_pb2.StatsResponse(
         model_id=ex.model_id if ex else "",
         block_size=ex.model.block_size if ex else 0,
@@ -177,7 +177,8 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         executor_num_sequences=loop.link.executor_num_sequences,
         last_lost_executor_pid=loop.last_lost_executor_pid,
         executor_pid=ex.pid if ex else 0,
-        standby_executor_pid=loop.link.standby_hello.pid if loop.link.standby_hello else 0,
+        standby_executor_pid=standby.pid if standby else 0,
+        standby_executor_incarnation=standby.incarnation if standby else "",
         num_standby_takeovers=loop.num_standby_takeovers,
         num_decode_steps=loop.num_decode_steps,
         num_stalled_decode_steps=loop.num_stalled_decode_steps,

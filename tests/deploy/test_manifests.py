@@ -38,7 +38,7 @@ from .kustomize import KUSTOMIZATION, render
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-standby")
 KUBERNETES_VERSION = "1.31.0"  # the schemas the manifests are validated against
 SERVICES = ("scheduler_svc", "executor_svc", "gateway")  # each needs the internal secret
 # continuum/supervisor.py gives the executor this long to stop once the drain is done.
@@ -62,9 +62,29 @@ def containers(objects: list[dict]) -> list[tuple[dict, dict]]:
             for c in w["spec"]["template"]["spec"]["containers"]]
 
 
+ROLES = {"scheduler_svc": "scheduler", "executor_svc": "executor", "gateway": "gateway"}
+
+
 def pod_container(objects: list[dict], module: str) -> dict:
-    [container] = [c for _, c in containers(objects) if c["command"][-1] == module]
+    """The container that runs ``module`` under its role's name (the executor in service
+    first, in a pod with a standby)."""
+    [container] = [c for _, c in containers(objects)
+                   if c["command"][-1] == module and c["name"] == ROLES[module]]
     return container
+
+
+def executors(objects: list[dict]) -> list[dict]:
+    """Every executor container of the replica pod: one, or two with a warm standby."""
+    return [c for _, c in containers(objects) if c["command"][-1] == "executor_svc"]
+
+
+def _own_probe(executor: dict, pod_executors: list[dict]) -> list[str]:
+    """What an executor's probes add to ``executor``: nothing when it is the pod's only
+    one; with a standby, its own --incarnation-file (so a hung one is not kept alive by
+    the other having taken over)."""
+    if len(pod_executors) == 1:
+        return []
+    return ["--incarnation-file", _flag(executor["args"], "--incarnation-file")]
 
 
 def _flag(args: list[str], name: str) -> str:
@@ -159,7 +179,7 @@ def test_probes_hit_open_routes_and_real_targets_on_declared_ports(rendered):
             argv = _probe_argv(spec)
             if argv is not None:
                 # The container's own process is what the probe judges.
-                assert argv[0] == container["name"], (container["name"], kind, argv)
+                assert argv[0] == ROLES[container["command"][-1]], (container["name"], kind)
                 assert spec["timeoutSeconds"] > probe.DEFAULT_TIMEOUT_S
                 continue
             target = spec.get("httpGet") or spec.get("grpc")
@@ -171,10 +191,12 @@ def test_probes_hit_open_routes_and_real_targets_on_declared_ports(rendered):
 
 def test_a_hung_executor_fails_liveness_but_a_waiting_scheduler_does_not(rendered):
     objects = rendered[1]
-    executor = pod_container(objects, "executor_svc")
-    assert _probe_argv(executor["livenessProbe"]) == ["executor", "--unreachable-ok"]
-    assert _probe_argv(executor["readinessProbe"]) == ["executor"]
-    assert _probe_argv(executor["startupProbe"]) == ["executor"]
+    pod_executors = executors(objects)
+    for executor in pod_executors:
+        own = _own_probe(executor, pod_executors)
+        assert _probe_argv(executor["livenessProbe"]) == ["executor", "--unreachable-ok", *own]
+        assert _probe_argv(executor["readinessProbe"]) == ["executor", *own]
+        assert _probe_argv(executor["startupProbe"]) == ["executor", *own]
     scheduler = pod_container(objects, "scheduler_svc")
     # Liveness answers NOT_SERVING too (work and no executor); readiness wants SERVING.
     assert _probe_argv(scheduler["livenessProbe"]) == ["scheduler"]
@@ -207,8 +229,8 @@ def test_grace_periods_cover_the_drain(rendered):
     grace = float(_flag(scheduler["args"], "--grace-period"))
     # Scheduler drain (+1 s server stop), then the executor's stop.
     assert replica["terminationGracePeriodSeconds"] > grace + 1 + EXECUTOR_STOP_S
-    executor = pod_container(objects, "executor_svc")
-    assert _probe_argv(executor["lifecycle"]["preStop"]) == ["scheduler", "--timeout", "1"]
+    for executor in executors(objects):
+        assert _probe_argv(executor["lifecycle"]["preStop"]) == ["scheduler", "--timeout", "1"]
     assert "preStop" not in scheduler.get("lifecycle", {})  # it drains on SIGTERM at once
     gateway = pod_container(objects, "gateway")
     gateway_grace = float(_flag(gateway["args"], "--grace-period"))
@@ -246,8 +268,7 @@ def test_the_pod_shares_its_socket_in_a_private_subdirectory(rendered):
     assert pod["securityContext"]["runAsNonRoot"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     ipcs = set()
-    for module in ("scheduler_svc", "executor_svc"):
-        container = pod_container(objects, module)
+    for container in [pod_container(objects, "scheduler_svc"), *executors(objects)]:
         ipc = pathlib.PurePath(_flag(container["args"], "--ipc").removeprefix("ipc://"))
         ipcs.add(ipc)
         [mount] = [m for m in container["volumeMounts"] if m["name"] == "ipc"]
@@ -302,6 +323,32 @@ def test_cpu_pods_fit_the_bundled_model_and_ask_for_no_gpu():
     assert int(executor["resources"]["requests"]["cpu"]) >= (config.threads or 1)
 
 
+def test_the_standby_pod_runs_two_interchangeable_executors():
+    """deploy/k8s/overlays/cpu-standby: the same executor twice, both ``--standby``, so
+    whichever registers first serves and a restarted one comes back as the standby; each
+    probes for itself through an incarnation file no other container sees, and either
+    gets a lone executor's request, since after a takeover the standby is the one in
+    service (tests/deploy/test_probe.py runs this layout with real processes)."""
+    from executor_svc import __main__ as executor_main
+
+    objects = overlay("cpu-standby")
+    pod_executors = executors(objects)
+    assert len(pod_executors) == 2 and len({c["name"] for c in pod_executors}) == 2
+    first, second = pod_executors
+    configs = [executor_main.parse_args(c["args"]) for c in pod_executors]
+    assert all(c.standby and c.incarnation_file for c in configs)
+    for key in ("args", "image", "command", "env", "volumeMounts", "resources", "lifecycle",
+                "startupProbe", "readinessProbe", "livenessProbe"):
+        assert first[key] == second[key], key
+    path = pathlib.PurePath(configs[0].incarnation_file)
+    assert path.is_absolute()
+    assert not any(path.is_relative_to(m["mountPath"]) for m in first["volumeMounts"])
+    assert second["resources"] == pod_container(overlay("cpu"), "executor_svc")["resources"]
+    for name in ("cpu", "gpu"):  # without a standby container none registers as one
+        assert not any(executor_main.parse_args(c["args"]).standby
+                       for c in executors(overlay(name)))
+
+
 def test_every_container_requests_cpu_and_memory_and_caps_memory(rendered):
     for _, container in containers(rendered[1]):
         resources = container["resources"]
@@ -323,7 +370,7 @@ def test_only_gateways_reach_the_schedulers(rendered):
     # Gateways reach only the scheduler's gRPC port; the executor listens on none.
     assert rule["ports"] == [{"protocol": "TCP", "port": int(_flag(scheduler["args"],
                                                                    "--port"))}]
-    assert "ports" not in pod_container(objects, "executor_svc")
+    assert all("ports" not in executor for executor in executors(objects))
     # Scrapers and routers (pods labelled as readers) reach /metrics and the KV events.
     [source] = readers["from"]
     assert source["podSelector"] == {"matchLabels": {"continuum.ai/replica-reader": "true"}}
