@@ -265,8 +265,8 @@ CALIBRATION_PROMPTS = (32, 256)  # lone prefills: their TTFTs' difference gives 
 CALIBRATION_REPEATS = 3  # each calibration's figure is the median of this many runs
 
 
-def calibration(server: Server, profile: ExecutorProfile,
-                output_tokens: int = 24) -> ExecutorProfile:
+def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfig,
+                stats, output_tokens: int = 24) -> ExecutorProfile:
     """``profile`` calibrated on the running server (the calibrations also warm it up):
 
     * ``speed_scale``: the machine's speed now against the fit's. Lone prompts of the two
@@ -278,10 +278,17 @@ def calibration(server: Server, profile: ExecutorProfile,
       TPOT minus the scaled profile's decode step of that batch gives the overhead at 1
       and at ``CALIBRATION_BATCH`` sequences, and the line through them splits it into a
       per-step and a per-sequence part (each at least 0).
+    * the cost of admitting a request (``link_overhead_per_prompt_s``: the gateway's and
+      the scheduler's work for a new request, on the cores of the step that prefills
+      it): the value at which the simulator, given the same batch, matches its measured
+      TTFT p50 (bisection; 0 when it is already as slow).
     """
     from continuum.bench_workload import TOKEN_ID_RANGE, Spec
 
     rng = random.Random(7)
+
+    def ids(n: int) -> list[int]:  # fresh: the prefix cache holds none of them
+        return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)]
 
     def median(figure: str, specs) -> float:
         runs = [measured(server, specs())[figure] / 1e3 for _ in range(CALIBRATION_REPEATS)]
@@ -289,15 +296,14 @@ def calibration(server: Server, profile: ExecutorProfile,
         return statistics.median(runs) if runs else math.nan
 
     def lone_prompt(n: int):
-        return lambda: [Spec(index=0, arrival_s=0.0, max_tokens=1, prompt_ids=[
-            rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)])]
+        return lambda: [Spec(index=0, arrival_s=0.0, max_tokens=1, prompt_ids=ids(n))]
 
     def batch(n: int):
-        return lambda: [Spec(index=i, arrival_s=0.0, prompt_ids=list(range(1000 + i, 1016 + i)),
+        return lambda: [Spec(index=i, arrival_s=0.0, prompt_ids=ids(16),
                              max_tokens=output_tokens) for i in range(n)]
 
     fit = dataclasses.replace(profile, speed_scale=1.0, link_overhead_s=0.0,
-                              link_overhead_per_seq_s=0.0)
+                              link_overhead_per_seq_s=0.0, link_overhead_per_prompt_s=0.0)
     short, long = CALIBRATION_PROMPTS
     ttft = [median("TTFT p50 ms", lone_prompt(n)) for n in CALIBRATION_PROMPTS]
     scale = (ttft[1] - ttft[0]) / (fit.prefill_time(long) - fit.prefill_time(short))
@@ -310,8 +316,24 @@ def calibration(server: Server, profile: ExecutorProfile,
 
     one, many = overhead(1), overhead(CALIBRATION_BATCH)
     per_seq = max(0.0, (many - one) / (CALIBRATION_BATCH - 1))
-    return dataclasses.replace(scaled, link_overhead_s=max(0.0, one - per_seq),
-                               link_overhead_per_seq_s=per_seq)
+    served = dataclasses.replace(scaled, link_overhead_s=max(0.0, one - per_seq),
+                                 link_overhead_per_seq_s=per_seq)
+    together = batch(CALIBRATION_BATCH)
+    target = median("TTFT p50 ms", together)
+
+    def ttft_at(per_prompt: float) -> float:
+        candidate = dataclasses.replace(served, link_overhead_per_prompt_s=per_prompt)
+        return simulated(candidate, config, together(), stats)["TTFT p50 ms"] / 1e3
+
+    lo, hi = 0.0, MAX_PROMPT_OVERHEAD_S
+    if not math.isfinite(target) or ttft_at(lo) >= target:
+        return served
+    for _ in range(16):
+        lo, hi = ((lo + hi) / 2, hi) if ttft_at((lo + hi) / 2) < target else (lo, (lo + hi) / 2)
+    return dataclasses.replace(served, link_overhead_per_prompt_s=(lo + hi) / 2)
+
+
+MAX_PROMPT_OVERHEAD_S = 0.25
 
 
 def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:
@@ -357,13 +379,15 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")
             if calibrate:
-                profile = calibration(server, profile)
+                profile = calibration(server, profile, config, stats)
                 log(f"calibrated on the server: its machine runs the profile's steps x "
                     f"{profile.speed_scale:.3f} (lone prefills of {CALIBRATION_PROMPTS[0]} and "
                     f"{CALIBRATION_PROMPTS[1]} tokens); its overhead over the profile "
                     f"{profile.link_overhead_s * 1e3:.2f} ms a step + "
                     f"{profile.link_overhead_per_seq_s * 1e3:.2f} ms a sequence (TPOT of 1 "
-                    f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps)")
+                    f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps) + "
+                    f"{profile.link_overhead_per_prompt_s * 1e3:.2f} ms a new prompt (where "
+                    f"the simulated TTFT of {CALIBRATION_BATCH} together meets the measured)")
             rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
             for point, rate in enumerate(rates):
                 specs = bench_specs(w, rate, seed + point)
@@ -383,6 +407,7 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
     summary["link_overhead_ms"] = profile.link_overhead_s * 1e3
     summary["link_overhead_per_seq_ms"] = profile.link_overhead_per_seq_s * 1e3
     summary["speed_scale"] = profile.speed_scale
+    summary["link_overhead_per_prompt_ms"] = profile.link_overhead_per_prompt_s * 1e3
     return rows, summary
 
 

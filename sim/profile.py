@@ -78,6 +78,10 @@ class ExecutorProfile:
     # ...and per sequence sampled in the step (the scheduler's and the gateway's work per
     # streamed token, which takes CPU from a CPU executor's threads)
     link_overhead_per_seq_s: float = 0.0
+    # ...and per prompt starting its prefill in the step (a first chunk: q > 1 over no
+    # cached tokens): the gateway's and the scheduler's work to admit a request, which
+    # lands on the cores of the step that prefills it
+    link_overhead_per_prompt_s: float = 0.0
     # The fitted model's time × this: the machine's speed in a server run against the
     # fit's, measured from lone prefills there (the same machine drifts 10-15 % in an hour)
     speed_scale: float = 1.0
@@ -105,7 +109,10 @@ class ExecutorProfile:
                   num_sampled: int | None = None) -> float:
         seqs = list(seqs)
         counts = plan_counts(seqs, num_sampled)
-        return self.predict(*counts, mixed=any(q > 1 for q, _ in seqs))
+        step = self.predict(*counts, mixed=any(q > 1 for q, _ in seqs))
+        if self.link_overhead_per_prompt_s and step:
+            step += self.link_overhead_per_prompt_s * sum(q > 1 and not c for q, c in seqs)
+        return step
 
     def decode_step_time(self, batch: int, context: int) -> float:
         return self.step_time([(1, context)] * batch)

@@ -49,6 +49,13 @@ def test_a_step_is_the_dot_product_of_its_counts():
     # A server's measured overhead: per step, and per sampled sequence.
     served = make_profile(link_overhead_s=2e-3, link_overhead_per_seq_s=5e-4)
     assert served.step_time(seqs, 4) == pytest.approx(expected + 2e-3 + 4 * 5e-4)
+    # Admitting a request costs the step that starts its prefill, not a later chunk's.
+    admitting = make_profile(link_overhead_per_prompt_s=1e-2)
+    assert admitting.step_time(seqs, 4) == pytest.approx(expected + 1e-2)
+    assert admitting.step_time([(128, 0), (64, 0)]) == pytest.approx(
+        make_profile().step_time([(128, 0), (64, 0)]) + 2e-2)
+    assert admitting.step_time([(128, 64)]) == pytest.approx(make_profile().step_time([(128, 64)]))
+    assert admitting.step_time([(1, 99)]) == pytest.approx(make_profile().step_time([(1, 99)]))
     # The machine's speed in a server run scales the fitted part, not the measured overhead.
     slower = make_profile(speed_scale=1.25, link_overhead_s=2e-3)
     assert slower.step_time(seqs, 4) == pytest.approx(1.25 * expected + 2e-3)
