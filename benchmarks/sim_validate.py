@@ -290,10 +290,14 @@ def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfi
     def ids(n: int) -> list[int]:  # fresh: the prefix cache holds none of them
         return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(n)]
 
-    def median(figure: str, specs) -> float:
-        runs = [measured(server, specs())[figure] / 1e3 for _ in range(CALIBRATION_REPEATS)]
-        runs = [r for r in runs if math.isfinite(r)]
-        return statistics.median(runs) if runs else math.nan
+    def medians(specs, *figures: str) -> list[float]:
+        """Each figure's median over CALIBRATION_REPEATS runs of fresh ``specs()``, in s."""
+        runs = [measured(server, specs()) for _ in range(CALIBRATION_REPEATS)]
+        out = []
+        for figure in figures:
+            values = [r[figure] / 1e3 for r in runs if math.isfinite(r[figure])]
+            out.append(statistics.median(values) if values else math.nan)
+        return out
 
     def lone_prompt(n: int):
         return lambda: [Spec(index=0, arrival_s=0.0, max_tokens=1, prompt_ids=ids(n))]
@@ -305,21 +309,21 @@ def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfi
     fit = dataclasses.replace(profile, speed_scale=1.0, link_overhead_s=0.0,
                               link_overhead_per_seq_s=0.0, link_overhead_per_prompt_s=0.0)
     short, long = CALIBRATION_PROMPTS
-    ttft = [median("TTFT p50 ms", lone_prompt(n)) for n in CALIBRATION_PROMPTS]
+    ttft = [medians(lone_prompt(n), "TTFT p50 ms")[0] for n in CALIBRATION_PROMPTS]
     scale = (ttft[1] - ttft[0]) / (fit.prefill_time(long) - fit.prefill_time(short))
     scaled = dataclasses.replace(fit, speed_scale=scale if 0 < scale < math.inf else 1.0)
 
-    def overhead(n: int) -> float:
-        tpot = median("TPOT p50 ms", batch(n))
+    def overhead(tpot: float, n: int) -> float:
         predicted = scaled.decode_step_time(n, 16 + output_tokens // 2)
         return max(0.0, tpot - predicted) if math.isfinite(tpot) else 0.0
 
-    one, many = overhead(1), overhead(CALIBRATION_BATCH)
+    together = batch(CALIBRATION_BATCH)
+    [lone_tpot] = medians(batch(1), "TPOT p50 ms")
+    many_tpot, target = medians(together, "TPOT p50 ms", "TTFT p50 ms")
+    one, many = overhead(lone_tpot, 1), overhead(many_tpot, CALIBRATION_BATCH)
     per_seq = max(0.0, (many - one) / (CALIBRATION_BATCH - 1))
     served = dataclasses.replace(scaled, link_overhead_s=max(0.0, one - per_seq),
                                  link_overhead_per_seq_s=per_seq)
-    together = batch(CALIBRATION_BATCH)
-    target = median("TTFT p50 ms", together)
 
     def ttft_at(per_prompt: float) -> float:
         candidate = dataclasses.replace(served, link_overhead_per_prompt_s=per_prompt)

@@ -39,6 +39,20 @@ def wait_for_probe(args: tuple[str, ...], rc: int, timeout_s: float) -> str:
         time.sleep(0.2)
 
 
+def spawn_module(env: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Kills what still runs (a SIGSTOPped process too) and waits for every one."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_without_a_scheduler_only_the_liveness_form_passes():
     address = f"127.0.0.1:{free_port()}"
     rc, out = probe("scheduler", "--address", address, "--timeout", "1")
@@ -56,8 +70,7 @@ def test_a_hung_executor_fails_its_probe(tmp_path, model_dir):
     env = {**os.environ, ENV_HEARTBEAT_TIMEOUT: "2", "PYTHONPATH": os.getcwd()}
 
     def spawn(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return spawn_module(env, *args)
 
     scheduler = spawn("scheduler_svc", "--ipc", ipc, "--port", str(port))
     procs = [scheduler]
@@ -79,11 +92,7 @@ def test_a_hung_executor_fails_its_probe(tmp_path, model_dir):
         assert probe("scheduler", *address, "--timeout", "1")[0] == 1
         assert probe("executor", *address, "--timeout", "1", "--unreachable-ok")[0] == 0
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-            proc.wait(timeout=30)
+        reap(procs)
 
 
 def wait_for_role(args: tuple[str, ...], role: str, timeout_s: float) -> None:
@@ -109,8 +118,7 @@ def test_in_a_pod_with_a_standby_each_executor_probes_for_itself(tmp_path, model
     files = {name: str(tmp_path / f"{name}.incarnation") for name in ("a", "b")}
 
     def spawn(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return spawn_module(env, *args)
 
     def executor(name: str) -> subprocess.Popen:
         return spawn("executor_svc", "--model", str(model_dir), "--ipc", ipc, "--device",
@@ -143,8 +151,4 @@ def test_in_a_pod_with_a_standby_each_executor_probes_for_itself(tmp_path, model
         procs[2].wait(timeout=60)
         assert not os.path.exists(files["b"])
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-            proc.wait(timeout=30)
+        reap(procs)
