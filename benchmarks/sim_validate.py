@@ -266,13 +266,14 @@ CALIBRATION_REPEATS = 3  # each calibration's figure is the median of this many 
 
 
 def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfig,
-                stats, output_tokens: int = 24) -> ExecutorProfile:
+                stats, output_tokens: int = 24, speed: bool = True) -> ExecutorProfile:
     """``profile`` calibrated on the running server (the calibrations also warm it up):
 
     * ``speed_scale``: the machine's speed now against the fit's. Lone prompts of the two
       ``CALIBRATION_PROMPTS`` lengths (fresh ids, so the prefix cache holds none), one
       output token each: the difference of their TTFTs over the profile's difference of
-      their prefills (whatever TTFT holds besides the prefill cancels out).
+      their prefills (whatever TTFT holds besides the prefill cancels out); 1 when
+      ``speed`` is False.
     * the server's overhead over the in-process profile (scheduler, ZeroMQ link, gateway
       stream): one lone request, and ``CALIBRATION_BATCH`` arriving together; each one's
       TPOT minus the scaled profile's decode step of that batch gives the overhead at 1
@@ -311,7 +312,8 @@ def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfi
     short, long = CALIBRATION_PROMPTS
     ttft = [medians(lone_prompt(n), "TTFT p50 ms")[0] for n in CALIBRATION_PROMPTS]
     scale = (ttft[1] - ttft[0]) / (fit.prefill_time(long) - fit.prefill_time(short))
-    scaled = dataclasses.replace(fit, speed_scale=scale if 0 < scale < math.inf else 1.0)
+    scaled = dataclasses.replace(fit, speed_scale=scale if speed and 0 < scale < math.inf
+                                 else 1.0)
 
     def overhead(tpot: float, n: int) -> float:
         predicted = scaled.decode_step_time(n, 16 + output_tokens // 2)
@@ -368,7 +370,8 @@ def error_pct(real: float, sim: float) -> float:
 
 
 def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = None,
-             seed: int = 0, log=print, calibrate: bool = True) -> tuple[list[dict], dict]:
+             seed: int = 0, log=print, calibrate: bool = True,
+             calibrate_speed: bool = True) -> tuple[list[dict], dict]:
     """(rows: one per rate and figure, summary); starts and stops the server itself.
     ``calibrate``: scale the profile to the machine's speed in this run and add the
     server's measured overhead (``calibration``) before simulating."""
@@ -383,10 +386,12 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")
             if calibrate:
-                profile = calibration(server, profile, config, stats)
-                log(f"calibrated on the server: its machine runs the profile's steps x "
-                    f"{profile.speed_scale:.3f} (lone prefills of {CALIBRATION_PROMPTS[0]} and "
-                    f"{CALIBRATION_PROMPTS[1]} tokens); its overhead over the profile "
+                profile = calibration(server, profile, config, stats, speed=calibrate_speed)
+                speed = (f"its machine runs the profile's steps x {profile.speed_scale:.3f} "
+                         f"(lone prefills of {CALIBRATION_PROMPTS[0]} and "
+                         f"{CALIBRATION_PROMPTS[1]} tokens)" if calibrate_speed else
+                         "the profile's speed kept (--no-speed-calibration)")
+                log(f"calibrated on the server: {speed}; its overhead over the profile "
                     f"{profile.link_overhead_s * 1e3:.2f} ms a step + "
                     f"{profile.link_overhead_per_seq_s * 1e3:.2f} ms a sequence (TPOT of 1 "
                     f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps) + "
@@ -454,6 +459,8 @@ def parse_args(argv) -> argparse.Namespace:
     p.add_argument("--no-calibrate", action="store_true",
                    help="simulate with the in-process profile alone (no per-step overhead "
                         "measured from the server)")
+    p.add_argument("--no-speed-calibration", action="store_true",
+                   help="calibrate the overheads but keep the profile's speed (speed_scale 1)")
     args = p.parse_args(argv)
     try:
         args.rates = [float(r) for r in args.rates.split(",")] if args.rates else None
@@ -476,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     w = QUICK if args.quick else Workload()
     print(profile.describe(), flush=True)
     rows, summary = validate(profile, w, args.rates, log=lambda m: print(m, flush=True),
-                             calibrate=not args.no_calibrate)
+                             calibrate=not args.no_calibrate,
+                             calibrate_speed=not args.no_speed_calibration)
     print(report.table(rows))
     for c in summary["counts"]:
         print(f"requests / completed / refused: measured {c['measured']}, "
