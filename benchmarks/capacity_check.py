@@ -12,7 +12,7 @@ sources judge the same load:
   tier) through ``sim.engine.Simulation`` with the profile as its cost model.
 * **real**: the same requests (token ids, lengths, arrival times) sent by ``continuum
   bench``'s client to a ``continuum serve`` started here on loopback, with its own
-  internal secret (``benchmarks.sim_validate.Server``).
+  internal secret (``benchmarks.sim_server.Server``).
 
 The simulator and the server run one scheduler config: the chunked policy,
 ``max_num_seqs`` = the contract's active-sequence bound, ``chunk_size`` = the audit's
@@ -288,7 +288,8 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
 
 
 def _start(k: BatchingContract, config: SchedulerConfig, tmp: str, log):
-    from benchmarks.sim_validate import Server, Workload
+    from benchmarks.sim_server import Server
+    from benchmarks.sim_validate import Workload
 
     started = time.perf_counter()
     server = Server(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
