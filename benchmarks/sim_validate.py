@@ -191,20 +191,28 @@ def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfi
     per_seq = max(0.0, (many - one) / (CALIBRATION_BATCH - 1))
     served = dataclasses.replace(scaled, link_overhead_s=max(0.0, one - per_seq),
                                  link_overhead_per_seq_s=per_seq)
-
-    def ttft_at(per_prompt: float) -> float:
-        candidate = dataclasses.replace(served, link_overhead_per_prompt_s=per_prompt)
-        return simulated(candidate, config, together(), stats)["TTFT p50 ms"] / 1e3
-
-    lo, hi = 0.0, MAX_PROMPT_OVERHEAD_S
-    if not math.isfinite(target) or ttft_at(lo) >= target:
-        return served
-    for _ in range(16):
-        lo, hi = ((lo + hi) / 2, hi) if ttft_at((lo + hi) / 2) < target else (lo, (lo + hi) / 2)
-    return dataclasses.replace(served, link_overhead_per_prompt_s=(lo + hi) / 2)
+    return admission_fitted(served, together(), target, config, stats)
 
 
 MAX_PROMPT_OVERHEAD_S = 0.25
+
+
+def admission_fitted(served: ExecutorProfile, specs, target_ttft_s: float,
+                     config: SchedulerConfig, stats) -> ExecutorProfile:
+    """``served`` with the ``link_overhead_per_prompt_s`` at which simulating ``specs``
+    gives their measured TTFT p50 (bisection over [0, MAX_PROMPT_OVERHEAD_S]); unchanged
+    when the simulation is already as slow, or nothing was measured."""
+    def ttft_at(per_prompt: float) -> float:
+        candidate = dataclasses.replace(served, link_overhead_per_prompt_s=per_prompt)
+        return simulated(candidate, config, specs, stats)["TTFT p50 ms"] / 1e3
+
+    lo, hi = 0.0, MAX_PROMPT_OVERHEAD_S
+    if not math.isfinite(target_ttft_s) or ttft_at(lo) >= target_ttft_s:
+        return served
+    for _ in range(16):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ttft_at(mid) < target_ttft_s else (lo, mid)
+    return dataclasses.replace(served, link_overhead_per_prompt_s=(lo + hi) / 2)
 
 
 def simulated(profile: ExecutorProfile, config: SchedulerConfig, specs, stats) -> dict:

@@ -39,6 +39,7 @@ from scheduler_svc.core import (
     Request,
     Scheduler,
     SchedulerConfig,
+    SchedulerOutput,
 )
 from scheduler_svc.core.config import TPOT_TARGET_FIELDS
 from sim.cost_model import StepCostModel
@@ -158,7 +159,7 @@ class _Clock:
 class _Step:
     """A plan in flight: what it samples, what it costs, when the executor ends it."""
 
-    out: object
+    out: SchedulerOutput
     sampled: list[int]
     compute_s: float  # the cost model's step time
     seconds: float  # ... plus any swap copies
