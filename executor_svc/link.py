@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 from executor_svc.runner import Runner
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
+from protos.zmq_sockets import release_on_collect
 
 log = logging.getLogger("executor.link")
 CONNECTED = "connected"  # what recv() returns when the connection is (re)established
@@ -46,6 +47,7 @@ class SchedulerLink:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._release = release_on_collect(self, self._ctx, self._sock, self._monitor)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -72,8 +74,8 @@ class SchedulerLink:
     def close(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
-        self._sock.close()
-        self._ctx.term()
+        self._sock.close()  # its own linger: the last result may still be on its way
+        self._release()
 
 
 class ServeLoop:

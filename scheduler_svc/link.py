@@ -30,6 +30,7 @@ import zmq.asyncio
 
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
+from protos.zmq_sockets import release_on_collect
 
 log = structlog.get_logger("scheduler.link")
 
@@ -73,9 +74,10 @@ class ExecutorLink:
         # before the bytes are held (a real executor never comes near this).
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        # Events queue here unread once the link stops: a context collected without close()
-        # (a test that forgot it) must not block forever in term() on them.
+        # Events queue here unread once the link stops; nothing waits for them. A link
+        # collected without close() is released by protos/zmq_sockets.py, not by its context.
         self._monitor.setsockopt(zmq.LINGER, 0)
+        self._release = release_on_collect(self, self._ctx, self._sock, self._monitor)
         self._tasks: list[asyncio.Task] = []
         self.peer: bytes | None = None
         self.peer_incarnation = ""
@@ -102,9 +104,7 @@ class ExecutorLink:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._release()
 
     def _task_done(self, task: asyncio.Task) -> None:
         if task.cancelled():

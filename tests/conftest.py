@@ -5,12 +5,19 @@ Every service refuses to start without the internal secret, so the suite sets a
 fixed one at import time: every process a test starts (scheduler, gateway,
 executor, ``continuum serve``) inherits it, and a test calling the scheduler
 directly sends ``internal_auth.metadata(TEST_SECRET)``. A test that needs no
-secret (or another) passes its own ``env``."""
+secret (or another) passes its own ``env``.
+
+A test still running after HANG_S is ended with every thread's traceback and the run
+exits 1. pytest-timeout's own limit (pyproject.toml) raises in Python, which cannot happen
+while the main thread is blocked inside C (a zmq term(), a lock): this turns such a hang
+into a red run that names its test, minutes in, not a CI job that runs out its time."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pathlib
+import sys
 import tempfile
 
 import pytest
@@ -25,6 +32,24 @@ TEST_METADATA = internal_auth.metadata(TEST_SECRET.encode("ascii"))
 # `continuum serve` records telemetry under $XDG_STATE_HOME by default: the suite's
 # servers write to a directory of this run, never to the user's own store.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="continuum-test-state-")
+
+HANG_S = 600  # twice pytest-timeout's limit
+_hang_report: dict[str, int] = {}
+
+
+def pytest_configure(config):
+    # The terminal's stderr, duplicated while capture is off: during a test, fd 2 is
+    # pytest's capture file, which an exiting process never shows.
+    _hang_report["fd"] = os.dup(sys.stderr.fileno())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_hang_report["fd"])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
+from protos.zmq_sockets import release_on_collect
 from scheduler_svc.link import ExecutorLink
 
 SECRET = b"fake-peer-test-secret-0123456789"
@@ -45,6 +46,7 @@ class FakePeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
+        self._release = release_on_collect(self, self.ctx, self.sock)
         self.sock.connect(address)
         self.seqs: dict[int, list[int]] = {}  # seq_id → [num tokens, num computed]
         self.hello: pb.Hello | None = None
@@ -103,9 +105,7 @@ class FakePeer:
 
     def close(self) -> None:
         """Idempotent: a test closes a peer to kill it, its fixture closes it again."""
-        if not self.ctx.closed:
-            self.sock.close(linger=0)
-            self.ctx.term()
+        self._release()
 
 
 @contextlib.asynccontextmanager
