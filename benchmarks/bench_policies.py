@@ -3,8 +3,13 @@
 For each policy a fresh ``continuum serve --policy P`` runs the *same* requests (same
 seed: arrival times, prompt and output lengths, token ids) through ``continuum bench``'s
 client; then the scheduler's Stats say how many decode steps carried prefill work. Prints
-output tokens/s, TTFT p50/p99, TPOT p50/p99, the share of decode steps stalled by a
-prefill, and ratios against static batching; ``--output`` writes JSON.
+requests done, output tokens/s, TTFT p50/p99, TPOT p50/p99, the share of decode steps
+stalled by a prefill, and ratios against static batching; ``--output`` writes JSON.
+
+The servers run without their queue-time bound (``--queue-time-bound-s 0``), so that every
+policy serves every request: with the default bounds an overloaded server refuses some with
+RESOURCE_EXHAUSTED, each policy others, and their throughputs then count different work
+(on 2026-12-02, 19-24 of 40 requests done at 2 req/s).
 
 The default workload is the Azure conversation trace's length mix scaled by 0.15 to this
 machine (a 135M model on 2 CPU cores), plus 15 % long prompts (768 tokens) so that
@@ -80,13 +85,21 @@ class Server:
             self.proc.kill()
 
 
-def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
+def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
+    """``continuum serve``'s engine flags for ``policy`` (its name is passed apart)."""
     engine = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--chunk-size", str(args.chunk_size), "--kv-cache-bytes", str(args.kv_cache_bytes)]
+    for tier in ("premium", "standard", "best-effort"):  # one bound for all: same requests
+        engine += [f"--max-queue-time-{tier}-s", str(args.queue_time_bound_s)]
     if policy == "chunked-slo":
         for tier in ("premium", "standard", "best-effort"):
             engine += [f"--tpot-target-{tier}-ms", str(args.tpot_target_ms)]
+    return engine
+
+
+def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
+    engine = engine_args(policy, args)
     server = Server(policy, engine, workdir)
     try:
         before = server.stats()
@@ -118,21 +131,22 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> 
 
 def format_table(results: dict[str, dict]) -> str:
     base = results.get("static")
-    lines = [f"{'policy':<11}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-             f"{'TPOT p99':>10}{'ITL p99':>9}{'stalled':>9}{'stall tok':>10}{'tok/s ×':>8}"
-             f"{'TTFT p99 ×':>11}   (ms; × = vs static)"]
+    lines = [f"{'policy':<11}{'done':>7}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+             f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'stalled':>9}{'stall tok':>10}"
+             f"{'tok/s ×':>8}{'TTFT p99 ×':>11}   (ms; × = vs static)"]
     for policy, r in results.items():
         speed = r["output_throughput"] / base["output_throughput"] if base else float("nan")
         tail = r["ttft_p99_ms"] / base["ttft_p99_ms"] if base else float("nan")
+        done = f"{r['num_completed']}/{r['num_requests']}"
         lines.append(
-            f"{policy:<11}{r['output_throughput']:>10.1f}{r['ttft_median_ms']:>10.0f}"
+            f"{policy:<11}{done:>7}{r['output_throughput']:>10.1f}{r['ttft_median_ms']:>10.0f}"
             f"{r['ttft_p99_ms']:>10.0f}{r['tpot_median_ms']:>10.0f}{r['tpot_p99_ms']:>10.0f}"
             f"{r['itl_p99_ms']:>9.0f}{r['stalled_share']:>9.0%}{r['stalled_prefill_tokens_mean']:>10.0f}"
             f"{speed:>8.2f}{tail:>11.2f}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
@@ -146,7 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
     parser.add_argument("--tpot-target-ms", type=float, default=60.0,
                         help="chunked-slo's TPOT target, every tier")
-    args = parser.parse_args(argv)
+    parser.add_argument("--queue-time-bound-s", type=float, default=0.0,
+                        help="the server's max queue time, every tier (default 0: no bound, "
+                        "so every policy serves every request; with a bound, a policy "
+                        "compared on throughput may have refused other requests than "
+                        "another: see the done column)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as workdir:
         for policy in args.policies.split(","):
@@ -162,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.max_num_seqs}, budget {args.max_num_batched_tokens} tokens, chunk "
           f"{args.chunk_size}")
     print(format_table(results))
+    refused = {p: r["num_requests"] - r["num_completed"] for p, r in results.items()}
+    if any(refused.values()):
+        print("not every request completed (" + ", ".join(
+            f"{p} {n}" for p, n in refused.items() if n) + "): the policies' throughputs "
+            "count different requests", file=sys.stderr)
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
         print(f"results: {args.output}")
