@@ -68,27 +68,43 @@ class Server:
             return scheduler_pb2_grpc.SchedulerStub(ch).Stats(
                 scheduler_pb2.StatsRequest(), timeout=10, metadata=self._metadata)
 
-    def steps(self, since: float, until: float) -> dict:
-        """The steps the scheduler recorded between two wall times (its telemetry store):
-        how many, their mean time, mean batch, prompt tokens. A step's time is the gap
-        since the previous record, or its own latency (plan sent to answer) where that is
-        shorter: the gap holds any idle wait before it, the latency any queueing behind
-        the step before it (plans are sent a step ahead)."""
+    def _iterations(self, since: float, until: float) -> list[tuple]:
+        """The scheduler's step records between two wall times (its telemetry store):
+        (recorded_at, latency s, seqs, prompt tokens, free KV blocks, decode tokens), in
+        order."""
         import sqlite3
 
         deadline = time.monotonic() + 5  # the store's writer batches its inserts
         while True:
             with sqlite3.connect(self.telemetry) as db:
                 rows = db.execute(
-                    "SELECT recorded_at, step_latency_ms / 1e3, num_seqs, num_prefill_tokens "
-                    "FROM scheduler_iterations WHERE recorded_at >= ? AND recorded_at <= ? "
-                    "ORDER BY recorded_at", (since, until)).fetchall()
+                    "SELECT recorded_at, step_latency_ms / 1e3, num_seqs, num_prefill_tokens, "
+                    "num_free_blocks, num_decode_tokens FROM scheduler_iterations "
+                    "WHERE recorded_at >= ? AND recorded_at <= ? ORDER BY recorded_at",
+                    (since, until)).fetchall()
             if (rows and rows[-1][0] >= until - 1.0) or time.monotonic() > deadline:
-                break
+                return rows
             time.sleep(0.5)
+
+    def steps(self, since: float, until: float) -> dict:
+        """The steps recorded between two wall times: how many, their mean time, mean
+        batch, prompt tokens. A step's time is the gap since the previous record, or its
+        own latency (plan sent to answer) where that is shorter: the gap holds any idle
+        wait before it, the latency any queueing behind the step before it (plans are
+        sent a step ahead)."""
+        rows = self._iterations(since, until)
         busy = sum(min(b[0] - a[0], b[1]) for a, b in zip(rows, rows[1:], strict=False))
         busy += rows[0][1] if rows else 0.0
         return step_figures(len(rows), busy, sum(r[2] for r in rows), sum(r[3] for r in rows))
+
+    def timed_steps(self, since: float, until: float, num_blocks: int,
+                    block_size: int) -> list[tuple[float, int, int, int]]:
+        """The steps between two wall times, timed as ``steps`` times them: (seconds,
+        decode tokens, prompt tokens, KV tokens held: the pool's blocks in use x block
+        size)."""
+        rows = self._iterations(since, until)
+        return [(min(b[0] - a[0], b[1]), b[5], b[3], (num_blocks - b[4]) * block_size)
+                for a, b in zip(rows, rows[1:], strict=False) if b[2]]
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) so far of serve's processes, by module: the

@@ -46,9 +46,10 @@ def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
     make_profile().save(profile_path)
     out = tmp_path / "validate.json"
     assert sim_validate.main(["--profile", str(profile_path), "--quick", "--rates", "4,8,16",
-                              "--json", str(out)]) == 0
+                              "--speed-from-run", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| rate req/s | figure | measured | simulated | error % |" in printed
+    assert ("| rate req/s | figure | measured | simulated | error % | simulated at the run's "
+            "speed | error % at the run's speed |") in printed
     assert "took" in printed
     result = json.loads(out.read_text())
     rows, summary = result["rows"], result["summary"]
@@ -69,3 +70,22 @@ def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
             assert steps["steps"] > 0 and steps["mean step ms"] > 0, steps
             assert steps["prompt tokens"] > 0 and steps["seqs a step"] > 0, steps
     assert 0 < summary["speed_scale"] < math.inf
+    assert set(summary["run_speed"]) == {"median_abs_error_pct", "max_abs_p50_error_pct"}
+
+
+def test_the_run_speed_is_read_back_from_steps_priced_at_a_known_speed():
+    """Decode-only steps as a server 1.2x slower than the fit would run them, with the
+    calibrated overheads on top: run_speed finds 1.2, whatever the batch and context; and
+    1.5 for the steps with a prompt, priced apart."""
+    calibrated = make_profile(speed_scale=0.9, link_overhead_s=2e-3,
+                              link_overhead_per_seq_s=4e-4)
+    slower = make_profile(speed_scale=1.2, link_overhead_s=2e-3, link_overhead_per_seq_s=4e-4)
+    steps = [(slower.decode_step_time(seqs, ctx), seqs, 0, seqs * ctx)
+             for seqs, ctx in ((1, 40), (4, 100), (9, 333), (24, 80), (30, 512))]
+    # Steps with a prompt beside the decodes, as a server 1.5x slower would run them.
+    mixed = make_profile(speed_scale=1.5, link_overhead_s=2e-3, link_overhead_per_seq_s=4e-4)
+    steps += [(mixed.step_time([(1, 60)] * seqs + [(prompt, 0)]), seqs, prompt, 60 * (seqs + 1))
+              for seqs, prompt in ((0, 256), (2, 64), (7, 128))]
+    assert sim_validate.run_speed(calibrated, steps) == pytest.approx(1.2)
+    assert sim_validate.run_speed(calibrated, steps, prompts=True) == pytest.approx(1.5)
+    assert sim_validate.run_speed(calibrated, []) is None
