@@ -1,10 +1,12 @@
 """The real server side of ``benchmarks.sim_validate`` (and ``benchmarks.capacity_check``):
 ``continuum serve`` started on free loopback ports with its own internal secret, and what
 is read of it while a workload runs: its Stats, the steps its telemetry store recorded,
-the CPU its processes held, and the machine's CPU steal."""
+the CPU its processes held, and the machine's CPU steal; ``measured`` runs one rate's
+requests through it and returns the client's figures with those readings."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import secrets
@@ -164,3 +166,32 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def measured(server: Server, specs) -> dict:
+    from continuum.bench_clients import GrpcClient, run_workload
+    from continuum.bench_report import summarize_outcomes
+
+    before = server.stats().num_preemptions
+
+    async def go():
+        client = GrpcClient(server.addr, None)
+        try:
+            return await run_workload(client, specs, None, progress=False)
+        finally:
+            await client.close()
+
+    since, cpu, used = time.time(), cpu_times(), server.cpu_seconds()
+    outcomes, duration = asyncio.run(go())
+    steps = server.steps(since, time.time())
+    steps["cpu stolen %"] = stolen_pct(cpu, cpu_times())
+    wall = time.time() - since
+    for name, seconds in server.cpu_seconds().items():  # cores each process held
+        steps[f"{name} cores"] = (seconds - used.get(name, 0.0)) / wall
+    s = summarize_outcomes(outcomes, duration, {})["overall"]
+    return {"requests": len(specs), "completed": s["num_completed"],
+            "refused": sum(s["errors"].values()), "output tok/s": s["output_throughput"],
+            "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],
+            "TPOT p50 ms": s["tpot_median_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
+            "preemptions": server.stats().num_preemptions - before, "step figures": steps,
+            "window": (since, since + wall)}
