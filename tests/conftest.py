@@ -7,10 +7,11 @@ executor, ``continuum serve``) inherits it, and a test calling the scheduler
 directly sends ``internal_auth.metadata(TEST_SECRET)``. A test that needs no
 secret (or another) passes its own ``env``.
 
-A test still running after HANG_S is ended with every thread's traceback and the run
-exits 1. pytest-timeout's own limit (pyproject.toml) raises in Python, which cannot happen
-while the main thread is blocked inside C (a zmq term(), a lock): this turns such a hang
-into a red run that names its test, minutes in, not a CI job that runs out its time."""
+A test still running after twice its timeout (``hang_s``) is ended with every thread's
+traceback, and the run exits 1. pytest-timeout's own limit (pyproject.toml) raises in
+Python, which cannot happen while the main thread is blocked inside C (a zmq term(), a
+lock): this turns such a hang into a red run that names its test, minutes in, not a CI
+job that runs out its time."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ TEST_METADATA = internal_auth.metadata(TEST_SECRET.encode("ascii"))
 # servers write to a directory of this run, never to the user's own store.
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="continuum-test-state-")
 
-HANG_S = 600  # twice pytest-timeout's limit
+HANG_FACTOR = 2  # a test is ended at twice its pytest-timeout limit
 _hang_report: dict[str, int] = {}
 
 
@@ -43,9 +44,20 @@ def pytest_configure(config):
     _hang_report["fd"] = os.dup(sys.stderr.fileno())
 
 
+def hang_s(item) -> float | None:
+    """When ``item`` is ended: HANG_FACTOR x its own timeout mark, else the ini's (None:
+    no timeout, so no guard either)."""
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    limit = float(limit or 0)
+    return HANG_FACTOR * limit if limit > 0 else None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_hang_report["fd"])
+    limit = hang_s(item)
+    if limit is not None:
+        faulthandler.dump_traceback_later(limit, exit=True, file=_hang_report["fd"])
     try:
         yield
     finally:
