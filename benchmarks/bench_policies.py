@@ -92,8 +92,7 @@ def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
               "--chunk-size", str(args.chunk_size), "--kv-cache-bytes", str(args.kv_cache_bytes)]
     for tier in ("premium", "standard", "best-effort"):  # one bound for all: same requests
         engine += [f"--max-queue-time-{tier}-s", str(args.queue_time_bound_s)]
-    if policy == "chunked-slo":
-        for tier in ("premium", "standard", "best-effort"):
+        if policy == "chunked-slo":
             engine += [f"--tpot-target-{tier}-ms", str(args.tpot_target_ms)]
     return engine
 

@@ -111,6 +111,47 @@ def error_pct(real: float, sim: float) -> float:
 RUN_SPEED = "at the run's speed"
 
 
+def _calibration_line(profile: ExecutorProfile, calibrate_speed: bool) -> str:
+    speed = (f"its machine runs the profile's steps x {profile.speed_scale:.3f} (lone "
+             f"prefills of {CALIBRATION_PROMPTS[0]} and {CALIBRATION_PROMPTS[1]} tokens)"
+             if calibrate_speed else "the profile's speed kept (--no-speed-calibration)")
+    return (f"calibrated on the server: {speed}; its overhead over the profile "
+            f"{profile.link_overhead_s * 1e3:.2f} ms a step + "
+            f"{profile.link_overhead_per_seq_s * 1e3:.2f} ms a sequence (TPOT of 1 "
+            f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps) + "
+            f"{profile.link_overhead_per_prompt_s * 1e3:.2f} ms a new prompt (where "
+            f"the simulated TTFT of {CALIBRATION_BATCH} together meets the measured)")
+
+
+def _at_run_speed(server: Server, real: dict, profile: ExecutorProfile,
+                  config: SchedulerConfig, specs, stats, log) -> dict | None:
+    """The rate simulated at the speed its own decode-only steps ran (None without any)."""
+    timed = server.timed_steps(*real["window"], stats.num_total_blocks, stats.block_size)
+    scale, with_prompts = run_speed(profile, timed), run_speed(profile, timed, True)
+    nan = float("nan")
+    log(f"  its decode-only steps ran at x{scale or nan:.3f} the fit's speed, its steps "
+        f"with prompt tokens at x{with_prompts or nan:.3f} "
+        f"(calibrated: x{profile.speed_scale:.3f})")
+    if scale is None:
+        return None
+    return simulated(dataclasses.replace(profile, speed_scale=scale), config, specs, stats)
+
+
+def _rows(rate: float, real: dict, sim: dict, tracked: dict | None,
+          run_speed_columns: bool) -> list[dict]:
+    """One row per figure, with the run's-speed columns when asked (NaN without
+    ``tracked``)."""
+    rows = []
+    for fig in FIGURES:
+        row = {"rate req/s": rate, "figure": fig, "measured": real[fig],
+               "simulated": sim[fig], "error %": error_pct(real[fig], sim[fig])}
+        if run_speed_columns:
+            row[f"simulated {RUN_SPEED}"] = tracked[fig] if tracked else math.nan
+            row[f"error % {RUN_SPEED}"] = error_pct(real[fig], row[f"simulated {RUN_SPEED}"])
+        rows.append(row)
+    return rows
+
+
 def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = None,
              seed: int = 0, log=print, calibrate: bool = True,
              calibrate_speed: bool = True, track_speed: bool = False) -> tuple[list[dict], dict]:
@@ -133,16 +174,7 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
                 f"({time.perf_counter() - started:.0f} s)")
             if calibrate:
                 profile = calibration(server, profile, config, stats, speed=calibrate_speed)
-                speed = (f"its machine runs the profile's steps x {profile.speed_scale:.3f} "
-                         f"(lone prefills of {CALIBRATION_PROMPTS[0]} and "
-                         f"{CALIBRATION_PROMPTS[1]} tokens)" if calibrate_speed else
-                         "the profile's speed kept (--no-speed-calibration)")
-                log(f"calibrated on the server: {speed}; its overhead over the profile "
-                    f"{profile.link_overhead_s * 1e3:.2f} ms a step + "
-                    f"{profile.link_overhead_per_seq_s * 1e3:.2f} ms a sequence (TPOT of 1 "
-                    f"and of {CALIBRATION_BATCH} requests minus the scaled decode steps) + "
-                    f"{profile.link_overhead_per_prompt_s * 1e3:.2f} ms a new prompt (where "
-                    f"the simulated TTFT of {CALIBRATION_BATCH} together meets the measured)")
+                log(_calibration_line(profile, calibrate_speed))
             rates = rates or [f * saturation_rps(profile, w) for f in w.fractions]
             for point, rate in enumerate(rates):
                 specs = bench_specs(w, rate, seed + point)
@@ -152,26 +184,9 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
                 log(f"rate {rate:.3g} req/s: {len(specs)} requests measured and simulated "
                     f"({time.perf_counter() - started:.0f} s); steps measured "
                     f"{_steps_line(real)}, simulated {_steps_line(sim)}")
-                tracked = None
-                if track_speed:
-                    timed = server.timed_steps(*real["window"], stats.num_total_blocks,
-                                               stats.block_size)
-                    scale, with_prompts = run_speed(profile, timed), run_speed(profile, timed, True)
-                    if scale is not None:
-                        tracked = simulated(dataclasses.replace(profile, speed_scale=scale),
-                                            config, specs, stats)
-                    nan = float("nan")
-                    log(f"  its decode-only steps ran at x{scale or nan:.3f} the fit's speed, "
-                        f"its steps with prompt tokens at x{with_prompts or nan:.3f} "
-                        f"(calibrated: x{profile.speed_scale:.3f})")
-                for fig in FIGURES:
-                    row = {"rate req/s": rate, "figure": fig, "measured": real[fig],
-                           "simulated": sim[fig], "error %": error_pct(real[fig], sim[fig])}
-                    if track_speed:
-                        row[f"simulated {RUN_SPEED}"] = tracked[fig] if tracked else math.nan
-                        row[f"error % {RUN_SPEED}"] = error_pct(real[fig],
-                                                                row[f"simulated {RUN_SPEED}"])
-                    rows.append(row)
+                tracked = (_at_run_speed(server, real, profile, config, specs, stats, log)
+                           if track_speed else None)
+                rows += _rows(rate, real, sim, tracked, track_speed)
         finally:
             server.stop()
     summary = _summary(rows, counts, time.perf_counter() - started)
