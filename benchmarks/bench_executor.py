@@ -146,6 +146,13 @@ def main() -> None:
                       for k, v in ceil.items() if k.startswith("gflops_") and k != "gflops_peak")
     print(f"matmul fp32 {c.intermediate_size}x{c.hidden_size} @ {c.hidden_size}xrows, GFLOP/s:"
           f" {rates}; read bandwidth {ceil['read_gbs']:.1f} GB/s ({load()})", flush=True)
+    lib = native.load(native_options)
+    if lib is not None:  # what no GEMM can pass: FMAs with every operand in a register
+        threads = torch.get_num_threads()
+        peak = lib.fma_peak_gflops(threads)
+        print(f"FMA issue peak, {threads} threads: {peak:.0f} GFLOP/s (1 thread: "
+              f"{lib.fma_peak_gflops(1):.0f}); the best matmul above is "
+              f"{ceil['gflops_peak'] / peak:.0%} of it", flush=True)
     backends = {}
     for name in args.backends:
         start = time.perf_counter()

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <chrono>
 
 namespace {
 
@@ -240,6 +241,36 @@ void gemm_packed_f32(const float* wp, int64_t M, int64_t K, const float* x, int6
     default: break;
   }
   wide_gemm(PackedSource{wp, K}, M, K, x, ldx_k, ldx_n, N, c, ldc_m, ldc_n, num_threads);
+}
+
+// The FMA issue ceiling, GFLOP/s summed over num_threads threads: each runs `rounds` rounds
+// of 12 independent 8-lane FMA chains held in registers (no loads: what the 6 x 16 tile's
+// 12 accumulators could reach if every operand were already in a register), timed on its
+// own clock. benchmarks/bench_executor.py prints the GEMM's share of it. 0 for rounds <= 0.
+volatile double fma_peak_sink;
+
+double fma_peak_gflops(int64_t rounds, int num_threads) {
+  if (rounds <= 0) return 0.0;
+  double total = 0.0, sink = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total, sink)
+  {
+    __m256 a[12];
+    for (int j = 0; j < 12; j++) a[j] = _mm256_set1_ps(1e-3f * j);
+    const __m256 m = _mm256_set1_ps(0.9999f), c = _mm256_set1_ps(1e-6f);
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < rounds; i++)
+      for (int j = 0; j < 12; j++) a[j] = _mm256_fmadd_ps(a[j], m, c);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                         .count();
+    total += 12.0 * 16.0 * double(rounds) / s / 1e9;
+    alignas(32) float out[8];
+    for (int j = 0; j < 12; j++) {  // keeps the chains live
+      _mm256_store_ps(out, a[j]);
+      sink += out[0];
+    }
+  }
+  fma_peak_sink = sink;  // the chains' results are used: the loop cannot be removed
+  return total;
 }
 
 // C = W @ X (N > 4) where panel p of W [M, K] comes from panel(ctx, p, scratch): the fp32

@@ -90,6 +90,8 @@ class NativeKernels:
         self._gemm.restype = None
         self._silu_mul = lib.silu_mul_f32
         self._silu_mul.argtypes, self._silu_mul.restype = [_PTR] * 3 + [_I64, ctypes.c_int], None
+        self._fma_peak = lib.fma_peak_gflops
+        self._fma_peak.argtypes, self._fma_peak.restype = [_I64, ctypes.c_int], ctypes.c_double
         self._decode_layers = lib.decode_layers_f32
         self._decode_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR]
         self._decode_layers.restype = _I64
@@ -179,6 +181,11 @@ class NativeKernels:
                       phases: int | None) -> int:
         """cpu_decoder.cpp's decode_layers_f32 on addresses (kernels/native_decoder.py's)."""
         return self._decode_layers(layers, num_layers, shape, step, x, phases)
+
+    def fma_peak_gflops(self, threads: int, rounds: int = 20_000_000) -> float:
+        """GFLOP/s of ``threads`` threads issuing register-only FMAs (cpu_gemm.cpp's
+        fma_peak_gflops: the compute ceiling no GEMM can pass), ~0.1 s at 3 GHz."""
+        return self._fma_peak(rounds, threads)
 
     def gemm(self, packed: PackedWeight, x: torch.Tensor, out: torch.Tensor, ldc_m: int,
              ldc_n: int) -> None:

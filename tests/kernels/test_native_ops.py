@@ -107,3 +107,11 @@ def test_silu_mul_propagates_nan_and_infinity(lib):
     want = F.silu(gate) * up
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+def test_the_fma_peak_probe_reports_a_rate_per_thread_count(lib):
+    # bench_executor's compute ceiling (a rate, so only its form is checked here, not its size)
+    assert lib.fma_peak_gflops(1, rounds=0) == 0.0
+    for threads in (1, 2):
+        rate = lib.fma_peak_gflops(threads, rounds=200_000)
+        assert rate > 0.0 and rate == rate and rate != float("inf")
