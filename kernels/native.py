@@ -184,7 +184,7 @@ class NativeKernels:
 
     def fma_peak_gflops(self, threads: int, rounds: int = 20_000_000) -> float:
         """GFLOP/s of ``threads`` threads issuing register-only FMAs (cpu_gemm.cpp's
-        fma_peak_gflops: the compute ceiling no GEMM can pass), ~0.1 s at 3 GHz."""
+        fma_peak_gflops: the compute ceiling no GEMM can pass), ~0.05 s a call."""
         return self._fma_peak(rounds, threads)
 
     def gemm(self, packed: PackedWeight, x: torch.Tensor, out: torch.Tensor, ldc_m: int,
