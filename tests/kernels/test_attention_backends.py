@@ -289,7 +289,7 @@ def test_reference_is_causal_softmax_attention():
     torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ values)
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 1001])
 def test_native_add_rms_norm_matches_torch(tokens):
     # The fused residual add + RMSNorm the model runs over hidden-major [H, T] activations.
     lib = native.load()
@@ -304,3 +304,14 @@ def test_native_add_rms_norm_matches_torch(tokens):
     torch.testing.assert_close(x, want_x, atol=0, rtol=0)  # the add happened in place
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(lib.add_rms_norm(x.clone(), None, weight, 1e-5), got)
+    # From 256 tokens the tokens are split between threads: the same bits as one thread.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone_x = x - delta
+        alone = lib.add_rms_norm(alone_x, delta, weight, 1e-5)
+    finally:
+        torch.set_num_threads(threads)
+    split_x = x - delta
+    assert torch.equal(lib.add_rms_norm(split_x, delta, weight, 1e-5), alone)
+    assert torch.equal(split_x, alone_x)

@@ -60,8 +60,10 @@ def test_packed_weight_keeps_shape_and_refuses_wrong_input(lib):
         packed.mm(torch.randn(4, 3, dtype=torch.float64))
 
 
+# 300 and 1,001 tokens: the prefill sizes whose 8-token groups are split between threads.
 @pytest.mark.parametrize("hq,hkv,dim,tokens", [(9, 3, 64, 64), (9, 3, 64, 13), (4, 2, 8, 1),
-                                               (32, 8, 128, 70), (2, 1, 16, 8)])
+                                               (32, 8, 128, 70), (2, 1, 16, 8),
+                                               (9, 3, 64, 300), (9, 3, 64, 1001)])
 def test_rope_qkv_is_bit_identical_to_the_torch_ops(lib, hq, hkv, dim, tokens):
     torch.manual_seed(tokens)
     qkv = torch.randn((hq + 2 * hkv) * dim, tokens)
