@@ -54,6 +54,19 @@ def machine_ceilings(hidden: int, inter: int, clock, native_options=None) -> dic
     return out
 
 
+def print_fma_peak(native_options, best_gflops: float) -> None:
+    """The FMA issue peak (what no GEMM can pass: FMAs with every operand in a register)
+    and the best measured matmul's share of it; nothing without the native kernels."""
+    lib = native.load(native_options)
+    if lib is None:
+        return
+    threads = torch.get_num_threads()
+    peak = lib.fma_peak_gflops(threads)
+    print(f"FMA issue peak, {threads} threads: {peak:.0f} GFLOP/s (1 thread: "
+          f"{lib.fma_peak_gflops(1):.0f}); the best matmul above is {best_gflops / peak:.0%} "
+          "of it", flush=True)
+
+
 def model_flops_per_token(model: LlamaModel, context: int) -> float:
     c = model.config
     weights = sum(t.numel() for layer in model.layers for t in (layer.wqkv, layer.wo,
@@ -146,13 +159,7 @@ def main() -> None:
                       for k, v in ceil.items() if k.startswith("gflops_") and k != "gflops_peak")
     print(f"matmul fp32 {c.intermediate_size}x{c.hidden_size} @ {c.hidden_size}xrows, GFLOP/s:"
           f" {rates}; read bandwidth {ceil['read_gbs']:.1f} GB/s ({load()})", flush=True)
-    lib = native.load(native_options)
-    if lib is not None:  # what no GEMM can pass: FMAs with every operand in a register
-        threads = torch.get_num_threads()
-        peak = lib.fma_peak_gflops(threads)
-        print(f"FMA issue peak, {threads} threads: {peak:.0f} GFLOP/s (1 thread: "
-              f"{lib.fma_peak_gflops(1):.0f}); the best matmul above is "
-              f"{ceil['gflops_peak'] / peak:.0%} of it", flush=True)
+    print_fma_peak(native_options, ceil["gflops_peak"])
     backends = {}
     for name in args.backends:
         start = time.perf_counter()
