@@ -28,6 +28,10 @@ class SequenceState:
     num_prompt_tokens: int
     seed: int  # request seed, or a random one drawn when the sequence arrived
     guide: object = None  # its structured-output matcher (executor_svc/guided.py), lazily
+    # Set once its own per-row work failed (executor_svc/sampler.py RowFailure): it then
+    # samples a placeholder until a plan drops it (its request has ended with an error).
+    failure: object = None
+    fault: str = ""  # test-only: the stage that fails for it (executor_svc/faults.py)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,11 @@ one or more ``ACTION=TOKEN`` separated by commas, ACTION one of:
   sequence whose prompt contains token id TOKEN (the scheduler sees
   STEP_ERROR_CODE_INTERNAL, as for a real forward failure);
 * ``exit_on_token`` — the executor process dies (``os._exit(1)``) in that step, as for a
-  request that crashes the device or the process.
+  request that crashes the device or the process;
+* ``row_STAGE`` (STAGE one of executor_svc/sampler.py ROW_STAGES: ``row_mask``,
+  ``row_choose``, ...) — that sequence's own per-row work raises in STAGE every time it
+  samples, as for a grammar matcher or sampler row that fails: the step goes on for every
+  other sequence and only that request ends with an error.
 
 The poison-request tests (tests/integration/test_poison.py) use it to prove that such a
 request is ended alone after ``max_step_failures`` and that the rest of its batch goes on.
@@ -22,12 +26,14 @@ import os
 from protos.continuum.v1 import executor_pb2 as pb
 
 ENV_FAULT_INJECT = "CONTINUUM_FAULT_INJECT"
-ACTIONS = ("raise_on_token", "exit_on_token")
+ROW_STAGES = ("guide", "logit_bias", "penalties", "mask", "min_tokens", "choose", "advance",
+              "logprobs")  # a sampling row's stages, in the order the sampler runs them
+ACTIONS = ("raise_on_token", "exit_on_token", *(f"row_{stage}" for stage in ROW_STAGES))
 log = logging.getLogger("executor.faults")
 
 
 class InjectedFault(RuntimeError):
-    """Raised inside a step by ``raise_on_token``."""
+    """Raised inside a step by ``raise_on_token``, or inside one row by ``row_STAGE``."""
 
 
 class FaultInjector:
@@ -52,12 +58,21 @@ class FaultInjector:
     def __repr__(self) -> str:  # as the variable's value
         return ",".join(f"{action}={token}" for token, action in self.faults.items())
 
+    def row_stage(self, new: pb.NewSequence) -> str:
+        """The per-row stage in which ``new``'s sampling must fail ("": none)."""
+        for token in self.faults.keys() & set(new.token_ids[:new.num_prompt_tokens]):
+            if self.faults[token].startswith("row_"):
+                return self.faults[token].removeprefix("row_")
+        return ""
+
     def check(self, plan: pb.BatchPlan) -> None:
         if not self.faults:
             return
         for new in plan.new_seqs:
             for token in self.faults.keys() & set(new.token_ids[:new.num_prompt_tokens]):
                 action = self.faults[token]
+                if action.startswith("row_"):
+                    continue  # raised by the sampler, in its row alone
                 log.error("injected fault (%s) for sequence %d", action, new.seq_id)
                 if action == "exit_on_token":
                     os._exit(1)

@@ -48,7 +48,8 @@ class Guide:
             self.matcher.consume_tokens(output[self.consumed:])
             self.consumed = len(output)
         if self.matcher.is_error():
-            raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")
+            raise guided_spec.GuidedError(
+                f"structured output failed: {self.matcher.get_error()}")
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]]
         if allowed.shape[0] < logits.shape[-1]:  # ids past the tokenizer's: never legal
@@ -87,7 +88,8 @@ class Guides:
             else:
                 self._grammars.move_to_end(key)
             tokenizer = self._tokenizer or self._load_tokenizer()
-        return Guide(llguidance.LLMatcher(tokenizer, grammar, log_level=0), self.vocab_size)
+        # protos/guided.py's matcher: the limits the gateway compiled the spec under
+        return Guide(guided_spec.new_matcher(tokenizer, grammar), self.vocab_size)
 
     def warm(self) -> None:
         """Builds the tokenizer in the background (new() waits for it if it must)."""
@@ -99,7 +101,6 @@ class Guides:
 
     def _load_tokenizer(self) -> llguidance.LLTokenizer:
         text = (self.model_dir / "tokenizer.json").read_text()
-        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
-                                                 eos_token=self.eos_token_ids or None)
+        self._tokenizer = guided_spec.load_tokenizer(text, self.vocab_size, self.eos_token_ids)
         log.info("structured output: llguidance tokenizer built (%d tokens)", self.vocab_size)
         return self._tokenizer

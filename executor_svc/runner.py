@@ -4,7 +4,9 @@
 sequences, adds new ones, applies deltas to cached ones, runs the block copies, one forward
 pass over the flattened batch, and samples for every sequence whose computed tokens reach
 its known tokens. A refused plan changes nothing; a failed forward drops every sequence
-(the scheduler resends them in full after any error).
+(the scheduler resends them in full after any error). A sequence whose own per-row work
+fails (its grammar matcher, logit bias, penalties, draw, logprobs) fails alone: the step
+stands for every other one, and the result lists it in ``row_failures``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ import time
 import torch
 
 from executor_svc.batch import SequenceState, StepInputs, build_inputs
-from executor_svc.faults import FaultInjector
+from executor_svc.faults import FaultInjector, InjectedFault
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache
 from executor_svc.model import LlamaModel
 from executor_svc.plan_check import PlanError, PlanLimits, check_plan
-from executor_svc.sampler import SampleOutput, Sampler, SampleRow, SamplingConfig, random_seed
+from executor_svc.sampler import (
+    PLACEHOLDER_TOKEN,
+    RowFailure,
+    SampleOutput,
+    Sampler,
+    SampleRow,
+    SamplingConfig,
+    placeholder_row,
+    random_seed,
+)
 from kernels.attention import AttentionBackend
 from protos.continuum.v1 import executor_pb2 as pb
 
@@ -83,11 +94,12 @@ class Runner:
         except Exception as exc:  # any failure here is a resync, never a crash
             log.exception("step %d failed; dropping all %d sequences", plan.step_id,
                           len(self.seqs))
-            self.seqs.clear()
             result = pb.StepResult(
                 incarnation=plan.incarnation, step_id=plan.step_id,
                 error_code=pb.STEP_ERROR_CODE_INTERNAL, error_message=f"forward failed: {exc}",
+                num_dropped_sequences=len(self.seqs),
             )
+            self.seqs.clear()
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
@@ -99,6 +111,8 @@ class Runner:
         for new in plan.new_seqs:
             # A seq_id still held is replaced: resends after an error are authoritative.
             seq = _new_state(new)
+            if self.faults.faults:
+                seq.fault = self.faults.row_stage(new)
             self.seqs[new.seq_id] = seq
             scheduled.append((seq, new.num_scheduled_tokens))
         offset = 0
@@ -127,20 +141,48 @@ class Runner:
             seq.num_computed += n
         if not inputs.sampling_seqs:
             return
-        rows = [
+        seqs = inputs.sampling_seqs
+        early: dict[int, RowFailure] = {}  # rows whose matcher could not be made
+        rows = [  # the common row inline: this runs for every sampling sequence each step
             SampleRow(s.sampling, s.seed, s.num_tokens, s.token_ids, s.num_prompt_tokens,
-                      self._guide(s) if s.sampling.guided else None)
-            for s in inputs.sampling_seqs
+                      None, s.fault)
+            if s.failure is None and not s.sampling.guided else self._row(s, i, early)
+            for i, s in enumerate(seqs)
         ]
         out = self.sampler.sample(logits, rows)
-        for seq, token in zip(inputs.sampling_seqs, out.token_ids, strict=True):
+        for i, failure in early.items():
+            out.failed[i] = failure
+            out.token_ids[i] = PLACEHOLDER_TOKEN
+        for seq, token in zip(seqs, out.token_ids, strict=True):
             seq.token_ids.append(token)
-        _fill_result(result, [s.seq_id for s in inputs.sampling_seqs], out)
+        _fill_result(result, [s.seq_id for s in seqs], out)
+        for i, failure in out.failed.items():
+            seq = seqs[i]
+            seq.failure = failure
+            log.warning("sequence %d failed alone in the %s stage: %s", seq.seq_id,
+                        failure.stage, failure.message)
+            result.row_failures.add(seq_id=seq.seq_id, stage=failure.stage,
+                                    message=failure.message,
+                                    invalid_input=failure.invalid_input)
+
+    def _row(self, seq: SequenceState, i: int, early: dict[int, RowFailure]) -> SampleRow:
+        row = SampleRow(seq.sampling, seq.seed, seq.num_tokens, seq.token_ids,
+                        seq.num_prompt_tokens, None, seq.fault)
+        if seq.failure is not None:  # reported once already; its request has ended
+            return placeholder_row(row)
+        if seq.sampling.guided:
+            try:
+                row = dataclasses.replace(row, guide=self._guide(seq))
+            except Exception as exc:  # its grammar alone: this row fails, not the step
+                early[i] = RowFailure.of("guide", exc)
+                return placeholder_row(row)
+        return row
 
     def _guide(self, seq: SequenceState):
-        """The sequence's grammar matcher, made on its first sample (a failure here fails
-        the step: the scheduler's poison-request handling ends that request alone)."""
+        """The sequence's grammar matcher, made on its first sample."""
         if seq.guide is None:
+            if seq.fault == "guide":
+                raise InjectedFault("injected failure in the guide stage")
             if self.guides is None:
                 raise RuntimeError("structured output is not available on this executor")
             seq.guide = self.guides.new(seq.sampling.guided)

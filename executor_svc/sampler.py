@@ -6,6 +6,12 @@ temperature == 0, else temperature -> softmax -> min_p / top_k / top_p -> one dr
 uniform number derived from (request seed, token position) (executor_svc/sampling_ops.py).
 Rows are batched; only penalties and logprobs loop over the rows that ask for them.
 
+Each row's own work (its grammar mask, logit bias, penalties, bans, draw, matcher advance,
+logprobs) can fail that row alone: ``sample`` catches it, gives the row a placeholder token
+and reports it in ``SampleOutput.failed`` (stage and message), and every other row's token is
+the one it would have had without it. A failure of the batched draw is retried row by row to
+find its row. The runner turns ``failed`` into StepResult.row_failures.
+
 The scheduler, not this module, decides when a sequence stops.
 """
 
@@ -17,8 +23,15 @@ from typing import Any
 
 import torch
 
+from executor_svc.faults import InjectedFault
 from executor_svc.sampling_ops import apply_penalties, draw, filter_probs, row_uniform
+from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
+
+# What a failed row samples: never used (the scheduler ends its request first), but a
+# token id every vocabulary has keeps the result's columns well formed.
+PLACEHOLDER_TOKEN = 0
+MAX_ROW_MESSAGE_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,23 @@ class SampleRow:
     token_ids: list[int]  # prompt + output so far (read only when penalties or min_tokens apply)
     num_prompt_tokens: int
     guide: Any = None  # executor_svc/guided.py Guide of a structured-output sequence
+    fault: str = ""  # test-only: the stage that raises for this row (executor_svc/faults.py)
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """One row's own failure: where, why, and whether the request's input is the cause."""
+
+    stage: str  # one of executor_svc/faults.py ROW_STAGES
+    message: str
+    invalid_input: bool = False
+
+    @staticmethod
+    def of(stage: str, exc: BaseException) -> RowFailure:
+        text = f"{type(exc).__name__}: {exc}"
+        if len(text) > MAX_ROW_MESSAGE_CHARS:  # a matcher's message may quote the grammar
+            text = text[:MAX_ROW_MESSAGE_CHARS] + "…"
+        return RowFailure(stage, text, isinstance(exc, guided_spec.GuidedError))
 
 
 @dataclass
@@ -90,6 +120,28 @@ class SampleOutput:
     logprobs: list[float] = field(default_factory=list)  # parallel to token_ids; NaN: not asked
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    failed: dict[int, RowFailure] = field(default_factory=dict)  # row index -> its failure
+
+
+class RowFailed(Exception):
+    """A row's stage raised (``failure`` says which and why); caught by ``sample``."""
+
+    def __init__(self, failure: RowFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _inject(row: SampleRow, stage: str) -> None:
+    if row.fault == stage:
+        raise InjectedFault(f"injected failure in the {stage} stage")
+
+
+def placeholder_row(row: SampleRow) -> SampleRow:
+    """What a failed row samples from now on: greedy, nothing of its own that can fail."""
+    return SampleRow(GREEDY, 0, row.position, row.token_ids, row.num_prompt_tokens)
+
+
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def random_seed() -> int:
@@ -106,39 +158,87 @@ class Sampler:
     # in-place edits below (penalties, min_tokens bans) are refused outside that mode
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleOutput:
         """logits [S, V] float32, one row per entry of ``rows``; edited in place (the
-        caller's fresh model output: copying 256 x 49k floats costs ~30 ms here)."""
+        caller's fresh model output: copying 256 x 49k floats costs ~30 ms here). A row
+        that fails gets PLACEHOLDER_TOKEN and an entry in ``failed``; the rest are as if
+        it had not been there."""
+        failed: dict[int, RowFailure] = {}
         for i, row in enumerate(rows):
-            self._adjust(logits[i], row)
-        out = SampleOutput(self._choose(logits, rows))
-        for row, token in zip(rows, out.token_ids, strict=True):
-            if row.guide is not None:
-                row.guide.advance(token)
+            try:
+                self._adjust(logits[i], row)
+            except RowFailed as exc:
+                failed[i] = exc.failure
+        if failed:  # from here on the failed rows are plain greedy ones
+            rows = [placeholder_row(row) if i in failed else row for i, row in enumerate(rows)]
+        out = SampleOutput(self._choose_isolated(logits, rows, failed), failed=failed)
+        for i, (row, token) in enumerate(zip(rows, out.token_ids, strict=True)):
+            if row.guide is not None and i not in failed:
+                try:
+                    _inject(row, "advance")
+                    row.guide.advance(token)
+                except Exception as exc:  # its matcher alone: the row fails
+                    failed[i] = RowFailure.of("advance", exc)
         if any(row.config.logprobs is not None for row in rows):
             self._add_logprobs(out, logits, rows)
+        for i in failed:
+            out.token_ids[i] = PLACEHOLDER_TOKEN
         return out
 
     def _adjust(self, logits: torch.Tensor, row: SampleRow) -> None:
-        # logits [V], edited in place.
+        # logits [V], edited in place; RowFailed names the stage that raised.
         cfg = row.config
         if not cfg.has_penalties and cfg.min_tokens == 0 and not cfg.logit_bias[0] \
-                and row.guide is None:
+                and row.guide is None and not row.fault:
             return
-        ids, biases = cfg.logit_bias
-        if ids:  # first: penalties then scale the biased logits, min_tokens bans win
-            logits[torch.tensor(ids, device=logits.device)] += torch.tensor(
-                biases, dtype=logits.dtype, device=logits.device)
-        output = row.token_ids[row.num_prompt_tokens :]
-        if cfg.has_penalties:
-            apply_penalties(logits, row.token_ids, output, cfg.repetition_penalty,
-                            cfg.presence_penalty, cfg.frequency_penalty)
-        if row.guide is not None:  # only tokens the grammar allows next
-            row.guide.mask(logits, output)
-        if len(output) < cfg.min_tokens:
-            banned = [t for t in (*self.eos_token_ids, *cfg.stop_token_ids) if t < len(logits)]
-            kept = logits[banned].clone() if row.guide is not None else None
-            logits[banned] = float("-inf")
-            if kept is not None and bool(torch.isneginf(logits).all()):
-                logits[banned] = kept  # the grammar is complete: its end beats min_tokens
+        stage = "logit_bias"
+        try:
+            _inject(row, stage)
+            ids, biases = cfg.logit_bias
+            if ids:  # first: penalties then scale the biased logits, min_tokens bans win
+                logits[torch.tensor(ids, device=logits.device)] += torch.tensor(
+                    biases, dtype=logits.dtype, device=logits.device)
+            output = row.token_ids[row.num_prompt_tokens :]
+            stage = "penalties"
+            _inject(row, stage)
+            if cfg.has_penalties:
+                apply_penalties(logits, row.token_ids, output, cfg.repetition_penalty,
+                                cfg.presence_penalty, cfg.frequency_penalty)
+            stage = "mask"
+            _inject(row, stage)
+            if row.guide is not None:  # only tokens the grammar allows next
+                row.guide.mask(logits, output)
+            stage = "min_tokens"
+            _inject(row, stage)
+            if len(output) < cfg.min_tokens:
+                self._ban_until_min_tokens(logits, row)
+        except Exception as exc:
+            raise RowFailed(RowFailure.of(stage, exc)) from exc
+
+    def _ban_until_min_tokens(self, logits: torch.Tensor, row: SampleRow) -> None:
+        banned = [t for t in (*self.eos_token_ids, *row.config.stop_token_ids)
+                  if t < len(logits)]
+        kept = logits[banned].clone() if row.guide is not None else None
+        logits[banned] = float("-inf")
+        if kept is not None and bool(torch.isneginf(logits).all()):
+            logits[banned] = kept  # the grammar is complete: its end beats min_tokens
+
+    def _choose_isolated(self, logits: torch.Tensor, rows: list[SampleRow],
+                         failed: dict[int, RowFailure]) -> list[int]:
+        """``_choose`` for the whole batch; if it raises, row by row, so that only the
+        row that cannot be drawn fails (into ``failed``)."""
+        try:
+            if any(row.fault == "choose" for row in rows):
+                raise InjectedFault("injected failure in the choose stage")
+            return self._choose(logits, rows)
+        except Exception:
+            tokens = []
+            for i, row in enumerate(rows):
+                try:
+                    _inject(row, "choose")
+                    tokens.append(self._choose(logits[i : i + 1], [row])[0])
+                except Exception as exc:
+                    failed[i] = RowFailure.of("choose", exc)
+                    tokens.append(PLACEHOLDER_TOKEN)
+            return tokens
 
     @staticmethod
     def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
@@ -180,18 +280,23 @@ class Sampler:
     def _add_logprobs(out: SampleOutput, logits: torch.Tensor, rows: list[SampleRow]) -> None:
         for i, row in enumerate(rows):
             n = row.config.logprobs
-            if n is None:
-                out.logprobs.append(float("nan"))
-                out.top_ids.append([])
-                out.top_logprobs.append([])
-                continue
-            # Under the temperature-scaled distribution (raw logits when greedy).
-            temperature = 1.0 if row.config.greedy else row.config.temperature
-            logp = torch.log_softmax(logits[i] / temperature, dim=-1)  # [V]
-            out.logprobs.append(float(logp[out.token_ids[i]]))
-            top = torch.topk(logp, n)
-            out.top_ids.append(top.indices.tolist())
-            out.top_logprobs.append(top.values.tolist())
+            if n is not None and i not in out.failed:
+                try:
+                    _inject(row, "logprobs")
+                    # Under the temperature-scaled distribution (raw logits when greedy).
+                    temperature = 1.0 if row.config.greedy else row.config.temperature
+                    logp = torch.log_softmax(logits[i] / temperature, dim=-1)  # [V]
+                    chosen = float(logp[out.token_ids[i]])
+                    top = torch.topk(logp, n)
+                    out.logprobs.append(chosen)
+                    out.top_ids.append(top.indices.tolist())
+                    out.top_logprobs.append(top.values.tolist())
+                    continue
+                except Exception as exc:  # this row's alone
+                    out.failed[i] = RowFailure.of("logprobs", exc)
+            out.logprobs.append(float("nan"))
+            out.top_ids.append([])
+            out.top_logprobs.append([])
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:

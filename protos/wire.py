@@ -120,4 +120,8 @@ def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
         return f"token id {max(result.token_ids)} is outside the vocabulary ({vocab_size})"
     if result.top_token_ids and max(result.top_token_ids) >= vocab_size:
         return "a top token id is outside the vocabulary"
+    if result.row_failures:
+        failed = [f.seq_id for f in result.row_failures]
+        if len(set(failed)) != len(failed) or not set(failed) <= set(result.seq_ids):
+            return "a row failure names a sequence twice or one that did not sample"
     return None

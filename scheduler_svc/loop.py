@@ -79,6 +79,9 @@ class EngineLoop:
         self.fatal: asyncio.Future[str] | None = None
         self._consecutive_refusals = 0
         self.num_failed_steps = 0
+        self.num_resyncs = 0  # refused or failed plans: every running sequence recomputed
+        self.num_row_failures = 0  # requests ended alone by StepResult.row_failures
+        self.num_executor_dropped_sequences = 0  # as the executor counted them
         self.executor: ExecutorInfo | None = None
         self.num_steps = 0
         # For the policy comparison: decode steps, and those that also carried prefill.
@@ -329,17 +332,36 @@ class EngineLoop:
                 self.num_stalled_decode_steps += 1
                 self.num_stalled_prefill_tokens += out.num_prefill_tokens
         self.executor_idle_ms.append(result.idle_ms)
+        if result.row_failures:  # ended before their placeholder samples could apply
+            self._rows_failed(result)
         events = self.core.update(out, result.seq_ids, result.token_ids)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         if self.recorder is not None:
             self.recorder.step(out, now - item.sent_at, self.core)
         return True
 
+    def _rows_failed(self, result: pb.StepResult) -> None:
+        """Sequences whose own row failed in a step that stood: each request ends alone
+        (StepResult.row_failures); every other sequence's sample applies as usual."""
+        events = []
+        for failure in result.row_failures:
+            ev = self.core.row_failed(
+                failure.seq_id, f"the request failed while sampling its next token "
+                f"({failure.stage}): {failure.message}", failure.invalid_input)
+            if ev is not None:
+                self.num_row_failures += 1
+                log.warning("request ended: its own row failed", request_id=ev[0].request_id,
+                            stage=failure.stage, why=failure.message)
+                events.append(ev)
+        self._dispatch(events)
+
     def _refused(self, out, result: pb.StepResult) -> None:
         """A failed forward blames the plan's requests at once; other refusals are the
         plan's fault, so only MAX_CONSECUTIVE_REFUSALS in a row do. Then resync."""
         log.error("executor refused plan; resynchronizing", code=result.error_code,
                   message=result.error_message)
+        self.num_resyncs += 1
+        self.num_executor_dropped_sequences += result.num_dropped_sequences
         self._consecutive_refusals += 1
         if result.error_code == pb.STEP_ERROR_CODE_INTERNAL or \
                 self._consecutive_refusals >= MAX_CONSECUTIVE_REFUSALS:

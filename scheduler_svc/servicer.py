@@ -41,6 +41,8 @@ def _server_end(req, reason: FinishReason) -> tuple:
     """(code, message, trailer) for a request the server ended: a poison request
     (INTERNAL, not to be retried elsewhere), one shed from an overloaded queue
     (RESOURCE_EXHAUSTED with a retry hint), one drained (UNAVAILABLE: go elsewhere)."""
+    if reason == FinishReason.ERROR and req.invalid_input:
+        return grpc.StatusCode.INVALID_ARGUMENT, req.error, ((REQUEST_FAILED_KEY, "input"),)
     if reason == FinishReason.ERROR:
         return grpc.StatusCode.INTERNAL, req.error, ((REQUEST_FAILED_KEY, "poison"),)
     if req.retry_after_s > 0:
@@ -186,6 +188,11 @@ def stats_of(loop: EngineLoop) -> scheduler_pb2.StatsResponse:
         num_columnar_updates=loop.core.num_columnar_updates,
         num_update_fallbacks=loop.core.num_update_fallbacks,
         num_dropped_frames=loop.num_dropped_frames,
+        num_failed_steps=loop.num_failed_steps,
+        num_resyncs=loop.num_resyncs,
+        num_recomputed_tokens=loop.core.num_recomputed_tokens,
+        num_row_failures=loop.num_row_failures,
+        num_executor_dropped_sequences=loop.num_executor_dropped_sequences,
         num_running_by_tier=running_by_tier,
         num_waiting_by_tier=waiting_by_tier,
         **s,

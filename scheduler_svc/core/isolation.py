@@ -58,6 +58,15 @@ class Isolation:
                 lc.end_waiting(req, FinishReason.ERROR)
         return [Event(req, None, FinishReason.ERROR) for req in ended]
 
+    def row_failed(self, req: Request, why: str, invalid_input: bool) -> Event:
+        """``req``'s own per-row work (its grammar, sampling row, logprobs) failed in a step
+        that stood for every other sequence: it ends alone, at once, with ERROR (its KV is
+        valid: the forward pass ran), and nothing else is touched: no resync, no suspect."""
+        req.error = why
+        req.invalid_input = invalid_input
+        self._lifecycle.end_running(req, FinishReason.ERROR)
+        return Event(req, None, FinishReason.ERROR)
+
     def next(self) -> Request | None:
         """The suspect whose steps of its own have begun, else the first waiting one."""
         first = None

@@ -61,6 +61,7 @@ class Lifecycle:
         self.num_swap_cap_fallbacks = 0  # recomputed, not swapped, for max_swapped
         self.num_finished = 0
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed KV dropped, to be computed again
         self.preemptions_by_reason: collections.Counter[str] = collections.Counter()
 
     def make_running(self, req: Request) -> None:
@@ -188,6 +189,7 @@ class Lifecycle:
             if req.status == RequestStatus.SWAPPED:
                 if free_swapped:
                     self.block_manager.free(req.seq_id)
+                self.num_recomputed_tokens += req.num_computed_tokens
                 req.status, req.num_computed_tokens = RequestStatus.WAITING, 0
 
     def preempt(self, req: Request, reason: str, allow_swap: bool = True,
@@ -210,6 +212,7 @@ class Lifecycle:
             req.num_swaps += 1
         else:
             bm.free(req.seq_id)
+            self.num_recomputed_tokens += req.num_computed_tokens
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
         now = self._clock()

@@ -95,6 +95,9 @@ class Request:
     # Why it ended without finishing (ERROR, or ABORT by the server): what the client
     # is told. Empty for a normal end or a client's own abort.
     error: str = ""
+    # With ``error``: the request's own input caused it (a grammar the executor's matcher
+    # could not follow): the client is told INVALID_ARGUMENT, not INTERNAL.
+    invalid_input: bool = False
     # With ``error``, set when the server shed it from the queue (overload): the client
     # is told RESOURCE_EXHAUSTED and to retry after this many seconds.
     retry_after_s: float = 0.0

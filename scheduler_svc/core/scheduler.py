@@ -124,6 +124,10 @@ class Scheduler:
         return self.lifecycle.preemptions_by_reason
 
     @property
+    def num_recomputed_tokens(self) -> int:
+        return self.lifecycle.num_recomputed_tokens
+
+    @property
     def num_shed(self) -> int:
         return self.admission.num_shed
 
@@ -202,6 +206,13 @@ class Scheduler:
         rest). Returns the ended requests' events."""
         scheduled = [req for req, _, _ in out.scheduled() if not req.is_finished]
         return self.isolation.step_failed(scheduled, why, self.config.max_step_failures)
+
+    def row_failed(self, seq_id: int, why: str, invalid_input: bool) -> Event | None:
+        """Ends the running sequence ``seq_id`` whose own row failed in a step that stood
+        (core/isolation.py); call it before ``update`` applies that step. None when it is
+        no longer running (aborted while the step ran)."""
+        req = self.running_set.by_seq.get(seq_id)
+        return None if req is None else self.isolation.row_failed(req, why, invalid_input)
 
     # -- requests ----------------------------------------------------------------------
 
