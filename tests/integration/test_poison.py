@@ -1,7 +1,8 @@
 """Poison requests under ``continuum serve`` (executor_svc/faults.py injects them): one
-whose step makes the executor raise, and one whose step kills the executor process, are
-each ended alone with an error, while the requests that share their batches finish with
-exactly the greedy text of a run without them; the server never stops."""
+whose step makes the executor raise, one whose step kills the executor process, and one
+whose own sampling row raises, are each ended alone with an error, while the requests that
+share their batches finish with exactly the greedy text of a run without them; the server
+never stops. The row failure costs the others nothing: no failed step, no recompute."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ pytestmark = pytest.mark.integration
 NORMAL = [f"Here is a short story about the number {i}:" for i in range(4)]
 RAISE_PROMPT = "Describe the Zanzibar archipelago in one sentence:"
 EXIT_PROMPT = "Describe a quokka in one sentence:"
+ROW_PROMPT = "Describe the Okavango delta in one sentence:"
 MAX_TOKENS = 8
 
 
 def unique_token(tok: Tokenizer, prompt: str) -> int:
     """A token id of ``prompt`` that no other prompt of this file contains."""
     others = set()
-    for text in [*NORMAL, RAISE_PROMPT, EXIT_PROMPT]:
+    for text in [*NORMAL, RAISE_PROMPT, EXIT_PROMPT, ROW_PROMPT]:
         if text != prompt:
             others |= set(tok.encode(text).ids)
     return max(set(tok.encode(prompt).ids) - others)
@@ -36,7 +38,8 @@ def unique_token(tok: Tokenizer, prompt: str) -> int:
 def server(tmp_path_factory, model_dir):
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     spec = (f"raise_on_token={unique_token(tok, RAISE_PROMPT)},"
-            f"exit_on_token={unique_token(tok, EXIT_PROMPT)}")
+            f"exit_on_token={unique_token(tok, EXIT_PROMPT)},"
+            f"row_mask={unique_token(tok, ROW_PROMPT)}")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_FAULT_INJECT, spec)  # inherited by the executor `serve` starts
         srv = start_server(tmp_path_factory.mktemp("poison"), model_dir)
@@ -88,3 +91,17 @@ def test_a_request_that_kills_the_executor_fails_alone(server, baseline):
     assert server.stats().num_executor_losses - losses == 2
     assert server.proc.poll() is None
     assert complete(server, NORMAL[1]) == baseline[1]
+
+
+def test_a_request_whose_own_row_fails_ends_alone_and_costs_the_others_nothing(server,
+                                                                             baseline):
+    before = server.stats()
+    texts, err = run_together(server, ROW_PROMPT)
+    after = server.stats()
+    assert texts == baseline
+    assert err.status_code == 500 and "(mask)" in str(err.message)
+    assert after.num_row_failures - before.num_row_failures == 1
+    assert (after.num_failed_steps, after.num_resyncs, after.num_recomputed_tokens,
+            after.num_executor_dropped_sequences, after.num_executor_losses) == (
+        before.num_failed_steps, before.num_resyncs, before.num_recomputed_tokens,
+        before.num_executor_dropped_sequences, before.num_executor_losses)
