@@ -2,9 +2,9 @@
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: overload, hostile, soak, chaos, fuzz (in that order: capacity is measured on a fresh
-server, whose admission has not yet seen a flood, and fuzzing's rogue ZeroMQ peers come
-last). The default form runs them
+Rows: overload, hostile, bad_specs, soak, chaos, fuzz (in that order: capacity is measured
+on a fresh server, whose admission has not yet seen a flood, and fuzzing's rogue ZeroMQ
+peers come last). The default form runs them
 on one ``continuum serve`` plus the chaos matrix's own replicas and gateways (about
 10-15 minutes on a 2-core machine); ``--short`` is the CI form's sizes with a single
 chaos row on the serve (about 2-3 minutes); ``--long`` is bigger everywhere. The
@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from benchmarks.reliability import (
+    bad_specs,
     chaos,
     chaos_layouts,
     fuzz,
@@ -32,7 +33,7 @@ from benchmarks.reliability import (
     soak,
 )
 
-ROWS = ("overload", "hostile", "soak", "chaos", "fuzz")
+ROWS = ("overload", "hostile", "bad_specs", "soak", "chaos", "fuzz")
 
 
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
@@ -44,6 +45,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
                  ("hostile", lambda: hostile.run(serve, size, per_kind)),
+                 ("bad_specs", lambda: [bad_specs.run(serve, size)]),
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]

@@ -9,6 +9,8 @@ import pathlib
 import platform
 import subprocess
 
+from benchmarks.reliability import bad_specs
+
 
 def _machine() -> str:
     try:
@@ -76,6 +78,8 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
                 f"{row['streams']} streams: {cols}; recovery {row['recovery_s']} s; "
                 f"blocks free after: {row.get('blocks_free_after', 'n/a')}",
                 "0 lost, 0 duplicated, 0 errored", ok)
+    if kind == "bad_specs":
+        return bad_specs.summary(row)
     if kind == "hostile_itl":
         ratio, target = row["ratio_p99"], row.get("target_ratio")
         within = ratio is not None and (target is None or ratio <= target)
