@@ -1,11 +1,20 @@
-"""What a ``Guided`` message (structured output) means: one llguidance grammar.
+"""What a ``Guided`` message (structured output) means: one llguidance grammar, and the
+matcher that enforces it against the model's tokenizer.
 
-The gateway compiles it to refuse a bad schema or regex with a 400 before anything
-runs; the executor compiles the same text into a matcher per sequence whose token
-mask the sampler applies. Both read it here, so they cannot disagree on what a
-request asked for. llguidance (Microsoft's guidance engine; the grammar library of
-vLLM's and SGLang's structured output) computes a mask in tens of microseconds and
-needs nothing but the model's tokenizer.json.
+The gateway compiles it to refuse a bad spec with a 400 before anything runs; the
+executor compiles the same text into a matcher per sequence whose token mask the
+sampler applies. Both read it here (``grammar_of``, ``load_tokenizer``,
+``new_matcher``, the same ``PARSER_LIMITS``), so they cannot disagree on what a request
+asked for or on whether it compiles. llguidance (Microsoft's guidance engine; the
+grammar library of vLLM's and SGLang's structured output) computes a mask in tens of
+microseconds and needs nothing but the model's tokenizer.json.
+
+Some specs only fail against a tokenizer: a lark token range past the vocabulary
+(``<[50000-60000]>``), a special token the tokenizer lacks (``<|no_such_token|>``), a
+regex whose lexer outgrows llguidance's limits once it runs (``a{1000000}``: its first
+mask takes 0.4 s and the first token consumed then fails). ``probe`` finds those the
+way the executor would meet them: it builds the matcher and walks its first
+PROBE_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -16,12 +25,22 @@ import llguidance
 
 from protos import limits
 from protos.continuum.v1 import sampling_pb2
+from protos.echo import shorten
 
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # JSON as json.dumps writes it: one space after "," and ":", no other whitespace. With
 # free whitespace a model can pad a JSON answer with blank lines until max_tokens (a
 # known failure of JSON modes); this keeps every answer parseable and short.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's defaults but the lexer's initial fuel, a fifth of its 1,000,000: that
+# fuel bounds how large a regex's expressions may grow, and at the default a repeat
+# like a{100000} costs 0.1 s a mask (a stalled step for every row of the batch) while
+# at 200,000 it is refused in 0.05 s. Schemas of 128 tools with 40 fields each compile
+# within it. Terse errors: llguidance's verbose ones print the parser state.
+PARSER_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000, verbose_errors=False)
+# Tokens probe() walks: the first mask builds the lexer, and the first token consumed
+# derives it, which is where an over-large regex fails.
+PROBE_TOKENS = 2
 
 
 class GuidedError(ValueError):
@@ -30,7 +49,8 @@ class GuidedError(ValueError):
 
 def grammar_of(guided: sampling_pb2.Guided) -> str | None:
     """The llguidance grammar for ``guided``, or None when it constrains nothing.
-    GuidedError for one too large, not JSON where JSON is due, or not compilable."""
+    GuidedError for one too large, not JSON where JSON is due, or not compilable
+    (without a tokenizer: ``probe`` checks the rest)."""
     kind = guided.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not guided.json_object):
         return None
@@ -39,12 +59,7 @@ def grammar_of(guided: sampling_pb2.Guided) -> str | None:
         raise GuidedError(f"guided.{kind} is {len(text.encode())} bytes; at most "
                           f"{limits.MAX_GUIDED_BYTES}")
     if kind in ("json_schema", "json_object"):
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GuidedError(f"guided.{kind} is not JSON: {exc}") from exc
-        if not isinstance(schema, dict):
-            raise GuidedError(f"guided.{kind} must be a JSON Schema object")
+        _check_schema_text(kind, text)
     try:
         if kind in ("json_schema", "json_object"):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -53,8 +68,69 @@ def grammar_of(guided: sampling_pb2.Guided) -> str | None:
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(text)
     except ValueError as exc:
-        raise GuidedError(f"guided.{kind} is not valid: {exc}") from exc
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        raise GuidedError(f"guided.{kind} is not valid: {shorten(str(exc))}") from exc
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, limits=PARSER_LIMITS)
     if is_error:
-        raise GuidedError(f"guided.{kind} cannot be compiled: {messages[0]}")
+        raise GuidedError(f"guided.{kind} cannot be compiled: {shorten(messages[0])}")
     return grammar
+
+
+def _check_schema_text(kind: str, text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GuidedError(f"guided.{kind} is not JSON: {exc}") from exc
+    except RecursionError as exc:  # "[[[[…" a hundred thousand deep, inside a string
+        raise GuidedError(f"guided.{kind} nests too deeply to be a JSON Schema") from exc
+    if not isinstance(schema, dict):
+        raise GuidedError(f"guided.{kind} must be a JSON Schema object")
+
+
+def load_tokenizer(tokenizer_json: str, vocab_size: int,
+                   eos_token_ids: tuple[int, ...] | list[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the model's tokenizer: ``tokenizer_json`` is the text of its
+    tokenizer.json, ``vocab_size`` the model's (logits) vocabulary. ~0.3 s for 49k tokens."""
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                  eos_token=list(eos_token_ids) or None)
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str,
+                what: str = "the grammar") -> llguidance.LLMatcher:
+    """A matcher in its initial state; GuidedError when ``grammar`` does not compile
+    against ``tokenizer`` (llguidance's matcher never raises: it enters an error state).
+    ``what`` names the spec in the message."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+    if matcher.is_error():
+        raise GuidedError(f"{what} cannot be compiled: {shorten(matcher.get_error().strip())}")
+    return matcher
+
+
+def probe(tokenizer: llguidance.LLTokenizer, grammar: str, what: str = "the grammar") -> None:
+    """GuidedError unless ``grammar`` compiles against ``tokenizer`` and survives its
+    first PROBE_TOKENS tokens (each the lowest id the mask allows, EOS aside): what the
+    executor's first steps do with it."""
+    matcher = new_matcher(tokenizer, grammar, what)
+    eos = set(tokenizer.eos_tokens)
+    for _ in range(PROBE_TOKENS):
+        if matcher.is_stopped():
+            break
+        token = _first_allowed(matcher.compute_bitmask(), eos, tokenizer.vocab_size)
+        if matcher.is_error() or token is None:
+            break
+        matcher.consume_token(token)
+    if matcher.is_error():
+        raise GuidedError(f"{what} fails once it runs: {shorten(matcher.get_error().strip())}")
+
+
+def _first_allowed(mask: bytes, eos: set[int], vocab_size: int) -> int | None:
+    for index, byte in enumerate(mask):  # 6 KB for 49k tokens: a short walk
+        while byte:
+            bit = (byte & -byte).bit_length() - 1
+            token = index * 8 + bit
+            if token >= vocab_size:
+                return None
+            if token not in eos:
+                return token
+            byte &= byte - 1
+    return None

@@ -38,3 +38,9 @@ MAX_TOOLS_BYTES = 48 * 1024
 MAX_PENALTY = 2.0
 # Priority tiers: 0 premium, 1 standard, 2 best-effort.
 NUM_PRIORITY_TIERS = 3
+# Client values quoted in an error message or a log line: at most this many characters
+# of one (protos/echo.py), so a 900 KB model name comes back as a short 400.
+MAX_ECHO_CHARS = 100
+# A library's diagnostic that may quote client input (llguidance's grammar errors, a
+# chat template's, an exception's): at most this many characters of it.
+MAX_DIAGNOSTIC_CHARS = 400
