@@ -67,6 +67,7 @@ class Runner:
         self.graphs = None  # decode-step CUDA graphs (executor_svc/cuda_graphs.py), or None
         if self.faults.faults:
             log.warning("TEST-ONLY fault injection is on: %r", self.faults)
+            self.sampler.inject_faults = True
 
     def reset(self, incarnation: str | None = None) -> None:
         """Forgets every sequence: the scheduler treats a (re-)introduced executor as empty.

@@ -153,6 +153,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
+        self.inject_faults = False  # test-only: some row may carry a fault (faults.py)
 
     @torch.inference_mode()  # logits come from the model's inference-mode forward; the
     # in-place edits below (penalties, min_tokens bans) are refused outside that mode
@@ -226,7 +227,7 @@ class Sampler:
         """``_choose`` for the whole batch; if it raises, row by row, so that only the
         row that cannot be drawn fails (into ``failed``)."""
         try:
-            if any(row.fault == "choose" for row in rows):
+            if self.inject_faults and any(row.fault == "choose" for row in rows):
                 raise InjectedFault("injected failure in the choose stage")
             return self._choose(logits, rows)
         except Exception:

@@ -67,6 +67,7 @@ def _serve(model, model_dir, stage: str | None, stop: frozenset[int] = frozenset
     runner.guides = Guides(model_dir, c.vocab_size, c.eos_token_ids)
     if stage is not None:
         runner.faults = FaultInjector({BAD_MARK: f"row_{stage}"})
+        runner.sampler.inject_faults = True
     core = Scheduler(SchedulerConfig(watermark=0.0, max_num_batched_tokens=16, max_num_seqs=8,
                                      chunk_size=8,
                                      max_queue_time_premium_s=0.0,
