@@ -34,7 +34,8 @@ def _loop(tmp_path) -> types.SimpleNamespace:
     would open a ZeroMQ socket that a test must then close)."""
     core = Scheduler(SchedulerConfig(watermark=0.0))
     core.attach_executor(make_model(num_blocks=64, block_size=4))
-    return types.SimpleNamespace(core=core, executor=None, recorder=None)
+    return types.SimpleNamespace(core=core, executor=None, recorder=None, num_failed_steps=0,
+                                 num_resyncs=0, num_row_failures=0)
 
 
 def _families(page: bytes) -> dict:
@@ -100,6 +101,11 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     loop.core.kv_events.num_dropped = 3
     families = _families(render(loop, Histograms(), "m"))
     assert families["continuum:kv_events_dropped"].samples[0].value == 3
+    loop.num_row_failures, loop.core.lifecycle.num_recomputed_tokens = 2, 40
+    families = _families(render(loop, Histograms(), "m"))
+    assert families["continuum:row_failures"].samples[0].value == 2
+    assert families["continuum:recomputed_tokens"].samples[0].value == 40
+    assert families["continuum:resyncs"].samples[0].value == 0
 
 
 def test_the_server_process_keeps_the_connection_and_serves_each_new_page_whole():
