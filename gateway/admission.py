@@ -9,7 +9,9 @@ tier headers (gateway/routing_headers.py) fill what the request leaves unset bef
 key's rights are checked, so they grant nothing a body field could not. A refusal is logged once and
 counted once in `continuum:request_errors_total{code=...}`, whichever API it
 came from, then re-raised as the `RequestError` for the front end to map to its
-status (gRPC code, or HTTP status with an OpenAI error body).
+status (gRPC code, or HTTP status with an OpenAI error body). Anything else the step
+raises is the client's input too, reaching what no check foresaw: gateway/parse_guard.py
+makes it a 400 as well, logged with its traceback and counted.
 
 Off the loop because a 4 MiB body takes ~0.1 s to parse and a long prompt
 milliseconds to render and tokenize; other streams keep flowing meanwhile
@@ -28,6 +30,7 @@ import structlog
 from gateway import routing_headers
 from gateway.auth import Principal, resolve_tenant, tier_names
 from gateway.metrics import GatewayMetrics, tier_name
+from gateway.parse_guard import parse_guard
 from gateway.tokenizer import Tokenizer
 from gateway.validation import (
     PRIORITY_TIERS,
@@ -76,19 +79,20 @@ class Admission:
         reads the call's headers / metadata (an inference gateway's tenant and tier:
         gateway/routing_headers.py)."""
         try:
-            return await asyncio.to_thread(self._admit, principal, build, headers)
+            return await asyncio.to_thread(self._admit, principal, build, headers, api)
         except RequestError as exc:
             _log.info("request rejected", api=api, request_id=request_id[:128],
                       code=exc.code.name, param=exc.param, reason=exc.message)
             self._metrics.error(exc.code.name)
             raise
 
-    def _admit(self, principal: Principal, build: Callable[[], Built[T]], headers
-               ) -> tuple[ValidatedRequest, T]:
-        request, extra = build()
-        if not isinstance(request, UndecodableRequest):
-            if headers is not None:
-                routing_headers.apply(request, headers, self._objective_tiers)
-            request.tenant = resolve_tenant(principal, request.tenant)
-            check_tier(principal, request.priority)
-        return validate(request, self._tokenizer, self._model_name), extra
+    def _admit(self, principal: Principal, build: Callable[[], Built[T]], headers,
+               api: str) -> tuple[ValidatedRequest, T]:
+        with parse_guard(api, self._metrics):
+            request, extra = build()
+            if not isinstance(request, UndecodableRequest):
+                if headers is not None:
+                    routing_headers.apply(request, headers, self._objective_tiers)
+                request.tenant = resolve_tenant(principal, request.tenant)
+                check_tier(principal, request.priority)
+            return validate(request, self._tokenizer, self._model_name), extra

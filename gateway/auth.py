@@ -37,6 +37,7 @@ import grpc
 
 from gateway.config import ConfigError
 from gateway.validation import RequestError
+from protos.echo import clip
 
 ENV_VAR = "CONTINUUM_API_KEYS"
 _BEARER = "bearer "
@@ -147,7 +148,7 @@ def resolve_tenant(principal: Principal, requested: str) -> str:
     if requested and requested != principal.tenant:
         raise RequestError(
             f"this API key belongs to tenant {principal.tenant!r}; it cannot submit for "
-            f"tenant {requested!r} (leave tenant empty)",
+            f"tenant {clip(requested)} (leave tenant empty)",
             grpc.StatusCode.PERMISSION_DENIED,
             param="tenant",
         )

@@ -45,6 +45,7 @@ from gateway.openai_api import (
     now_s,
     usage,
 )
+from gateway.parse_guard import parse_guard
 from gateway.relay import END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
@@ -56,6 +57,7 @@ from gateway.validation import (
     check_identifier,
 )
 from gateway.watchdog import bound_send_buffer
+from protos.echo import clip
 
 _log = structlog.get_logger("gateway.http")
 _OPEN_PATHS = frozenset({"/health", "/live"})
@@ -130,9 +132,10 @@ class HttpApi:
                 message = (f"the request body is larger than the server's limit of "
                            f"{self._max_body_bytes} bytes (the gateway's --max-body-bytes)")
             elif exc.status == 404:
-                message = f"no route {request.path}; see /v1/completions, /v1/chat/completions"
+                message = (f"no route {clip(request.path)}; see /v1/completions, "
+                           "/v1/chat/completions")
             elif exc.status == 405:
-                message = f"{request.method} is not allowed on {request.path}"
+                message = f"{clip(request.method)} is not allowed on {clip(request.path)}"
             else:
                 message = exc.reason
             return json_response(exc.status, error_body(message, "invalid_request_error"))
@@ -178,19 +181,22 @@ class HttpApi:
         }]})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return await self._tool(request, http_tokenize.tokenize)
+        return await self._tool(request, http_tokenize.tokenize, "tokenize")
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return await self._tool(request, http_tokenize.detokenize)
+        return await self._tool(request, http_tokenize.detokenize, "detokenize")
 
-    async def _tool(self, request: web.Request, answer) -> web.Response:
+    async def _tool(self, request: web.Request, answer, api: str) -> web.Response:
         """A body-in, JSON-out route: the body read bounded, decoded and answered off
-        the event loop, refusals as OpenAI errors."""
+        the event loop (all of it client input: parse_guard's), refusals as OpenAI errors."""
+        def run() -> dict:
+            with parse_guard(api, self._metrics):
+                return answer(decode_json(raw, charset), self._model_name, self._tokenizer)
+
         try:
             raw = await read_body(request, self.limits)
             charset = request.charset
-            return json_response(200, await asyncio.to_thread(
-                lambda: answer(decode_json(raw, charset), self._model_name, self._tokenizer)))
+            return json_response(200, await asyncio.to_thread(run))
         except RequestError as exc:
             self._metrics.error(exc.code.name)
             return request_error(exc)

@@ -12,7 +12,17 @@ what generation sees:
 
 Both go through the same parsing and caps as generation (the dialects in
 gateway/openai_api.py, `validation.prompt_token_ids`): the same input gets the same
-ids, or the same 400. Pure functions here; gateway/http_api.py serves them.
+ids, or the same 400. Neither answers past the model's context (what no generation
+could take, so nothing a client needs), both refused with a 400
+`context_length_exceeded` that names the numbers:
+
+* `/tokenize`: text longer than max_model_len x the longest token's characters is
+  refused before it is tokenized (validation's rule for prompts); text that tokenizes
+  to more than max_model_len tokens after.
+* `/detokenize`: more than max_model_len ids.
+
+Pure functions here; gateway/http_api.py serves them off the event loop (one large
+tokenize does not stall the other streams), inside gateway/parse_guard.py.
 """
 
 from __future__ import annotations
@@ -25,8 +35,7 @@ from gateway import openai_fields as fields
 from gateway.openai_api import CHAT, COMPLETION
 from gateway.tokenizer import Tokenizer
 from gateway.validation import RequestError, prompt_token_ids
-
-MAX_DETOKENIZE_IDS = 1 << 20  # more ids than any context; the body cap bounds it anyway
+from protos.echo import clip
 
 
 def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
@@ -41,6 +50,7 @@ def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
     # tools too (as vLLM's): they are rendered into a chat prompt (gateway/tool_calls.py)
     body = {k: v for k, v in body.items() if k in ("model", "prompt", "messages", "tools")}
     ids = prompt_token_ids(dialect.parse(body, model_name, tokenizer).proto, tokenizer)
+    _check_context(len(ids), tokenizer.info.max_model_len, dialect is CHAT)
     answer: dict = {"count": len(ids), "max_model_len": tokenizer.info.max_model_len,
                     "tokens": ids}
     if want_strs:
@@ -48,10 +58,19 @@ def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
     return answer
 
 
+def _check_context(num_tokens: int, max_model_len: int, chat: bool) -> None:
+    if num_tokens > max_model_len:
+        what = "messages" if chat else "prompt"
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
+                           f"However, your {what} resulted in {num_tokens} tokens. Please "
+                           f"reduce the length of the {what}.", param=what,
+                           error_code="context_length_exceeded")
+
+
 def _check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model not in (None, "", model_name):
-        raise RequestError(f"model {model!r} is not served here; this gateway serves "
+        raise RequestError(f"model {clip(model)} is not served here; this gateway serves "
                            f"{model_name!r} (or leave model empty)", grpc.StatusCode.NOT_FOUND,
                            param="model", error_code="model_not_found")
 
@@ -64,6 +83,10 @@ def detokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
         raise fields.bad("tokens is required: a list of token ids", "tokens")
-    ids = fields.token_ids(tokens, "tokens", MAX_DETOKENIZE_IDS, tokenizer.info.vocab_size) \
-        if tokens else []
+    limit = tokenizer.info.max_model_len
+    if len(tokens) > limit:
+        raise RequestError(f"This model's maximum context length is {limit} tokens. However, "
+                           f"tokens holds {len(tokens)} token ids. Please send at most {limit}.",
+                           param="tokens", error_code="context_length_exceeded")
+    ids = fields.token_ids(tokens, "tokens", limit, tokenizer.info.vocab_size) if tokens else []
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}

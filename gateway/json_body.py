@@ -27,6 +27,7 @@ import re
 from typing import Any
 
 from gateway.validation import RequestError
+from protos.echo import shorten
 
 # The deepest body either dialect needs is 4 levels (body > messages > message >
 # content parts > part); 32 leaves room for clients that nest extension objects.
@@ -139,7 +140,7 @@ def decode_json(raw: bytes, charset: str | None = None) -> Any:
     except RecursionError as exc:  # defence in depth: check_depth should have caught it
         raise _bad("the request body nests too deeply") from exc
     except ValueError as exc:  # JSONDecodeError, or an integer past 4,300 digits
-        raise _bad(f"the request body is not valid JSON ({exc})") from exc
+        raise _bad(f"the request body is not valid JSON ({shorten(str(exc))})") from exc
     # No backslash (one memchr), no escape: the regex (2 ms for 4 MiB) is skipped.
     if "\\" in text and _SURROGATE_ESCAPE.search(text):
         _check_surrogates(value)

@@ -122,6 +122,11 @@ class GatewayMetrics:
         self.errors = Counter("continuum:request_errors",
                               "Requests ended with an error, by gRPC status code name.",
                               ["model_name", "code"], registry=self.registry)
+        self.parse_errors = Counter(
+            "continuum:request_parse_errors",
+            "Requests whose parsing or validation raised something unexpected (answered "
+            "400 by gateway/parse_guard.py); any growth is a gap in a check, worth a look.",
+            ["model_name", "api"], registry=self.registry)
         self.interventions = Counter(
             "continuum:stream_interventions",
             "Streams the gateway ended or moved on its own: replica_stalled (moved to another "
@@ -136,6 +141,9 @@ class GatewayMetrics:
 
     def error(self, code_name: str) -> None:
         self.errors.labels(self.model_name, code_name).inc()
+
+    def parse_error(self, api: str) -> None:
+        self.parse_errors.labels(self.model_name, api).inc()
 
     def intervention(self, reason: str) -> None:
         self.interventions.labels(self.model_name, reason).inc()

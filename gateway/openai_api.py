@@ -209,7 +209,7 @@ class ChatDialect(Dialect):
             entry = proto.chat.messages.add(role=role,
                                             content=_message_text(message.get("content"), index))
             tool_calls.read_message(message, entry, index)
-        plan = tool_calls.read(body, proto.chat, self.parser)
+        plan = tool_calls.read(body, proto.chat, tokenizer.guided, self.parser)
         fields.common(body, proto, served_model, tokenizer.info.vocab_size)
         tool_calls.constrain(plan, proto.chat, proto.sampling)
         dialect = self if plan is None or plan.mode == "none" else \

@@ -16,6 +16,7 @@ from typing import Any
 
 from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError
 from protos.continuum.v1 import generation_pb2
+from protos.echo import clip
 from protos.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
 
 UINT32_MAX = 2**32 - 1
@@ -43,7 +44,7 @@ def number(body: dict, name: str, low: float, high: float, default=None):
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad(f"{name} must be a number, got {type(value).__name__}", name)
     if isinstance(value, int) and not low <= value <= high:  # may be too big for a float
-        raise bad(f"{name} must be between {low:g} and {high:g}, got {value}", name)
+        raise bad(f"{name} must be between {low:g} and {high:g}, got {clip(value)}", name)
     if not (math.isfinite(value) and low <= value <= high):
         raise bad(f"{name} must be between {low:g} and {high:g}, got {value:g}", name)
     return value
@@ -56,7 +57,7 @@ def integer(body: dict, name: str, low: int, high: int, default=None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"{name} must be an integer, got {type(value).__name__}", name)
     if not low <= value <= high:
-        raise bad(f"{name} must be between {low} and {high}, got {value}", name)
+        raise bad(f"{name} must be between {low} and {high}, got {clip(value)}", name)
     return value
 
 
@@ -184,7 +185,7 @@ def logit_bias(body: dict, sampling, vocab_size: int) -> None:
                   "logit_bias")
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
-            raise bad(f"logit_bias key {key!r} must be a token id (digits)", "logit_bias")
+            raise bad(f"logit_bias key {clip(key)} must be a token id (digits)", "logit_bias")
         token_id = int(key)
         if token_id >= vocab_size:
             raise bad(f"logit_bias key {token_id} is not a token id: the model's vocabulary "
@@ -192,7 +193,7 @@ def logit_bias(body: dict, sampling, vocab_size: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or \
                 not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise bad(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
-                      f"{MAX_LOGIT_BIAS:g}], got {value!r}", "logit_bias")
+                      f"{MAX_LOGIT_BIAS:g}], got {clip(value)}", "logit_bias")
         sampling.logit_bias[token_id] = float(value)
 
 

@@ -1,24 +1,26 @@
 """Checks of the sampling extras both APIs share: logit_bias and structured output.
 
 Called by gateway/validation.py's ``check_sampling`` for every request, gRPC or HTTP;
-each answers (message, param) for a refusal, None to accept (validation raises).
+each answers (message, param) for a refusal, None to accept (validation raises). A
+structured-output spec is compiled against the served tokenizer (gateway/guided_check.py).
 """
 
 from __future__ import annotations
 
 import math
 
-from protos import guided, limits
+from gateway.guided_check import GuidedCheck
+from protos import limits
 from protos.continuum.v1 import sampling_pb2
 
 
-def problem(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> tuple[str, str] | None:
+def problem(sampling: sampling_pb2.SamplingParams, vocab_size: int,
+            guides: GuidedCheck) -> tuple[str, str] | None:
     found = logit_bias_problem(sampling.logit_bias, vocab_size)
     if found is None and sampling.HasField("guided"):
-        try:
-            guided.grammar_of(sampling.guided)  # compiled once here to refuse it early
-        except guided.GuidedError as exc:
-            return str(exc), "response_format"
+        message = guides.problem(sampling.guided)
+        if message is not None:
+            return message, "response_format"
     return found
 
 

@@ -80,6 +80,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RelayError as exc:
             status = exc.status
             await context.abort(status.code, status.message, status.trailing_metadata)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # a bug of ours after admission: INTERNAL, not grpc's UNKNOWN
+            _log.exception("unexpected error while serving", request_id=validated.request_id)
+            self._relay.metrics.error("INTERNAL")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "internal server error; the request id is in the server log")
+            raise AssertionError("unreachable") from exc
 
     async def _validate_or_abort(
         self, request: generation_pb2.GenerateRequest | UndecodableRequest, context
@@ -97,7 +105,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(exc.code, exc.message)  # raises: ends the call
             raise AssertionError("unreachable") from exc
         except Exception as exc:  # a bug of ours: INTERNAL with a generic message, logged
-            _log.exception("unexpected error", request_id=getattr(request, "request_id", ""))
+            _log.exception("unexpected error", request_id=getattr(request, "request_id", "")[:128])
             self._relay.metrics.error("INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL,
                                 "internal server error; the request id is in the server log")

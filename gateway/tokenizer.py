@@ -22,6 +22,7 @@ from typing import Any
 import tokenizers
 
 from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.guided_check import GuidedCheck
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # transformers writes "no limit" as a huge model_max_length; anything above this is not a limit.
@@ -126,6 +127,8 @@ class Tokenizer:
         self._backend = backend
         self.info = info
         self.chat_template = chat_template
+        # Structured-output specs compiled against this tokenizer, as the executor will.
+        self.guided = GuidedCheck(backend.to_str, info.vocab_size, info.eos_token_ids)
 
     @classmethod
     def from_dir(cls, model_dir: str | pathlib.Path, max_model_len: int | None = None) -> Tokenizer:

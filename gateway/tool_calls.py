@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import tool_checks, tool_parsers
+from gateway.guided_check import GuidedCheck
 from gateway.validation import RequestError
 from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2
+from protos.echo import clip
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,11 @@ def _bad(message: str, param: str = "tools") -> RequestError:
 # --- the HTTP body --------------------------------------------------------------------
 
 
-def read(body: dict, chat: generation_pb2.ChatInput,
+def read(body: dict, chat: generation_pb2.ChatInput, guides: GuidedCheck,
          parser: str = tool_parsers.DEFAULT_PARSER) -> ToolPlan | None:
     """``tools`` into ``chat.tools``; the plan for the output, None when there are none.
-    ``parser``: the gateway's ``--tool-call-parser``, for "auto"."""
+    ``guides`` compiles the tools' schemas; ``parser``: the gateway's
+    ``--tool-call-parser``, for "auto"."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -73,7 +76,7 @@ def read(body: dict, chat: generation_pb2.ChatInput,
     names = frozenset(tool.name for tool in chat.tools)
     mode, function = _tool_choice(choice, names)
     if mode in ("named", "required"):  # before their grammar is checked as guided output
-        problem = tool_checks.chat_problem(chat)
+        problem = tool_checks.chat_problem(chat, guides)
         if problem is not None:
             raise _bad(problem)
     return ToolPlan(mode, names, function, parallel is not False, parser)
@@ -113,7 +116,7 @@ def _tool_choice(choice: Any, names: frozenset[str]) -> tuple[str, str]:
         raise _bad("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": "
                    "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if name not in names:
-        raise _bad(f"tool_choice names function {name!r}, which is not in tools",
+        raise _bad(f"tool_choice names function {clip(name)}, which is not in tools",
                    "tool_choice")
     return "named", name
 

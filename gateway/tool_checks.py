@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import re
 
-from protos import guided, limits
+from gateway.guided_check import GuidedCheck
+from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2
+from protos.echo import clip
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 # A tool without parameters takes none: its call's arguments are {}.
@@ -23,8 +25,9 @@ def parameters(tool: generation_pb2.Tool) -> dict:
     return json.loads(tool.parameters) if tool.parameters else NO_ARGUMENTS_SCHEMA
 
 
-def chat_problem(chat: generation_pb2.ChatInput) -> str | None:
-    """Why ``chat``'s tools or tool turns cannot be served, or None."""
+def chat_problem(chat: generation_pb2.ChatInput, guides: GuidedCheck) -> str | None:
+    """Why ``chat``'s tools or tool turns cannot be served, or None; each tool's
+    parameters are compiled by ``guides`` (the served tokenizer's check)."""
     if len(chat.tools) > limits.MAX_TOOLS:
         return f"tools holds {len(chat.tools)} tools; at most {limits.MAX_TOOLS}"
     size = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
@@ -34,20 +37,19 @@ def chat_problem(chat: generation_pb2.ChatInput) -> str | None:
     seen: set[str] = set()
     for index, tool in enumerate(chat.tools):
         if not (len(tool.name) <= limits.MAX_TOOL_NAME_CHARS and _NAME.fullmatch(tool.name)):
-            return (f"tools[{index}] name {tool.name[:80]!r} must be 1-"
+            return (f"tools[{index}] name {clip(tool.name)} must be 1-"
                     f"{limits.MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -")
         if tool.name in seen:
-            return f"tools[{index}]: two tools are named {tool.name!r}; names must be unique"
+            return f"tools[{index}]: two tools are named {clip(tool.name)}; names must be unique"
         seen.add(tool.name)
         if tool.parameters:
-            try:
-                guided.grammar_of(sampling_pb2.Guided(json_schema=tool.parameters))
-            except guided.GuidedError as exc:
-                return f"tools[{index}] ({tool.name}) parameters: {exc}"
+            found = guides.problem(sampling_pb2.Guided(json_schema=tool.parameters))
+            if found is not None:
+                return f"tools[{index}] ({tool.name}) parameters: {found}"
     for index, message in enumerate(chat.messages):
         for call in message.tool_calls:
             if not _is_object_text(call.arguments):
-                return (f"messages[{index}].tool_calls: the arguments of {call.name[:80]!r} "
+                return (f"messages[{index}].tool_calls: the arguments of {clip(call.name)} "
                         "must be the JSON text of an object")
     return None
 

@@ -39,6 +39,7 @@ from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
 from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+from protos.echo import clip, shorten
 
 # The limits the scheduler enforces again on its internal plane live in protos/limits.py.
 MAX_REQUEST_ID_CHARS = limits.MAX_REQUEST_ID_CHARS
@@ -129,7 +130,8 @@ def check_identifier(value: str, field: str, max_chars: int) -> None:
         )
     bad = next((c for c in value if not " " <= c <= "~"), None)
     if bad is not None:
-        raise RequestError(f"{field} must be printable ASCII; it contains {bad!r}", param=field)
+        raise RequestError(f"{field} must be printable ASCII; it contains {clip(bad)}",
+                           param=field)
 
 
 def _check_range(field: str, value: float, low: float, high: float, closed_low: bool) -> None:
@@ -153,7 +155,8 @@ def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int,
             )
 
 
-def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> None:
+def check_sampling(sampling: sampling_pb2.SamplingParams, tokenizer: Tokenizer) -> None:
+    vocab_size = tokenizer.info.vocab_size
     temperature = sampling.temperature
     if sampling.HasField("temperature") and not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(
@@ -180,7 +183,7 @@ def check_sampling(sampling: sampling_pb2.SamplingParams, vocab_size: int) -> No
         )
     _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size,
                      MAX_STOP_TOKEN_IDS)
-    if found := sampling_extras.problem(sampling, vocab_size):
+    if found := sampling_extras.problem(sampling, vocab_size, tokenizer.guided):
         raise RequestError(found[0], param=found[1])
 
 
@@ -212,6 +215,7 @@ def _check_prompt_chars(field: str, num_chars: int, tokenizer: Tokenizer) -> Non
     limit = max_prompt_chars(tokenizer)
     if num_chars > limit:
         raise RequestError(
+            f"This model's maximum context length is {tokenizer.info.max_model_len} tokens; "
             f"{field} is {num_chars} characters long; at most {limit} "
             f"({tokenizer.info.max_model_len} tokens of at most "
             f"{tokenizer.info.max_token_chars} characters) can fit the model's context",
@@ -227,13 +231,14 @@ def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list
         raise RequestError(f"chat holds {len(chat.messages)} messages; at most "
                            f"{MAX_CHAT_MESSAGES}", param="messages")
     _check_prompt_chars("chat message text", tool_checks.chat_chars(chat), tokenizer)
-    problem = tool_checks.chat_problem(chat)  # tools, calls and results (function calling)
+    # tools, calls and results (function calling)
+    problem = tool_checks.chat_problem(chat, tokenizer.guided)
     if problem is not None:
         raise RequestError(problem, param="tools" if problem.startswith("tools") else "messages")
     for index, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
             raise RequestError(
-                f"chat.messages[{index}].role is {message.role!r}; "
+                f"chat.messages[{index}].role is {clip(message.role)}; "
                 f"use one of {', '.join(sorted(CHAT_ROLES))}",
                 param="messages",
             )
@@ -256,7 +261,8 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
                                         tool_checks.template_tools(request.chat))
         except ChatTemplateError as exc:
             raise RequestError(
-                f"the model's chat template rejected the messages: {exc}", param="messages"
+                f"the model's chat template rejected the messages: {shorten(str(exc))}",
+                param="messages",
             ) from exc
     else:
         ids = list(request.token_ids.ids)
@@ -290,7 +296,8 @@ def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) 
     check_identifier(request.tenant, "tenant", MAX_TENANT_CHARS)
     if request.model and request.model != served_model:
         raise RequestError(
-            f"model {request.model!r} is not served here; this gateway serves {served_model!r} "
+            f"model {clip(request.model)} is not served here; this gateway serves "
+            f"{served_model!r} "
             "(or leave model empty)",
             grpc.StatusCode.NOT_FOUND,
             param="model",
@@ -313,11 +320,11 @@ def validate(
     """Checks a client request and resolves it for `Scheduler.Submit`; raises RequestError."""
     if isinstance(request, UndecodableRequest):
         raise RequestError(
-            f"the request is not a valid GenerateRequest ({request.reason}); "
+            f"the request is not a valid GenerateRequest ({shorten(request.reason)}); "
             "string fields must be UTF-8"
         )
     _check_envelope(request, served_model)
-    check_sampling(request.sampling, tokenizer.info.vocab_size)
+    check_sampling(request.sampling, tokenizer)
     ids = prompt_token_ids(request, tokenizer)
     max_tokens = resolve_max_tokens(request.max_tokens, len(ids), tokenizer.info.max_model_len)
     if request.sampling.min_tokens > max_tokens:

@@ -16,6 +16,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.echo import clip
 from scheduler_svc.core import Event, FinishReason, QueueFull, Request
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.telemetry import Stream
@@ -110,7 +111,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 "this scheduler replica is shutting down; retry on another")
         if self.loop.is_known(request_key(request.tenant, request.request_id)):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request id {request.request_id!r} is already in flight")
+                                f"request id {clip(request.request_id)} is already in flight")
         problem = validate_submit(request, self.loop.core)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)

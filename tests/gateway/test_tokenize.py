@@ -85,3 +85,30 @@ def test_bad_tokenize_input_is_a_clear_4xx_and_keys_guard_it(tokenizer):
         assert got == status, (path, body, error)
         assert error["error"]["param"] == param and error["error"]["message"], (path, body)
     assert after[0] == 200 and after[1]["count"] > 0
+
+
+def test_tokenize_and_detokenize_refuse_input_past_the_context(tokenizer):
+    limit = tokenizer.info.max_model_len
+    long_chat = [{"role": "user", "content": "hello " * limit}]
+    cases = [  # (path, body, status, param)
+        ("/tokenize", {"prompt": "x" * (limit * tokenizer.info.max_token_chars + 1)}, 400,
+         "prompt"),  # refused before it is tokenized
+        ("/tokenize", {"prompt": "hello " * limit}, 400, "prompt"),  # refused once it is
+        ("/tokenize", {"messages": long_chat}, 400, "messages"),
+        ("/detokenize", {"tokens": [5] * (limit + 1)}, 400, "tokens"),
+        ("/detokenize", {"tokens": [5] * limit}, 200, None),
+    ]
+
+    async def scenario():
+        async with fake_scheduler(_scheduler()) as address, \
+                gateway(tokenizer, address, http_port=0) as (running, _), \
+                aiohttp.ClientSession(f"http://127.0.0.1:{running.http_port}") as session:
+            return [await _post(session, path, body) for path, body, _, _ in cases]
+
+    for (path, body, status, param), (got, answer) in zip(cases, run(scenario()), strict=True):
+        assert got == status, (path, answer)
+        if status == 200:
+            continue
+        error = answer["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert f"maximum context length is {limit} tokens" in error["message"], error
