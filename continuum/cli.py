@@ -57,7 +57,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")
-    edge = p.add_argument_group("gateway connection and stream limits (passed to the gateway)")
+    edge = p.add_argument_group("gateway limits and switches (passed to the gateway)")
     edge_flags.add_flags(edge, pass_through=True)
     return p
 

@@ -89,6 +89,10 @@ class GatewayConfig:
     # How "auto" tool_choice reads calls out of the model's text (gateway/tool_parsers.py).
     # None: hermes.
     tool_call_parser: str | None = None
+    # Special-token strings in chat content, tool results, call arguments and tool
+    # definitions become the control tokens themselves, as before escaping existed:
+    # only for deployments whose every client may write roles (docs/security.md).
+    allow_special_tokens_in_content: bool = False
 
     def body_limit(self, max_model_len: int) -> int:
         """The body limit in force: `--max-body-bytes`, or the context's default."""

@@ -1,4 +1,5 @@
-"""The gateway's connection and stream limits as command-line flags, in one place.
+"""The gateway's connection and stream limits (and its on/off switches) as
+command-line flags, in one place.
 
 ``python -m gateway`` and ``continuum serve`` both take them (serve passes the ones
 it was given on to its gateway), so a limit is named, defaulted and documented once:
@@ -39,6 +40,14 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
      "(<tool_call> blocks or a bare JSON call; the default) or json / llama3_json"),
 )
 
+# (flag, GatewayConfig field, help): off unless given.
+SWITCHES: tuple[tuple[str, str, str], ...] = (
+    ("--allow-special-tokens-in-content", "allow_special_tokens_in_content",
+     "let special-token strings in chat messages and tools (e.g. <|im_start|>) be the "
+     "control tokens themselves instead of text: for deployments that trust every "
+     "client with roles (docs/security.md)"),
+)
+
 
 def _defaults() -> GatewayConfig:
     return GatewayConfig(model_dir=pathlib.Path("."), scheduler_address="127.0.0.1:1")
@@ -53,11 +62,15 @@ def add_flags(parser: argparse.ArgumentParser, pass_through: bool = False) -> No
         shown = "" if default is None else f" (default {default:g})"
         parser.add_argument(flag, type=kind, default=None if pass_through else default,
                             dest=field, help=text + shown)
+    for flag, field, text in SWITCHES:
+        parser.add_argument(flag, action="store_true", dest=field,
+                            default=None if pass_through else False, help=text)
 
 
 def config_fields(args: argparse.Namespace) -> dict:
     """GatewayConfig keyword arguments from parsed flags."""
-    return {field: getattr(args, field) for _, field, _, _ in FLAGS}
+    return ({field: getattr(args, field) for _, field, _, _ in FLAGS}
+            | {field: bool(getattr(args, field)) for _, field, _ in SWITCHES})
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -67,7 +80,9 @@ def to_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, field, None)
         if value is not None:
             argv += [flag, repr(value) if isinstance(value, float) else str(value)]
+    argv += [flag for flag, field, _ in SWITCHES if getattr(args, field, None)]
     return argv
 
 
-assert {f for _, f, _, _ in FLAGS} <= {f.name for f in dataclasses.fields(GatewayConfig)}
+assert {f for _, f, _, _ in FLAGS} | {f for _, f, _ in SWITCHES} <= {
+    f.name for f in dataclasses.fields(GatewayConfig)}

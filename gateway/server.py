@@ -246,6 +246,8 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                         keys: ApiKeys | None = None) -> RunningGateway:
     """Binds, starts serving and marks health SERVING; raises BindError."""
     keys = keys or ApiKeys()
+    if config.allow_special_tokens_in_content:
+        tokenizer = tokenizer.trusting_content()  # every path: chat, /tokenize
     max_body_bytes = config.body_limit(tokenizer.info.max_model_len)
     server = grpc.aio.server(
         options=_server_options(config, max_body_bytes),

@@ -12,7 +12,7 @@ dependency). The files it reads:
 
 from __future__ import annotations
 
-import functools
+import copy
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -22,6 +22,7 @@ from typing import Any
 import tokenizers
 
 from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.special_tokens import SpecialTokenEscape
 from gateway.guided_check import GuidedCheck
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -115,7 +116,10 @@ class Tokenizer:
     `encode(text)` tokenizes a raw prompt exactly as `tokenizer(text)` does in
     transformers (the post-processor adds BOS if the model wants one).
     `encode_chat(messages)` renders the chat template and encodes the result
-    *without* special tokens, since the template already wrote them.
+    *without* special tokens, since the template already wrote them; a special
+    token's string inside the messages or tools is encoded as text, so control
+    tokens come from the template only (gateway/special_tokens.py), unless this
+    is a `trusting_content()` copy.
     """
 
     def __init__(
@@ -127,6 +131,9 @@ class Tokenizer:
         self._backend = backend
         self.info = info
         self.chat_template = chat_template
+        self._escape = SpecialTokenEscape(backend)
+        # Whether special-token strings in client text become the tokens themselves.
+        self.trusts_content = False
         # Structured-output specs compiled against this tokenizer, as the executor will.
         self.guided = GuidedCheck(backend.to_str, info.vocab_size, info.eos_token_ids)
 
@@ -168,14 +175,25 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping], tools: list[dict] | None = None
                     ) -> list[int]:
-        text = self.render_chat(messages, tools)
-        return self._backend.encode(text, add_special_tokens=False).ids
+        if self.trusts_content or not self._escape.found_in(messages, tools):
+            text = self.render_chat(messages, tools)
+            return self._backend.encode(text, add_special_tokens=False).ids
+        masking = self._escape.masking()
+        text = self.render_chat(masking.apply(messages), masking.apply(tools))
+        return self._escape.encode(text, masking)
 
-    @functools.cached_property
+    def trusting_content(self) -> Tokenizer:
+        """A copy (sharing the backend) whose `encode_chat` lets special-token strings in
+        client text be the tokens themselves: the behaviour before escaping, for
+        deployments whose clients may write control tokens (docs/security.md)."""
+        trusting = copy.copy(self)
+        trusting.trusts_content = True
+        return trusting
+
+    @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
-        return frozenset(token_id for token_id, token
-                         in self._backend.get_added_tokens_decoder().items() if token.special)
+        return self._escape.special_ids
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
