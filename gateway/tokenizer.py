@@ -22,8 +22,8 @@ from typing import Any
 import tokenizers
 
 from gateway.chat_template import ChatTemplate, ChatTemplateError
-from gateway.special_tokens import SpecialTokenEscape
 from gateway.guided_check import GuidedCheck
+from gateway.special_tokens import SpecialTokenEscape
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # transformers writes "no limit" as a huge model_max_length; anything above this is not a limit.
