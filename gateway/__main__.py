@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         "--api-keys-file",
         type=pathlib.Path,
         default=None,
-        help="require API keys: one KEY, KEY:TENANT or KEY:TENANT:TIERS per line "
-        "(TIERS e.g. premium+standard+best_effort; also env CONTINUUM_API_KEYS)",
+        help="require API keys: one KEY, KEY:TENANT, KEY:TENANT:TIERS or "
+        "KEY:TENANT:TIERS:GRANTS per line (TIERS e.g. premium+standard+best_effort; GRANTS: "
+        "special_tokens; also env CONTINUUM_API_KEYS)",
     )
     parser.add_argument(
         "--grace-period",

@@ -66,6 +66,8 @@ class Admission:
     def __init__(self, tokenizer: Tokenizer, model_name: str, metrics: GatewayMetrics,
                  objective_tiers=routing_headers.DEFAULT_OBJECTIVE_TIERS):
         self._tokenizer = tokenizer
+        # For keys granted `special_tokens` (gateway/auth.py): their chats' control tokens.
+        self._trusting = tokenizer.trusting_content()
         self._model_name = model_name
         self._metrics = metrics
         self._objective_tiers = objective_tiers
@@ -95,4 +97,5 @@ class Admission:
                     routing_headers.apply(request, headers, self._objective_tiers)
                 request.tenant = resolve_tenant(principal, request.tenant)
                 check_tier(principal, request.priority)
-            return validate(request, self._tokenizer, self._model_name), extra
+            tokenizer = self._trusting if principal.special_tokens else self._tokenizer
+            return validate(request, tokenizer, self._model_name), extra

@@ -1,7 +1,7 @@
 """Optional API keys, shared by the gRPC and HTTP front ends.
 
-Keys come from `--api-keys-file` (one `KEY`, `KEY:TENANT` or
-`KEY:TENANT:TIERS` per line, `#` comments) and the `CONTINUUM_API_KEYS`
+Keys come from `--api-keys-file` (one `KEY`, `KEY:TENANT`,
+`KEY:TENANT:TIERS` or `KEY:TENANT:TIERS:GRANTS` per line, `#` comments) and the `CONTINUUM_API_KEYS`
 environment variable (the same entries, comma-separated, so tiers there are
 joined with `+`). With no keys configured, auth is off. With
 keys, every call must present one — gRPC metadata `authorization: Bearer KEY`,
@@ -17,6 +17,12 @@ A request for a tier its key lacks is refused with PERMISSION_DENIED / HTTP
 403 naming the tier — refused rather than downgraded, so a client never gets
 silently worse service than it asked for and can fix its key or its request.
 With auth off, every tier is open (the loopback development default).
+
+Grants: GRANTS lists rights beyond tiers, `+`- or `,`-separated; the one there is,
+`special_tokens`, lets the key's chats hold control tokens (special-token strings in
+messages and tools become the tokens themselves, not text: docs/security.md), e.g.
+`sk-...:acme:standard+best_effort:special_tokens`. Never assumed, not even with auth
+off: `--allow-special-tokens-in-content` is the server-wide switch.
 
 Presented keys are compared with every configured key in constant time (SHA-256
 digests through `hmac.compare_digest`, no early exit), so timing reveals
@@ -44,6 +50,7 @@ _BEARER = "bearer "
 TIERS_BY_NAME = {"premium": 0, "standard": 1, "best_effort": 2}
 ALL_TIERS = frozenset(TIERS_BY_NAME.values())
 DEFAULT_KEY_TIERS = frozenset({1, 2})  # standard, best_effort
+GRANTS = ("special_tokens",)
 
 
 def tier_names(tiers: Iterable[int]) -> list[str]:
@@ -60,6 +67,14 @@ def _parse_tiers(text: str, source: str) -> frozenset[int]:
     return frozenset(TIERS_BY_NAME[name] for name in names)
 
 
+def _parse_grants(text: str, source: str) -> frozenset[str]:
+    names = [name.strip() for name in re.split(r"[+,]", text) if name.strip()]
+    if not names or any(name not in GRANTS for name in names):
+        raise ConfigError(f"{source}: grants {text!r} must list some of {', '.join(GRANTS)} "
+                          "(separated by '+' or ',')")
+    return frozenset(names)
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
@@ -68,10 +83,12 @@ def _digest(key: str) -> bytes:
 class Principal:
     """Who a valid key belongs to; `tenant` is "" for a key not bound to one.
 
-    `tiers` are the priority tiers (0 premium, 1 standard, 2 best-effort) it may use."""
+    `tiers` are the priority tiers (0 premium, 1 standard, 2 best-effort) it may use;
+    `special_tokens`: whether its chats may hold control tokens (the `special_tokens` grant)."""
 
     tenant: str
     tiers: frozenset[int] = ALL_TIERS
+    special_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,13 +109,16 @@ class ApiKeys:
                 continue
             key, _, rest = spec.partition(":")
             tenant, has_tiers, tiers_text = rest.partition(":")
+            tiers_text, has_grants, grants_text = tiers_text.partition(":")
             key, tenant = key.strip(), tenant.strip()
             if len(key) < 8:
                 raise ConfigError(f"{source}: API key {key[:2]!r}... is shorter than 8 characters")
             if tenant and not all(" " <= c <= "~" for c in tenant):
                 raise ConfigError(f"{source}: tenant {tenant!r} must be printable ASCII")
             tiers = _parse_tiers(tiers_text, source) if has_tiers else DEFAULT_KEY_TIERS
-            entries.append((_digest(key), Principal(tenant, tiers)))
+            grants = _parse_grants(grants_text, source) if has_grants else frozenset()
+            entries.append((_digest(key), Principal(tenant, tiers,
+                                                    "special_tokens" in grants)))
         return cls(tuple(entries))
 
     @classmethod

@@ -51,7 +51,7 @@ class GatewayConfig:
     # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it);
     # None: derived from the context length (`default_body_limit`).
     max_body_bytes: int | None = None
-    # File of API keys (KEY, KEY:TENANT or KEY:TENANT:TIERS per line); see gateway/auth.py.
+    # File of API keys (KEY[:TENANT[:TIERS[:GRANTS]]] per line); see gateway/auth.py.
     api_keys_file: pathlib.Path | None = None
     # Connections cannot be held hostage (defaults after nginx's client_header_timeout
     # and client_body_timeout, 60 s, tightened for an API whose requests are small):

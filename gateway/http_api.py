@@ -189,9 +189,13 @@ class HttpApi:
     async def _tool(self, request: web.Request, answer, api: str) -> web.Response:
         """A body-in, JSON-out route: the body read bounded, decoded and answered off
         the event loop (all of it client input: parse_guard's), refusals as OpenAI errors."""
+        # /tokenize shows the ids generation gets, so a key's special_tokens grant counts.
+        tokenizer = (self._tokenizer.trusting_content() if request[_PRINCIPAL].special_tokens
+                     else self._tokenizer)
+
         def run() -> dict:
             with parse_guard(api, self._metrics):
-                return answer(decode_json(raw, charset), self._model_name, self._tokenizer)
+                return answer(decode_json(raw, charset), self._model_name, tokenizer)
 
         try:
             raw = await read_body(request, self.limits)

@@ -82,18 +82,18 @@ def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
     while stack:
         source, target, slot = stack.pop()
         if isinstance(source, Mapping):
-            copy: Any = {}
+            made: Any = {}
             items = [(change(k) if isinstance(k, str) else k, v) for k, v in source.items()]
         else:
-            copy = [None] * len(source)
+            made = [None] * len(source)
             items = list(enumerate(source))
-        target[slot] = copy
+        target[slot] = made
         for key, child in items:
             if isinstance(child, _Containers):
-                copy[key] = None  # holds the key's place in dict order
-                stack.append((child, copy, key))
+                made[key] = None  # holds the key's place in dict order
+                stack.append((child, made, key))
             else:
-                copy[key] = change(child) if isinstance(child, str) else child
+                made[key] = change(child) if isinstance(child, str) else child
     return holder[0]
 
 

@@ -10,11 +10,13 @@ import aiohttp
 import pytest
 import tokenizers
 
+from gateway.auth import ApiKeys
 from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.config import ConfigError
 from gateway.special_tokens import SpecialTokenEscape
 from gateway.tokenizer import Tokenizer
 from gateway.validation import prompt_token_ids
-from protos.continuum.v1 import generation_pb2
+from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run
 
@@ -195,3 +197,38 @@ def test_the_flag_is_off_by_default_and_continuum_serve_passes_it_on():
         parser.parse_args(["serve"]))
     assert "--allow-special-tokens-in-content" in edge_flags.to_argv(
         parser.parse_args(["serve", "--allow-special-tokens-in-content"]))
+
+
+def test_a_key_granted_special_tokens_keeps_them_and_others_do_not(tokenizer):
+    keys = ApiKeys.parse(["sk-plain-0000:acme", "sk-trust-0000:acme:standard:special_tokens"],
+                         "test")
+    assert [p.special_tokens for _, p in keys.entries] == [False, True]
+    scheduler = FakeScheduler(events=[scheduler_pb2.TokenEvent(
+        token_ids=[42], finish_reason=sampling_pb2.FINISH_REASON_LENGTH)])
+    chat = {"messages": [{"role": "user", "content": "a<|im_end|>b"}]}
+
+    async def scenario():
+        async with fake_scheduler(scheduler) as address, \
+                gateway(tokenizer, address, keys, http_port=0) as (running, _), \
+                aiohttp.ClientSession(f"http://127.0.0.1:{running.http_port}") as session:
+            counted = []
+            for key in ("sk-plain-0000", "sk-trust-0000"):
+                headers = {"Authorization": f"Bearer {key}"}
+                async with session.post("/tokenize", json=chat, headers=headers) as response:
+                    counted.append((await response.json())["tokens"])
+                async with session.post("/v1/chat/completions", headers=headers,
+                                        json={**chat, "max_tokens": 1}) as response:
+                    assert response.status == 200
+            return counted
+
+    plain, trusted = run(scenario())
+    submitted = [list(s.prompt_token_ids) for s in scheduler.submitted]
+    assert submitted == [plain, trusted]  # generation and /tokenize agree, key by key
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert trusted.count(im_end) == plain.count(im_end) + 1
+
+
+@pytest.mark.parametrize("spec", ["sk-x-00000000:acme:standard:", "sk-x-00000000::standard:root"])
+def test_an_unknown_or_empty_grant_is_refused_at_startup(spec):
+    with pytest.raises(ConfigError, match="special_tokens"):
+        ApiKeys.parse([spec], "test")
