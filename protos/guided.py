@@ -32,12 +32,18 @@ ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # free whitespace a model can pad a JSON answer with blank lines until max_tokens (a
 # known failure of JSON modes); this keeps every answer parseable and short.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's defaults but the lexer's initial fuel, a fifth of its 1,000,000: that
-# fuel bounds how large a regex's expressions may grow, and at the default a repeat
-# like a{100000} costs 0.1 s a mask (a stalled step for every row of the batch) while
-# at 200,000 it is refused in 0.05 s. Schemas of 128 tools with 40 fields each compile
-# within it. Terse errors: llguidance's verbose ones print the parser state.
-PARSER_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=200_000, verbose_errors=False)
+# llguidance's defaults, tightened where a spec's cost lands on everyone else. Initial
+# lexer fuel, a twentieth of its 1,000,000: it bounds how large a regex's expressions may
+# grow; at the default (a{1000}){1000} costs 0.1 s of a mask (a stalled step for every row
+# of the batch), at 50,000 it is refused after 17 ms. Per mask step, lexer fuel 30,000
+# (~2 ms at llguidance's ~14k/ms, from 200,000) and Earley items 10,000 (~0.5 ms, from
+# 50,000): a guided row's share of a step stays a few milliseconds whatever its grammar,
+# and a row that needs more fails alone. JSON schemas with formats, enums and patterns
+# compile in 1-5 ms and step in 0.1 ms within it; an anyOf of 30 tools with 40 fields
+# each (37 KB) in 45 ms and 0.15 ms. Terse errors: llguidance's verbose ones print the
+# parser state.
+PARSER_LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=50_000, step_lexer_fuel=30_000,
+                                          step_max_items=10_000, verbose_errors=False)
 # Tokens probe() walks: the first mask builds the lexer, and the first token consumed
 # derives it, which is where an over-large regex fails.
 PROBE_TOKENS = 2
