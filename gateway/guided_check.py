@@ -28,6 +28,7 @@ import llguidance
 
 from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
+from protos.echo import clip
 
 VERDICT_CACHE = 512
 COMPILE_TIMEOUT_S = 2.0
@@ -93,6 +94,9 @@ def _verdict(tokenizer: llguidance.LLTokenizer, guided: sampling_pb2.Guided) -> 
         grammar = guided_spec.grammar_of(guided)
         if grammar is not None:
             guided_spec.probe(tokenizer, grammar, f"guided.{guided.WhichOneof('kind')}")
+        for pattern in guided_spec.schema_patterns(guided):  # each built only when reached
+            guided_spec.probe(tokenizer, guided_spec.grammar_of(
+                sampling_pb2.Guided(regex=pattern)), f"the schema's pattern {clip(pattern)}")
     except guided_spec.GuidedError as exc:
         return str(exc)
     return None

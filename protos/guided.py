@@ -108,7 +108,7 @@ def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str,
     ``what`` names the spec in the message."""
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
     if matcher.is_error():
-        raise GuidedError(f"{what} cannot be compiled: {shorten(matcher.get_error().strip())}")
+        raise GuidedError(f"{what} cannot be compiled: {shorten(_reason(matcher))}")
     return matcher
 
 
@@ -126,7 +126,12 @@ def probe(tokenizer: llguidance.LLTokenizer, grammar: str, what: str = "the gram
             break
         matcher.consume_token(token)
     if matcher.is_error():
-        raise GuidedError(f"{what} fails once it runs: {shorten(matcher.get_error().strip())}")
+        raise GuidedError(f"{what} fails once it runs: {shorten(_reason(matcher))}")
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    # Without verbose errors llguidance appends a marker that means nothing to a client.
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 def _first_allowed(mask: bytes, eos: set[int], vocab_size: int) -> int | None:
@@ -140,3 +145,27 @@ def _first_allowed(mask: bytes, eos: set[int], vocab_size: int) -> int | None:
                 return token
             byte &= byte - 1
     return None
+
+
+def schema_patterns(guided: sampling_pb2.Guided, limit: int = 64) -> list[str]:
+    """The regexes a JSON-schema spec holds (``pattern`` values, ``patternProperties``
+    keys), at most ``limit``: llguidance builds each lazily, when generation first enters
+    its string, so ``probe`` on the whole schema cannot meet an over-large one; probing
+    each as a regex can. Walked without recursion (a schema may nest deeply)."""
+    if guided.WhichOneof("kind") != "json_schema":
+        return []
+    try:
+        stack, found = [json.loads(guided.json_schema)], []
+    except (ValueError, RecursionError):
+        return []  # grammar_of refuses it
+    while stack and len(found) < limit:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                found.extend(k for k in node["patternProperties"] if isinstance(k, str))
+            stack.extend(node.values())
+    return found[:limit]

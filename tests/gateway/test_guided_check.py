@@ -21,6 +21,8 @@ from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb
 from .harness import FakeScheduler, collect, fake_scheduler, gateway, run
 
 DEEP_SCHEMA = "[" * 5000 + "]" * 5000  # JSON text, a string field: the body's depth cap misses it
+PATTERN_SCHEMA = json.dumps({"type": "object", "properties": {"a": {
+    "type": "string", "pattern": "(x{1000}){1000}"}}})
 # (HTTP field, its value, the Guided the gRPC API sends for it, words of the refusal)
 BAD_SPECS = [
     ("guided_grammar", "start: <[99999999]>", {"lark": "start: <[99999999]>"},
@@ -32,6 +34,8 @@ BAD_SPECS = [
     ("guided_regex", "a{1000000}", {"regex": "a{1000000}"}, "too many expressions"),
     ("guided_regex", "(a{1000}){1000}", {"regex": "(a{1000}){1000}"}, "too many expressions"),
     ("guided_json", DEEP_SCHEMA, {"json_schema": DEEP_SCHEMA}, "nests too deeply"),
+    # A pattern's regex is built only when generation enters its string: probed alone.
+    ("guided_json", PATTERN_SCHEMA, {"json_schema": PATTERN_SCHEMA}, "pattern '(x{1000})"),
 ]
 GOOD_SPECS = [
     {"lark": 'start: "yes" | "no"'},
@@ -39,6 +43,9 @@ GOOD_SPECS = [
     {"regex": "[0-9]{3}-[a-z]+"},
     {"json_schema": json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}})},
     {"json_object": True},
+    {"json_schema": json.dumps({"type": "object", "properties": {"phone": {
+        "type": "string", "pattern": r"^(\([0-9]{3}\))?[0-9]{3}-[0-9]{4}$"}},
+        "patternProperties": {"^x-[a-z]+$": {"type": "string"}}})},
 ]
 
 
