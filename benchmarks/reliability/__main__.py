@@ -2,12 +2,14 @@
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: overload, hostile, bad_specs, soak, chaos, fuzz (in that order: capacity is measured
-on a fresh server, whose admission has not yet seen a flood, and fuzzing's rogue ZeroMQ
-peers come last). The default form runs them
-on one ``continuum serve`` plus the chaos matrix's own replicas and gateways (about
-10-15 minutes on a 2-core machine); ``--short`` is the CI form's sizes with a single
-chaos row on the serve (about 2-3 minutes); ``--long`` is bigger everywhere. The
+Rows: overload, hostile, bad_specs, soak, chaos, schema_fuzz, fuzz (in that order:
+capacity is measured on a fresh server, whose admission has not yet seen a flood, and
+fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
+alone (every field of both APIs while normal streams run; ``--long``: 30 inputs a
+field). The default form runs them on one ``continuum serve`` plus the chaos matrix's
+own replicas and gateways (about 10-15 minutes on a 2-core machine); ``--short`` is the
+CI form's sizes with a single chaos row on the serve (about 2-3 minutes); ``--long`` is
+bigger everywhere. The
 markdown table goes to stdout, every figure to ``--json``. Exit status 0 when every row
 met its target, 1 otherwise (the table says which).
 """
@@ -26,6 +28,7 @@ from benchmarks.reliability import (
     chaos,
     chaos_layouts,
     fuzz,
+    fuzz_schema,
     hostile,
     overload,
     procs,
@@ -33,7 +36,7 @@ from benchmarks.reliability import (
     soak,
 )
 
-ROWS = ("overload", "hostile", "bad_specs", "soak", "chaos", "fuzz")
+ROWS = ("overload", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "fuzz")
 
 
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
@@ -48,6 +51,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
                  ("bad_specs", lambda: [bad_specs.run(serve, size)]),
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
+                 ("schema_fuzz", lambda: [fuzz_schema.run(serve, size, log)]),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
         for name, step in steps:
             if name not in on_serve:

@@ -9,7 +9,7 @@ import pathlib
 import platform
 import subprocess
 
-from benchmarks.reliability import bad_specs
+from benchmarks.reliability import bad_specs, fuzz_schema
 
 
 def _machine() -> str:
@@ -69,6 +69,8 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
                 f"{statuses}",
                 "no 5xx/INTERNAL/UNKNOWN/hang, no process death, serves afterwards",
                 row["failures"] == 0 and row["processes_survived"])
+    if kind == "schema_fuzz":
+        return _schema_fuzz(row)
     if kind == "chaos":
         cols = ", ".join(f"{c} {row[c]}" for c in ("identical", "duplicated", "diverged",
                                                    "lost", "errored", "ended"))
@@ -94,6 +96,22 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
                 f"<= {target}x" if target else "reported; 0 server errors",
                 within and row["server_errors"] == 0)
     return (kind, json.dumps(row)[:200], "", False)
+
+
+def _schema_fuzz(row: dict) -> tuple[str, str, str, bool]:
+    statuses = "; ".join(f"{t} ({row['fields'][t]} fields): {dict(sorted(c.items()))}"
+                         for t, c in row["statuses"].items())
+    kept = all(row["processes_kept"].values())
+    return ("schema fuzz: every field of HTTP and gRPC, under normal streams",
+            f"{row['examples']} requests in {row['seconds']} s; server errors "
+            f"{row['server_errors']}, slow (> {row['timeout_s']:.0f} s) {row['slow']}, "
+            f"failures {row['failures']}; {row['stream_rounds']} rounds of "
+            f"{row['num_streams']} greedy streams identical: {row['streams_identical']} "
+            f"(slowest round {row['stream_round_s_max']} s); /health "
+            f"{row['health_status']}, normal request ok {row['normal_request_ok']}, "
+            f"pids kept {kept}; {statuses}",
+            "0 server errors, 0 slow, streams identical, healthy with the same pids",
+            fuzz_schema.met(row))
 
 
 def markdown(rows: list[dict], size: str) -> str:

@@ -4,7 +4,8 @@ Asserts what must hold on any machine, never how fast: no server errors, no lost
 stream, no duplicated or diverged token after an executor kill, a clean idle state
 after the soak (no running/waiting request, every block free, no executor sequence
 state, no fd growth), no fuzz input that gets a 5xx / INTERNAL / hang or kills a
-process. Figures that depend on the machine or on work still landing (refusal
+process, and greedy streams that the schema fuzzer's inputs leave token for token
+unchanged. Figures that depend on the machine or on work still landing (refusal
 fractions, TTFT, the ITL ratio, RSS) are printed in the table, not asserted.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.reliability import chaos, fuzz, overload, procs, report, soak
+from benchmarks.reliability import chaos, fuzz, fuzz_schema, overload, procs, report, soak
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +57,20 @@ def test_executor_kill_during_decode_loses_and_duplicates_nothing(serve, table):
     assert row["phase_hit"], "the streams never all reached decode"
     assert (row["lost"], row["duplicated"], row["diverged"], row["errored"]) == (0, 0, 0, 0), row
     assert row["identical"] == row["streams"]
+
+
+def test_schema_fuzzing_of_every_field_leaves_normal_streams_and_the_server_intact(
+        serve, table):
+    """One input per field of both APIs (their schemas' every key and field path), the
+    first at its edge, while greedy streams run; the reproducers say what broke."""
+    row = fuzz_schema.run(serve, CI)
+    table.append(row)
+    assert row["server_errors"] == 0 and row["failures"] == 0, row["reproducers"]
+    assert row["slow"] == 0, row["reproducers"]
+    assert row["streams_identical"], (row["stream_mismatches"], row["stream_error"])
+    assert row["health_status"] == 200 and row["normal_request_ok"], row
+    assert all(row["processes_kept"].values()), row["processes_kept"]
+    assert row["examples"] >= sum(row["fields"].values()), "a field went unprobed"
 
 
 def test_fuzzing_finds_no_server_error(serve, table, tmp_path):
