@@ -10,16 +10,14 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.reliability import body_strategies
+from gateway import openai_schema
 from gateway.json_body import decode_json
 from gateway.openai_api import CHAT, COMPLETION
 from gateway.validation import RequestError, ValidatedRequest, parse_request, validate
 from protos.continuum.v1 import generation_pb2
 
-FIELDS = ["model", "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
-          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-          "ignore_eos", "stop_token_ids", "stop", "n", "best_of", "tenant", "priority",
-          "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
-          "stream", "stream_options", "response_format", "logit_bias", "user"]
+FIELDS = sorted(openai_schema.top_level_keys())  # every key a reader reads (its own test)
 _numbers = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, 1, 2, 16, 17, 2**31, 2**32, 2**64, -1, 49151, 49152]),
@@ -51,6 +49,24 @@ def test_any_body_is_validated_or_refused(tokenizer, body, chat):
     raw = json.dumps(body).encode()
     try:
         api = (CHAT if chat else COMPLETION).parse(decode_json(raw), "smollm2", tokenizer)
+        result = validate(api.proto, tokenizer, "smollm2")
+    except RequestError as exc:
+        assert exc.message
+        return
+    assert isinstance(result, ValidatedRequest)
+
+
+@settings(SETTINGS, max_examples=120)
+@given(data=st.data())
+def test_any_schema_body_is_validated_or_refused(tokenizer, data):
+    """The live fuzzer's bodies (benchmarks/reliability/body_strategies.py), each field
+    of each generation endpoint at its edges, through the same in-process path."""
+    path = data.draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    key = data.draw(st.sampled_from(body_strategies.field_names(path)))
+    raw = body_strategies.splice(data.draw(body_strategies.bodies(path, key)))
+    try:
+        api = (CHAT if "chat" in path else COMPLETION).parse(decode_json(raw), "smollm2",
+                                                             tokenizer)
         result = validate(api.proto, tokenizer, "smollm2")
     except RequestError as exc:
         assert exc.message
