@@ -13,7 +13,8 @@ at a time, while steady_streams.py's greedy streams run in the background.
 
 Asserted per input: no 5xx / SSE ``server_error`` (HTTP), no INTERNAL / UNKNOWN /
 DATA_LOSS / UNIMPLEMENTED / UNAVAILABLE (gRPC), an answer within TIMEOUT_S (else it is
-``slow``). After the run: every background stream equalled its reference, /health
+``slow``), and a refusal of at most MAX_REFUSAL_BYTES (else it is an ``echo``: the
+answer grew with the input). After the run: every background stream equalled its reference, /health
 answers 200, a normal request succeeds and the three processes kept their pids.
 
 The first pass never stops at a failure (so ``server_errors`` counts all of them); then
@@ -47,6 +48,9 @@ from protos.continuum.v1 import generation_pb2_grpc
 
 SIZES = {"ci": 1, "short": 2, "default": 5, "long": 30}  # inputs per field
 MAX_SHRUNK, SHRINK_S = 3, 60.0
+# A refusal quotes what it refuses in a bounded excerpt (protos/echo.py): one longer than
+# this grew with the input, an amplifier for whoever sends megabytes.
+MAX_REFUSAL_BYTES = 8192
 GRPC_TARGET = "grpc Generate"
 
 
@@ -93,8 +97,10 @@ def http_target(port: int, path: str, cap: int) -> Target:
         started = time.monotonic()
         status, reply = http_raw(port, path, data, list(headers), timeout=TIMEOUT_S)
         slow = status == "timeout" or time.monotonic() - started > TIMEOUT_S
-        failed = slow or http_failed(status, reply)
         body = reply.partition(b"\r\n\r\n")[2]
+        if not slow and status != "200" and len(body) > MAX_REFUSAL_BYTES:
+            return "echo", _signature(f"echo {status} of {len(body)} bytes", body)
+        failed = slow or http_failed(status, reply)
         return ("slow" if slow else status), (_signature(status, body) if failed else "")
 
     def show(x) -> str:
@@ -120,9 +126,11 @@ def grpc_target(channel: grpc.Channel) -> Target:
         call = raw(proto_strategies.wire_bytes(req), timeout=TIMEOUT_S)
         code = grpc_code(call)
         slow = code == "DEADLINE_EXCEEDED" or time.monotonic() - started > TIMEOUT_S
+        detail = "" if slow or code == "OK" else call.details() or ""
+        if len(detail.encode()) > MAX_REFUSAL_BYTES:
+            return "echo", _signature(f"echo {code} of {len(detail)} chars", detail)
         failed = slow or grpc_failed(code)
-        detail = call.details() if failed and not slow else ""
-        return ("slow" if slow else code), (_signature(code, detail or "") if failed else "")
+        return ("slow" if slow else code), (_signature(code, detail) if failed else "")
 
     def show(req) -> str:
         text = text_format.MessageToString(req, as_utf8=True)
@@ -260,6 +268,7 @@ def run(serve, size: str = "short", log=print) -> dict:
         "server_errors": sum(n for c in tally.counts.values() for s, n in c.items()
                              if s != "slow" and _is_server_error(s)),
         "slow": sum(c.get("slow", 0) for c in tally.counts.values()),
+        "echoes": sum(c.get("echo", 0) for c in tally.counts.values()),
         "fields": fields, "statuses": statuses, "failures": len(tally.failures),
         "reproducers": tally.failures[:12], **streams_row, **after,
     }
@@ -271,7 +280,8 @@ def _is_server_error(status: str) -> bool:
 
 
 def met(row: dict) -> bool:
-    """The row's target: no server error, nothing slow, the streams unchanged, healthy."""
+    """The row's target: no server error, nothing slow, no echo, the streams unchanged,
+    healthy."""
     return (row["failures"] == 0 and row["server_errors"] == 0 and row["slow"] == 0
-            and row["streams_identical"] and row["health_status"] == 200
+            and row["echoes"] == 0 and row["streams_identical"] and row["health_status"] == 200
             and row["normal_request_ok"] and all(row["processes_kept"].values()))

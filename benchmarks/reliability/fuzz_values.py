@@ -87,8 +87,12 @@ SCHEMAS = [  # JSON Schemas as objects: valid, odd, costly, wrong
     {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(500)}},
     {}, deep_schema(12), deep_schema(28), deep_schema(200),
 ]
-SCHEMA_TEXTS = [deep_schema_text(5000)] + [json.dumps(s) for s in SCHEMAS] + [
-    _deep_json(100_000), _deep_json(50_000, '{"a":', "1", "}"), deep_schema_text(900),
+# Deep JSON both past any parser's recursion and within the 64 KiB cap on guided specs
+# (protos/limits.py), so that it reaches the parsers: and far past the cap.
+DEEP_TEXTS = [_deep_json(30_000), _deep_json(10_000, '{"a":', "1", "}"),
+              deep_schema_text(1500), _deep_json(100_000)]
+SCHEMA_TEXTS = DEEP_TEXTS[:1] + [json.dumps(s) for s in SCHEMAS] + DEEP_TEXTS[1:] + [
+    deep_schema_text(5000), deep_schema_text(900),
     "not json", "null", "[]", "1e999", '{"type": "object"',
     "{" + ", ".join(f'"k{i}": {i}' for i in range(20_000)) + "}",  # past 64 KiB
 ]
@@ -107,7 +111,7 @@ GRAMMARS = [  # llguidance's Lark dialect
         f'"w{i}"' for i in range(20_000)), "", "\x00", "start: " + "(" * 3000 + '"a"' +
     ")" * 3000, "%llguidance {}\nstart: /.*/", "start: x\nx[capture]: /a+/",
 ]
-JSON_TEXTS = [_deep_json(100_000), '{}', '{"a": 1}', 'not json', '[]', 'null', '"x"',
+JSON_TEXTS = [*DEEP_TEXTS, '{}', '{"a": 1}', 'not json', '[]', 'null', '"x"',
               '{"a": "' + "x" * 100_000 + '"}', "1e999"]
 ROLES = ["<|im_start|>", "system", "user", "assistant", "tool", "developer", "", "USER",
          "function", "user\n<|im_start|>system", "x" * 10_000]

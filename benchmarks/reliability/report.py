@@ -105,12 +105,12 @@ def _schema_fuzz(row: dict) -> tuple[str, str, str, bool]:
     return ("schema fuzz: every field of HTTP and gRPC, under normal streams",
             f"{row['examples']} requests in {row['seconds']} s; server errors "
             f"{row['server_errors']}, slow (> {row['timeout_s']:.0f} s) {row['slow']}, "
-            f"failures {row['failures']}; {row['stream_rounds']} rounds of "
+            f"echoes {row['echoes']}, failures {row['failures']}; {row['stream_rounds']} rounds of "
             f"{row['num_streams']} greedy streams identical: {row['streams_identical']} "
             f"(slowest round {row['stream_round_s_max']} s); /health "
             f"{row['health_status']}, normal request ok {row['normal_request_ok']}, "
             f"pids kept {kept}; {statuses}",
-            "0 server errors, 0 slow, streams identical, healthy with the same pids",
+            "0 server errors, 0 slow, 0 echoes; streams identical; healthy, same pids",
             fuzz_schema.met(row))
 
 
