@@ -5,7 +5,7 @@
 Rows: overload, hostile, bad_specs, soak, chaos, schema_fuzz, fuzz (in that order:
 capacity is measured on a fresh server, whose admission has not yet seen a flood, and
 fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
-alone (every field of both APIs while normal streams run; ``--long``: 30 inputs a
+alone (every field of both APIs while normal streams run; ``--long``: 100 inputs a
 field). The default form runs them on one ``continuum serve`` plus the chaos matrix's
 own replicas and gateways (about 10-15 minutes on a 2-core machine); ``--short`` is the
 CI form's sizes with a single chaos row on the serve (about 2-3 minutes); ``--long`` is

@@ -46,7 +46,7 @@ from gateway import openai_schema
 from gateway.config import default_body_limit
 from protos.continuum.v1 import generation_pb2_grpc
 
-SIZES = {"ci": 1, "short": 2, "default": 5, "long": 30}  # inputs per field
+SIZES = {"ci": 1, "short": 2, "default": 5, "long": 100}  # inputs per field
 MAX_SHRUNK, SHRINK_S = 3, 60.0
 # A refusal quotes what it refuses in a bounded excerpt (protos/echo.py): one longer than
 # this grew with the input, an amplifier for whoever sends megabytes.
