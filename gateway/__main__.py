@@ -49,17 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="port to listen on (0: any)")
-    parser.add_argument(
-        "--model-name",
-        default="",
-        help="model name clients may send (default: the model dir's name)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context limit (default: config.json max_position_embeddings)",
-    )
+    parser.add_argument("--model-name", default="",
+                        help="model name clients may send (default: the model dir's name)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: config.json max_position_embeddings)")
     parser.add_argument(
         "--http-port",
         type=int,

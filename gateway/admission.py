@@ -97,5 +97,9 @@ class Admission:
                     routing_headers.apply(request, headers, self._objective_tiers)
                 request.tenant = resolve_tenant(principal, request.tenant)
                 check_tier(principal, request.priority)
-            tokenizer = self._trusting if principal.special_tokens else self._tokenizer
-            return validate(request, tokenizer, self._model_name), extra
+            return validate(request, self.tokenizer_for(principal), self._model_name), extra
+
+    def tokenizer_for(self, principal: Principal) -> Tokenizer:
+        """The tokenizer ``principal``'s requests are encoded with: a key granted
+        special_tokens keeps control tokens in its chats (gateway/auth.py)."""
+        return self._trusting if principal.special_tokens else self._tokenizer

@@ -189,9 +189,7 @@ class HttpApi:
     async def _tool(self, request: web.Request, answer, api: str) -> web.Response:
         """A body-in, JSON-out route: the body read bounded, decoded and answered off
         the event loop (all of it client input: parse_guard's), refusals as OpenAI errors."""
-        # /tokenize shows the ids generation gets, so a key's special_tokens grant counts.
-        tokenizer = (self._tokenizer.trusting_content() if request[_PRINCIPAL].special_tokens
-                     else self._tokenizer)
+        tokenizer = self._admission.tokenizer_for(request[_PRINCIPAL])  # generation's ids
 
         def run() -> dict:
             with parse_guard(api, self._metrics):

@@ -72,14 +72,7 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
     if kind == "schema_fuzz":
         return _schema_fuzz(row)
     if kind == "chaos":
-        cols = ", ".join(f"{c} {row[c]}" for c in ("identical", "duplicated", "diverged",
-                                                   "lost", "errored", "ended"))
-        ok = (row["duplicated"] == row["diverged"] == row["lost"] == row["errored"] == 0
-              and row.get("blocks_free_after", True))
-        return (f"chaos: {row['fault']} during {row['phase']}",
-                f"{row['streams']} streams: {cols}; recovery {row['recovery_s']} s; "
-                f"blocks free after: {row.get('blocks_free_after', 'n/a')}",
-                "0 lost, 0 duplicated, 0 errored", ok)
+        return _chaos(row)
     if kind == "bad_specs":
         return bad_specs.summary(row)
     if kind == "hostile_itl":
@@ -112,6 +105,17 @@ def _schema_fuzz(row: dict) -> tuple[str, str, str, bool]:
             f"pids kept {kept}; {statuses}",
             "0 server errors, 0 slow, 0 echoes; streams identical; healthy, same pids",
             fuzz_schema.met(row))
+
+
+def _chaos(row: dict) -> tuple[str, str, str, bool]:
+    cols = ", ".join(f"{c} {row[c]}" for c in ("identical", "duplicated", "diverged",
+                                               "lost", "errored", "ended"))
+    ok = (row["duplicated"] == row["diverged"] == row["lost"] == row["errored"] == 0
+          and row.get("blocks_free_after", True))
+    return (f"chaos: {row['fault']} during {row['phase']}",
+            f"{row['streams']} streams: {cols}; recovery {row['recovery_s']} s; "
+            f"blocks free after: {row.get('blocks_free_after', 'n/a')}",
+            "0 lost, 0 duplicated, 0 errored", ok)
 
 
 def markdown(rows: list[dict], size: str) -> str:
