@@ -133,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_args(argv)
         load_secret()  # fail fast; the ReplicaSet reads it again for its channels
         tokenizer = Tokenizer.from_dir(config.model_dir, max_model_len=config.max_model_len)
-        tokenizer.guided.warm()  # structured-output checks: llguidance's tokenizer, ~0.3 s
+        tokenizer.guided.warm()  # structured-output compile workers, ~1 s in the background
         keys = ApiKeys.load(config.api_keys_file)
         configure_logging()
-        asyncio.run(serve(config, tokenizer, keys))
+        try:
+            asyncio.run(serve(config, tokenizer, keys))
+        finally:
+            tokenizer.guided.close()
     except (ConfigError, ModelFilesError, BindError, SecretError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE

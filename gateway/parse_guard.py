@@ -9,6 +9,9 @@ still INVALID_ARGUMENT / 400 "could not parse the request", never a 500. Each is
 logged once with its traceback and counted in
 `continuum:request_parse_errors_total{api}`: a gap in the checks, to be closed there.
 
+A structured-output compile that found no free CPU or worker in time
+(gateway/guided_check.py ``CompileBusy``) is overload instead: 429 / RESOURCE_EXHAUSTED.
+
 Only parsing is guarded: a failure while serving an admitted request is ours, and
 stays INTERNAL / 500 (gateway/server.py, gateway/http_api.py).
 """
@@ -19,8 +22,10 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
+import grpc
 import structlog
 
+from gateway.guided_check import CompileBusy
 from gateway.metrics import GatewayMetrics
 from gateway.validation import RequestError
 from protos.echo import shorten
@@ -38,6 +43,9 @@ def parse_guard(api: str, metrics: GatewayMetrics) -> Iterator[None]:
         yield
     except RequestError:
         raise
+    except CompileBusy as exc:  # overload, not the client's fault: 429 / RESOURCE_EXHAUSTED
+        raise RequestError(str(exc), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           param="response_format") from exc
     except Exception as exc:
         raise unexpected(exc, api, metrics) from exc
 

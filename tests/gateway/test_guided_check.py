@@ -7,14 +7,19 @@ both APIs; good specs still reach the scheduler."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import aiohttp
 import grpc
 import pytest
 
-from gateway import guided_check, tool_checks
+from gateway import compile_worker, guided_check, http_replies, tool_checks
 from gateway.guided_check import GuidedCheck
+from gateway.metrics import GatewayMetrics
+from gateway.parse_guard import parse_guard
+from gateway.validation import RequestError
 from protos import guided as guided_spec
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 
@@ -72,24 +77,71 @@ def test_what_the_gateway_refuses_is_what_the_executor_meets(tokenizer):
     assert matcher.is_error() and "too many expressions" in matcher.get_error()
 
 
-def test_a_repeated_spec_is_compiled_once(tokenizer, monkeypatch):
-    compiled = []
-    original = guided_check._verdict
-    monkeypatch.setattr(guided_check, "_verdict",
-                        lambda tok, spec: compiled.append(spec) or original(tok, spec))
+def test_a_repeated_spec_is_compiled_once(tokenizer):
+    before = tokenizer.guided.num_compiles
     spec = sampling_pb2.Guided(regex=f"cached-{time.monotonic_ns()}[0-9]+")
     assert [tokenizer.guided.problem(spec) for _ in range(3)] == [None] * 3
-    assert len(compiled) == 1
+    assert tokenizer.guided.num_compiles - before == 1
 
 
-def test_a_compile_past_the_timeout_is_refused(monkeypatch):
-    monkeypatch.setattr(guided_check.guided_spec, "load_tokenizer", lambda *args: object())
-    monkeypatch.setattr(guided_check, "_verdict", lambda tok, spec: time.sleep(0.5))
-    check = GuidedCheck(lambda: "", 16, (), timeout_s=0.05)
-    started = time.monotonic()
-    message = check.problem(sampling_pb2.Guided(regex="slow"))
-    assert message is not None and "took too long to compile" in message
-    assert time.monotonic() - started < 0.4
+def _check(tokenizer, **kwargs) -> GuidedCheck:
+    return GuidedCheck(tokenizer._backend.to_str, tokenizer.info.vocab_size,
+                       tokenizer.info.eos_token_ids, workers=1, **kwargs)
+
+
+def test_a_compile_past_its_cpu_budget_is_killed_and_the_spec_refused(tokenizer, monkeypatch):
+    monkeypatch.setattr(compile_worker, "POLL_S", 0.002)
+    check = _check(tokenizer, cpu_budget_s=0.001)
+    try:
+        assert check.problem(sampling_pb2.Guided(regex="[0-9]+")) is None  # started
+        (first,) = check.worker_pids()
+        message = check.problem(sampling_pb2.Guided(regex="(a{1500}){1500}"))
+        assert message is not None and "took too long to compile" in message
+        assert first not in check.worker_pids()  # killed; the next check starts another
+        assert check.problem(sampling_pb2.Guided(regex="[a-z]+")) is None
+    finally:
+        check.close()
+
+
+def test_no_cpu_in_time_is_overload_not_a_verdict(tokenizer):
+    """A worker that gets no CPU (stopped here) answers nothing: the request is refused
+    as busy (not kept as the spec's verdict), and the next check gets a fresh worker."""
+    check = _check(tokenizer)
+    spec = sampling_pb2.Guided(regex="[0-9]{2}")
+    try:
+        assert check.problem(sampling_pb2.Guided(regex="[0-9]+")) is None  # started
+        (stopped,) = check.worker_pids()
+        check.timeout_s = 0.3
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(guided_check.CompileBusy):
+            check.problem(spec)
+        assert time.monotonic() - started < 1.0
+        check.timeout_s = 60.0
+        assert check.problem(spec) is None and stopped not in check.worker_pids()
+    finally:
+        check.close()
+
+
+def test_a_worker_that_died_is_replaced(tokenizer):
+    check = _check(tokenizer)
+    try:
+        assert check.problem(sampling_pb2.Guided(regex="[0-9]+")) is None
+        (dead,) = check.worker_pids()
+        os.kill(dead, signal.SIGKILL)
+        assert check.problem(sampling_pb2.Guided(regex="[a-c]+")) is None
+        assert check.worker_pids() and dead not in check.worker_pids()
+    finally:
+        check.close()
+
+
+def test_busy_is_429_and_resource_exhausted(tokenizer):
+    metrics = GatewayMetrics("m")
+    with pytest.raises(RequestError) as caught, parse_guard("http", metrics):
+        raise guided_check.CompileBusy("busy")
+    assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    response = http_replies.request_error(caught.value)
+    assert response.status == 429 and response.headers["Retry-After"] == "1"
 
 
 def test_tool_parameters_go_through_the_served_tokenizers_check():
