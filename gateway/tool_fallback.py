@@ -10,7 +10,9 @@ are trained on, which the default ``hermes`` parser (gateway/tool_parsers.py) re
   it follows the conversation's own system message, or is the system message;
 * an assistant turn's ``tool_calls`` become such blocks after its text;
 * ``tool`` turns (results) become a user turn of ``<tool_response>`` blocks, one per
-  result, consecutive results in one turn (as Qwen's template renders them).
+  result, consecutive results in one turn (as Qwen's template renders them); a
+  result's own ``<tool_response>`` tags are escaped (``&lt;``), so it cannot close its
+  block. Control tokens in a result are text already (gateway/special_tokens.py).
 
 Roles other templates may refuse ("tool") never reach the template this way.
 """
@@ -41,6 +43,14 @@ def _call_text(call: Mapping) -> str:
     return "<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>"
 
 
+def _escaped(result: str) -> str:
+    """A result's own ``<tool_response>`` tags, written as text the wrapper cannot be
+    mistaken for: a result that closes its block cannot open a second one (or a
+    ``<tool_call>`` outside it) in the model's eyes. What the tool said is kept."""
+    return result.replace("<tool_response>", "&lt;tool_response&gt;").replace(
+        "</tool_response>", "&lt;/tool_response&gt;")
+
+
 def messages(turns: Sequence[Mapping], tools: list[dict] | None) -> list[dict]:
     """``turns`` rewritten as above; unchanged (as plain dicts) with no tools, calls or
     results in them."""
@@ -48,7 +58,7 @@ def messages(turns: Sequence[Mapping], tools: list[dict] | None) -> list[dict]:
     for turn in turns:
         role, content = turn.get("role"), turn.get("content") or ""
         if role == "tool":
-            block = "<tool_response>\n" + content + "\n</tool_response>"
+            block = "<tool_response>\n" + _escaped(content) + "\n</tool_response>"
             if out and out[-1].get("_results"):
                 out[-1]["content"] += "\n" + block
             else:
