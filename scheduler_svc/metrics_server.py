@@ -15,14 +15,22 @@ changed under it, so it never serves a torn page.
 
 prints ``listening <port>`` (or ``error <errno> <message>``) on stdout, then serves
 until the parent is gone.
+
+Bounded, since the port is reachable off loopback in a pod: at most ``MAX_CONNECTIONS``
+connections are served at once (a thread each); one more is answered 503 and closed
+without a thread. A connection has ``REQUEST_TIMEOUT_S`` in all for its next request
+head, idle keep-alive wait included, so a client that sends nothing or trickles a byte
+at a time is closed then, and ``WRITE_TIMEOUT_S`` to take the page.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.server
+import io
 import mmap
 import os
+import socket
 import struct
 import sys
 import threading
@@ -31,6 +39,16 @@ import time
 HEADER = struct.Struct("<QQ")
 CAPACITY = 16 << 20  # page bytes (a sparse file: only what is written takes memory)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The readers are a few scrapers and routers, each with a connection or two: 32 is room
+# for them all (and for bench tools) while a flood costs at most 32 threads.
+MAX_CONNECTIONS = 32
+# A scrape's request is one short head: 5 s is plenty on any network (nginx's
+# client_header_timeout is 60 s for arbitrary clients), and Prometheus reconnects at
+# its next scrape when an idle keep-alive connection was closed.
+REQUEST_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 10.0  # to take a page of at most a few MB
+BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+              b"Retry-After: 1\r\nConnection: close\r\n\r\n")
 
 
 class PageFile:
@@ -65,11 +83,88 @@ class PageFile:
         self._map.close()
 
 
-def serve(page_file: PageFile, host: str, port: int) -> http.server.ThreadingHTTPServer:
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each bounded by what is left of ``deadline`` (monotonic; None:
+    unbounded), so a trickle of bytes cannot outlive it the way a per-read timeout
+    lets it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request deadline passed")
+            self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class BoundedHTTPServer(http.server.ThreadingHTTPServer):
+    """A ThreadingHTTPServer that serves at most ``max_connections`` at once."""
+
+    daemon_threads = True
+    request_queue_size = 64  # a burst of connects waits in the kernel, not refused
+
+    def __init__(self, address, handler, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        """503 and close, on the accepting thread and never blocking it: what the
+        client already sent is read first, so the close does not reset the 503."""
+        try:
+            request.setblocking(False)
+            try:
+                request.recv(65536)
+            except BlockingIOError:
+                pass
+            request.send(BUSY_REPLY)
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+
+def serve(page_file: PageFile, host: str, port: int,
+          max_connections: int = MAX_CONNECTIONS,
+          request_timeout_s: float = REQUEST_TIMEOUT_S) -> BoundedHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a scraper reuses its connection
 
+        def setup(self) -> None:
+            super().setup()
+            self.rfile.close()  # the stdlib's reader, replaced by one with a deadline
+            self._reader = _DeadlineReader(self.connection)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            # The stdlib closes the connection when a read times out.
+            self._reader.deadline = time.monotonic() + request_timeout_s
+            super().handle_one_request()
+
         def do_GET(self) -> None:  # noqa: N802
+            self.connection.settimeout(WRITE_TIMEOUT_S)
             if self.path.split("?", 1)[0] != "/metrics":
                 self.send_error(404, "only /metrics is served here")
                 return
@@ -83,9 +178,7 @@ def serve(page_file: PageFile, host: str, port: int) -> http.server.ThreadingHTT
         def log_message(self, *args) -> None:  # scrapes every 50 ms: not logged
             pass
 
-    server = http.server.ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return BoundedHTTPServer((host, port), Handler, max_connections)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
