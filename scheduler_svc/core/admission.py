@@ -22,8 +22,15 @@ sampled on the core's own clock at Submit, once MIN_DEPARTURES were measured; an
 Little's law, L / W: how many ran beside finished requests / how long they ran (first step
 to finish; measured in any regime, so a server that was never saturated still has an
 estimate when a flood arrives; aborted requests, which leave without being served,
-do not count). With neither (a cold start) only the count caps (max_num_waiting,
-max_num_waiting_per_tenant) apply.
+do not count). With neither (a cold start: a burst into a server that has finished
+nothing yet) the running requests' token budgets stand in: a running request leaves
+within its remaining ``max_tokens`` steps, and a step takes what the last admission
+steps took (``StepPace``), so departures_per_s = running / (mean remaining tokens x
+seconds per step): at most what drains, since a request may stop early, never less.
+Before the first steps, only the count caps (max_num_waiting,
+max_num_waiting_per_tenant) apply; the requests admitted so (*blind*) are judged again
+at the first admission step that has an estimate, and those it would have refused are
+refused then (``rejudge``), not shed at twice their bound.
 
 The estimate counts requests, not their work: a queue whose head holds out for a
 prompt as long as the KV pool drains far slower than the departures of short
@@ -53,7 +60,7 @@ import math
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig, queue_time_bound
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.running import RunningSet
 
 TAU_S = 10.0
@@ -65,6 +72,8 @@ MAX_RETRY_AFTER_S = 60.0
 SHED_FACTOR = 2.0
 SERVICE_WEIGHT = 0.05  # ServiceTimes: about the last 20 finished requests
 SHED_CHECK_S = 0.25  # how often the queue is scanned for requests to shed
+MAX_STEP_GAP_S = 5.0  # StepPace: a longer gap between steps is not a step's time
+PACE_WEIGHT = 0.25  # StepPace: about the last 4 steps
 
 
 class ThroughputMeter:
@@ -100,6 +109,30 @@ class ThroughputMeter:
             self._weighted_time = self._weighted_time * decay + dt
             self.measured_departures += n
         self._t, self._departed, self._saturated = now, departed, saturated
+
+
+class StepPace:
+    """Seconds per step while requests run: the gaps between admission steps (one per
+    step), exponentially weighted; gaps with nothing running, or longer than
+    MAX_STEP_GAP_S (an idle spell, an executor restart), do not count."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self.step_s: float | None = None
+
+    def tick(self, now: float, num_running: int) -> None:
+        if self._last is not None and num_running and 0 < now - self._last < MAX_STEP_GAP_S:
+            gap = now - self._last
+            self.step_s = gap if self.step_s is None else self.step_s + PACE_WEIGHT * (
+                gap - self.step_s)
+        self._last = now
+
+    def rate(self, running) -> float | None:
+        """Departures per second if every running request ran to its max_tokens."""
+        if self.step_s is None or not running:
+            return None
+        remaining = sum(max(1, r.max_tokens - r.num_output_tokens) for r in running)
+        return len(running) / (remaining / len(running) * self.step_s)
 
 
 class ServiceTimes:
@@ -202,6 +235,8 @@ class Admission:
         self._running = running
         self.throughput = ThroughputMeter()  # departures/s while saturated
         self.service = ServiceTimes()  # how long finished requests ran
+        self.pace = StepPace()  # seconds per step, for the cold-start estimate
+        self.num_blind = 0  # requests admitted with no estimate, not yet judged again
         self.num_shed = 0  # queued requests ended for waiting past their bound
         self._next_shed_check = 0.0
         self.now = 0.0  # the clock at the last admission step (step-granular timestamps)
@@ -238,7 +273,7 @@ class Admission:
         self.throughput.sample(req.arrival_time, num_finished, held or free <= 0)
         tier = req.priority_tier
         bound = queue_time_bound(cfg, tier)
-        rate = departure_rate(self.throughput.rate, self.service.rate())
+        rate = self.rate()
         refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
         if refusal is None and bound > 0 and waiting:
             oldest = waiting.oldest_arrival_up_to(tier)
@@ -247,8 +282,39 @@ class Admission:
             refusal = head_of_line_refusal(tier, bound, waited)
         if refusal is not None:
             raise QueueFull(*refusal)
+        if rate is None and bound > 0:
+            self.num_blind += 1
         if len(waiting.served) > 2 * (waiting.num_tenants + len(running.per_tenant)) + 64:
             waiting.prune(running.per_tenant)
+
+    def rate(self) -> float | None:
+        """Departures per second: measured, or cold, from the running budgets."""
+        rate = departure_rate(self.throughput.rate, self.service.rate())
+        return self.pace.rate(self._running.order) if rate is None else rate
+
+    def rejudge(self) -> list[Request]:
+        """Once an estimate exists, the blind admissions it would have refused, each
+        given that refusal (the caller ends them): fresh waiting requests in the order
+        admission counts them (tier, then arrival), each judged with those ahead."""
+        rate = self.rate() if self.num_blind else None
+        if rate is None:
+            return []
+        self.num_blind = 0
+        cfg = self.config
+        free = max(0, cfg.max_num_seqs - len(self._running))
+        fresh = sorted((r for r in self._waiting if r.status == RequestStatus.WAITING
+                        and not r.num_preemptions and not r.num_resumed_output_tokens),
+                       key=lambda r: (r.priority_tier, r.arrival_time))
+        refused = []
+        for ahead, req in enumerate(fresh):
+            bound = queue_time_bound(cfg, req.priority_tier)
+            refusal = overload_refusal(req.priority_tier, bound, ahead - len(refused), free,
+                                       rate)
+            if refusal is not None:
+                req.error, req.retry_after_s = refusal
+                refused.append(req)
+        self.num_shed += len(refused)
+        return refused
 
     def overdue(self, now: float) -> list[Request]:
         """Queued requests that waited SHED_FACTOR x their tier's bound without starting,
@@ -256,6 +322,7 @@ class Admission:
         every SHED_CHECK_S, when admission runs."""
         if self.serving_since is None:  # the first admission step of a new executor
             self.serving_since = now
+        self.pace.tick(now, len(self._running))
         if not self._waiting or now < self._next_shed_check:
             return []
         self._next_shed_check = now + SHED_CHECK_S

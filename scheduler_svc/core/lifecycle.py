@@ -90,7 +90,9 @@ class Lifecycle:
         reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
         self.reserve, self.blocked = reserve, None
         now = self._admission.now = self._clock()
-        for req in self._admission.overdue(now):  # shed: waited twice its bound
+        shed = self._admission.rejudge()  # blind admissions an estimate now refuses
+        shed += [r for r in self._admission.overdue(now) if r not in shed]  # twice late
+        for req in shed:
             self.end_waiting(req, FinishReason.ABORT)
             events.append(Event(req, None, FinishReason.ABORT))
         while budget > 0 and len(running) < self.config.max_num_seqs:

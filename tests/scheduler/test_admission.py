@@ -259,3 +259,50 @@ def test_requests_queued_through_an_executor_restart_are_not_shed_for_it():
     sched.attach_executor(make_model(16, 4))
     sched.schedule()
     assert not queued.is_finished and not queued.error
+
+
+def test_a_burst_into_a_cold_server_is_refused_at_once_from_the_running_budgets():
+    """Nothing has finished, so no departure rate was measured; after a few steps the
+    running requests' remaining max_tokens and the step time say how fast the queue
+    will drain, so a burst past the bound is refused at Submit, not shed later."""
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=4, max_num_batched_tokens=64,
+                           chunk_size=64, max_num_waiting=10_000)
+    for i in range(4):
+        sched.add_request(make_request(8, 20, request_id=f"first{i}"))
+    for _ in range(3):  # 0.5 s a step
+        step(sched)
+        clock.now += 0.5
+    assert sched.admission.throughput.rate is None and sched.admission.service.rate() is None
+    accepted, refused = 0, 0
+    for i in range(100):
+        try:
+            sched.add_request(make_request(8, 20, request_id=f"burst{i}"))
+            accepted += 1
+        except QueueFull as exc:
+            assert "overloaded" in str(exc) and exc.retry_after_s >= 1.0
+            refused += 1
+    # 4 running, ~18 tokens left at 0.5 s a step: ~0.44 departures/s; 5 s holds ~3.
+    assert 1 <= accepted <= 6 and refused == 100 - accepted
+
+
+def test_requests_admitted_before_any_estimate_are_judged_again_once_there_is_one():
+    """A burst into a server that has run no step yet is admitted blind (count caps
+    only); at the first admission step with an estimate, those it would have refused are
+    refused then, with a retry hint, instead of being shed after twice their bound."""
+    clock = Clock(0.0)
+    sched = make_scheduler(clock=clock, max_num_seqs=4, max_num_batched_tokens=64,
+                           chunk_size=64, max_num_waiting=10_000)
+    blind = [make_request(8, 20, request_id=f"blind{i}") for i in range(40)]
+    for req in blind:
+        sched.add_request(req)  # nothing measured yet: all admitted
+    assert sched.admission.num_blind == 40
+    for _ in range(3):
+        step(sched)
+        clock.now += 0.5
+    refused = [r for r in blind if r.is_finished]
+    assert 30 <= len(refused) <= 38 and sched.admission.num_blind == 0
+    assert all("overloaded" in r.error and r.retry_after_s >= 1.0 for r in refused)
+    # The oldest were kept (those refused are the last to have arrived).
+    kept = [r for r in blind if not r.is_finished]
+    assert max(blind.index(r) for r in kept) < min(blind.index(r) for r in refused)

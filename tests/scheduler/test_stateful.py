@@ -334,12 +334,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         except QueueFull as exc:
             cap = self.config.max_num_waiting_per_tenant
             # A count cap, or the queue-time bound (core/admission.py), which needs a
-            # measured departure rate or a queue head already waiting past the bound.
+            # measured departure rate (or, cold, a measured step time for the running
+            # requests' budgets) or a queue head already waiting past the bound.
             bound = queue_time_bound(self.config, req.priority_tier)
             oldest = sched.waiting.oldest_arrival_up_to(req.priority_tier)
             stuck = oldest is not None and self.clock.now - oldest > bound
             admission = sched.admission
-            measured = admission.throughput.rate is not None or admission.service.count > 0
+            measured = (admission.throughput.rate is not None or admission.service.count > 0
+                        or (admission.pace.step_s is not None and len(sched.running) > 0))
             overloaded = (measured or stuck) and "overloaded" in str(exc)
             assert overloaded or waiting_before >= self.config.max_num_waiting or (
                 cap and sched.waiting.num_waiting(tenant) >= cap)
