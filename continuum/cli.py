@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from continuum import serve_tls
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from gateway import edge_flags
 
 DEFAULT_PORT = 50051
+# The executor's nice value under serve (measured in docs/reliability.md, row burst).
+EXECUTOR_NICE = 0
 
 
 def _serve_parser(sub) -> argparse.ArgumentParser:
@@ -49,6 +52,10 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "0 (default): preempted sequences are always recomputed")
     _scheduler_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="executor torch threads (0: all)")
+    p.add_argument("--executor-nice", type=int, default=EXECUTOR_NICE,
+                   help="the executor's lowered CPU share (nice 0-19, its session's "
+                        "autogroup too), so the gateway and scheduler answer at once on a "
+                        f"host the executor saturates (default {EXECUTOR_NICE}; 0: unchanged)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
     p.add_argument("--standby-executors", type=int, choices=(0, 1), default=None,
                    help="warm standby executors (loaded, idle) that take over on the next "
@@ -57,8 +64,9 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")
-    edge = p.add_argument_group("gateway limits and switches (passed to the gateway)")
+    edge = p.add_argument_group("gateway limits, switches and TLS (passed to the gateway)")
     edge_flags.add_flags(edge, pass_through=True)
+    serve_tls.add_arguments(p)
     return p
 
 

@@ -37,6 +37,7 @@ import time
 
 import grpc
 
+from continuum import serve_tls
 from continuum.procs import port_is_free, spawn, stop_all
 from gateway import edge_flags
 from protos import internal_auth
@@ -152,6 +153,8 @@ class Supervisor:
         self.args = args
         if args.ipc:
             check_ipc_dir(args.ipc)
+        if (tls_problem := serve_tls.problem(args)) is not None:
+            raise ServeError(tls_problem)
         self.secret, self.child_env = internal_secret(dict(os.environ))
         self._metadata = internal_auth.metadata(self.secret)
         self.workdir = tempfile.mkdtemp(prefix="continuum-")  # mode 0700
@@ -229,7 +232,8 @@ class Supervisor:
                       if getattr(a, "config_file", None) else []),
                     *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else []),
                     *(["--kv-events-endpoint", a.kv_events_endpoint, "--kv-events-topic",
-                       a.kv_events_topic] if getattr(a, "kv_events_endpoint", "") else [])]
+                       a.kv_events_topic] if getattr(a, "kv_events_endpoint", "") else []),
+                    *serve_tls.scheduler_argv(a)]
         if name in EXECUTORS:
             argv = ["--standby"] if name == "standby" else []
             argv += ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
@@ -245,6 +249,7 @@ class Supervisor:
             if getattr(a, "swap_space_bytes", 0):  # the host (swap) pool: 0 disables swap
                 argv += ["--host-kv-cache-bytes", str(a.swap_space_bytes)]
             argv += ["--tp-size", str(a.tp_size)]
+            argv += ["--cpu-nice", str(getattr(a, "executor_nice", 0))]
             return argv + (["--threads", str(a.threads)] if a.threads else [])
         return ["--model-dir", self.model_dir, "--model-name", self.model_name,
                 "--scheduler", sched_addr,
@@ -264,7 +269,7 @@ class Supervisor:
     def _wait_ready(self, started: float) -> None:
         """Returns once the scheduler has an executor and the gateway answers."""
         addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
-        with grpc.insecure_channel(addr) as ch:
+        with serve_tls.scheduler_channel(self.args, addr) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 dead = self._dead()
@@ -281,7 +286,8 @@ class Supervisor:
                 time.sleep(0.2)
         if not self._stop:
             self._wait_gateway()
-            http = (f", http://{self.args.host}:{self.args.http_port}/v1 (OpenAI)"
+            scheme = "https" if getattr(self.args, "tls_cert_file", None) else "http"
+            http = (f", {scheme}://{self.args.host}:{self.args.http_port}/v1 (OpenAI)"
                     if self.args.http_port >= 0 else "")
             print(f"continuum: serving {self.model_name} on "
                   f"{self.args.host}:{self.args.port} (gRPC){http}, ready in "
@@ -289,21 +295,18 @@ class Supervisor:
             print("ready", flush=True)
 
     def _wait_gateway(self) -> None:
-        with grpc.insecure_channel(f"{self.args.host}:{self.args.port}") as ch:
-            ready = grpc.channel_ready_future(ch)
+        with serve_tls.gateway_probe(self.args) as ready:
             while not self._stop:
-                try:
-                    ready.result(timeout=0.5)
+                if ready(0.5):
                     return
-                except grpc.FutureTimeoutError:
-                    if self.procs["gateway"].poll() is not None:
-                        raise ServeError("the gateway exited while starting "
-                                         "(see its message above)") from None
+                if self.procs["gateway"].poll() is not None:
+                    raise ServeError("the gateway exited while starting "
+                                     "(see its message above)")
 
     def _watch(self) -> int:
         restarts: list[float] = []
         addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
-        with grpc.insecure_channel(addr) as ch:
+        with serve_tls.scheduler_channel(self.args, addr) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 time.sleep(0.5)

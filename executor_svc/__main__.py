@@ -50,7 +50,7 @@ from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import shard_layout
 from kernels import BACKEND_NAMES, backend_for, make_backend
-from protos import internal_auth, wire
+from protos import cpu_priority, internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor")
@@ -87,6 +87,7 @@ class ExecutorConfig:
     incarnation_file: str | None = None  # each Hello's incarnation, for a probe of its own
     switches: Switches = field(default_factory=Switches)
     enforce_eager: bool = False  # no decode-step CUDA graphs (executor_svc/cuda_graphs.py)
+    cpu_nice: int = 0  # lowered CPU share (protos/cpu_priority.py); 0: unchanged
 
 
 def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
@@ -110,6 +111,11 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
                         "the same --kv-cache-bytes and half attention's reads; logits move "
                         "slightly (greedy outputs may differ from a float32 cache)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--cpu-nice", type=int, default=0,
+                   help="lower this process's CPU share to this nice value (0-19; its "
+                        "session's autogroup too: protos/cpu_priority.py), so that on a "
+                        "shared host the gateway and scheduler keep the CPU they need to "
+                        "answer at once; 0 (default): unchanged")
     p.add_argument("--model-id", default=None,
                    help="served name (default: the model directory's name, as the gateway's)")
     p.add_argument("--warmup-tokens", type=int, default=128,
@@ -138,6 +144,8 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
         p.error("--block-size, --threads and --warmup-tokens must be positive")
     if a.max_num_batched_tokens < 1:
         p.error("--max-num-batched-tokens must be positive")
+    if not 0 <= a.cpu_nice <= cpu_priority.LOWEST:
+        p.error(f"--cpu-nice must be 0..{cpu_priority.LOWEST}, got {a.cpu_nice}")
     check_device_arguments(p, a)
     if a.tp_size < 1 or a.tp_timeout_s <= 0:
         p.error("--tp-size and --tp-timeout-s must be positive")
@@ -158,6 +166,7 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
         kv_cache_dtype=a.kv_cache_dtype, device=a.device,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_num_batched_tokens=a.max_num_batched_tokens, standby=a.standby,
+        cpu_nice=a.cpu_nice,
         incarnation_file=a.incarnation_file, switches=switches, enforce_eager=a.enforce_eager)
 
 
@@ -267,6 +276,8 @@ class _Stop:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     config = parse_args(args)
+    if config.cpu_nice:  # before torch starts its threads: they inherit it
+        cpu_priority.lower(config.cpu_nice)
     rank = f" rank{config.tp_rank}" if config.tp_size > 1 else ""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format=f"%(asctime)s %(name)s{rank} %(levelname)s %(message)s")

@@ -5,6 +5,7 @@ It owns everything textual and relays token streams from a scheduler replica:
     __main__.py       CLI, startup errors (exit 2), SIGTERM/SIGINT drain
     config.py         GatewayConfig, the one frozen config
     server.py         grpc.aio Generation servicer, health, reflection, binding
+    rpc_limit.py      the cap on gRPC calls in flight (RESOURCE_EXHAUSTED + retry hint)
     validation.py     GenerateRequest → ValidatedRequest, or RequestError (status + message)
     upstream.py       scheduler channel options; upstream status → client status
     output_stream.py  TokenEvents → GenerateResponses (detokenize, stop strings, usage)

@@ -23,6 +23,7 @@ from gateway.log_setup import configure_logging
 from gateway.server import BindError, start_gateway
 from gateway.tokenizer import ModelFilesError, Tokenizer
 from protos.internal_auth import SecretError, load_secret
+from protos.tls import LOOPBACK, TlsError
 
 EXIT_USAGE = 2
 
@@ -117,11 +118,16 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> N
         host=config.host,
         port=gateway.port,
         http_port=gateway.http_port,
+        tls="mutual" if config.tls_client_ca_file else "on" if config.tls_cert_file else "off",
+        probe_port=gateway.probe_port,
         auth="api keys" if keys.enabled else "off",
         model=config.model_name,
         scheduler=config.scheduler_address,
         max_model_len=tokenizer.info.max_model_len,
     )
+    if config.server_tls is None and config.host not in LOOPBACK:
+        log.warning("plaintext off loopback: API keys and prompts cross the network in "
+                    "clear; pass --tls-cert-file and --tls-key-file", host=config.host)
     await stop.wait()
     log.info("draining", grace_period_s=config.grace_period_s)
     await gateway.stop(config.grace_period_s)
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(serve(config, tokenizer, keys))
         finally:
             tokenizer.guided.close()
-    except (ConfigError, ModelFilesError, BindError, SecretError) as exc:
+    except (ConfigError, ModelFilesError, BindError, SecretError, TlsError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers were installed

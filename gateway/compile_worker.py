@@ -8,11 +8,10 @@ bombs a second, 2 cores): compiled in gateway threads the streams' ITL p99 went 
 74 to 684 ms; in this process, 71 to 91 ms. Lowering a thread's priority does not do
 it: the kernel shares the CPU between sessions first (autogroup; every Continuum
 service runs in a session of its own), and a low-priority thread that holds the GIL
-stalls the event loop. So the child starts its own session (``Worker.start``), lowers
-that session's share where the kernel groups by session, and its own nice value where
-a container's cgroup does the grouping. A process can also be killed, so a compile
-that runs too long ends (gateway/guided_check.py decides when) and a crash in the
-matcher costs a respawn, not the gateway.
+stalls the event loop. So the child starts its own session (``Worker.start``) and
+lowers its share to the least (protos/cpu_priority.py). A process can also be killed,
+so a compile that runs too long ends (gateway/guided_check.py decides when) and a
+crash in the matcher costs a respawn, not the gateway.
 
 Protocol on the child's stdin / stdout: frames of a 4-byte little-endian length and a
 body. The first frame to the child is JSON ``{"tokenizer", "vocab_size", "eos"}``; the
@@ -32,12 +31,12 @@ import time
 
 import llguidance
 
+from protos import cpu_priority
 from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
 from protos.echo import clip
 
 FRAME = struct.Struct("<I")
-NICE = 19
 # How often a waiting parent reads the child's CPU time (``Worker.ask``).
 POLL_S = 0.05
 START_TIMEOUT_S = 60.0  # a cold import of llguidance plus a 262k-token tokenizer
@@ -150,19 +149,6 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def lower_priority() -> None:
-    """This session's CPU share (autogroup) and this process's nice value, both lowest."""
-    try:
-        with open("/proc/self/autogroup", "w") as group:
-            group.write(str(NICE))
-    except OSError:  # no autogroup (not Linux, or a cgroup groups us): nice still counts
-        pass
-    try:
-        os.nice(NICE - os.nice(0))
-    except OSError:
-        pass
-
-
 def _read_frame(stream) -> bytes | None:
     head = stream.read(FRAME.size)
     if len(head) < FRAME.size:
@@ -187,7 +173,7 @@ def verdict(tokenizer: llguidance.LLTokenizer, guided: sampling_pb2.Guided) -> s
 
 
 def main() -> None:
-    lower_priority()
+    cpu_priority.lower(cpu_priority.LOWEST)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     init = _read_frame(stdin)
     if init is None:

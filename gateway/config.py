@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from protos.tls import ServerTls, TlsError, server_tls
+
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says which flag to change."""
@@ -69,12 +71,31 @@ class GatewayConfig:
     # open HTTP connections at most; one more is answered 503 and closed
     # (nginx's worker_connections default is 512 per worker; 2,048 per gateway);
     http_max_connections: int = 2048
+    # Per client address (gateway/client_limits.py says why these numbers): open HTTP
+    # connections (one more gets 429), and generation streams in flight on both APIs
+    # together (429 / RESOURCE_EXHAUSTED);
+    http_max_connections_per_client: int = 256
+    max_streams_per_client: int = 512
+    # comma-separated IPs / CIDRs of proxies whose X-Forwarded-For names the client
+    # (their own connections are not capped per address); None: the header is ignored;
+    trusted_proxies: str | None = None
+    # a listener serving only /live and /health, for the kubelet (gateway/probes.py);
+    # None: no such listener (the probes are still routes of the HTTP port).
+    probe_port: int | None = None
     # concurrent gRPC streams per HTTP/2 connection: 100, the floor RFC 9113 §5.1.2
     # recommends (nginx's http2_max_concurrent_streams is 128);
     grpc_max_concurrent_streams: int = 100
     # a gRPC connection with no call for this long is closed (GOAWAY), like
     # grpc-go's MaxConnectionIdle; 0 disables.
     grpc_max_connection_idle_s: float = 300.0
+    # gRPC calls in flight at once on this gateway, over all connections, health checks
+    # aside (gateway/rpc_limit.py); one more is RESOURCE_EXHAUSTED with a retry hint.
+    # The process-wide bound beside the per-connection one, as nginx has
+    # worker_connections beside http2_max_concurrent_streams and Envoy its overload
+    # manager's global_downstream_max_connections: twice http_max_connections, eight
+    # clients at max_streams_per_client, room for three replicas' admitted work (64
+    # running + 1,024 waiting each by default; raise it for a gateway before more).
+    grpc_max_concurrent_rpcs: int = 4096
     # A stream silent this long has its replica probed; two missed probes and it
     # continues elsewhere (a replica that answers is only slow). None: the watchdog's
     # default, gateway/watchdog.py's PROGRESS_TIMEOUT_S (5 s).
@@ -93,6 +114,57 @@ class GatewayConfig:
     # definitions become the control tokens themselves, as before escaping existed:
     # only for deployments whose every client may write roles (docs/security.md).
     allow_special_tokens_in_content: bool = False
+    # TLS on the gRPC and HTTP ports (one certificate serves both; PEM files, re-read
+    # when they change: protos/tls.py); None: plaintext. A client CA makes it mutual:
+    # every client, on both ports, must present a certificate signed by it.
+    tls_cert_file: pathlib.Path | None = None
+    tls_key_file: pathlib.Path | None = None
+    tls_client_ca_file: pathlib.Path | None = None
+    # TLS to the scheduler replicas: the CA their certificates are checked against
+    # (None: plaintext), the name checked in them (None: each address's host; a
+    # dns:/// set resolves to pod IPs, so name the Service), and the gateway's own
+    # certificate and key for a scheduler that requires one.
+    scheduler_tls_ca_file: pathlib.Path | None = None
+    scheduler_tls_server_name: str | None = None
+    scheduler_tls_client_cert_file: pathlib.Path | None = None
+    scheduler_tls_client_key_file: pathlib.Path | None = None
+
+    @property
+    def server_tls(self) -> ServerTls | None:
+        """The client-facing ports' TLS (None: plaintext); raises TlsError."""
+        return server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def _check_tls(self) -> None:
+        try:
+            self.server_tls  # noqa: B018 -- the flags' pairing, checked once
+        except TlsError as exc:
+            raise ConfigError(str(exc)) from exc
+        client = (self.scheduler_tls_client_cert_file, self.scheduler_tls_client_key_file)
+        if (client[0] is None) != (client[1] is None):
+            raise ConfigError("--scheduler-tls-client-cert-file and "
+                              "--scheduler-tls-client-key-file go together")
+        if self.scheduler_tls_ca_file is None and (
+                client[0] is not None or self.scheduler_tls_server_name is not None):
+            raise ConfigError("--scheduler-tls-client-cert-file and --scheduler-tls-server-"
+                              "name need --scheduler-tls-ca-file (TLS to the scheduler)")
+
+    def _check_client_limits(self) -> None:
+        for flag, value in (("--http-max-connections-per-client",
+                             self.http_max_connections_per_client),
+                            ("--max-streams-per-client", self.max_streams_per_client)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        from gateway.client_limits import parse_networks  # the stdlib only, and grpc
+        try:
+            parse_networks(self.trusted_proxies)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.probe_port is not None:
+            if not 0 <= self.probe_port <= 65535:
+                raise ConfigError(f"--probe-port {self.probe_port} is not a TCP port")
+            if self.probe_port and self.probe_port in (self.port, self.http_port):
+                raise ConfigError(f"--probe-port {self.probe_port} is also --port or "
+                                  "--http-port; pick its own port")
 
     def body_limit(self, max_model_len: int) -> int:
         """The body limit in force: `--max-body-bytes`, or the context's default."""
@@ -132,9 +204,13 @@ class GatewayConfig:
         if self.http_max_connections < 1:
             raise ConfigError(
                 f"--http-max-connections must be >= 1, got {self.http_max_connections}")
+        self._check_client_limits()
         if self.grpc_max_concurrent_streams < 1:
             raise ConfigError("--grpc-max-concurrent-streams must be >= 1, got "
                               f"{self.grpc_max_concurrent_streams}")
+        if self.grpc_max_concurrent_rpcs < 1:
+            raise ConfigError("--grpc-max-concurrent-rpcs must be >= 1, got "
+                              f"{self.grpc_max_concurrent_rpcs}")
         for flag, value in (("--stream-progress-timeout", self.stream_progress_timeout_s),
                             ("--slow-reader-timeout", self.slow_reader_timeout_s)):
             if value is not None and not value > 0:
@@ -153,3 +229,4 @@ class GatewayConfig:
         if self.grpc_max_connection_idle_s < 0:
             raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
                               f"{self.grpc_max_connection_idle_s}")
+        self._check_tls()

@@ -46,6 +46,7 @@ from gateway.openai_api import (
     usage,
 )
 from gateway.parse_guard import parse_guard
+from gateway.probes import Probes
 from gateway.relay import END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
 from gateway.tokenizer import Tokenizer
@@ -91,6 +92,7 @@ class HttpApi:
         self._max_body_bytes = limits.max_body_bytes
         self._max_model_len = tokenizer.info.max_model_len
         self.draining = False
+        self.probes = Probes(lambda: self.draining, lambda: replicas.any_healthy)
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -113,8 +115,7 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/live", self.live)
+        self.probes.add_routes(app)
         app.router.add_get("/metrics", self.metrics)
         return app
 
@@ -161,16 +162,6 @@ class HttpApi:
 
     # --- simple routes ----------------------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
-        if self.draining:
-            return json_response(503, {"status": "draining"})
-        if not self._replicas.any_healthy:
-            return json_response(503, {"status": "no healthy scheduler replica"})
-        return json_response(200, {"status": "serving"})
-
-    async def live(self, request: web.Request) -> web.Response:
-        return json_response(200, {"status": "alive"})
-
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -216,11 +207,19 @@ class HttpApi:
             return error_response(ClientStatus(
                 grpc.StatusCode.UNAVAILABLE,
                 "this gateway is shutting down; retry (another replica will serve it)"))
+        clients = self.limits.clients
+        client = clients.client_of(request.remote or "", request.headers.get("X-Forwarded-For"))
+        try:
+            clients.acquire(client)
+        except RequestError as exc:
+            self._metrics.error(exc.code.name)
+            return request_error(exc)
         self._in_flight += 1
         self._idle.clear()
         try:
             return await self._generate_counted(request, dialect)
         finally:
+            clients.release(client)
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
@@ -344,8 +343,8 @@ class HttpApi:
         return json_response(200, body, {"X-Request-Id": validated.request_id})
 
 
-async def start_http(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_http(api: HttpApi, host: str, port: int, tls=None) -> tuple[web.AppRunner, int]:
     """Starts serving with the connection limits of `api.limits`; returns the runner and
     the bound port. Call `api.drain` before `runner.cleanup()`, which cuts whatever is
     still running after a second."""
-    return await http_edge.start_http(api.app(), host, port, api.limits)
+    return await http_edge.start_http(api.app(), host, port, api.limits, tls)

@@ -13,22 +13,33 @@
   is closed after at most `lingering_s` more (aiohttp keeps reading an unread
   body that long so that a client still sending sees the answer instead of a
   reset; nginx's lingering_timeout is 5 s).
-* Open connections: at most `max_connections`; the next one is answered a
-  plain 503 with a JSON body and closed before any request is read.
+* Open connections: at most `max_connections`. When they are all open, the one idle
+  longest (a keep-alive connection between requests, or one that never sent a byte)
+  is closed to make room, so a crowd of idle sockets cannot lock new clients out;
+  only when none is idle is the next one answered a plain 503 with a JSON body and
+  closed before any request is read. Per client address, at most
+  `clients.max_connections` (gateway/client_limits.py), with the same rule among that
+  client's own connections: one more closes its longest-idle one, or, all busy, is
+  answered 429.
 * Head sizes: aiohttp's parser limits (8,190-byte lines and fields, 128
   headers) answer 400/431 themselves.
+* TLS (`start_http(tls=...)`): each connection, as it arrives and before its
+  handshake, has the certificate files looked at, so a replaced pair serves it
+  (protos/tls.py); connections already open keep theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web, web_protocol
 
+from gateway.client_limits import ClientLimits
 from gateway.validation import RequestError
+from protos.tls import ReloadingSslContext
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,15 @@ class HttpLimits:
     max_connections: int = 2048
     lingering_s: float = 5.0
     keepalive_s: float = 75.0
+    clients: ClientLimits = field(default_factory=ClientLimits)
+    # Connections the kernel queues before the gateway accepts them: a burst of 1,000
+    # clients connecting at once must wait there, not be reset (aiohttp's default is
+    # 128; the kernel caps it at net.core.somaxconn).
+    backlog: int = 4096
 
 
-def _refusal(status: str, message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "service_unavailable_error",
+def _refusal(status: str, message: str, kind: str = "service_unavailable_error") -> bytes:
+    body = json.dumps({"error": {"message": message, "type": kind,
                                  "param": None, "code": None}}).encode()
     return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
@@ -93,21 +109,67 @@ class _Server(web.Server):
     `_Handler`s and refusing connections past `limits.max_connections`."""
 
     limits: HttpLimits
+    _addresses: dict[web_protocol.RequestHandler, str]  # counted connections' clients
+    num_idle_closed: int  # idle connections closed to let a new one in
+
+    tls: ReloadingSslContext | None = None
 
     def __call__(self) -> web_protocol.RequestHandler:
+        if self.tls is not None:  # asyncio asks for the protocol before the handshake
+            self.tls.refresh()
         return _Handler(self, loop=self._loop, head_timeout_s=self.limits.header_timeout_s,
                         **self._kwargs)
 
     def connection_made(self, handler: web_protocol.RequestHandler,
                         transport: asyncio.Transport) -> None:
-        if len(self._connections) >= self.limits.max_connections:
-            transport.write(_refusal(
-                "503 Service Unavailable",
-                f"this gateway holds its limit of {self.limits.max_connections} open "
-                "connections; retry shortly or on another gateway"))
-            handler.force_close()  # closes the transport once the bytes are written
-            return
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if peer else ""
+        clients = self.limits.clients
+        if clients.at_connection_cap(address):
+            own = _longest_idle(h for h, a in self._addresses.items() if a == address)
+            if own is None:
+                transport.write(_refusal("429 Too Many Requests",
+                                         clients.connection_refusal(), "rate_limit_exceeded"))
+                handler.force_close()  # closes the transport once the bytes are written
+                return
+            self._make_room(own)  # its count is given back when it is gone
+        elif len(self._connections) >= self.limits.max_connections:
+            idle = _longest_idle(self._connections)
+            if idle is None:
+                transport.write(_refusal(
+                    "503 Service Unavailable",
+                    f"this gateway holds its limit of {self.limits.max_connections} open "
+                    "connections, all busy; retry shortly or on another gateway"))
+                handler.force_close()
+                return
+            self._make_room(idle)
+        clients.open_connection(address)
+        self._addresses[handler] = address
         super().connection_made(handler, transport)
+
+    def _make_room(self, idle: web_protocol.RequestHandler) -> None:
+        """Closes ``idle`` for a newcomer; the newcomer is let in at once, so the caps
+        run one over until ``idle``'s connection_lost."""
+        idle.force_close()
+        self.num_idle_closed += 1
+
+    def connection_lost(self, handler: web_protocol.RequestHandler,
+                        exc: BaseException | None = None) -> None:
+        address = self._addresses.pop(handler, None)
+        if address is not None:
+            self.limits.clients.close_connection(address)
+        super().connection_lost(handler, exc)
+
+
+def _longest_idle(connections) -> web_protocol.RequestHandler | None:
+    """The connection waiting longest for its next request (aiohttp 3.14's handler
+    state: waiting on `_waiter`, no request in progress, its keep-alive deadline the
+    earliest); None if every one is busy."""
+    idle = [handler for handler in connections
+            if handler._waiter is not None and not handler._waiter.done()
+            and not getattr(handler, "_request_in_progress", False)]
+    return min(idle, key=lambda h: getattr(h, "_next_keepalive_close_time", 0.0),
+               default=None)
 
 
 async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
@@ -123,9 +185,9 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
             grpc.StatusCode.DEADLINE_EXCEEDED, http_status=408) from exc
 
 
-async def start_http(app: web.Application, host: str, port: int, limits: HttpLimits
-                     ) -> tuple[web.AppRunner, int]:
-    """Starts serving `app`; returns the runner and the bound port."""
+async def start_http(app: web.Application, host: str, port: int, limits: HttpLimits,
+                     tls: ReloadingSslContext | None = None) -> tuple[web.AppRunner, int]:
+    """Starts serving `app` (over TLS with `tls`); returns the runner and the bound port."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None, keepalive_timeout=limits.keepalive_s,
                            lingering_time=limits.lingering_s)
@@ -133,7 +195,11 @@ async def start_http(app: web.Application, host: str, port: int, limits: HttpLim
     assert type(runner.server) is web.Server  # what AppRunner makes; ours only adds
     runner.server.__class__ = _Server
     runner.server.limits = limits
-    site = web.TCPSite(runner, host, port, reuse_port=False)
+    runner.server._addresses = {}
+    runner.server.num_idle_closed = 0
+    runner.server.tls = tls
+    site = web.TCPSite(runner, host, port, reuse_port=False, backlog=limits.backlog,
+                       ssl_context=None if tls is None else tls.context)
     try:
         await site.start()
     except OSError:

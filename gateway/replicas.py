@@ -8,7 +8,7 @@ draining is skipped while any other will do.
 Each replica's channel carries the per-deployment internal secret
 (``protos/internal_auth.py``) on every call, Submit, Abort and Stats alike,
 through a client interceptor: whoever makes a call on ``replica.stub`` need not
-know about it.
+know about it. Given channel credentials, every channel is TLS (protos/tls.py).
 
 An address ``dns:///NAME:PORT`` is a set, not one replica: NAME is resolved every
 REFRESH_S (all A/AAAA records, as a Kubernetes headless Service publishes one per
@@ -115,16 +115,23 @@ class Replica:
 class ReplicaSet:
     def __init__(self, addresses: list[str],
                  secret: bytes | None | _FromEnvironment = FROM_ENVIRONMENT,
-                 resolver: Resolver | None = None, refresh_s: float | None = None) -> None:
+                 resolver: Resolver | None = None, refresh_s: float | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None) -> None:
         """``addresses``: HOST:PORT replicas and ``dns:///NAME:PORT`` sets (split_dns).
         ``secret``: the internal secret every call carries (None: none, the opt-out);
         by default the environment's, which raises internal_auth.SecretError when
         it is missing or unusable (``python -m gateway`` turns that into exit 2).
         ``resolver``, ``refresh_s``: how and how often a dns:/// name is looked up
-        (default: ``resolve``, every REFRESH_S)."""
+        (default: ``resolve``, every REFRESH_S). ``credentials``: TLS to every replica
+        (None: plaintext), checking ``server_name`` in its certificate when given
+        (else the address's host)."""
         if isinstance(secret, _FromEnvironment):
             secret = internal_auth.load_secret()
         self._interceptors = auth_interceptors(secret)
+        self._credentials = credentials
+        self._options = CHANNEL_OPTIONS + (
+            (("grpc.ssl_target_name_override", server_name),) if server_name else ())
         self._targets = addresses
         self._names = [t for t in map(split_dns, addresses) if t is not None]
         self._resolver = resolver or resolve
@@ -135,8 +142,12 @@ class ReplicaSet:
         self._tasks: list[asyncio.Task] = []
 
     def _connect(self, address: str) -> Replica:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                            interceptors=self._interceptors)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options,
+                                                interceptors=self._interceptors)
+        else:
+            channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
+                                              interceptors=self._interceptors)
         return Replica(address, channel, scheduler_pb2_grpc.SchedulerStub(channel))
 
     @property

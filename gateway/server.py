@@ -24,13 +24,17 @@ from grpc_reflection.v1alpha import reflection
 from gateway import routing_headers
 from gateway.admission import Admission
 from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from gateway.client_limits import RETRY_AFTER_MS, ClientLimits, grpc_peer_ip, parse_networks
 from gateway.config import GatewayConfig
 from gateway.http_api import HttpApi, start_http
 from gateway.http_edge import HttpLimits
 from gateway.metrics import GatewayMetrics
+from gateway.probes import Probes, start_probes
 from gateway.relay import DRAINING, END_S, Relay, RelayError, end_after_grace
 from gateway.replicas import ReplicaSet
+from gateway.rpc_limit import RpcLimit
 from gateway.tokenizer import Tokenizer
+from gateway.upstream import RETRY_AFTER_KEY
 from gateway.validation import (
     RequestError,
     UndecodableRequest,
@@ -39,6 +43,7 @@ from gateway.validation import (
 )
 from gateway.watchdog import Watchdog
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
+from protos.tls import ServerTls, add_port, channel_credentials
 
 _log = structlog.get_logger("gateway")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -65,12 +70,29 @@ def _authorization(metadata) -> str | None:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves Generate for one model through the shared admit step and the relay."""
 
-    def __init__(self, admission: Admission, relay: Relay, keys: ApiKeys):
+    def __init__(self, admission: Admission, relay: Relay, keys: ApiKeys,
+                 clients: ClientLimits | None = None):
         self._admission = admission
         self._relay = relay
         self._keys = keys
+        self._clients = clients or ClientLimits()
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        metadata = context.invocation_metadata() or ()
+        client = self._clients.client_of(grpc_peer_ip(context.peer() or ""), next(
+            (value for key, value in metadata if key == "x-forwarded-for"), None))
+        try:
+            self._clients.acquire(client)
+        except RequestError as exc:
+            self._relay.metrics.error(exc.code.name)
+            await context.abort(exc.code, exc.message,
+                                ((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+        try:
+            await self._generate(request, context)
+        finally:
+            self._clients.release(client)
+
+    async def _generate(self, request, context: grpc.aio.ServicerContext) -> None:
         validated = await self._validate_or_abort(request, context)
         stream = self._relay.generate(validated, lambda: _upstream_timeout(context))
         try:
@@ -181,17 +203,28 @@ def _probe_bind(host: str, port: int) -> None:
                 raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
+    """Binds the gRPC port (over TLS when ``tls``); raises BindError, or TlsError for
+    certificate files that cannot be used."""
     if port != 0:
         _probe_bind(host, port)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = add_port(server, address, tls)
     except RuntimeError as exc:  # lost a race for the port since the probe
         raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port") from exc
     if bound == 0:
         raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port")
     return bound
+
+
+def _scheduler_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None:
+    """TLS to the scheduler replicas, or None (plaintext); raises TlsError."""
+    if config.scheduler_tls_ca_file is None:
+        return None
+    return channel_credentials(config.scheduler_tls_ca_file,
+                               config.scheduler_tls_client_cert_file,
+                               config.scheduler_tls_client_key_file)
 
 
 def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
@@ -218,6 +251,9 @@ class RunningGateway:
     http_runner: web.AppRunner | None = None
     http_port: int | None = None
     relay: Relay | None = None
+    probe_runner: web.AppRunner | None = None
+    probe_port: int | None = None
+    stopping: bool = False
 
     async def stop(self, grace_s: float) -> None:
         """New calls are refused at once (UNAVAILABLE / 503); in-flight ones get grace_s
@@ -225,6 +261,7 @@ class RunningGateway:
         connection: gRPC streams end UNAVAILABLE with a message, SSE streams with an
         `error` event and `[DONE]`; only a client that does not take even that within
         END_S more is cut."""
+        self.stopping = True  # the probe listener's /health answers 503 from here
         if self.relay is not None:  # first, so that health NOT_SERVING implies refusal
             self.relay.refuse_new(DRAINING)
         await self.health.enter_graceful_shutdown()
@@ -240,6 +277,8 @@ class RunningGateway:
         if self.relay is not None:
             await self.relay.close()
         await self.replicas.close()
+        if self.probe_runner is not None:  # last: /live answers while the rest drains
+            await self.probe_runner.cleanup()
 
 
 async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
@@ -249,21 +288,28 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     if config.allow_special_tokens_in_content:
         tokenizer = tokenizer.trusting_content()  # every path: chat, /tokenize
     max_body_bytes = config.body_limit(tokenizer.info.max_model_len)
+    limit = RpcLimit(config.grpc_max_concurrent_rpcs, _OPEN_METHOD_PREFIX)
     server = grpc.aio.server(
         options=_server_options(config, max_body_bytes),
-        interceptors=[_AuthInterceptor(keys)] if keys.enabled else None,
+        interceptors=[limit, *([_AuthInterceptor(keys)] if keys.enabled else [])],
+        maximum_concurrent_rpcs=limit.total,  # grpc's own, a backstop: rpc_limit.py
     )
-    port = _bind(server, config.host, config.port)
+    port = _bind(server, config.host, config.port, config.server_tls)
     if config.http_port:
         _probe_bind(config.host, config.http_port)
-    replicas = ReplicaSet(config.scheduler_addresses)
+    replicas = ReplicaSet(config.scheduler_addresses, credentials=_scheduler_credentials(config),
+                          server_name=config.scheduler_tls_server_name)
     metrics = GatewayMetrics(config.model_name, replicas.snapshot)
+    limit.on_refuse = metrics.error  # the server needed the limit before metrics existed
     watchdog = Watchdog(metrics.intervention, progress_timeout_s=config.stream_progress_timeout_s,
                         write_stall_s=config.slow_reader_timeout_s)
     relay = Relay(tokenizer, replicas, metrics, watchdog=watchdog)
     admission = Admission(tokenizer, config.model_name, metrics,
                           routing_headers.parse_objective_tiers(list(config.objective_tiers)))
-    servicer = GenerationServicer(admission, relay, keys)
+    clients = ClientLimits(config.http_max_connections_per_client,
+                           config.max_streams_per_client,
+                           parse_networks(config.trusted_proxies))
+    servicer = GenerationServicer(admission, relay, keys, clients)
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -277,15 +323,24 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
                             body_timeout_s=config.http_body_timeout_s,
                             max_connections=config.http_max_connections,
                             lingering_s=config.http_lingering_s,
-                            keepalive_s=config.http_keepalive_timeout_s)
+                            keepalive_s=config.http_keepalive_timeout_s, clients=clients)
         running.http = HttpApi(relay, admission, tokenizer, config.model_name, keys, metrics,
                                replicas, limits, config.tool_call_parser)
         try:
             running.http_runner, running.http_port = await start_http(
-                running.http, config.host, config.http_port)
+                running.http, config.host, config.http_port,
+                None if config.server_tls is None else config.server_tls.ssl_context())
         except OSError as exc:
             raise BindError(f"cannot listen on {config.host}:{config.http_port} for HTTP "
                             f"({exc.strerror}); pass --http-port") from exc
+    if config.probe_port is not None:
+        probes = Probes(lambda: running.stopping, lambda: replicas.any_healthy)
+        try:
+            running.probe_runner, running.probe_port = await start_probes(
+                probes, config.host, config.probe_port)
+        except OSError as exc:
+            raise BindError(f"cannot listen on {config.host}:{config.probe_port} for probes "
+                            f"({exc.strerror}); pass --probe-port") from exc
     await server.start()
     replicas.start()
     for service in ("", GENERATION_SERVICE):

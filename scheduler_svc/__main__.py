@@ -23,7 +23,7 @@ import structlog
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos import internal_auth
+from protos import internal_auth, tls
 from protos.continuum.v1 import scheduler_pb2_grpc
 from protos.telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
 from scheduler_svc import config_file, metrics
@@ -45,6 +45,10 @@ KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 )
+# A backstop far above what admission lets in (max_num_seqs + max_num_waiting, 64 +
+# 1,024 by default), for calls it never sees (health watches, calls in the auth
+# check, a gateway gone wrong): past it grpc answers RESOURCE_EXHAUSTED itself.
+MAX_CONCURRENT_RPCS = 16_384
 log = structlog.get_logger("scheduler")
 
 
@@ -66,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address of the /metrics port (it carries no secrets, but stays on "
                         "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
     add_kv_events_flags(p)
+    tls.add_server_flags(p, peers="gateways (and `continuum serve`)")
     p.add_argument("--config-file", default="",
                    help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
                         "its fields win over the flags, and it is re-read every 2 s: a "
@@ -190,7 +195,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     except zmq.ZMQError as exc:
         fail(f"cannot bind the executor channel {args.ipc}: {exc}")
     server = grpc.aio.server(
-        options=KEEPALIVE_OPTIONS,
+        options=KEEPALIVE_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         interceptors=None if secret is None else [InternalAuthInterceptor(secret)])
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     scheduler_pb2_grpc.add_SchedulerAdminServicer_to_server(SchedulerAdminServicer(admin),
@@ -198,11 +203,12 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        server.add_insecure_port(f"{args.host}:{args.port}")
+        tls.add_port(server, f"{args.host}:{args.port}", args.server_tls)
     except RuntimeError:
         fail(f"port {args.port} on {args.host} is already in use; pass --port")
     await server.start()
-    log.info("scheduler listening", address=f"{args.host}:{args.port}", ipc=args.ipc)
+    log.info("scheduler listening", address=f"{args.host}:{args.port}", ipc=args.ipc,
+             tls=args.server_tls is not None)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -339,6 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         fail(str(exc))
     secret = load_secret(args.host)
+    try:  # read now: a bad file is a startup error, not a failed first handshake
+        args.server_tls = tls.server_tls_of(args)
+    except tls.TlsError as exc:
+        fail(str(exc))
+    if args.server_tls is None and args.host not in tls.LOOPBACK:
+        log.warning("plaintext off loopback: the internal secret crosses the network in "
+                    "clear; pass --tls-cert-file and --tls-key-file", host=args.host)
     asyncio.run(serve(args, config, secret, flags, file_bytes))
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: overload, hostile, bad_specs, soak, chaos, schema_fuzz, fuzz (in that order:
+Rows: overload, burst, hostile, bad_specs, soak, chaos, schema_fuzz, fuzz (in that order:
 capacity is measured on a fresh server, whose admission has not yet seen a flood, and
 fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
 alone (every field of both APIs while normal streams run; ``--long``: 100 inputs a
@@ -25,6 +25,7 @@ import time
 
 from benchmarks.reliability import (
     bad_specs,
+    burst,
     chaos,
     chaos_layouts,
     fuzz,
@@ -36,7 +37,7 @@ from benchmarks.reliability import (
     soak,
 )
 
-ROWS = ("overload", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "fuzz")
+ROWS = ("overload", "burst", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "fuzz")
 
 
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
@@ -47,6 +48,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
     serve = procs.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
+                 ("burst", lambda: [burst.run(serve, size)]),
                  ("hostile", lambda: hostile.run(serve, size, per_kind)),
                  ("bad_specs", lambda: [bad_specs.run(serve, size)]),
                  ("soak", lambda: [soak.run(serve, size)]),

@@ -9,7 +9,7 @@ import pathlib
 import platform
 import subprocess
 
-from benchmarks.reliability import bad_specs, fuzz_schema
+from benchmarks.reliability import bad_specs, burst, fuzz_schema
 
 
 def _machine() -> str:
@@ -75,6 +75,8 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
         return _chaos(row)
     if kind == "bad_specs":
         return bad_specs.summary(row)
+    if kind == "burst":
+        return burst.summary(row)
     if kind == "hostile_itl":
         ratio, target = row["ratio_p99"], row.get("target_ratio")
         within = ratio is not None and (target is None or ratio <= target)

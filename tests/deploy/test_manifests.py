@@ -6,8 +6,9 @@ and real probe targets on declared ports, grace periods cover the drain, the gat
 find the replicas through the headless Service, GPU pods ask for one GPU per
 tensor-parallel rank, and the autoscaler's metric is one the gateway exports. The
 internal planes are never open: every container gets the internal secret from the
-Secret, only gateways reach the schedulers, and the Dockerfile's default command keeps
-the scheduler on loopback."""
+Secret, only gateways reach the schedulers, only a labelled router of the namespace
+reads the KV events, no NetworkPolicy admits another namespace's pods by a label they
+can set, and the Dockerfile's default command keeps the scheduler on loopback."""
 
 from __future__ import annotations
 
@@ -187,6 +188,10 @@ def test_probes_hit_open_routes_and_real_targets_on_declared_ports(rendered):
             if "httpGet" in spec:
                 # With API keys on, any other route would answer the kubelet 401.
                 assert spec["httpGet"]["path"] in _OPEN_PATHS
+                # The gateway's probes use its probe listener, which a crowd of
+                # clients on the API port cannot fill (gateway/probes.py).
+                if container["command"][-1] == "gateway":
+                    assert target["port"] == int(_flag(container["args"], "--probe-port"))
 
 
 def test_a_hung_executor_fails_liveness_but_a_waiting_scheduler_does_not(rendered):
@@ -363,7 +368,7 @@ def test_only_gateways_reach_the_schedulers(rendered):
     gateway_labels = find(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"] == replica_labels
     assert policy["policyTypes"] == ["Ingress"]
-    rule, readers = policy["ingress"]
+    rule, scrapers, routers = policy["ingress"]
     [source] = rule["from"]
     assert source == {"podSelector": {"matchLabels": gateway_labels}}
     scheduler = pod_container(objects, "scheduler_svc")
@@ -371,11 +376,17 @@ def test_only_gateways_reach_the_schedulers(rendered):
     assert rule["ports"] == [{"protocol": "TCP", "port": int(_flag(scheduler["args"],
                                                                    "--port"))}]
     assert all("ports" not in executor for executor in executors(objects))
-    # Scrapers and routers (pods labelled as readers) reach /metrics and the KV events.
-    [source] = readers["from"]
-    assert source["podSelector"] == {"matchLabels": {"continuum.ai/replica-reader": "true"}}
-    assert readers["ports"] == [{"protocol": "TCP", "port": p}
-                                for p in _reader_ports(scheduler)]
+    # Prometheus (its own namespace) and labelled pods of ours reach /metrics; only the
+    # labelled router of this namespace reaches the KV events (every tenant's tokens).
+    metrics_port, kv_port = _reader_ports(scheduler)
+    assert scrapers["ports"] == [{"protocol": "TCP", "port": metrics_port}]
+    assert scrapers["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+        {"podSelector": {"matchLabels": {"continuum.ai/replica-reader": "true"}}}]
+    assert routers["ports"] == [{"protocol": "TCP", "port": kv_port}]
+    assert routers["from"] == [
+        {"podSelector": {"matchLabels": {"continuum.ai/kv-events-reader": "true"}}}]
 
 
 def _reader_ports(scheduler: dict) -> list[int]:
@@ -485,3 +496,23 @@ def test_the_dockerfile_keeps_the_scheduler_on_loopback():
     assert args.command == "serve" and args.scheduler_host == "127.0.0.1"
     [expose] = re.findall(r"^EXPOSE (.*)$", text, re.MULTILINE)
     assert str(args.scheduler_port) not in expose.split()
+
+
+def test_gateways_serve_tls_from_a_mounted_tls_secret(rendered):
+    """Client traffic (API keys, prompts) crosses the network: both gateway ports serve
+    the certificate of a kubernetes.io/tls Secret, mounted read-only where the flags
+    name its tls.crt and tls.key (the keys `kubectl create secret tls` writes)."""
+    objects = rendered[1]
+    gateway = pod_container(objects, "gateway")
+    config = gateway_main.parse_args(gateway["args"])
+    assert config.server_tls is not None and config.http_port
+    [mount] = [m for m in gateway["volumeMounts"] if m["name"] == "tls"]
+    assert mount["readOnly"] is True
+    [volume] = [v for v in _pod(objects, "Deployment")["volumes"] if v["name"] == "tls"]
+    assert "optional" not in volume["secret"]  # no Secret: the pod waits, never plaintext
+    for path, key in ((config.tls_cert_file, "tls.crt"), (config.tls_key_file, "tls.key")):
+        assert path == pathlib.Path(mount["mountPath"]) / key
+    # The kubelet's probes stay on the plaintext probe listener, which needs no
+    # certificate even under mutual TLS.
+    for probe_kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert gateway[probe_kind]["httpGet"]["port"] == config.probe_port

@@ -76,24 +76,54 @@ def test_a_request_head_that_trickles_in_is_cut(tokenizer):
     assert sent > 0
 
 
-def test_connections_past_the_cap_get_503_and_the_cap_frees_up(tokenizer):
+async def _get_live(port: int, source: str = "127.0.0.1") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    writer.write(b"GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
+    writer.close()
+    return answer
+
+
+async def _busy(port: int):
+    """A connection with a request in progress: its body is still arriving."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+    await writer.drain()
+    return reader, writer
+
+
+def test_a_full_cap_of_idle_connections_gives_way_to_a_new_one(tokenizer):
+    """The cap is full of connections that sent nothing: the one idle longest is
+    closed, and the newcomer is served."""
     async def scenario():
-        async with _http_gateway(tokenizer, http_max_connections=2) as port:
-            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-            await asyncio.sleep(0.1)  # both accepted before the third arrives
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            refused = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
-            writer.close()
+        async with _http_gateway(tokenizer, http_max_connections=3,
+                                 http_max_connections_per_client=10) as port:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            await asyncio.sleep(0.1)  # all accepted before the next arrives
+            served = await _get_live(port)
+            oldest = await asyncio.wait_for(_read_until_closed(held[0][0]), GENEROUS_S)
+            for _, writer in held:
+                writer.close()
+            return served, oldest
+
+    served, oldest = run(scenario(), timeout_s=GENEROUS_S + 10)
+    assert served.startswith(b"HTTP/1.1 200"), served[:200]
+    assert oldest == b""  # closed without an answer: it never asked anything
+
+
+def test_connections_past_the_cap_all_busy_get_503_and_the_cap_frees_up(tokenizer):
+    async def scenario():
+        async with _http_gateway(tokenizer, http_max_connections=2,
+                                 http_body_timeout_s=GENEROUS_S) as port:
+            held = [await _busy(port) for _ in range(2)]
+            await asyncio.sleep(0.2)  # both requests in progress before the third
+            refused = await _get_live(port)
             for _, held_writer in held:
                 held_writer.close()
-            # Once the held ones are gone, a request is served again.
             loop = asyncio.get_running_loop()
             deadline = loop.time() + GENEROUS_S
-            while loop.time() < deadline:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(b"GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                answer = await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
-                writer.close()
+            while loop.time() < deadline:  # once the held ones are gone, served again
+                answer = await _get_live(port)
                 if answer.startswith(b"HTTP/1.1 200"):
                     return refused, answer
                 await asyncio.sleep(0.1)
@@ -102,8 +132,39 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees_up(tokenizer):
     refused, served = run(scenario(), timeout_s=2 * GENEROUS_S + 10)
     head, _, body = refused.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503"), refused[:200]
-    assert "limit of 2 open connections" in json.loads(body)["error"]["message"]
+    assert "limit of 2 open connections, all busy" in json.loads(body)["error"]["message"]
     assert served.startswith(b"HTTP/1.1 200")
+
+
+def test_a_client_at_its_cap_gives_up_its_own_idle_connection_then_gets_429(tokenizer):
+    """Its idle sockets do not lock the client itself out: one more connection closes its
+    longest-idle one. With all of them busy, one more is 429; another address is served."""
+    async def scenario():
+        async with _http_gateway(tokenizer, http_max_connections_per_client=2,
+                                 http_body_timeout_s=GENEROUS_S) as port:
+            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            served_over_idle = await _get_live(port)
+            oldest = await asyncio.wait_for(_read_until_closed(idle[0][0]), GENEROUS_S)
+            for _, writer in idle:
+                writer.close()
+            await asyncio.sleep(0.2)
+            busy = [await _busy(port) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            refused = await _get_live(port)
+            other = await _get_live(port, source="127.0.0.2")  # another client address
+            for _, writer in busy:
+                writer.close()
+            await asyncio.sleep(0.2)
+            return served_over_idle, oldest, refused, other, await _get_live(port)
+
+    served_over_idle, oldest, refused, other, served = run(scenario(),
+                                                           timeout_s=GENEROUS_S + 10)
+    assert served_over_idle.startswith(b"HTTP/1.1 200") and oldest == b""
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429") and b"Retry-After: 1" in head, refused[:200]
+    assert "--http-max-connections-per-client" in json.loads(body)["error"]["message"]
+    assert other.startswith(b"HTTP/1.1 200") and served.startswith(b"HTTP/1.1 200")
 
 
 def test_grpc_server_options_bound_streams_and_idle_connections(tmp_path):
