@@ -26,7 +26,10 @@ do not count). With neither (a cold start: a burst into a server that has finish
 nothing yet) the running requests' token budgets stand in: a running request leaves
 within its remaining ``max_tokens`` steps, and a step takes what the last admission
 steps took (``StepPace``), so departures_per_s = running / (mean remaining tokens x
-seconds per step): at most what drains, since a request may stop early, never less.
+seconds per step). That is rough (the first steps are the cheapest: short KV, no
+queued prefills, and a burst's intake takes the CPU the later ones need: 0.09 s a step
+measured where 0.2 s followed), so while it is all there is, at most one more batch
+(max_num_seqs requests) waits beyond the free slots (``cold_refusal``).
 Before the first steps, only the count caps (max_num_waiting,
 max_num_waiting_per_tenant) apply; the requests admitted so (*blind*) are judged again
 at the first admission step that has an estimate, and those it would have refused are
@@ -195,6 +198,17 @@ def overload_refusal(tier: int, bound_s: float, ahead: int, free_slots: int,
     return message, retry
 
 
+def cold_refusal(tier: int, ahead: int, free_slots: int, max_num_seqs: int
+                 ) -> tuple[str, float] | None:
+    """(message, retry-after seconds) when, with no measured departure rate, a
+    tier-``tier`` request would wait behind a full batch beyond the free slots."""
+    if ahead - free_slots < max_num_seqs:
+        return None
+    return (f"the server is overloaded: a full batch of {max_num_seqs} requests already "
+            f"waits beyond the running ones (priority tier {tier}) and it has not yet "
+            "measured how fast they drain; retry in 1 s"), 1.0
+
+
 def head_of_line_refusal(tier: int, bound_s: float, head_waited_s: float | None
                          ) -> tuple[str, float] | None:
     """(message, retry-after seconds) when the longest-waiting request of tiers
@@ -274,7 +288,10 @@ class Admission:
         tier = req.priority_tier
         bound = queue_time_bound(cfg, tier)
         rate = self.rate()
-        refusal = overload_refusal(tier, bound, waiting.num_waiting_up_to(tier), free, rate)
+        ahead = waiting.num_waiting_up_to(tier)
+        refusal = overload_refusal(tier, bound, ahead, free, rate)
+        if refusal is None and bound > 0 and rate is not None and self.cold:
+            refusal = cold_refusal(tier, ahead, free, cfg.max_num_seqs)
         if refusal is None and bound > 0 and waiting:
             oldest = waiting.oldest_arrival_up_to(tier)
             waited = None if oldest is None else \
@@ -286,6 +303,11 @@ class Admission:
             self.num_blind += 1
         if len(waiting.served) > 2 * (waiting.num_tenants + len(running.per_tenant)) + 64:
             waiting.prune(running.per_tenant)
+
+    @property
+    def cold(self) -> bool:
+        """No departure rate measured yet (the running budgets stand in, if anything)."""
+        return departure_rate(self.throughput.rate, self.service.rate()) is None
 
     def rate(self) -> float | None:
         """Departures per second: measured, or cold, from the running budgets."""
@@ -310,6 +332,9 @@ class Admission:
             bound = queue_time_bound(cfg, req.priority_tier)
             refusal = overload_refusal(req.priority_tier, bound, ahead - len(refused), free,
                                        rate)
+            if refusal is None and bound > 0 and rate is not None and self.cold:
+                refusal = cold_refusal(req.priority_tier, ahead - len(refused), free,
+                                       cfg.max_num_seqs)
             if refusal is not None:
                 req.error, req.retry_after_s = refusal
                 refused.append(req)

@@ -34,13 +34,13 @@ def test_refusal_needs_a_bound_and_a_measurement():
 
 def _flooded(clock: Clock, **config):
     """A scheduler whose throughput was measured: 2 slots, 3-step requests, one step per
-    clock second, with a queue of best-effort requests kept non-empty while
-    MIN_DEPARTURES+ requests finished."""
+    clock second, with a queue of best-effort requests kept non-empty (one batch: more
+    is refused until a rate is measured) while MIN_DEPARTURES+ requests finished."""
     sched = make_scheduler(clock=clock, max_num_seqs=2, max_num_batched_tokens=64, chunk_size=64,
                            max_num_waiting=10_000, **config)
     arrivals = 0
     while sched.num_finished < 2 * MIN_DEPARTURES:
-        while len(sched.waiting) < 4:
+        while len(sched.waiting) < 2:
             arrivals += 1
             sched.add_request(make_request(8, 3, request_id=f"warm{arrivals}",
                                            priority_tier=BEST_EFFORT))
