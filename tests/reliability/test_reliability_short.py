@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.reliability import chaos, fuzz, fuzz_schema, overload, procs, report, soak
+from benchmarks.reliability import burst, chaos, fuzz, fuzz_schema, overload, procs, report, soak
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +40,13 @@ def test_overload_answers_every_request_without_server_errors(serve, table):
     assert row["server_errors"] == 0, row["errors_seen"]
     assert row["idle_after"], "requests were left running or waiting after the overload"
     assert row["refused_with_retry_hint"] == row["refused"], "a refusal without a retry hint"
+
+
+def test_a_burst_is_answered_every_one_with_an_http_status(serve, table):
+    row = burst.run(serve, CI)
+    table.append(row)
+    assert row["no_http_answer"] == 0 and row["other"] == 0, row["outcomes"]
+    assert row["served"] > 0 and row["idle_after"], row
 
 
 def test_soak_leaves_a_clean_idle_state(serve, table):
