@@ -101,12 +101,21 @@ def test_lower_tiers_are_refused_first():
     assert len(sched.waiting) == queued + accepted_be + 2 + i
 
 
-def test_cold_start_falls_back_to_the_count_caps():
+def test_a_cold_server_queues_one_batch_beyond_its_free_slots():
+    """Nothing measured: the free slots and one more batch (max_num_seqs) wait, the rest
+    is refused at once; with the tier's bound off, only the count caps apply."""
     sched = make_scheduler(clock=Clock(0.0), max_num_seqs=2, max_num_waiting=20)
-    for i in range(20):
+    for i in range(4):
         sched.add_request(make_request(8, 3, request_id=f"r{i}"))
-    with pytest.raises(QueueFull, match="queue is full"):
+    with pytest.raises(QueueFull, match="full batch of 2 requests already waits") as exc:
         sched.add_request(make_request(8, 3, request_id="one-too-many"))
+    assert exc.value.retry_after_s >= 1.0
+    unbounded = make_scheduler(clock=Clock(0.0), max_num_seqs=2, max_num_waiting=20,
+                               max_queue_time_standard_s=0.0)
+    for i in range(20):
+        unbounded.add_request(make_request(8, 3, request_id=f"u{i}"))
+    with pytest.raises(QueueFull, match="queue is full"):
+        unbounded.add_request(make_request(8, 3, request_id="one-too-many"))
 
 
 def test_bounds_are_validated():
@@ -287,22 +296,27 @@ def test_a_burst_into_a_cold_server_is_refused_at_once_from_the_running_budgets(
 
 
 def test_requests_admitted_before_any_estimate_are_judged_again_once_there_is_one():
-    """A burst into a server that has run no step yet is admitted blind (count caps
-    only); at the first admission step with an estimate, those it would have refused are
-    refused then, with a retry hint, instead of being shed after twice their bound."""
+    """A burst into a server that has run no step yet: its free slots and one batch are
+    admitted blind, the rest refused at once. At the first admission step with an
+    estimate, the blind ones it would have refused are refused then, with a retry hint,
+    instead of being shed after twice their bound; the oldest are kept."""
     clock = Clock(0.0)
     sched = make_scheduler(clock=clock, max_num_seqs=4, max_num_batched_tokens=64,
                            chunk_size=64, max_num_waiting=10_000)
-    blind = [make_request(8, 20, request_id=f"blind{i}") for i in range(40)]
-    for req in blind:
-        sched.add_request(req)  # nothing measured yet: all admitted
-    assert sched.admission.num_blind == 40
+    burst = [make_request(8, 20, request_id=f"blind{i}") for i in range(40)]
+    blind = []
+    for req in burst:
+        try:
+            sched.add_request(req)
+            blind.append(req)
+        except QueueFull:
+            pass
+    assert len(blind) == 8 and sched.admission.num_blind == 8
     for _ in range(3):
         step(sched)
         clock.now += 0.5
     refused = [r for r in blind if r.is_finished]
-    assert 30 <= len(refused) <= 38 and sched.admission.num_blind == 0
+    assert 1 <= len(refused) <= 4 and sched.admission.num_blind == 0
     assert all("overloaded" in r.error and r.retry_after_s >= 1.0 for r in refused)
-    # The oldest were kept (those refused are the last to have arrived).
     kept = [r for r in blind if not r.is_finished]
     assert max(blind.index(r) for r in kept) < min(blind.index(r) for r in refused)

@@ -342,7 +342,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             admission = sched.admission
             measured = (admission.throughput.rate is not None or admission.service.count > 0
                         or (admission.pace.step_s is not None and len(sched.running) > 0))
-            overloaded = (measured or stuck) and "overloaded" in str(exc)
+            # Nothing measured: one batch beyond the free slots waits, no more.
+            cold = admission.cold and "full batch" in str(exc) and bound > 0
+            overloaded = (measured or stuck or cold) and "overloaded" in str(exc)
             assert overloaded or waiting_before >= self.config.max_num_waiting or (
                 cap and sched.waiting.num_waiting(tenant) >= cap)
             self.stats["queue_full"] += 1
