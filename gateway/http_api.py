@@ -87,7 +87,6 @@ class HttpApi:
         self._model_name = model_name
         self._keys = keys
         self._metrics = metrics
-        self._replicas = replicas
         self.limits = limits
         self._max_body_bytes = limits.max_body_bytes
         self._max_model_len = tokenizer.info.max_model_len

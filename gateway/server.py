@@ -317,32 +317,43 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     running = RunningGateway(server, health_servicer, replicas, port, metrics, relay=relay)
+    await _start_listeners(running, config, HttpApi(
+        relay, admission, tokenizer, config.model_name, keys, metrics, replicas,
+        _http_limits(config, max_body_bytes, clients), config.tool_call_parser))
+    await server.start()
+    replicas.start()
+    for service in ("", GENERATION_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return running
+
+
+def _http_limits(config: GatewayConfig, max_body_bytes: int, clients: ClientLimits
+                 ) -> HttpLimits:
+    return HttpLimits(max_body_bytes=max_body_bytes,
+                      header_timeout_s=config.http_header_timeout_s,
+                      body_timeout_s=config.http_body_timeout_s,
+                      max_connections=config.http_max_connections,
+                      lingering_s=config.http_lingering_s,
+                      keepalive_s=config.http_keepalive_timeout_s, clients=clients)
+
+
+async def _start_listeners(running: RunningGateway, config: GatewayConfig, http: HttpApi
+                           ) -> None:
+    """The HTTP API (when --http-port is set) and the probe listener (--probe-port)."""
     if config.http_port is not None:
-        limits = HttpLimits(max_body_bytes=max_body_bytes,
-                            header_timeout_s=config.http_header_timeout_s,
-                            body_timeout_s=config.http_body_timeout_s,
-                            max_connections=config.http_max_connections,
-                            lingering_s=config.http_lingering_s,
-                            keepalive_s=config.http_keepalive_timeout_s, clients=clients)
-        running.http = HttpApi(relay, admission, tokenizer, config.model_name, keys, metrics,
-                               replicas, limits, config.tool_call_parser)
+        running.http = http
         try:
             running.http_runner, running.http_port = await start_http(
-                running.http, config.host, config.http_port,
+                http, config.host, config.http_port,
                 None if config.server_tls is None else config.server_tls.ssl_context())
         except OSError as exc:
             raise BindError(f"cannot listen on {config.host}:{config.http_port} for HTTP "
                             f"({exc.strerror}); pass --http-port") from exc
     if config.probe_port is not None:
-        probes = Probes(lambda: running.stopping, lambda: replicas.any_healthy)
+        probes = Probes(lambda: running.stopping, lambda: running.replicas.any_healthy)
         try:
             running.probe_runner, running.probe_port = await start_probes(
                 probes, config.host, config.probe_port)
         except OSError as exc:
             raise BindError(f"cannot listen on {config.host}:{config.probe_port} for probes "
                             f"({exc.strerror}); pass --probe-port") from exc
-    await server.start()
-    replicas.start()
-    for service in ("", GENERATION_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return running

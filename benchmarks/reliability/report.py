@@ -30,11 +30,16 @@ def _revision() -> str:
         return "unknown"
 
 
+_OWN_SUMMARY = {"bad_specs": bad_specs.summary, "burst": burst.summary}
+
+
 def summarize(row: dict) -> tuple[str, str, str, bool]:
     """(row name, measured, target, met) for one row's figures."""
     kind = row["row"]
     if "error" in row:
         return (kind, f"could not run: {row['error']}", "runs", False)
+    if kind in _OWN_SUMMARY:  # rows whose module says what they measured
+        return _OWN_SUMMARY[kind](row)
     if kind == "overload_10x":
         refused = row["refused_frac"]
         return ("overload at 10x capacity",
@@ -73,10 +78,6 @@ def summarize(row: dict) -> tuple[str, str, str, bool]:
         return _schema_fuzz(row)
     if kind == "chaos":
         return _chaos(row)
-    if kind == "bad_specs":
-        return bad_specs.summary(row)
-    if kind == "burst":
-        return burst.summary(row)
     if kind == "hostile_itl":
         ratio, target = row["ratio_p99"], row.get("target_ratio")
         within = ratio is not None and (target is None or ratio <= target)
