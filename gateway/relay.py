@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
+from gateway.log_sampling import Sampled
 from gateway.metrics import GatewayMetrics
 from gateway.output_stream import OutputStream
 from gateway.replicas import ReplicaSet
@@ -30,6 +31,8 @@ from gateway.watchdog import Completion, Stream, Watchdog
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 _log = structlog.get_logger("gateway")
+# A scheduler's overload refusals, one line a second however many (the metrics count each).
+_log_overload = Sampled(_log, "warning", "upstream refused: overloaded")
 
 # Upstream failures that mean "this replica cannot go on", not "this request
 # is wrong": the request continues on another replica.
@@ -139,6 +142,9 @@ def _replica_failure(exc: Exception, address: str, streamed: int, log) -> Client
     """How the replica at `address` failed, when the request may continue on another;
     raises RelayError when the failure is the request's own (a bad request, a poison one)."""
     if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # overload: comes in crowds
+            _log_overload(code=exc.code().name, details=exc.details())
+            raise RelayError(client_status(exc, address)) from exc
         if exc.code() not in _REPLICA_FAILURES or request_failed(exc):
             log.warning("upstream failed", code=exc.code().name, details=exc.details())
             raise RelayError(client_status(exc, address)) from exc
