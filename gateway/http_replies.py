@@ -14,7 +14,7 @@ import grpc
 from aiohttp import web
 
 from gateway.openai_api import HTTP_STATUS, error_body
-from gateway.upstream import RETRY_AFTER_KEY, ClientStatus
+from gateway.upstream import ERROR_CODE_KEY, RETRY_AFTER_KEY, ClientStatus
 from gateway.validation import RequestError
 
 
@@ -30,6 +30,8 @@ def error_response(status: ClientStatus, param: str | None = None,
     for key, value in status.trailing_metadata:
         if key == RETRY_AFTER_KEY and value.isdigit():
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+        elif key == ERROR_CODE_KEY and code is None:
+            code = value[:64]  # our own scheduler's word, bounded all the same
     if http_status == 429:
         code = code or "rate_limit_exceeded"
         headers.setdefault("Retry-After", "1")

@@ -34,7 +34,7 @@ import grpc
 from gateway import openai_fields as fields
 from gateway.openai_api import CHAT, COMPLETION
 from gateway.tokenizer import Tokenizer
-from gateway.validation import RequestError, prompt_token_ids
+from gateway.validation import RequestError, context_exceeded, prompt_token_ids
 from protos.echo import clip
 
 
@@ -61,10 +61,8 @@ def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
 def _check_context(num_tokens: int, max_model_len: int, chat: bool) -> None:
     if num_tokens > max_model_len:
         what = "messages" if chat else "prompt"
-        raise RequestError(f"This model's maximum context length is {max_model_len} tokens. "
-                           f"However, your {what} resulted in {num_tokens} tokens. Please "
-                           f"reduce the length of the {what}.", param=what,
-                           error_code="context_length_exceeded")
+        raise context_exceeded(max_model_len, f"your {what} resulted in {num_tokens} tokens",
+                               f"the {what}", what)
 
 
 def _check_model(body: dict, model_name: str) -> None:
@@ -85,8 +83,7 @@ def detokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
         raise fields.bad("tokens is required: a list of token ids", "tokens")
     limit = tokenizer.info.max_model_len
     if len(tokens) > limit:
-        raise RequestError(f"This model's maximum context length is {limit} tokens. However, "
-                           f"tokens holds {len(tokens)} token ids. Please send at most {limit}.",
-                           param="tokens", error_code="context_length_exceeded")
+        raise context_exceeded(limit, f"tokens holds {len(tokens)} token ids", "tokens",
+                               "tokens")
     ids = fields.token_ids(tokens, "tokens", limit, tokenizer.info.vocab_size) if tokens else []
     return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}

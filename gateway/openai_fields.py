@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError
+from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError, context_exceeded
 from protos.continuum.v1 import generation_pb2
 from protos.echo import clip
 from protos.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
@@ -102,7 +102,7 @@ def looks_like_token_ids(value: Any) -> bool:
 def token_ids(value: list, name: str, max_len: int, vocab_size: int) -> list[int]:
     """A list of ints as token ids: length first (cheap), then each id's type and range."""
     if len(value) > max_len:
-        raise bad(f"{name} holds {len(value)} token ids; at most {max_len}", name)
+        raise context_exceeded(max_len, f"{name} holds {len(value)} token ids", name, name)
     for index, token_id in enumerate(value):
         if not _is_int(token_id):
             raise bad(f"{name}[{index}] must be a token id (an integer), got "

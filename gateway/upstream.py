@@ -10,6 +10,8 @@ RETRY_AFTER_KEY = "retry-after-ms"
 # The scheduler's trailer on a request that failed by itself (a poison request):
 # continuing it on another replica would only fail, or kill, that one too.
 REQUEST_FAILED_KEY = "request-failed"
+# The scheduler's trailer naming OpenAI's error code ("context_length_exceeded").
+ERROR_CODE_KEY = "error-code"
 
 # Fail fast while the scheduler is down (no wait_for_ready: the client gets
 # UNAVAILABLE at once), but reconnect within about a second once it is back:
@@ -70,7 +72,9 @@ def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
         message = details or "the server is overloaded; retry later"
         return ClientStatus(code, message, _retry_after(exc))
     if code in _PASS_THROUGH:
-        return ClientStatus(code, details)
+        return ClientStatus(code, details, tuple(
+            (key, value) for key, value in exc.trailing_metadata() or ()
+            if key == ERROR_CODE_KEY))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ClientStatus(code, "the deadline passed before generation finished")
     if code == grpc.StatusCode.UNAVAILABLE:

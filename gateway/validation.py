@@ -141,6 +141,18 @@ def _check_range(field: str, value: float, low: float, high: float, closed_low: 
         raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}", param=field)
 
 
+def context_exceeded(max_model_len: int, however: str, reduce: str,
+                     param: str) -> RequestError:
+    """The refusal of a request that cannot fit the context, in OpenAI's words and code
+    (tools detect context overflow by "maximum context length" and
+    ``context_length_exceeded``): ``however`` says what the request came to, ``reduce``
+    what to shorten."""
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, "
+        f"{however}. Please reduce the length of {reduce}.",
+        param=param, error_code="context_length_exceeded")
+
+
 def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int,
                      max_len: int | None = None) -> None:
     param = field.split(".")[-2 if field.endswith(".ids") else -1]
@@ -214,14 +226,12 @@ def max_prompt_chars(tokenizer: Tokenizer) -> int:
 def _check_prompt_chars(field: str, num_chars: int, tokenizer: Tokenizer) -> None:
     limit = max_prompt_chars(tokenizer)
     if num_chars > limit:
-        raise RequestError(
-            f"This model's maximum context length is {tokenizer.info.max_model_len} tokens; "
-            f"{field} is {num_chars} characters long; at most {limit} "
-            f"({tokenizer.info.max_model_len} tokens of at most "
-            f"{tokenizer.info.max_token_chars} characters) can fit the model's context",
-            param="messages" if field.startswith("chat") else "prompt",
-            error_code="context_length_exceeded",
-        )
+        raise context_exceeded(
+            tokenizer.info.max_model_len,
+            f"the {field} is {num_chars} characters long, and at most {limit} characters "
+            f"({tokenizer.info.max_token_chars} a token at most) can fit",
+            "the messages" if field.startswith("chat") else "the prompt",
+            "messages" if field.startswith("chat") else "prompt")
 
 
 def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list[dict]:
@@ -268,8 +278,11 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
         ids = list(request.token_ids.ids)
         if not ids:
             raise RequestError("token_ids is empty", param="prompt")
-        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size,
-                         tokenizer.info.max_model_len)
+        if len(ids) > tokenizer.info.max_model_len:
+            raise context_exceeded(tokenizer.info.max_model_len,
+                                   f"token_ids.ids holds {len(ids)} token ids", "token_ids.ids",
+                                   "token_ids")
+        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size)
     if not ids:
         raise RequestError(f"the {kind} tokenizes to zero tokens", param=kind)
     return ids
@@ -280,13 +293,10 @@ def resolve_max_tokens(requested: int, num_prompt_tokens: int, max_model_len: in
     max_tokens = requested or max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
-        raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the length of the prompt or of max_tokens.",
-            param="max_tokens" if num_prompt_tokens < max_model_len else "prompt",
-            error_code="context_length_exceeded",
-        )
+        raise context_exceeded(
+            max_model_len, f"you requested {total} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion)", "the prompt or of max_tokens",
+            "max_tokens" if num_prompt_tokens < max_model_len else "prompt")
     return max_tokens
 
 

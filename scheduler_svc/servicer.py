@@ -18,6 +18,7 @@ import grpc
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.echo import clip
 from scheduler_svc.core import Event, FinishReason, QueueFull, Request
+from scheduler_svc.core.admission import CONTEXT_EXCEEDED
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.telemetry import Stream
 from scheduler_svc.validation import validate_submit
@@ -27,6 +28,8 @@ RETRY_AFTER_MS_KEY = "retry-after-ms"
 # poison request): the request itself is the cause, so a gateway must not
 # continue it on another replica, where it would fail (or kill) again.
 REQUEST_FAILED_KEY = "request-failed"
+# Trailer naming OpenAI's machine-readable error code where one applies.
+ERROR_CODE_KEY = "error-code"
 DEFAULT_TENANT = "default"
 # Joins tenant and request id in the internal key; validation keeps it (like
 # every non-printable character) out of both, so keys cannot collide.
@@ -114,6 +117,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                 f"request id {clip(request.request_id)} is already in flight")
         problem = validate_submit(request, self.loop.core)
         if problem is not None:
+            if problem.startswith(CONTEXT_EXCEEDED):
+                context.set_trailing_metadata(((ERROR_CODE_KEY, "context_length_exceeded"),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 

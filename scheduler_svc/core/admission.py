@@ -138,6 +138,9 @@ def shed_message(tier: int, waited_s: float, bound_s: float) -> tuple[str, float
             f"retry in {retry:.0f} s"), retry
 
 
+# How an over-context refusal begins: OpenAI's words, which tools match to detect it.
+CONTEXT_EXCEEDED = "This model's maximum context length is"
+
 class QueueFull(Exception):
     """Submit refused: a queue cap is reached. Retry after ``retry_after_s``."""
 
@@ -282,8 +285,9 @@ class Admission:
         """Why a request can never be served by the executor of ``bm``, or None."""
         total = num_prompt_tokens + max_tokens
         if total > max_model_len:
-            return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                    f"{total} exceeds the model's context of {max_model_len} tokens")
+            return (f"{CONTEXT_EXCEEDED} {max_model_len} tokens. However, you requested "
+                    f"{total} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+                    "completion). Please reduce the length of the prompt or of max_tokens.")
         usable = bm.num_blocks - self.watermark_blocks(bm)
         need = bm.blocks_needed(num_prompt_tokens)
         if need > usable:

@@ -258,6 +258,24 @@ def test_overload_is_429_with_retry_after_at_once(tokenizer):
     assert "queue is full" in error["message"]
 
 
+def test_the_schedulers_error_code_trailer_is_the_errors_code(tokenizer):
+    """A replica whose context is smaller than the gateway's refuses the request itself;
+    its ``error-code`` trailer becomes OpenAI's ``code`` (tools detect overflow by it)."""
+    details = ("This model's maximum context length is 512 tokens. However, you requested "
+               "600 tokens (8 in the prompt, 592 for the completion).")
+    scheduler = FakeScheduler(error=(grpc.StatusCode.INVALID_ARGUMENT, details,
+                                     (("error-code", "context_length_exceeded"),)))
+
+    async def scenario():
+        async with http_gateway(tokenizer, scheduler) as (session, _, _g):
+            return await _post(session, _COMP, {"prompt": "hi", "max_tokens": 592})
+
+    status, _, raw = run(scenario(), timeout_s=10)
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["code"] == "context_length_exceeded"
+    assert error["message"] == details
+
+
 def test_draining_gateway_returns_503_and_health_says_so(tokenizer):
     async def scenario():
         async with http_gateway(tokenizer, FakeScheduler()) as (session, _, running):

@@ -157,7 +157,7 @@ BAD_REQUESTS = {
     "more token ids than the context": (
         GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[5] * 8193)),
         INVALID,
-        "token_ids.ids holds 8193 token ids; at most 8192",
+        "maximum context length is 8192 tokens. However, token_ids.ids holds 8193 token ids",
     ),
     "too many chat messages": (
         GenerateRequest(chat=_chat(*[("user", "hi")] * 1025)),
@@ -167,7 +167,8 @@ BAD_REQUESTS = {
     "prompt text past any context": (
         GenerateRequest(prompt="x" * (8192 * 81 + 1)),
         INVALID,
-        "prompt is 663553 characters long; at most 663552 (8192 tokens of at most 81",
+        "maximum context length is 8192 tokens. However, the prompt is 663553 characters long, "
+        "and at most 663552 characters (81 a token at most)",
     ),
     "chat text past any context": (
         GenerateRequest(chat=_chat(("user", "x" * 400_000), ("user", "y" * 300_000))),

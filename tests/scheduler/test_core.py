@@ -225,7 +225,7 @@ def test_queue_caps_reject_at_once_with_a_retry_hint():
 
 def test_admission_guards_explain_what_to_change():
     sched = make_scheduler(num_blocks=10, block_size=4)
-    assert "exceeds the model's context of 512" in sched.admission_problem(500, 100)
+    assert "maximum context length is 512 tokens" in sched.admission_problem(500, 100)
     assert "needs 11 KV blocks" in sched.admission_problem(44, 1)
     assert sched.admission_problem(40, 1) is None
 

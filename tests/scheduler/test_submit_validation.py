@@ -62,7 +62,7 @@ WITH_MODEL = [
     ({"prompt_token_ids": [1, 1000]}, "prompt_token_ids[1] = 1000 is outside the vocabulary"),
     ({"sampling": S(stop_token_ids=[5, 2**32 - 1])}, "sampling.stop_token_ids[1] = 4294967295"),
     ({"sampling": S(logit_bias={5: 1.0, 1000: -1.0})}, "sampling.logit_bias[1] = 1000"),
-    ({"max_tokens": 2**32 - 1}, "exceeds the model's context of 512 tokens"),
+    ({"max_tokens": 2**32 - 1}, "maximum context length is 512 tokens"),
     ({"prompt_token_ids": [7] * 300, "max_tokens": 1}, "KV blocks but the pool has"),
 ]
 
