@@ -83,6 +83,9 @@ class EngineLoop:
         self.num_row_failures = 0  # requests ended alone by StepResult.row_failures
         self.num_executor_dropped_sequences = 0  # as the executor counted them
         self.executor: ExecutorInfo | None = None
+        # The last executor that registered: its pool is the replica's KV configuration
+        # for /metrics while a replacement loads (scheduler_svc/metrics.py).
+        self.last_executor: ExecutorInfo | None = None
         self.num_steps = 0
         # For the policy comparison: decode steps, and those that also carried prefill.
         self.num_decode_steps = 0
@@ -270,7 +273,7 @@ class EngineLoop:
         hello, self._pending_hello = self._pending_hello, None
         self._inflight.void_all()
         self.deadlines.reset(hello.prefill_tokens_per_s)
-        self.executor = ExecutorInfo.from_hello(hello)
+        self.executor = self.last_executor = ExecutorInfo.from_hello(hello)
         self.core.attach_executor(self.executor.model)
 
     # -- the step loop ------------------------------------------------------------

@@ -107,7 +107,8 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
     """The whole page, from the loop's state at this moment (call on the loop)."""
     core, ex = loop.core, loop.executor
     bm = core.block_manager
-    label = f'model_name="{_escape(model_name or (ex.model_id if ex else ""))}"'
+    known = ex or loop.last_executor  # the pool a restarting executor comes back with
+    label = f'model_name="{_escape(model_name or (known.model_id if known else ""))}"'
     running_by_tier, waiting_by_tier = [0, 0, 0], [0, 0, 0]
     for req in core.running:
         running_by_tier[min(req.priority_tier, 2)] += 1
@@ -122,9 +123,11 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
                  [(label, len(core.waiting))]),
         *_metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).",
                  [(label, usage)]),
+        # Never zeros (a picker would read an empty pool): absent until an executor
+        # registered, then the last one's pool.
         *_metric("vllm:cache_config_info", "gauge", "KV cache configuration.",
-                 [(f'{label},block_size="{block_size}",num_gpu_blocks='
-                   f'"{bm.num_blocks if bm else 0}"', 1)]),
+                 [(f'{label},block_size="{known.model.block_size}",num_gpu_blocks='
+                   f'"{known.model.num_blocks}"', 1)] if known else []),
         *_metric("vllm:num_preemptions_total", "counter", "Preemptions.",
                  [(label, core.num_preemptions)]),
         *_metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of ended requests.",

@@ -30,6 +30,15 @@ def test_gauges_follow_a_running_request_and_histograms_count_it(tmp_path, model
     server = start_server(tmp_path, model_dir, "--kv-cache-bytes", str(96 << 20),
                           "--metrics-port", str(port), "--telemetry-dsn", "off")
     try:
+        # Ready means an executor registered: its pool is on the page before any request
+        # (within a publish interval), never block_size 0 / num_gpu_blocks 0.
+        deadline = time.monotonic() + 2.0
+        while not (info := _scrape(port)["vllm:cache_config_info"]):
+            assert time.monotonic() < deadline, "no vllm:cache_config_info once ready"
+            time.sleep(0.02)
+        labels = info[0].labels
+        assert int(labels["block_size"]) > 0 and int(labels["num_gpu_blocks"]) > 0
+        assert labels["model_name"] == server.stats().model_id
         request = gen.GenerateRequest(prompt="Count to fifty:", max_tokens=48,
                                       sampling={"temperature": 0.0, "ignore_eos": True})
         done = threading.Event()

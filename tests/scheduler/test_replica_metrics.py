@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
+from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.metrics import Histograms, MetricsServer, render
 from tests.scheduler.factories import make_model, make_request
 
@@ -33,9 +34,11 @@ def _loop(tmp_path) -> types.SimpleNamespace:
     """What render reads of an EngineLoop: its core, executor and recorder (a real loop
     would open a ZeroMQ socket that a test must then close)."""
     core = Scheduler(SchedulerConfig(watermark=0.0))
-    core.attach_executor(make_model(num_blocks=64, block_size=4))
-    return types.SimpleNamespace(core=core, executor=None, recorder=None, num_failed_steps=0,
-                                 num_resyncs=0, num_row_failures=0)
+    executor = ExecutorInfo("inc-1", "smollm2-q4", make_model(num_blocks=64, block_size=4), 1)
+    core.attach_executor(executor.model)
+    return types.SimpleNamespace(core=core, executor=executor, last_executor=executor,
+                                 recorder=None, num_failed_steps=0, num_resyncs=0,
+                                 num_row_failures=0)
 
 
 def _families(page: bytes) -> dict:
@@ -68,6 +71,21 @@ def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
     waiting = {s.labels["tier"]: s.value
                for s in families["continuum:num_requests_waiting_by_tier"].samples}
     assert waiting == {"premium": 1, "standard": 1, "best_effort": 1}
+
+
+def test_the_kv_configuration_is_never_an_empty_pool(tmp_path):
+    """Before any executor registered the series is absent (an endpoint picker reading
+    zeros would see an empty pool); while a replacement loads, the last pool stays."""
+    loop = _loop(tmp_path)
+    executor = loop.executor
+    loop.core.detach_executor()
+    loop.executor = loop.last_executor = None
+    before = _families(render(loop, Histograms(), ""))
+    assert before["vllm:cache_config_info"].samples == []
+    loop.last_executor = executor  # it registered, then died: a replacement is loading
+    (sample,) = _families(render(loop, Histograms(), ""))["vllm:cache_config_info"].samples
+    assert sample.labels == {"model_name": "smollm2-q4", "block_size": "4",
+                             "num_gpu_blocks": "64"}
 
 
 def test_the_server_answers_from_the_last_page_without_the_loop(tmp_path):
