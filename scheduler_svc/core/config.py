@@ -42,8 +42,9 @@ class SchedulerConfig:
         standard: only starvation passes premium); a request of tier t is
         "starving" after (t + 1) × aging_s and then goes before every request
         that is not (see docs in queue.py for the bound).
-    max_preemptions / preemption_window_s: a sequence preempted more than
-        max_preemptions times within the window is protected until it finishes.
+    max_preemptions / preemption_window_s: the thrash guard. A sequence's
+        max_preemptions-th preemption within the window (not the one after it)
+        makes it protected until it finishes: no further preemption by choice.
     enable_prefix_caching: share full KV blocks between identical prefixes.
     async_scheduling: build and send step N+1 while step N runs (two plans in flight),
         so scheduler CPU time overlaps device time instead of adding to it.

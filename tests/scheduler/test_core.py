@@ -157,6 +157,21 @@ def test_a_sequence_preempted_k_times_is_protected():
     assert any(r.protected for r in reqs)
 
 
+def test_the_kth_preemption_in_the_window_protects_not_the_one_after():
+    """The thrash guard as its docstring states it: the max_preemptions-th preemption
+    within preemption_window_s protects the sequence, the ones before it do not."""
+    sched = make_scheduler(num_blocks=32, max_preemptions=3, enable_prefix_caching=False)
+    req = make_request(prompt_len=6, max_tokens=30)
+    sched.add_request(req)
+    protected_after = []
+    for _ in range(3):
+        step(sched)  # it runs again (recomputed)
+        assert req in sched.running
+        sched.lifecycle.preempt(req, "test", allow_swap=False)
+        protected_after.append(req.protected)
+    assert protected_after == [False, False, True]
+
+
 def test_eos_stops_unless_ignored_and_min_tokens_holds_it_back():
     sched = make_scheduler()
     stop = make_request(max_tokens=10, request_id="stop")
