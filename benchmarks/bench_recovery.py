@@ -16,8 +16,15 @@ measures a takeover (with ``--standby-executors 0``, a cold restart). Percentile
 over every stream of every repeat. The figures depend on the machine and on what else
 runs on it: compare runs made one after the other.
 
+Each fault is an executor death, and serve's crash-loop guard stops the whole server
+after ``--max-executor-restarts`` deaths within ``--restart-window-s`` (5 in 120 s by
+default): fewer than this bench's 2 x ``--repeats`` faults on a slow machine. So the
+bench starts serve with a budget of twice its fault count (room for a replacement a
+busy machine loses too), prints it, and if the server stops anyway says so and exits
+non-zero.
+
     .venv/bin/python -m benchmarks.bench_recovery [--streams 16] [--max-tokens 96]
-        [--repeats 3] [--standby-executors 1]
+        [--repeats 3] [--standby-executors 1] [--max-executor-restarts N]
 """
 
 from __future__ import annotations
@@ -34,12 +41,48 @@ import tempfile
 import time
 
 import grpc
+import pytest
 
+from continuum.restart_guard import DEFAULT_WINDOW_S
 from tests.integration.conftest import start_server, stop_server
 from tests.integration.test_serve import chat
 
 DETACH_LOGS = ("executor missed its step deadline", "executor stopped answering heartbeats",
                "executor disconnected")
+GUARD_FLAG = "--max-executor-restarts"  # serve's crash-loop line names it
+
+
+def restart_budget(repeats: int, given: int | None = None) -> tuple[int, list[str]]:
+    """(faults this run injects, serve's crash-loop guard flags that fit them): twice the
+    faults unless ``given``, so that a replacement a busy machine loses too still fits."""
+    faults = 2 * repeats
+    return faults, [GUARD_FLAG, str(2 * faults if given is None else given)]
+
+
+def _guard_line(server) -> str | None:
+    return next((line.strip() for line in server.stderr_lines
+                 if GUARD_FLAG in line and "crash loop" in line), None)
+
+
+def why_stopped(server, exc: grpc.RpcError, wait_s: float = 15.0) -> str:
+    """One message for a call the server refused: the crash-loop guard's line when that is
+    what stopped it, the exit code when something else did, else the call's error."""
+    deadline = time.monotonic() + wait_s
+    exited_at = None
+    while (guard := _guard_line(server)) is None and time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            exited_at = exited_at or time.monotonic()
+            if time.monotonic() - exited_at > 1:  # its last lines have been read by now
+                break
+        time.sleep(0.1)
+    if guard is not None:
+        return ("bench_recovery: the server stopped: its crash-loop guard tripped before the "
+                f"bench was done ({guard}). Rerun with a larger {GUARD_FLAG} (this bench "
+                "passes it to serve; by default twice its fault count).")
+    if server.proc.poll() is not None:
+        return (f"bench_recovery: the server exited with code {server.proc.returncode} "
+                f"mid-run (its last lines are above); a call got {exc.code().name}")
+    return f"bench_recovery: a call to the server failed: {exc.code().name}: {exc.details()}"
 
 
 def stream(server, request, arrivals: list[float]) -> None:
@@ -103,7 +146,8 @@ def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float]
         futures = [pool.submit(stream, server, r, a) for r, a in zip(requests, arrivals,
                                                                         strict=True)]
         deadline = time.monotonic() + 300
-        while min(len(a) for a in arrivals) < 8 and time.monotonic() < deadline:
+        while (min(len(a) for a in arrivals) < 8 and time.monotonic() < deadline
+               and not any(f.done() for f in futures)):  # one ended early: an error
             time.sleep(0.01)
         log_mark = len(server.stderr_lines)
         at = time.monotonic()
@@ -131,53 +175,70 @@ def describe(values: list[float]) -> str:
             f"over {len(values)} streams")
 
 
+def measure(server, args: argparse.Namespace) -> None:
+    """The faults and the figures (the module's docstring)."""
+    standby = bool(args.standby_executors)
+    if standby:
+        describe_standby(server)
+    killed: list[float] = []
+    for _ in range(args.repeats):
+        pid, _ = wait_for_executors(server, standby)
+        resumed, _ = run_fault(server, args.streams, args.max_tokens,
+                               lambda pid=pid: os.kill(pid, signal.SIGKILL))
+        killed += resumed
+    hung_resumed: list[float] = []
+    detections: list[float] = []
+    for _ in range(args.repeats):
+        hung, _ = wait_for_executors(server, standby)
+        try:
+            resumed, detected = run_fault(server, args.streams, args.max_tokens,
+                                          lambda hung=hung: os.kill(hung, signal.SIGSTOP))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGCONT)
+        hung_resumed += resumed
+        detections.append(detected)
+    mode = "warm standby" if standby else "cold restart (no standby)"
+    print(f"recovery, {mode}, {args.streams} streams x {args.repeats} repeats")
+    print(f"kill -9 executor → first resumed token: {describe(killed)}")
+    print(f"SIGSTOP executor → detach logged: p50 {percentile(detections, 0.5):.2f} s, "
+          f"max {max(detections):.2f} s over {len(detections)} hangs")
+    print(f"SIGSTOP executor → first resumed token: {describe(hung_resumed)}")
+    stats = server.stats()
+    print(f"standby takeovers: {stats.num_standby_takeovers}, executor losses: "
+          f"{stats.num_executor_losses}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--standby-executors", type=int, choices=(0, 1), default=1)
+    p.add_argument(GUARD_FLAG, type=int, default=None,
+                   help="serve's crash-loop budget (default: twice this run's faults)")
     p.add_argument("--server-log", default=None, help="write the server's stderr here")
     args = p.parse_args()
     from executor_svc.model_files import resolve_model
     from executor_svc.settings import Switches
-    standby = bool(args.standby_executors)
+    faults, guard = restart_budget(args.repeats, args.max_executor_restarts)
+    print(f"{faults} faults; serve's crash-loop guard: {' '.join(guard)} within "
+          f"--restart-window-s {DEFAULT_WINDOW_S:g} (its default)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir),
-                              "--kv-cache-bytes", str(96 << 20),
-                              "--standby-executors", str(args.standby_executors),
-                              # every stream must run: none shed for its queue time
-                              "--max-queue-time-standard-s", "0")
         try:
-            if standby:
-                describe_standby(server)
-            killed: list[float] = []
-            for _ in range(args.repeats):
-                pid, _ = wait_for_executors(server, standby)
-                resumed, _ = run_fault(server, args.streams, args.max_tokens,
-                                       lambda pid=pid: os.kill(pid, signal.SIGKILL))
-                killed += resumed
-            hung_resumed: list[float] = []
-            detections: list[float] = []
-            for _ in range(args.repeats):
-                hung, _ = wait_for_executors(server, standby)
-                try:
-                    resumed, detected = run_fault(server, args.streams, args.max_tokens,
-                                                  lambda hung=hung: os.kill(hung, signal.SIGSTOP))
-                finally:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(hung, signal.SIGCONT)
-                hung_resumed += resumed
-                detections.append(detected)
-            mode = "warm standby" if standby else "cold restart (no standby)"
-            print(f"recovery, {mode}, {args.streams} streams x {args.repeats} repeats")
-            print(f"kill -9 executor → first resumed token: {describe(killed)}")
-            print(f"SIGSTOP executor → detach logged: p50 {percentile(detections, 0.5):.2f} s, "
-                  f"max {max(detections):.2f} s over {len(detections)} hangs")
-            print(f"SIGSTOP executor → first resumed token: {describe(hung_resumed)}")
-            stats = server.stats()
-            print(f"standby takeovers: {stats.num_standby_takeovers}, executor losses: "
-                  f"{stats.num_executor_losses}")
+            server = start_server(
+                pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir),
+                "--kv-cache-bytes", str(96 << 20),
+                "--standby-executors", str(args.standby_executors), *guard,
+                # every stream must run: none shed for its queue time
+                "--max-queue-time-standard-s", "0")
+        except pytest.fail.Exception as exc:  # start_server is the test suite's
+            raise SystemExit(f"bench_recovery: {exc}") from None
+        try:
+            try:
+                measure(server, args)
+            except grpc.RpcError as exc:
+                raise SystemExit(why_stopped(server, exc)) from None
         except BaseException:
             print("".join(server.stderr_lines[-60:]), file=sys.stderr)  # the server's side
             raise

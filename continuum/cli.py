@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from continuum import serve_tls
+from continuum import restart_guard, serve_tls
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from gateway import edge_flags
+from scheduler_svc import kv_event_flags
 
 DEFAULT_PORT = 50051
 # The executor's nice value under serve (measured in docs/reliability.md, row burst).
@@ -27,11 +28,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve the replica's vLLM-compatible /metrics (what inference gateways "
                         "scrape) on this loopback port (0: any; default: off)")
-    p.add_argument("--kv-events-endpoint", default="",
-                   help="publish vLLM's KV cache event stream (for llm-d's prefix-cache "
-                        "scorer) on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 "
-                        "(default: off)")
-    p.add_argument("--kv-events-topic", default="", help="the KV events' topic")
+    kv_event_flags.add_flags(p)  # passed to the scheduler
     p.add_argument("--scheduler-host", default="127.0.0.1",
                    help="internal scheduler bind address (loopback unless gateways elsewhere "
                         "use it; it always requires the internal secret)")
@@ -61,6 +58,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="warm standby executors (loaded, idle) that take over on the next "
                         "step when the executor dies or hangs; each costs one more "
                         "executor's memory (default: 1 on a CPU-only host with 4+ cores)")
+    restart_guard.add_arguments(p)
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests may finish in "
                         "(a second Ctrl-C stops at once)")

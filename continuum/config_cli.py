@@ -2,7 +2,9 @@
 
 Talks to one scheduler replica's admin service (``continuum.v1.SchedulerAdmin``)
 with the deployment's internal secret from the environment, as gateways do
-(CONTINUUM_INTERNAL_SECRET or CONTINUUM_INTERNAL_SECRET_FILE). A change is
+(CONTINUUM_INTERNAL_SECRET or CONTINUUM_INTERNAL_SECRET_FILE), or, without one, the
+secret a ``continuum serve`` of the same user generated for that scheduler port
+(continuum/local_state.py: so it works against ``make run`` as is). A change is
 validated by the scheduler with the same rules as at start, applied between two
 steps, and recorded as a new version with its author and reason.
 
@@ -25,6 +27,7 @@ import sys
 
 import grpc
 
+from continuum import local_state
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
@@ -148,9 +151,23 @@ def run(args: argparse.Namespace, stub) -> int:
     return 0
 
 
+def _secret(scheduler: str) -> bytes | None:
+    """The deployment's secret from the environment; without one, the secret a
+    ``continuum serve`` of this user generated for the scheduler on that port
+    (continuum/local_state.py)."""
+    try:
+        return internal_auth.load_secret()
+    except internal_auth.SecretError:
+        _, _, port = scheduler.rpartition(":")
+        path = local_state.secret_file(int(port)) if port.isdigit() else None
+        if path is None or not path.is_file():
+            raise
+        return internal_auth.load_secret({internal_auth.ENV_SECRET_FILE: str(path)})
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        args.metadata = internal_auth.metadata(internal_auth.load_secret())
+        args.metadata = internal_auth.metadata(_secret(args.scheduler))
         if args.config_command == "set":
             parse_assignments(args.assignments)  # before any call
         with grpc.insecure_channel(args.scheduler) as channel:

@@ -9,8 +9,9 @@ times the median of the other tenants' p99 in the same group (0 turns it off).
 
 Inputs are two ``continuum bench --output`` files (``gate BASELINE CANDIDATE``;
 a sweep's points are compared rate by rate, so both must be the same sweep), or
-two windows of one telemetry store (``--store S --baseline-window 2h..1h
---candidate-window 1h..now``; windows as ``continuum report`` reads them). For
+two windows of one telemetry store (``--baseline-window 2h..1h --candidate-window
+1h..now``; the store and the windows as ``continuum report`` finds and reads them,
+``--store S`` for another). For
 bench files fairness compares all tenants (bench draws tiers independently of
 tenants); for telemetry windows it compares tenants within each tier, since a
 best-effort tenant is meant to be slower than a premium one.
@@ -31,6 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from continuum import local_state
 from continuum.report import ReportError, build_report, emit, json_safe, parse_window
 from protos.telemetry import StoreError, TelemetryStore
 
@@ -155,10 +157,12 @@ def format_table(checks: list[Check]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("baseline", nargs="?", help="previous build's continuum bench --output JSON")
     p.add_argument("candidate", nargs="?", help="this build's continuum bench --output JSON")
-    p.add_argument("--store", default=None, help="compare two windows of this telemetry "
-                                                 "store (SQLite path or postgresql:// DSN)")
-    p.add_argument("--baseline-window", default=None, help="with --store: SINCE..UNTIL")
-    p.add_argument("--candidate-window", default=None, help="with --store: SINCE..UNTIL")
+    p.add_argument("--store", default=None,
+                   help="compare two windows of this telemetry store (SQLite path or "
+                        f"postgresql:// DSN; with the windows alone: "
+                        f"${local_state.ENV_TELEMETRY_DSN}, else serve's default store)")
+    p.add_argument("--baseline-window", default=None, help="a store's window: SINCE..UNTIL")
+    p.add_argument("--candidate-window", default=None, help="a store's window: SINCE..UNTIL")
     p.add_argument("--ttft-p99-pct", type=float, default=20.0,
                    help="fail if p99 TTFT rises more than this %% (default 20)")
     p.add_argument("--tpot-p50-pct", type=float, default=15.0,
@@ -171,22 +175,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _inputs(args: argparse.Namespace) -> tuple[list[dict], list[dict], bool]:
     files = args.baseline is not None or args.candidate is not None
-    if args.store is None:
+    windowed = args.store is not None or args.baseline_window or args.candidate_window
+    if not windowed:
         if args.baseline is None or args.candidate is None:
-            raise GateError("give BASELINE and CANDIDATE bench files, or --store with "
-                            "--baseline-window and --candidate-window")
-        if args.baseline_window or args.candidate_window:
-            raise GateError("--baseline-window/--candidate-window need --store")
+            raise GateError("give BASELINE and CANDIDATE bench files, or --baseline-window "
+                            "and --candidate-window of a telemetry store")
         return _load_bench(args.baseline, "baseline"), _load_bench(args.candidate,
                                                                    "candidate"), False
     if files:
-        raise GateError("give either two bench files or --store, not both")
+        raise GateError("give either two bench files or a store's windows, not both")
     if not (args.baseline_window and args.candidate_window):
-        raise GateError("--store needs --baseline-window and --candidate-window")
+        raise GateError("a store needs --baseline-window and --candidate-window")
     now = time.time()
     windows = [parse_window(args.baseline_window, now, "--baseline-window"),
                parse_window(args.candidate_window, now, "--candidate-window")]
-    with TelemetryStore.open(args.store, migrate=False) as store:
+    dsn, source = local_state.telemetry_store(args.store, "--store")
+    print(f"continuum gate: store {local_state.describe(dsn)} ({source})", file=sys.stderr)
+    with TelemetryStore.open(dsn, migrate=False) as store:
         base, cand = (build_report(store, a, b) for a, b in windows)
     if not base["overall"]["num_requests"]:
         raise GateError(f"--baseline-window {args.baseline_window}: no requests in it")

@@ -1,7 +1,9 @@
 """``continuum report``: per-tier and per-tenant latency over a window of the telemetry store.
 
 It answers "why was tenant X slow at 14:05" in one call: ``continuum report
---store PATH --since 14:00 --until 14:10 --tenant X`` prints, per tier and per
+--since 14:00 --until 14:10 --tenant X`` prints (from the store ``continuum serve``
+writes, found as serve finds it, continuum/local_state.py; ``--store`` names
+another, and stderr says which was read), per tier and per
 tenant, p50/p99 of the three parts a request's latency splits into — queue wait
 (arrival to admission), prefill (admission to first token, TTFT minus queue
 wait) and TPOT (per-request median gap between output tokens) — beside TTFT,
@@ -34,6 +36,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from continuum import local_state
 from protos.telemetry import TIER_NAMES, SequenceRecord, StoreError, TelemetryStore
 from sim.metrics import percentile
 
@@ -222,8 +225,10 @@ def json_safe(value):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True,
-                   help="telemetry store: SQLite file path or postgresql:// DSN")
+    p.add_argument("--store", default=None,
+                   help="telemetry store: SQLite file path or postgresql:// DSN (default: "
+                        f"${local_state.ENV_TELEMETRY_DSN}, else the store `continuum serve` "
+                        "writes by default)")
     p.add_argument("--since", default="1h", help="window start (15m, 1h, 14:05, ISO; "
                                                  "default 1h)")
     p.add_argument("--until", default="now", help="window end (same forms; default now)")
@@ -242,7 +247,10 @@ def main(args: argparse.Namespace) -> int:
         if until <= since:
             raise ReportError(f"--until {args.until!r} is not after --since {args.since!r}")
         tier = parse_tier(args.tier)
-        with TelemetryStore.open(args.store, migrate=False) as store:
+        dsn, source = local_state.telemetry_store(args.store, "--store")
+        print(f"continuum report: store {local_state.describe(dsn)} ({source})",
+              file=sys.stderr)
+        with TelemetryStore.open(dsn, migrate=False) as store:
             report = build_report(store, since, until, args.tenant, tier)
             if args.plot:
                 from continuum.report_plot import plot

@@ -6,6 +6,12 @@ gateway. A dead executor is restarted (the scheduler resumes its sequences by
 recompute); a dead scheduler or gateway stops the whole server with a clear
 message. SIGINT/SIGTERM stop all three cleanly.
 
+The crash-loop guard (continuum/restart_guard.py): more than
+``--max-executor-restarts`` executor deaths within ``--restart-window-s`` stop the
+server with a line naming both flags. A standby takeover counts like a cold restart:
+the executor still died, and a loop of deaths is a crash loop whether or not a
+standby hides each one from the clients.
+
 ``--standby-executors 1``: once serving, a second executor is started with
 ``--standby``: loaded, warmed up, registered with the scheduler and idle. When the
 executor dies or hangs the scheduler switches to it on the next step by itself (no
@@ -18,7 +24,9 @@ without a standby.
 The internal planes (scheduler gRPC, executor Hello) need a secret: the one in
 serve's own environment (``CONTINUUM_INTERNAL_SECRET[_FILE]``) if set, else a
 fresh one per run. Children get it through their environment, never on argv
-(argv is world-readable in ``ps``). The executor's ipc socket lives in a
+(argv is world-readable in ``ps``); a fresh one is also kept, mode 0600, for this
+user's ``continuum config`` while serve runs (continuum/local_state.py). The
+executor's ipc socket lives in a
 private directory (mode 0700) unless ``--ipc`` names another, which must not be
 writable by others.
 """
@@ -26,6 +34,7 @@ writable by others.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -37,46 +46,15 @@ import time
 
 import grpc
 
-from continuum import serve_tls
+from continuum import local_state, serve_argv, serve_tls
 from continuum.procs import port_is_free, spawn, stop_all
-from gateway import edge_flags
+from continuum.restart_guard import RestartGuard
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-# A crash loop (more restarts than this within the window) stops the server.
-MAX_EXECUTOR_RESTARTS = 5
-RESTART_WINDOW_S = 120.0
 STANDBY_START_DELAY_S = 3.0
 EXECUTORS = ("executor", "standby")
 
-
-def default_telemetry_store() -> str:
-    """Where serve keeps its telemetry unless told: the user's state directory
-    ($XDG_STATE_HOME/continuum, else ~/.local/state/continuum), one SQLite file."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return os.path.join(base, "continuum", "telemetry.sqlite")
-
-
-def _telemetry_flags(a: argparse.Namespace) -> list[str]:
-    dsn = a.telemetry_dsn if a.telemetry_dsn is not None else default_telemetry_store()
-    if dsn in ("", "off"):
-        return []
-    if "://" not in dsn:
-        os.makedirs(os.path.dirname(os.path.abspath(dsn)), mode=0o700, exist_ok=True)
-    return ["--telemetry-dsn", dsn]
-
-
-def _queue_time_flags(args) -> list[str]:
-    """The scheduler's per-tier queue-time bounds that were given on serve's command line."""
-    flags = []
-    for tier in ("premium", "standard", "best_effort"):
-        value = getattr(args, f"max_queue_time_{tier}_s", None)
-        if value is not None:
-            flags += [f"--max-queue-time-{tier.replace('_', '-')}-s", str(value)]
-        target = getattr(args, f"tpot_target_{tier}_ms", None)  # the SLO-aware budget
-        if target is not None:
-            flags += [f"--tpot-target-{tier.replace('_', '-')}-ms", str(target)]
-    return flags
 
 def standby_count(args) -> int:
     """--standby-executors, or by default: one on a CPU-only host with 4+ cores (tp 1).
@@ -156,6 +134,9 @@ class Supervisor:
         if (tls_problem := serve_tls.problem(args)) is not None:
             raise ServeError(tls_problem)
         self.secret, self.child_env = internal_secret(dict(os.environ))
+        # Generated here (none configured): kept for this user's `continuum config`.
+        self._generated = self.child_env.get(internal_auth.ENV_SECRET) != os.environ.get(
+            internal_auth.ENV_SECRET)
         self._metadata = internal_auth.metadata(self.secret)
         self.workdir = tempfile.mkdtemp(prefix="continuum-")  # mode 0700
         self.ipc = args.ipc or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
@@ -163,7 +144,9 @@ class Supervisor:
         self._stop = False
         self.num_standby = standby_count(args)
         self._standby_due: float | None = None  # when to start the next standby
-        self._standby_failures: list[float] = []
+        budget = (args.max_executor_restarts, args.restart_window_s)
+        self.executor_deaths = RestartGuard(*budget)  # every death: restarts and takeovers
+        self._standby_deaths = RestartGuard(*budget)
 
     def run(self) -> int:
         a = self.args
@@ -179,14 +162,18 @@ class Supervisor:
         self.model_name = served_name(a.model)
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        published = (local_state.published_secret(self.child_env[internal_auth.ENV_SECRET],
+                                                  a.scheduler_port)
+                     if self._generated else contextlib.nullcontext())
         try:
-            self._start("scheduler")
-            self._start("executor")
-            self._start("gateway")
-            self._wait_ready(started)
-            if self.num_standby and not self._stop:
-                self._start("standby")
-            return self._watch()
+            with published:
+                self._start("scheduler")
+                self._start("executor")
+                self._start("gateway")
+                self._wait_ready(started)
+                if self.num_standby and not self._stop:
+                    self._start("standby")
+                return self._watch()
         finally:
             self._shutdown()
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -213,50 +200,14 @@ class Supervisor:
         stop_all([self.procs[n] for n in EXECUTORS if n in self.procs], grace_s=10)
 
     def _argv(self, name: str) -> list[str]:
-        a = self.args
-        sched_addr = f"{self._scheduler_connect_host}:{a.scheduler_port}"
         if name == "scheduler":
-            return ["--ipc", self.ipc, "--host", a.scheduler_host, "--port", str(a.scheduler_port),
-                    "--max-num-seqs", str(a.max_num_seqs),
-                    "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                    "--chunk-size", str(a.chunk_size), "--policy", a.policy,
-                    "--grace-period", str(a.grace_period),
-                    *(["--max-num-waiting", str(a.max_num_waiting)]
-                      if a.max_num_waiting is not None else []),
-                    *(["--max-num-waiting-per-tenant", str(a.max_num_waiting_per_tenant)]
-                      if a.max_num_waiting_per_tenant is not None else []),
-                    *(["--max-step-failures", str(a.max_step_failures)]
-                      if a.max_step_failures is not None else []),
-                    *_queue_time_flags(a), *_telemetry_flags(a),
-                    *(["--config-file", os.path.abspath(a.config_file)]
-                      if getattr(a, "config_file", None) else []),
-                    *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else []),
-                    *(["--kv-events-endpoint", a.kv_events_endpoint, "--kv-events-topic",
-                       a.kv_events_topic] if getattr(a, "kv_events_endpoint", "") else []),
-                    *serve_tls.scheduler_argv(a)]
+            return serve_argv.scheduler_argv(self.args, self.ipc)
+        model = {"model_dir": self.model_dir, "model_name": self.model_name}
         if name in EXECUTORS:
-            argv = ["--standby"] if name == "standby" else []
-            argv += ["--model", self.model_dir, "--ipc", self.ipc, "--model-id", self.model_name,
-                    "--block-size", str(a.block_size), "--kv-cache-dtype", a.kv_cache_dtype,
-                    "--device", a.device,
-                    "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                    # A GPU executor profiles a step of the scheduler's largest size.
-                    "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-            if a.kv_cache_bytes is not None:  # else the executor's default for its device
-                argv += ["--kv-cache-bytes", str(a.kv_cache_bytes)]
-            if getattr(a, "weight_format", None):
-                argv += ["--weight-format", a.weight_format]
-            if getattr(a, "swap_space_bytes", 0):  # the host (swap) pool: 0 disables swap
-                argv += ["--host-kv-cache-bytes", str(a.swap_space_bytes)]
-            argv += ["--tp-size", str(a.tp_size)]
-            argv += ["--cpu-nice", str(getattr(a, "executor_nice", 0))]
-            return argv + (["--threads", str(a.threads)] if a.threads else [])
-        return ["--model-dir", self.model_dir, "--model-name", self.model_name,
-                "--scheduler", sched_addr,
-                "--host", a.host, "--port", str(a.port), "--grace-period", str(a.grace_period),
-                "--http-port", str(a.http_port),
-                *(["--api-keys-file", a.api_keys_file] if a.api_keys_file else []),
-                *edge_flags.to_argv(a)]
+            return serve_argv.executor_argv(self.args, standby=name == "standby",
+                                            ipc=self.ipc, **model)
+        sched_addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
+        return serve_argv.gateway_argv(self.args, scheduler_addr=sched_addr, **model)
 
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
@@ -304,7 +255,6 @@ class Supervisor:
                                      "(see its message above)")
 
     def _watch(self) -> int:
-        restarts: list[float] = []
         addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
         with serve_tls.scheduler_channel(self.args, addr) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -319,31 +269,31 @@ class Supervisor:
                 if dead is None:
                     continue
                 code = self.procs[dead].returncode
-                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
                 if dead == "standby":
                     self._standby_died(code, now)
                     continue
-                if dead == "executor" and len(restarts) < MAX_EXECUTOR_RESTARTS:
-                    restarts.append(now)
-                    self._executor_died(code, now, len(restarts))
-                    continue
-                print(f"continuum: the {dead} exited with code {code}; stopping",
-                      file=sys.stderr)
-                return 1
+                if dead != "executor":
+                    print(f"continuum: the {dead} exited with code {code}; stopping",
+                          file=sys.stderr, flush=True)
+                    return 1
+                if not self.executor_deaths.record(now):
+                    print(f"continuum: {self.executor_deaths.tripped(code)}",
+                          file=sys.stderr, flush=True)
+                    return 1
+                self._executor_died(code, now)
         return 0
 
-    def _executor_died(self, code: int, now: float, num_restarts: int) -> None:
+    def _executor_died(self, code: int, now: float) -> None:
         """The standby (if any) has the executor's role now: the scheduler switched to
         it on its own. Otherwise a cold start, as without standbys."""
         standby = self.procs.pop("standby", None)
+        count = self.executor_deaths.progress()
         if standby is not None and standby.poll() is None:
             self.procs["executor"] = standby
             print(f"continuum: executor exited with code {code}; the standby (pid "
-                  f"{standby.pid}) takes over ({num_restarts} in the last "
-                  f"{RESTART_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+                  f"{standby.pid}) takes over (death {count})", file=sys.stderr, flush=True)
         else:
-            print(f"continuum: executor exited with code {code}; restarting "
-                  f"({num_restarts} in the last {RESTART_WINDOW_S:.0f} s)",
+            print(f"continuum: executor exited with code {code}; restarting (death {count})",
                   file=sys.stderr, flush=True)
             self._start("executor")
         if self.num_standby and self._standby_due is None:
@@ -351,13 +301,11 @@ class Supervisor:
 
     def _standby_died(self, code: int, now: float) -> None:
         del self.procs["standby"]
-        failures = [t for t in self._standby_failures if now - t < RESTART_WINDOW_S] + [now]
-        self._standby_failures = failures
-        if len(failures) > MAX_EXECUTOR_RESTARTS:
+        if not self._standby_deaths.record(now):
             self.num_standby = 0
-            print(f"continuum: the standby executor exited {len(failures)} times in "
-                  f"{RESTART_WINDOW_S:.0f} s (last code {code}); serving on without one",
-                  file=sys.stderr, flush=True)
+            print(f"continuum: the standby executor exited {self._standby_deaths.count} times "
+                  f"in {self._standby_deaths.window_s:g} s (last code {code}); serving on "
+                  "without one", file=sys.stderr, flush=True)
             return
         print(f"continuum: the standby executor exited with code {code}; starting another",
               file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import internal_auth, tls
 from protos.continuum.v1 import scheduler_pb2_grpc
 from protos.telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
-from scheduler_svc import config_file, metrics
+from scheduler_svc import config_file, kv_event_flags, metrics
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the /metrics port (it carries no secrets, but stays on "
                         "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
-    add_kv_events_flags(p)
+    kv_event_flags.add_flags(p)
     tls.add_server_flags(p, peers="gateways (and `continuum serve`)")
     p.add_argument("--config-file", default="",
                    help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
@@ -77,25 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "change is applied live as a new config version")
     add_config_flags(p)
     return p.parse_args(argv)
-
-
-def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's KV event stream for prefix-aware routers (scheduler_svc/kv_events.py)."""
-    p.add_argument("--kv-events-endpoint", default="",
-                   help="publish KV cache events (vLLM's ZeroMQ PUB stream, what llm-d's "
-                        "precise prefix-cache scorer reads) on this endpoint, e.g. "
-                        "tcp://127.0.0.1:5557 (default: off)")
-    p.add_argument("--kv-events-topic", default="",
-                   help="topic of every message; llm-d expects kv@<pod>@<model>")
-    p.add_argument("--kv-events-replay-endpoint", default="",
-                   help="a ROUTER that re-sends buffered batches from a sequence number "
-                        "(default: none)")
-    p.add_argument("--kv-events-connect", action="store_true",
-                   help="connect the PUB to a subscriber that binds (a central indexer) "
-                        "instead of binding it")
-    p.add_argument("--kv-events-allow-remote", action="store_true",
-                   help="allow binding the unauthenticated event ports off loopback "
-                        "(where a NetworkPolicy admits only routers)")
 
 
 def start_kv_events(args: argparse.Namespace, loop: EngineLoop) -> KVEventPublisher | None:

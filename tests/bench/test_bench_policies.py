@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from benchmarks import bench_policies
 from continuum.cli import build_parser
-from continuum.supervisor import _queue_time_flags
+from continuum.serve_argv import queue_time_flags
 
 
 def _serve_args(policy: str, argv: list[str]):
@@ -18,14 +18,14 @@ def _serve_args(policy: str, argv: list[str]):
 def test_the_servers_run_without_a_queue_time_bound_by_default():
     for policy in bench_policies.POLICIES:
         args = _serve_args(policy, [])
-        flags = _queue_time_flags(args)  # what serve hands its scheduler
+        flags = queue_time_flags(args)  # what serve hands its scheduler
         for tier in ("premium", "standard", "best-effort"):
             assert flags[flags.index(f"--max-queue-time-{tier}-s") + 1] == "0.0"
         assert ("--tpot-target-standard-ms" in flags) == (policy == "chunked-slo")
 
 
 def test_a_bound_given_reaches_every_tier():
-    flags = _queue_time_flags(_serve_args("chunked", ["--queue-time-bound-s", "5"]))
+    flags = queue_time_flags(_serve_args("chunked", ["--queue-time-bound-s", "5"]))
     assert [flags[i + 1] for i, f in enumerate(flags) if f.startswith("--max-queue")] == \
         ["5.0"] * 3
 

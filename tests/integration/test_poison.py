@@ -87,7 +87,7 @@ def test_a_request_that_kills_the_executor_fails_alone(server, baseline):
     texts, err = run_together(server, EXIT_PROMPT)
     assert texts == baseline
     assert err.status_code >= 500 and "failed 2 times" in str(err.message)
-    # Two deaths: the shared step, then its step alone (the supervisor allows 5 in 120 s).
+    # Two deaths: the shared step, then its step alone (serve allows 5 in 120 s by default).
     assert server.stats().num_executor_losses - losses == 2
     assert server.proc.poll() is None
     assert complete(server, NORMAL[1]) == baseline[1]
