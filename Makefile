@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test protos lint bench bench-scheduler bench-executor bench-policies reliability clean
+.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-policies reliability clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -30,6 +30,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(ARGS)
+
+# The contributor's loop: everything that starts no service process (tests/conftest.py).
+test-fast: setup
+	$(PY) -m pytest -q --fast --durations=10 $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

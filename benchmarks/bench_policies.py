@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from continuum.bench import add_arguments
 from continuum.bench_clients import GrpcClient, run_workload
 from continuum.bench_report import summarize_outcomes as summarize
 from continuum.bench_workload import build_workload
+from continuum.procs import free_port
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -46,17 +46,11 @@ from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 POLICIES = ("static", "continuous", "chunked", "chunked-slo")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     """``continuum serve --policy P`` on free ports, stopped with Ctrl-C semantics."""
 
     def __init__(self, policy: str, engine_args: list[str], workdir: pathlib.Path):
-        self.port, self.scheduler_port = _free_port(), _free_port()
+        self.port, self.scheduler_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "continuum", "serve", "--policy",
                policy.removesuffix("-slo"),
                "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),

@@ -11,12 +11,12 @@ import math
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+from continuum.procs import free_port
 from scheduler_svc.core import SchedulerConfig
 
 
@@ -30,7 +30,7 @@ class Server:
 
         self.secret = os.environ.get(internal_auth.ENV_SECRET) or secrets.token_hex(24)
         self._metadata = internal_auth.metadata(self.secret.encode())
-        self.port, self.sched_port = _free_port(), _free_port()
+        self.port, self.sched_port = free_port(), free_port()
         self.telemetry = os.path.join(tmp, "telemetry.sqlite")  # the steps, per rate
         env = {**os.environ, internal_auth.ENV_SECRET: self.secret}
         env.pop(internal_auth.ENV_SECRET_FILE, None)
@@ -160,12 +160,6 @@ def stolen_pct(before: list[int] | None, after: list[int] | None) -> float:
 def step_figures(steps: int, busy_s: float, seqs: int, prefill: int) -> dict:
     return {"steps": steps, "mean step ms": 1e3 * busy_s / steps if steps else 0.0,
             "seqs a step": seqs / steps if steps else 0.0, "prompt tokens": prefill}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measured(server: Server, specs) -> dict:

@@ -31,6 +31,14 @@ def spawn(module: str, args: list[str], **kwargs) -> subprocess.Popen:
     )
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (bound and released: another process may take it
+    before the caller does, which on loopback in tests and benchmarks is rare enough)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

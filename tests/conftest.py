@@ -18,6 +18,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import pathlib
+import re
+import subprocess
 import sys
 import tempfile
 
@@ -74,3 +76,64 @@ def model_dir() -> pathlib.Path:
 
     return resolve_model(os.environ.get("CONTINUUM_TEST_MODEL") or None,
                          Switches.from_env().cache_dir)
+
+
+# -- test tiers ---------------------------------------------------------------------------
+# `make test-fast` (pytest --fast) runs what starts no service process: a test is marked
+# `spawns` when its module starts one (a subprocess, a server harness, a scheduler or
+# executor process, a multiprocessing pool) or it takes a fixture that does, read from the
+# source so that nobody marks a new test by hand; --fast deselects those. A test that
+# starts a service some other way (through a benchmark module, say) is skipped at that
+# moment under --fast, naming the command, so the fast tier never waits on one.
+SPAWNS = re.compile(r"\b(subprocess|Popen|multiprocessing|start_server|start_serve|"
+                    r"launch_replica|start_replica|start_gateway|scheduler_process|spawn\()")
+SPAWNING_FIXTURES = frozenset({"server", "scheduler", "served", "serve", "replica"})
+# What a fast test may still start: the gateway's structured-output compile workers.
+LIGHT_CHILDREN = ("gateway.compile_worker",)
+SERVICES = ("continuum", "executor_svc", "scheduler_svc", "gateway", "benchmarks")
+_spawning_modules: dict[str, bool] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: skip tests that start service processes")
+
+
+def _module_spawns(path: pathlib.Path) -> bool:
+    key = str(path)
+    if key not in _spawning_modules:
+        _spawning_modules[key] = bool(SPAWNS.search(path.read_text(encoding="utf-8")))
+    return _spawning_modules[key]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.get_closest_marker("integration") is not None
+                or _module_spawns(pathlib.Path(item.fspath))
+                or SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.spawns)
+    if config.getoption("--fast"):
+        kept = [item for item in items if item.get_closest_marker("spawns") is None]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
+def _is_service(args) -> bool:
+    argv = [str(a) for a in (args if isinstance(args, list | tuple) else [args])]
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module.split(".")[0] in SERVICES and module not in LIGHT_CHILDREN
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    """Under --fast, a service process started by any route skips its test."""
+    if not request.config.getoption("--fast"):
+        return
+    real = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        if _is_service(args):
+            pytest.skip(f"starts {' '.join(map(str, args))[:80]}: `make test` runs it")
+        real(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -20,7 +20,6 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import time
 
 import grpc
 
-from continuum.procs import spawn
+from continuum.procs import free_port, spawn
 from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -53,12 +52,6 @@ def internal_metadata() -> tuple[tuple[str, str], ...]:
         return internal_auth.metadata(internal_auth.load_secret())
     except internal_auth.SecretError:
         return ()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir() -> pathlib.Path:

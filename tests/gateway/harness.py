@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,13 +14,6 @@ from gateway.server import start_gateway
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL_NAME = "smollm2"
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound and released; good enough on loopback)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(coro, timeout_s: float = 30.0):

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,16 +14,11 @@ import time
 import grpc
 import pytest
 
+from continuum.procs import free_port
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import TEST_METADATA
 
 READY_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -13,12 +13,12 @@ import itertools
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import tempfile
 
 import pytest
 
+from continuum.procs import free_port
 from protos.telemetry import TelemetryStore
 
 _PG_BIN_DIRS = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
@@ -31,12 +31,6 @@ def _pg_bin() -> pathlib.Path | None:
             return d
     found = shutil.which("initdb")
     return pathlib.Path(found).parent if found else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_user(cmd: list[str]) -> list[str]:
@@ -59,7 +53,7 @@ def pg_cluster():
         root.chmod(0o755)
         shutil.chown(root, "nobody", "nogroup")
         shutil.chown(sock, "nobody", "nogroup")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "LC_ALL": "C"}
     subprocess.run(_as_user([str(bindir / "initdb"), "-D", str(data), "-U", "postgres",
                              "--auth=trust", "--no-sync", "-E", "UTF8"]),
