@@ -264,23 +264,26 @@ class HttpApi:
                                            request_id=ascii(request_id)[1:-1],
                                            headers=request.headers.get)
 
-    def _chunk(self, api: ApiRequest, validated: ValidatedRequest, created: int,
-               choices: Choices, response) -> dict | None:
-        """The SSE chunk for one response, or None when it carries nothing to send."""
+    def _chunks(self, api: ApiRequest, validated: ValidatedRequest, created: int,
+                choices: Choices, response) -> list[dict]:
+        """One response's SSE chunks: none when it has nothing to send; the last has logprobs."""
         text, first = choices.text_of(response)
         reason = finish_reason(response)
         logprobs = choices.logprobs_of(response)
         if not (text or reason or first or (logprobs and response.token_ids)):
-            return None
-        choice = api.dialect.chunk_choice(response.index, text, first, reason)
-        choice["logprobs"] = logprobs
-        chunk = api.dialect.envelope(validated.request_id, self._model_name, created, chunk=True)
-        chunk["choices"] = [choice]
-        if api.continuous_usage:
-            chunk["usage"] = usage(len(validated.prompt_token_ids), choices.streamed_tokens)
-        elif api.include_usage:
-            chunk["usage"] = None
-        return chunk
+            return []
+        chunks = []
+        for choice in api.dialect.chunk_choices(response.index, text, first, reason):
+            choice["logprobs"] = None
+            chunk = api.dialect.envelope(validated.request_id, self._model_name, created, True)
+            chunk["choices"] = [choice]
+            if api.continuous_usage:
+                chunk["usage"] = usage(len(validated.prompt_token_ids), choices.streamed_tokens)
+            elif api.include_usage:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        chunks[-1]["choices"][0]["logprobs"] = logprobs
+        return chunks
 
     async def _stream(self, request: web.Request, api: ApiRequest, validated: ValidatedRequest,
                       first, stream: AsyncIterator, log) -> web.StreamResponse:
@@ -293,8 +296,7 @@ class HttpApi:
         try:
             pending = first
             while pending is not None:
-                chunk = self._chunk(api, validated, created, choices, pending)
-                if chunk is not None:
+                for chunk in self._chunks(api, validated, created, choices, pending):
                     await response.write(_sse(chunk))
                 pending = await anext(stream, None)
             if api.include_usage:

@@ -81,6 +81,10 @@ class Dialect(abc.ABC):
         """One streamed chunk's choice, its finish_reason included (``reason`` is the
         response's, which tool calls turn into "tool_calls")."""
 
+    def chunk_choices(self, index: int, text: str, first: bool, reason: str | None) -> list[dict]:
+        """One response's streamed choices, each in a chunk of its own, in order."""
+        return [self.chunk_choice(index, text, first, reason)]
+
     @abc.abstractmethod
     def final_choice(self, index: int, text: str, parts: list[dict] | None,
                      reason: str | None) -> dict:
@@ -245,9 +249,20 @@ class ChatDialect(Dialect):
         if self.answers is not None:  # what it holds back or finds is its own
             delta, reason = self.answers.delta(index, text, first, reason)
             return {"index": index, "delta": delta, "finish_reason": reason}
+        # Every chunk here carries a token, so its delta has `content`, "" included: vLLM's
+        # benchmark client ends a request at its last chunk with `content`.
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": delta if (text or first) else {},
-                "finish_reason": reason}
+        return {"index": index, "delta": delta, "finish_reason": reason}
+
+    def chunk_choices(self, index, text, first, reason):
+        if first and not text and self.answers is None:
+            # A first token without text yet (part of a character, or the end at once): the
+            # role opens in a chunk of its own, as OpenAI's and vLLM's do, since vLLM's
+            # benchmark client counts no token in a chunk with `role` (TTFT, or a failure).
+            return [{"index": index, "delta": {"role": "assistant", "content": ""},
+                     "finish_reason": None},
+                    {"index": index, "delta": {"content": ""}, "finish_reason": reason}]
+        return [self.chunk_choice(index, text, first, reason)]
 
     def final_choice(self, index, text, parts, reason):
         merged = None
