@@ -6,10 +6,27 @@ positions ``[0, context_lens[i])`` — its cached prefix followed by its new tok
 the caller has already written into the cache. Position ``p`` of sequence ``i`` lives at
 ``block_tables[i, p // block_size]``, offset ``p % block_size``.
 
-Chunked prefill, decode and recompute differ only in these numbers (DESIGN.md §2), so a
+Chunked prefill, decode and recompute differ only in these numbers (docs/design.md §2), so a
 backend sees one kind of batch. Backends: ``torch_backend`` (CPU/any device),
 ``reference`` (slow, trusted by tests); Triton / flash-attn ones plug in behind the same
 two methods.
+
+Sliding windows: ``forward(..., window=W)`` restricts one layer's call to local attention,
+so a model passes each layer its own window within one step (Gemma 3 interleaves windowed
+and global layers; Mistral windows every layer). A query at absolute position ``p`` then
+attends to key positions ``k`` with ``p - W < k <= p``: the last ``W`` positions, itself
+included. That is transformers' rule (masking_utils.py, 5.x: ``sliding_window_overlay``
+keeps ``kv_idx > q_idx - sliding_window``, and ``sliding_window_causal_mask_function`` ands
+it with ``causal_mask_function``'s ``kv_idx <= q_idx``). ``window`` None or 0 is full causal
+attention, with the values it had before windows existed, bit for bit, and no added work;
+``W >= context`` gives the same values as full attention. ``prepare`` stays window-free and
+shared by every layer: a backend that precomputes something per window (masks, gather
+indices) caches it in its prepared object, keyed by the window, on the first layer that
+asks for that window. Where a step's layers run in one native call
+(kernels/native_decoder.py), the windows are fixed per layer instead: ``NativeDecoder(...,
+windows=[W or 0 per layer])``. Every backend takes the keyword: reference, torch, numba (its
+AVX2 and numba kernels skip the blocks before a window), triton, flash-attn
+(``window_size=(W - 1, 0)``).
 """
 
 from __future__ import annotations
@@ -83,17 +100,36 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         prepared: object,  # what prepare() returned for this step
         scale: float,
+        window: int | None = None,  # sliding window W (module docstring); None / 0: full
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Each query row attends to its sequence's keys at positions <= its own."""
+        """Each query row attends to its sequence's keys at positions <= its own (and, with
+        a window W, > its own - W)."""
+
+
+def check_window(window: int | None) -> int:
+    """``window`` as an int, 0 for full attention; ValueError for a negative one."""
+    if not window:
+        return 0
+    if window < 0:
+        raise ValueError(f"a sliding window must be >= 1 (or None / 0: full), not {window}")
+    return int(window)
+
+
+def window_start(position: int, window: int) -> int:
+    """The first key position a query at ``position`` attends to under ``window`` (0: full)."""
+    return max(0, position - window + 1) if window else 0
 
 
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [nb] int64
     length: int,
-) -> torch.Tensor:  # [length, Hkv, D]
-    """One sequence's first ``length`` cached positions, contiguous."""
+    start: int = 0,
+) -> torch.Tensor:  # [length - start, Hkv, D]
+    """One sequence's cached positions [start, length), contiguous; only the blocks that
+    hold them are read."""
     block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks])  # [nb, bs, Hkv, D]
-    return blocks.flatten(0, 1)[:length]
+    first, num_blocks = start // block_size, -(-length // block_size)
+    blocks = cache.index_select(0, block_table[first:num_blocks])  # [nb, bs, Hkv, D]
+    offset = first * block_size
+    return blocks.flatten(0, 1)[start - offset : length - offset]

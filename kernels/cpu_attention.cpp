@@ -3,7 +3,11 @@
 // The same contract as kernels/numba_kernels.py (paged_decode): sequence i's single query
 // row q[rows[i]] ([Hq, D]) attends to its context_lens[i] cached positions, position p
 // living at k_cache[tables[i, p / block_size], p % block_size] ([Hkv, D]); query head j
-// reads KV head j / (Hq / Hkv) (GQA). Writes out[rows[i]] and nothing else.
+// reads KV head j / (Hq / Hkv) (GQA). Writes out[rows[i]] and nothing else. With a sliding
+// window W > 0 (kernels/attention.py: the query at position ctx - 1 sees positions
+// > ctx - 1 - W) only positions [max(0, ctx - W), ctx) are read: the blocks wholly before
+// the window are skipped, never touched, and the first block is read from the window's
+// first slot on. W = 0 is full attention, the same loops with a first position of 0.
 //
 // Why not numba: its dot products end in one horizontal sum per key, and its accumulators
 // live in memory. Here 8 keys' dot products are reduced together (one transposing hadd
@@ -43,29 +47,6 @@ inline __m256 exp_nonpos(__m256 x) {
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931472f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
   __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  // 2.0f ** k
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// exp(x) for x <= 0 to ~1 ulp at any magnitude (SwiGLU needs it for large |x|, where
-// exp_nonpos's x * log2(e) loses ~|x| * 6e-8 of the exponent): Cody-Waite reduction
-// x = k ln2 + r, |r| <= ln2 / 2, with ln2 split in two, then a degree-7 Taylor series of
-// e^r. x below -87 clamps, as exp_nonpos.
-inline __m256 exp_nonpos_exact(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln2's high part
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);  // and its low part
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);  // 2.0f ** k
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
@@ -138,23 +119,33 @@ inline int prefetch_lines(const Shape& s, int64_t row_bytes) {
   return int((s.block_size * row_bytes / 64 + steps - 1) / steps);
 }
 
-// scores[j * ctx + p] = q[j] . k[p] (q pre-scaled), for every query head j.  DV = D / 8.
+// The slots [t0, t0 + n) of block b that positions [lo, hi) cover.
+struct BlockRange {
+  int64_t t0, n;
+  BlockRange(int64_t b, int64_t block_size, int64_t lo, int64_t hi)
+      : t0(std::max<int64_t>(0, lo - b * block_size)),
+        n(std::min(block_size, hi - b * block_size) - t0) {}
+};
+
+// scores[j * (hi - lo) + p - lo] = q[j] . k[p] (q pre-scaled) for positions p in [lo, hi),
+// every query head j; the blocks before lo's are not read.  DV = D / 8.
 template <int DV, typename T>
-void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t ctx,
-                const Shape& s, float* scores) {
+void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t lo,
+                int64_t hi, const Shape& s, float* scores) {
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
-  const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
+  const int64_t num_blocks = (hi + s.block_size - 1) / s.block_size, len = hi - lo;
   const int lines = prefetch_lines(s, row * int64_t(sizeof(T)));
   Prefetcher pf;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = lo / s.block_size; b < num_blocks; ++b) {
     pf.start(k_cache, table, b, num_blocks, s.block_size * row);
-    const T* block = k_cache + table[b] * s.block_size * row;
-    const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
+    const BlockRange r(b, s.block_size, lo, hi);
+    const T* block = k_cache + (table[b] * s.block_size + r.t0) * row;
+    const int64_t n = r.n;
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
       const T* kh = block + h * DV * 8;
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
         const float* qj = qs + j * DV * 8;
-        float* out = scores + j * ctx + p0;
+        float* out = scores + j * len + b * s.block_size + r.t0 - lo;
         int64_t t = 0;
         for (; t + 8 <= n; t += 8) {  // 8 keys at once, reduced together
           pf.step(lines);
@@ -180,6 +171,7 @@ void score_pass(const float* qs, const T* k_cache, const int64_t* table, int64_t
 }
 
 // scores[j] <- softmax(scores[j]) for each head, in place; exact max, then exp and sum.
+// ctx here: the number of scores per head (the positions attended).
 // stats (when not null): [2 j] = head j's max score, [2 j + 1] = its sum of exponentials.
 void softmax_rows(float* scores, int64_t num_heads, int64_t ctx, float* stats = nullptr) {
   for (int64_t j = 0; j < num_heads; ++j) {
@@ -210,23 +202,25 @@ void softmax_rows(float* scores, int64_t num_heads, int64_t ctx, float* stats = 
   }
 }
 
-// out[j] = sum_p weights[j * ctx + p] * v[p], head by head; out [Hq, D].
+// out[j] = sum_p weights[j * (hi - lo) + p - lo] * v[p] over p in [lo, hi), head by head;
+// out [Hq, D].
 template <int DV, typename T>
-void value_pass(const float* weights, const T* v_cache, const int64_t* table, int64_t ctx,
-                const Shape& s, float* out) {
+void value_pass(const float* weights, const T* v_cache, const int64_t* table, int64_t lo,
+                int64_t hi, const Shape& s, float* out) {
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * DV * 8;
   memset(out, 0, sizeof(float) * s.num_heads * DV * 8);
-  const int64_t num_blocks = (ctx + s.block_size - 1) / s.block_size;
+  const int64_t num_blocks = (hi + s.block_size - 1) / s.block_size, len = hi - lo;
   const int lines = prefetch_lines(s, row * int64_t(sizeof(T)));
   Prefetcher pf;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = lo / s.block_size; b < num_blocks; ++b) {
     pf.start(v_cache, table, b, num_blocks, s.block_size * row);
-    const T* block = v_cache + table[b] * s.block_size * row;
-    const int64_t p0 = b * s.block_size, n = std::min(s.block_size, ctx - p0);
+    const BlockRange r(b, s.block_size, lo, hi);
+    const T* block = v_cache + (table[b] * s.block_size + r.t0) * row;
+    const int64_t n = r.n;
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
       const T* vh = block + h * DV * 8;
       for (int64_t j = h * group; j < (h + 1) * group; ++j) {
-        const float* w = weights + j * ctx + p0;
+        const float* w = weights + j * len + b * s.block_size + r.t0 - lo;
         float* oj = out + j * DV * 8;
         __m256 acc[DV];
         for (int d = 0; d < DV; ++d) acc[d] = _mm256_loadu_ps(oj + d * 8);
@@ -242,83 +236,31 @@ void value_pass(const float* weights, const T* v_cache, const int64_t* table, in
   }
 }
 
+// One query row [Hq, D] over positions [lo, hi) of its table.
 template <int DV, typename T>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
-            int64_t ctx, const Shape& s, float scale, float* out, std::vector<float>& scratch,
-            float* stats) {
-  const int64_t dim = DV * 8;
-  scratch.resize(s.num_heads * (dim + ctx));
+            int64_t lo, int64_t hi, const Shape& s, float scale, float* out,
+            std::vector<float>& scratch, float* stats) {
+  const int64_t dim = DV * 8, len = hi - lo;
+  scratch.resize(s.num_heads * (dim + len));
   float* qs = scratch.data();  // [Hq, D], pre-scaled
-  float* scores = qs + s.num_heads * dim;  // [Hq, ctx]
+  float* scores = qs + s.num_heads * dim;  // [Hq, len]
   for (int64_t i = 0; i < s.num_heads * dim; ++i) qs[i] = q[i] * scale;
-  score_pass<DV, T>(qs, k_cache, table, ctx, s, scores);
-  softmax_rows(scores, s.num_heads, ctx, stats);
-  value_pass<DV, T>(scores, v_cache, table, ctx, s, out);
-}
-
-// Rows r[0..7] (8 lanes each) become columns: r[j] lane i <- old r[i] lane j.
-inline void transpose8(__m256 r[8]) {
-  __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-// One head of rope_qkv_f32 (rope: rotate-half RoPE, else a plain copy) for tokens
-// [t0, t0 + n), n <= 8: x [D, T] hidden-major rows -> out[t * out_row + d]. No FMA
-// contraction here (GCC would fuse the intrinsics' multiply and add otherwise).
-__attribute__((optimize("fp-contract=off"))) void head_rows(const float* x, const float* cos, const float* sin, bool rope, int64_t dim,
-               int64_t tokens, int64_t t0, int64_t n, float* out, int64_t out_row) {
-  const int64_t half = dim / 2;
-  if (n == 8) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 8) {
-      __m256 r[8];
-      for (int64_t i = 0; i < 8; ++i) {
-        const int64_t d = d0 + i, at = d * tokens + t0;
-        r[i] = _mm256_loadu_ps(x + at);
-        if (rope) {  // mul then add / sub, never an FMA: the same rounding as torch's ops
-          const int64_t partner = (d < half ? d + half : d - half) * tokens + t0;
-          const __m256 a = _mm256_mul_ps(r[i], _mm256_loadu_ps(cos + at));
-          const __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + partner), _mm256_loadu_ps(sin + at));
-          r[i] = d < half ? _mm256_sub_ps(a, b) : _mm256_add_ps(a, b);
-        }
-      }
-      transpose8(r);
-      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(out + (t0 + j) * out_row + d0, r[j]);
-    }
-    return;
-  }
-  for (int64_t t = t0; t < t0 + n; ++t)
-    for (int64_t d = 0; d < dim; ++d) {
-      const int64_t at = d * tokens + t;
-      __m128 v = _mm_set_ss(x[at]);
-      if (rope) {
-        const int64_t partner = (d < half ? d + half : d - half) * tokens + t;
-        const __m128 a = _mm_mul_ss(v, _mm_set_ss(cos[at]));
-        const __m128 b = _mm_mul_ss(_mm_set_ss(x[partner]), _mm_set_ss(sin[at]));
-        v = d < half ? _mm_sub_ss(a, b) : _mm_add_ss(a, b);
-      }
-      out[t * out_row + d] = _mm_cvtss_f32(v);
-    }
+  score_pass<DV, T>(qs, k_cache, table, lo, hi, s, scores);
+  softmax_rows(scores, s.num_heads, len, stats);
+  value_pass<DV, T>(scores, v_cache, table, lo, hi, s, out);
 }
 
 template <typename T>
-using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t,
+using AttendFn = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t,
                           const Shape&, float, float*, std::vector<float>&, float*);
 
-// Contexts longer than this many positions are attended in parts of this size (whole blocks),
-// each part a task of its own, and the parts' outputs merged by their softmax statistics
-// (flash-decoding's split): one long sequence then keeps every thread busy instead of one.
-// The split depends on the sequence's own length only, never on the batch, so a sequence's
-// output does not depend on what else is in the step.
+// Windows longer than this many positions are attended in parts of this size (whole blocks
+// when the window starts at 0), each part a task of its own, and the parts' outputs merged
+// by their softmax statistics (flash-decoding's split): one long sequence then keeps every
+// thread busy instead of one. The split depends on the sequence's own length and window
+// only, never on the batch, so a sequence's output does not depend on what else is in the
+// step.
 constexpr int64_t kSplitPositions = 2048;
 
 // out [Hq, D] = the parts' outputs [parts][Hq, D], weighted by each part's share of the
@@ -342,11 +284,40 @@ void merge_parts(const float* outs, const float* stats, int64_t parts, int64_t n
   }
 }
 
+// A step's work: one task per sequence, or per part of a long window, whose positions are
+// [lo, hi); a split sequence's parts write into `partial` (outputs, then statistics) at
+// `slot`, and are merged once all tasks are done.
+struct DecodeTasks {
+  struct Task { int64_t seq, lo, hi, slot; };  // slot -1: the whole sequence, into out
+  struct Split { int64_t seq, first_slot, parts; };
+  std::vector<Task> tasks;
+  std::vector<Split> split;
+  int64_t slots = 0;
+
+  DecodeTasks(const int64_t* context_lens, int64_t num_seqs, int64_t block_size,
+              int64_t window) {
+    const int64_t part_len = std::max<int64_t>(1, kSplitPositions / block_size) * block_size;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t hi = context_lens[i];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
+      if (hi - lo <= kSplitPositions) {
+        tasks.push_back({i, lo, hi, -1});
+        continue;
+      }
+      const int64_t parts = (hi - lo + part_len - 1) / part_len;
+      split.push_back({i, slots, parts});
+      for (int64_t j = 0; j < parts; ++j)
+        tasks.push_back({i, lo + j * part_len, std::min(hi, lo + (j + 1) * part_len), slots + j});
+      slots += parts;
+    }
+  }
+};
+
 template <typename T>
 void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows,
                   const int64_t* tables, int64_t table_stride, const int64_t* context_lens,
                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                  int64_t head_dim, float scale, float* out, int num_threads) {
+                  int64_t head_dim, float scale, float* out, int num_threads, int64_t window) {
   static const AttendFn<T> by_dv[17] = {
       nullptr,         attend<1, T>,  attend<2, T>,  attend<3, T>,  attend<4, T>,
       attend<5, T>,    attend<6, T>,  attend<7, T>,  attend<8, T>,  attend<9, T>,
@@ -355,51 +326,26 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
   const AttendFn<T> fn = by_dv[head_dim / 8];
   const Shape s{num_heads, num_kv_heads, block_size, table_stride};
   const int64_t q_row = num_heads * head_dim;
-  // Tasks: (sequence, first part, parts); a long sequence's parts write into `partial`
-  // (outputs, then statistics) at its offset, and are merged once all tasks are done.
-  const int64_t part_blocks = std::max<int64_t>(1, kSplitPositions / block_size);
-  const int64_t part_len = part_blocks * block_size;
-  struct Task { int64_t seq, part, slot; };  // part -1: the whole sequence
-  struct Split { int64_t seq, first_slot, parts; };
-  std::vector<Task> tasks;
-  std::vector<Split> split;
-  int64_t slots = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t parts = context_lens[i] > kSplitPositions
-                              ? (context_lens[i] + part_len - 1) / part_len : 1;
-    if (parts == 1) {
-      tasks.push_back({i, -1, 0});
-      continue;
-    }
-    split.push_back({i, slots, parts});
-    for (int64_t j = 0; j < parts; ++j) tasks.push_back({i, j, slots + j});
-    slots += parts;
-  }
-  std::vector<float> partial(slots * num_heads * (head_dim + 2));
+  const DecodeTasks plan(context_lens, num_seqs, block_size, window);
+  std::vector<float> partial(plan.slots * num_heads * (head_dim + 2));
   float* part_out = partial.data();
-  float* part_stats = part_out + slots * q_row;
-  const int64_t num_tasks = tasks.size(), num_split = split.size();
+  float* part_stats = part_out + plan.slots * q_row;
+  const int64_t num_tasks = plan.tasks.size(), num_split = plan.split.size();
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < num_tasks; ++u) {
-      const Task& task = tasks[u];
+      const DecodeTasks::Task& task = plan.tasks[u];
       const int64_t i = task.seq;
-      const int64_t* table = tables + i * table_stride;
-      if (task.part < 0) {
-        fn(q + rows[i] * q_row, k_cache, v_cache, table, context_lens[i], s, scale,
-           out + rows[i] * q_row, scratch, nullptr);
-        continue;
-      }
-      const int64_t p0 = task.part * part_len;
-      fn(q + rows[i] * q_row, k_cache, v_cache, table + task.part * part_blocks,
-         std::min(part_len, context_lens[i] - p0), s, scale, part_out + task.slot * q_row,
-         scratch, part_stats + task.slot * 2 * num_heads);
+      const bool whole = task.slot < 0;
+      fn(q + rows[i] * q_row, k_cache, v_cache, tables + i * table_stride, task.lo, task.hi, s,
+         scale, whole ? out + rows[i] * q_row : part_out + task.slot * q_row, scratch,
+         whole ? nullptr : part_stats + task.slot * 2 * num_heads);
     }
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < num_split; ++u) {
-      const Split& sp = split[u];
+      const DecodeTasks::Split& sp = plan.split[u];
       merge_parts(part_out + sp.first_slot * q_row, part_stats + sp.first_slot * 2 * num_heads,
                   sp.parts, num_heads, head_dim, out + rows[sp.seq] * q_row);
     }
@@ -418,16 +364,16 @@ int paged_decode_supports(int64_t head_dim) {
 // q [T, Hq, D], out [T, Hq, D] float32 contiguous; k_cache, v_cache [num_blocks, block_size,
 // Hkv, D] contiguous, of element type `kind` (0 float32, 1 float16, 2 bfloat16); rows,
 // context_lens [num_seqs], tables [num_seqs, table_stride] int64. Runs on num_threads
-// OpenMP threads (1: in the calling thread).
+// OpenMP threads (1: in the calling thread). window: the sliding window (0: full attention).
 void paged_decode_kv(const float* q, const void* k_cache, const void* v_cache,
                      const int64_t* rows, const int64_t* tables, int64_t table_stride,
                      const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
-                     float* out, int num_threads, int kind) {
+                     float* out, int num_threads, int kind, int64_t window) {
 #define CONTINUUM_DECODE(T)                                                                  \
   paged_decode<T>(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), rows,  \
                   tables, table_stride, context_lens, num_seqs, num_heads, num_kv_heads,      \
-                  block_size, head_dim, scale, out, num_threads)
+                  block_size, head_dim, scale, out, num_threads, window)
   if (kind == 1) {
     CONTINUUM_DECODE(Half);
   } else if (kind == 2) {
@@ -438,146 +384,5 @@ void paged_decode_kv(const float* q, const void* k_cache, const void* v_cache,
 #undef CONTINUUM_DECODE
 }
 
-// RMSNorm over the hidden axis of hidden-major activations (executor_svc/model.py), fused
-// with the residual add before it: x += delta (when delta is not null), then
-// out[h, t] = w[h] * (x[h, t] / sqrt(mean_h x[h, t]^2 + eps)). x, delta, out [H, T], w [H],
-// float32 contiguous. One call instead of the ~8 torch ops, each of which opened an OpenMP
-// region. One thread below kParallelTokens tokens (a decode step's [576, 64] is ~40 us);
-// from there the tokens are split between OpenMP's threads (a 2,048-token prefill chunk took
-// ~4 ms a call on one core). Each token's sum runs over h in the same order either way: the
-// same bits.
-constexpr int64_t kParallelTokens = 256;
-
-void add_rms_norm_f32(float* x, const float* delta, const float* w, float* out, int64_t hidden,
-                      int64_t tokens, float eps) {
-#pragma omp parallel if (tokens >= kParallelTokens)
-  {
-    const int64_t parts = omp_get_num_threads(), per = (tokens + parts - 1) / parts;
-    const int64_t t0 = std::min(tokens, omp_get_thread_num() * per);
-    const int64_t t1 = std::min(tokens, t0 + per);
-    if (delta != nullptr)
-      for (int64_t h = 0; h < hidden; ++h)
-        for (int64_t t = t0; t < t1; ++t) x[h * tokens + t] += delta[h * tokens + t];
-    std::vector<float> scale(t1 - t0, 0.0f);
-    for (int64_t h = 0; h < hidden; ++h)
-      for (int64_t t = t0; t < t1; ++t) scale[t - t0] += x[h * tokens + t] * x[h * tokens + t];
-    for (int64_t t = t0; t < t1; ++t)
-      scale[t - t0] = 1.0f / std::sqrt(scale[t - t0] / static_cast<float>(hidden) + eps);
-    for (int64_t h = 0; h < hidden; ++h)
-      for (int64_t t = t0; t < t1; ++t)
-        out[h * tokens + t] = w[h] * (x[h * tokens + t] * scale[t - t0]);
-  }
-}
-
-// The SwiGLU activation: out[i] = silu(gate[i]) * up[i], silu(g) = g / (1 + exp(-g)) as
-// torch's (rounded to float, then multiplied). e = exp(-|g|) never overflows: g >= 0 gives
-// g / (1 + e), g < 0 g e / (1 + e). Within a few ulp of torch's SiLU (silu(-inf) is -inf
-// here, NaN in torch). One pass instead of torch's two (silu_, mul_); both threads for a
-// decode step's [1536, 64].
-void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n, int num_threads) {
-  const int64_t vectors = n / 8;
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  auto eight = [&](__m256 g, __m256 u) {
-    const __m256 e = exp_nonpos_exact(_mm256_or_ps(g, sign));  // exp(-|g|)
-    const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(g, e), g,
-                                        _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
-    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u);
-  };
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && n >= 16384) \
-    schedule(static)
-  for (int64_t b = 0; b < vectors; ++b)
-    _mm256_storeu_ps(out + 8 * b,
-                     eight(_mm256_loadu_ps(gate + 8 * b), _mm256_loadu_ps(up + 8 * b)));
-  if (const int64_t rest = n - vectors * 8) {  // the tail through padded copies, same math
-    alignas(32) float g[8] = {}, u[8] = {};
-    memcpy(g, gate + vectors * 8, rest * sizeof(float));
-    memcpy(u, up + vectors * 8, rest * sizeof(float));
-    _mm256_store_ps(g, eight(_mm256_load_ps(g), _mm256_load_ps(u)));
-    memcpy(out + vectors * 8, g, rest * sizeof(float));
-  }
-}
-
-// A layer's fused q/k/v projection output -> the token-major rows attention and the KV
-// cache take, RoPE applied to q and k: qkv [(Hq + 2 Hkv) D, T] hidden-major (q heads, k
-// heads, v heads), cos / sin [D, T]; q_out [T, Hq, D], k_out / v_out [T, Hkv, D]. The same
-// values as executor_svc/model.py's apply_rope + copies (separate multiply and add, as
-// torch), in one call instead of ~8 ops. head_dim a multiple of 8. One thread below
-// kParallelTokens tokens; from there the 8-token groups, which write disjoint rows, are
-// split between OpenMP's threads (a 2,048-token chunk took ~6 ms a layer on one core).
-void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q_out,
-                  float* k_out, float* v_out, int64_t num_heads, int64_t num_kv_heads,
-                  int64_t head_dim, int64_t tokens) {
-  const int64_t head = head_dim * tokens;
-#pragma omp parallel for if (tokens >= kParallelTokens) schedule(static)
-  for (int64_t t0 = 0; t0 < tokens; t0 += 8) {
-    const int64_t n = std::min<int64_t>(8, tokens - t0);
-    for (int64_t h = 0; h < num_heads; ++h)
-      head_rows(qkv + h * head, cos, sin, true, head_dim, tokens, t0, n, q_out + h * head_dim,
-                num_heads * head_dim);
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      head_rows(qkv + (num_heads + h) * head, cos, sin, true, head_dim, tokens, t0, n,
-                k_out + h * head_dim, num_kv_heads * head_dim);
-      head_rows(qkv + (num_heads + num_kv_heads + h) * head, cos, sin, false, head_dim, tokens,
-                t0, n, v_out + h * head_dim, num_kv_heads * head_dim);
-    }
-  }
-}
-
-// A step's K and V rows (float32) into their cache slots: k_pool[slots[t]] = k[t], the
-// same for v; rows of `row` elements ([Hkv, D]); the pools of element type `kind` (0 float32,
-// 1 float16, 2 bfloat16: rounded to nearest even, as torch's .to()). Returns the number of
-// slots outside [0, num_slots) (nothing is written then: the caller raises). One thread: a
-// decode step writes 64 x 768 B.
-int64_t kv_write_kv(const float* k, const float* v, void* k_pool, void* v_pool,
-                    const int64_t* slots, int64_t tokens, int64_t row, int64_t num_slots,
-                    int kind) {
-  int64_t bad = 0;
-  for (int64_t t = 0; t < tokens; ++t) bad += slots[t] < 0 || slots[t] >= num_slots;
-  if (bad) return bad;
-  if (kind == 1 || kind == 2) {
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int side = 0; side < 2; ++side) {
-        const float* src = (side ? v : k) + t * row;
-        uint16_t* dst = static_cast<uint16_t*>(side ? v_pool : k_pool) + slots[t] * row;
-        int64_t i = 0;
-        if (kind == 1)
-          for (; i + 8 <= row; i += 8)
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-        for (; i < row; ++i) {
-          if (kind == 1) {
-            dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
-            continue;
-          }
-          uint32_t bits;
-          memcpy(&bits, src + i, 4);
-          dst[i] = std::isnan(src[i]) ? 0x7FC0
-                                      : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-        }
-      }
-    return 0;
-  }
-  float* kf = static_cast<float*>(k_pool);
-  float* vf = static_cast<float*>(v_pool);
-  // Whole 64-byte lines go out as streaming stores: no read-for-ownership of pool lines that
-  // are about to be overwritten (the copy is bound by those misses, not by bandwidth).
-  const bool stream = row % 16 == 0 && reinterpret_cast<uintptr_t>(kf) % 64 == 0 &&
-                      reinterpret_cast<uintptr_t>(vf) % 64 == 0;
-  for (int64_t t = 0; t < tokens; ++t) {
-    float* kd = kf + slots[t] * row;
-    float* vd = vf + slots[t] * row;
-    if (!stream) {
-      memcpy(kd, k + t * row, row * sizeof(float));
-      memcpy(vd, v + t * row, row * sizeof(float));
-      continue;
-    }
-    for (int64_t i = 0; i < row; i += 8) {
-      _mm256_stream_ps(kd + i, _mm256_loadu_ps(k + t * row + i));
-      _mm256_stream_ps(vd + i, _mm256_loadu_ps(v + t * row + i));
-    }
-  }
-  _mm_sfence();
-  return 0;
-}
 
 }  // extern "C"

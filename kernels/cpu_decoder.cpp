@@ -20,7 +20,7 @@ void paged_decode_kv(const float* q, const void* k_cache, const void* v_cache,
                      const int64_t* rows, const int64_t* tables, int64_t table_stride,
                      const int64_t* context_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t block_size, int64_t head_dim, float scale,
-                     float* out, int num_threads, int kind);
+                     float* out, int num_threads, int kind, int64_t window);
 void add_rms_norm_f32(float* x, const float* delta, const float* w, float* out, int64_t hidden,
                       int64_t tokens, float eps);
 void rope_qkv_f32(const float* qkv, const float* cos, const float* sin, float* q_out,
@@ -36,7 +36,8 @@ void silu_mul_f32(const float* gate, const float* up, float* out, int64_t n, int
 
 // One layer's weights: the norms [H] as they are, the projections QWeights (fp32 packed by
 // gemm_pack_weight_f32, which goes to gemm_packed_f32 as before, or GGUF blocks) (wqkv [(Hq + 2 Hkv) D, H], wo [H, Hq D], w13 [2 I, H] gate rows then
-// up rows, w2 [H, I]).
+// up rows, w2 [H, I]); window: the layer's sliding window (kernels/attention.py), 0 for
+// full attention.
 struct DecoderLayer {
   const float* attn_norm;
   const QWeight* wqkv;
@@ -44,6 +45,7 @@ struct DecoderLayer {
   const float* ffn_norm;
   const QWeight* w13;
   const QWeight* w2;
+  int64_t window;
 };
 
 struct DecoderShape {
@@ -53,7 +55,7 @@ struct DecoderShape {
 
 // Attention for the step's multi-token chunks (prefill), which the caller runs (torch's
 // SDPA: a matmul beats this library's decode kernel there): reads the step buffers q, k, v
-// and the pool's layer `layer`, writes the chunks' rows of o. Returns 0, or nonzero to
+// and the pool's layer `layer`, writes the chunks' rows of o (under the layer's window). Returns 0, or nonzero to
 // stop the step (the caller keeps the error).
 typedef int (*ChunkAttentionFn)(int64_t layer);
 
@@ -148,7 +150,7 @@ int64_t decode_layers_f32(const DecoderLayer* layers, int64_t num_layers,
     clock.lap(kKvWrite);
     paged_decode_kv(q, k_pool, v_pool, st.rows, st.tables, st.table_stride, st.context_lens,
                     st.num_seqs, s.num_heads, s.num_kv_heads, st.block_size, s.head_dim, s.scale,
-                    o, st.attention_threads, st.kind);
+                    o, st.attention_threads, st.kind, L.window);
     if (st.chunks != nullptr && st.chunks(i) != 0) return -1;
     clock.lap(kAttention);
     // o [T, Hq D] read as its transpose [Hq D, T]: the GEMM packs it column by column.

@@ -5,6 +5,13 @@ the metadata's query_start, ``cu_seqlens_k`` the running sum of context lengths,
 flash-attn's causal mask is aligned to the bottom right (since 2.1), which is exactly "row j
 of a chunk sees positions <= ctx - n + j". K/V are read through the block table in place.
 
+A sliding window W (kernels/attention.py: position p sees p - W < k <= p) is flash-attn's
+``window_size=(W - 1, 0)``: its docstring has query i attend keys in [i + seqlen_k - seqlen_q
+- window_size[0], i + seqlen_k - seqlen_q + window_size[1]], i.e. with the bottom-right
+alignment p - (W - 1) <= k <= p. (transformers passes (W - 1, W - 1) with causal=True, the
+same keys: the right side is cut by causality.) Full attention leaves ``window_size`` out,
+flash-attn's default (-1, -1).
+
 What it cannot take goes to a fallback backend (Triton where it runs, else torch), logged
 once per reason: flash-attn 2 pages must hold a multiple of 256 tokens (the default
 ``--block-size 16`` does not), q and the pool must share one 16-bit dtype, and head dims stop
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, check_window
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +87,9 @@ class FlashAttnBackend(AttentionBackend):
             return f"head dim {q.shape[-1]}"
         return None
 
-    def forward(self, q, k, v, k_cache, v_cache, prepared: _FlashPlan, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, prepared: _FlashPlan, scale: float,
+                window: int | None = None):
+        window = check_window(window)
         reason = None if prepared.cu_seqlens_q is None else self._reason(q, k_cache)
         if prepared.cu_seqlens_q is None or reason is not None:
             if reason is not None:
@@ -88,10 +97,15 @@ class FlashAttnBackend(AttentionBackend):
             if prepared.fallback_plan is None:
                 prepared.fallback_plan = self.fallback.prepare(prepared.meta)
             return self.fallback.forward(q, k, v, k_cache, v_cache, prepared.fallback_plan,
-                                         scale)
+                                         scale, window)
         meta = prepared.meta
         return self._varlen(
             q, k_cache, v_cache, prepared.cu_seqlens_q, prepared.cu_seqlens_k,
             max(meta.query_lens), max(meta.context_lens), softmax_scale=scale, causal=True,
-            block_table=prepared.block_table,
+            block_table=prepared.block_table, **window_kwargs(window),
         )  # [T, Hq, D]
+
+
+def window_kwargs(window: int) -> dict:
+    """flash-attn's keyword for a sliding window (module docstring); {} for full attention."""
+    return {"window_size": (window - 1, 0)} if window else {}

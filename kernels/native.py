@@ -1,8 +1,8 @@
 """Builds and loads the AVX2 kernels through ctypes: kernels/cpu_attention.cpp (paged decode
-attention over float32 / float16 / bfloat16 pools, fused residual add + RMSNorm, RoPE +
-q/k/v layout, KV write, SwiGLU), kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed
-weights) and kernels/cpu_decoder.cpp (a step's decoder layers in one call, driven by
-kernels/native_decoder.py), one library.
+attention over float32 / float16 / bfloat16 pools, full or sliding-window),
+kernels/cpu_ops.cpp (fused residual add + RMSNorm, RoPE + q/k/v layout, KV write, SwiGLU),
+kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed weights) and kernels/cpu_decoder.cpp
+(a step's decoder layers in one call, driven by kernels/native_decoder.py), one library.
 
 Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
 ``kernels/__pycache__/`` (or ``NativeOptions.cache_dir``, or a temporary directory where
@@ -33,7 +33,7 @@ import kernels.numba_kernels  # noqa: F401  (promotes torch's libgomp first: one
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(pathlib.Path(__file__).with_name(n)
-                for n in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp"))
+                for n in ("cpu_attention.cpp", "cpu_ops.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp"))
 # cpu_qgemm.cpp is compiled on its own with -ffp-contract=off (its dequantized weights must
 # round as numpy's separate multiply and add do), then linked with the others.
 QGEMM_SOURCE = pathlib.Path(__file__).with_name("cpu_qgemm.cpp")
@@ -70,7 +70,7 @@ class NativeKernels:
         self._supports.argtypes, self._supports.restype = [_I64], ctypes.c_int
         self._decode = lib.paged_decode_kv
         self._decode.argtypes = [_PTR] * 5 + [_I64, _PTR] + [_I64] * 5 + [
-            ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int]
+            ctypes.c_float, _PTR, ctypes.c_int, ctypes.c_int, _I64]
         self._decode.restype = None
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [_PTR] * 4 + [_I64, _I64, ctypes.c_float]
@@ -101,11 +101,12 @@ class NativeKernels:
 
     def paged_decode(self, q: np.ndarray, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rows: np.ndarray, tables: np.ndarray, context_lens: np.ndarray,
-                     scale: float, out: np.ndarray, threads: int) -> None:
+                     scale: float, out: np.ndarray, threads: int, window: int = 0) -> None:
         # q, out [T, Hq, D] float32 C-contiguous; the pools [N, block, Hkv, D] contiguous
         # CPU tensors of a KV_KINDS dtype; rows, context_lens [B] and tables [B, nb] int64
         # C-contiguous (the caller guarantees it: a wrong stride here reads the wrong memory,
-        # not a Python error).
+        # not a Python error). window: a sliding window (kernels/attention.py), 0 for full;
+        # the blocks before a row's window are not read.
         assert rows.dtype == tables.dtype == context_lens.dtype == np.int64
         assert tables.flags.c_contiguous and q.flags.c_contiguous and out.flags.c_contiguous
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -114,7 +115,7 @@ class NativeKernels:
         self._decode(q.ctypes.data, k_cache.data_ptr(), v_cache.data_ptr(),
                      rows.ctypes.data, tables.ctypes.data, tables.shape[1],
                      context_lens.ctypes.data, rows.shape[0], q.shape[1], num_kv_heads, block_size,
-                     head_dim, scale, out.ctypes.data, threads, KV_KINDS[k_cache.dtype])
+                     head_dim, scale, out.ctypes.data, threads, KV_KINDS[k_cache.dtype], window)
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
                      eps: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ from kernels import (
     quant,
     torch_backend,  # chunk_attention looked up per call (tests patch it)
 )
+from kernels.attention import check_window
 from kernels.native import KV_KINDS, NativeKernels
 
 _I64 = ctypes.c_int64
@@ -20,7 +21,8 @@ _PTR = ctypes.c_void_p
 
 
 class _Layer(ctypes.Structure):  # cpu_decoder.cpp's DecoderLayer
-    _fields_ = [(n, _PTR) for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2")]
+    _fields_ = [(n, _PTR) for n in ("attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2")] + [
+        ("window", _I64)]
 
 
 class _Shape(ctypes.Structure):  # DecoderShape
@@ -41,15 +43,17 @@ _CHUNK_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64)  # ChunkAttentionFn
 
 class NativeDecoder:
     """Every decoder layer of a step in one call (kernels/cpu_decoder.cpp): the same
-    kernels, in the same order, as the per-op forward in executor_svc/model.py, so the same
-    values; without its ~12 Python and torch calls per layer, each of which starts with cold
-    caches after the layer's GEMM and attention have streamed through them. A step's
-    prefill chunks still take torch's SDPA (``kernels.torch_backend.chunk_attention``,
+    kernels, in the same order, as the per-op forward in executor_svc/models/decoder.py,
+    so the same values; without its ~12 Python and torch calls per layer, each of which
+    starts with cold caches after the layer's GEMM and attention have streamed through them.
+    A step's prefill chunks still take torch's SDPA (``kernels.torch_backend.chunk_attention``,
     called back once per layer for all of them).
 
     ``layers``: (attn_norm, wqkv, wo, ffn_norm, w13, w2) per layer, the norms float32 [H]
     tensors, the projections PackedWeights or quant.QuantWeights (GGUF blocks). Holds
-    references to all of them.
+    references to all of them. ``windows``: each layer's sliding window (kernels/attention.py;
+    0 or None: full attention), for its decode rows (the native kernel) and its chunks alike;
+    None: every layer full.
 
     ``phase_seconds``: None, or a float64 array of len(PHASES) to which each call adds the
     seconds spent in each phase (the bench's breakdown; ~20 ns per phase and layer).
@@ -60,12 +64,17 @@ class NativeDecoder:
 
     def __init__(self, lib: NativeKernels, layers: list[tuple], hidden: int, inter: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 scale: float) -> None:
+                 scale: float, windows=None) -> None:
+        windows = [check_window(w) for w in (windows or [0] * len(layers))]
+        if len(windows) != len(layers):
+            raise ValueError(f"{len(windows)} windows for {len(layers)} layers")
+        self.windows = tuple(windows)
         self._lib = lib
         self._keep = layers
         self._layers = (_Layer * len(layers))()
         self._chains = []  # the projections' QWeight chains (kernels/quant.py), kept alive
-        for entry, parts in zip(self._layers, layers, strict=True):
+        for entry, parts, window in zip(self._layers, layers, windows, strict=True):
+            entry.window = window
             ptrs = []
             for p in parts:
                 if isinstance(p, torch.Tensor):  # a norm
@@ -73,7 +82,7 @@ class NativeDecoder:
                 else:
                     self._chains.append(quant.chain_of(p))
                     ptrs.append(self._chains[-1].address)
-            for (name, _), ptr in zip(_Layer._fields_, ptrs, strict=True):
+            for (name, _), ptr in zip(_Layer._fields_[:-1], ptrs, strict=True):  # not window
                 setattr(entry, name, ptr)
         self._shape = _Shape(hidden, inter, num_heads, num_kv_heads, head_dim, eps, scale)
         self._scale = scale  # SDPA's, unrounded: the per-op path passes the same float
@@ -135,7 +144,7 @@ class NativeDecoder:
                 k_cache, v_cache = pool[layer, 0], pool[layer, 1]
                 for c in chunks:
                     o[c.start : c.end] = torch_backend.chunk_attention(
-                        q, k, v, k_cache, v_cache, c, self._scale)
+                        q, k, v, k_cache, v_cache, c, self._scale, self.windows[layer])
                 return 0
             except BaseException as exc:  # noqa: BLE001  (re-raised by __call__)
                 errors.append(exc)

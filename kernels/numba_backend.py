@@ -4,8 +4,10 @@ Single-token rows (decodes, 1-token chunks) go to ``kernels/cpu_attention.cpp`` 
 built and loaded by ``kernels/native.py``) or, where that cannot be built or the head dim
 is not a multiple of 8, to ``kernels/numba_kernels.py``. Either way one task per sequence
 walks its block table, so each K/V row is read from memory once per step and nothing is
-gathered (FACTS.md: the gather alone costs ~2x the attention). Multi-token chunks keep the
-torch path (SDPA's flash kernel is a matmul there, which beats a scalar loop). The
+gathered (docs/facts.md: the gather alone costs ~2x the attention); under a sliding window
+(kernels/attention.py) the blocks before a row's window are not read at all. Multi-token
+chunks keep the torch path (SDPA's flash kernel is a matmul there, which beats a scalar
+loop). The
 constructor builds or loads the kernels so that cost lands at start-up, not on a request.
 Only float32 runs in the kernels; other dtypes (and non-contiguous pools) fall back to the
 torch backend.
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from kernels import native
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, check_window
 from kernels.numba_kernels import paged_decode, paged_decode_serial
 from kernels.torch_backend import TorchAttentionBackend, chunk_attention, plan_chunk
 
@@ -73,7 +75,7 @@ class NumbaAttentionBackend(AttentionBackend):
         one = np.zeros(1, np.int64)
         for kernel in (paged_decode, paged_decode_serial):
             kernel(q, cache, cache, one, np.zeros((1, 1), np.int64), one + 1, 1.0,
-                   np.empty_like(q))
+                   np.empty_like(q), 0)
         return time.perf_counter() - start
 
     def prepare(self, meta: AttentionMetadata) -> _StepPlan:
@@ -99,34 +101,38 @@ class NumbaAttentionBackend(AttentionBackend):
         """(rows, tables, context_lens, threads, chunks): the step's attention as this
         backend runs it — decode rows through the AVX2 kernel, chunks through SDPA — when the
         kernel reads ``pool`` (the whole KV pool); the step's layers may then run in one
-        native call (kernels/cpu_decoder.cpp). None when it does not."""
+        native call (kernels/cpu_decoder.cpp), each layer under its own window (the
+        NativeDecoder's ``windows``). None when it does not."""
         native_ok = self.native is not None and self.native.supports(head_dim)
         if not native_ok or not _pools_readable((pool,), native_ok):
             return None
         return (prepared.rows, prepared.tables, prepared.context_lens, prepared.threads,
                 prepared.chunks)
 
-    def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float,
+                window: int | None = None):
+        window = check_window(window)
         native_ok = self.native is not None and self.native.supports(q.shape[-1])
         if not _kernel_can_read(q, k_cache, v_cache, native_ok):
             if prepared.torch_plan is None:
                 prepared.torch_plan = self._torch.prepare(prepared.meta)
-            return self._torch.forward(q, k, v, k_cache, v_cache, prepared.torch_plan, scale)
+            return self._torch.forward(q, k, v, k_cache, v_cache, prepared.torch_plan, scale,
+                                       window)
         q = q.contiguous()
         out = torch.empty_like(q)  # [T, Hq, D]
         if len(prepared.rows):
             rest = (prepared.rows, prepared.tables, prepared.context_lens, scale, out.numpy())
             if native_ok:
                 self.native.paged_decode(q.numpy(), k_cache, v_cache, *rest,
-                                         threads=prepared.threads)
+                                         threads=prepared.threads, window=window)
             else:
                 # Hand sequences to threads one at a time (setting it inside the kernel would
                 # stop numba from caching it).
                 chunk_size = numba.set_parallel_chunksize(1)
-                prepared.kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), *rest)
+                prepared.kernel(q.numpy(), k_cache.numpy(), v_cache.numpy(), *rest, window)
                 numba.set_parallel_chunksize(chunk_size)
         for c in prepared.chunks:
-            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
+            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale, window)
         return out
 
 

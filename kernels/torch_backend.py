@@ -4,7 +4,12 @@ Single-token rows (decodes, and 1-token chunks) are batched into one SDPA call o
 gathered blocks; longer chunks run one SDPA call per sequence. A chunk that starts at
 position 0 attends to its own fresh K/V and reads nothing from the cache.
 
-Cost note (FACTS.md): gathering blocks into a dense tensor costs about 2x the attention
+Sliding windows (kernels/attention.py): decode rows gather only the blocks their window
+touches (each row's table shifted to its window's first block), chunks only the positions
+[first window start, context); the masks and gather indices of each window are built on the
+first layer that asks for it and cached in the step's plan.
+
+Cost note (docs/facts.md): gathering blocks into a dense tensor costs about 2x the attention
 itself at long contexts. The kernels that read blocks in place: numba/native on the CPU,
 Triton and flash-attn on CUDA (kernels/triton_attention.py, kernels/flash_attn_backend.py);
 on a GPU this backend is the fallback when neither package is importable.
@@ -12,12 +17,12 @@ on a GPU this backend is the fallback when neither package is importable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBackend, AttentionMetadata, gather_context
+from kernels.attention import AttentionBackend, AttentionMetadata, check_window, gather_context
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,8 @@ class ChunkPlan:
     context_len: int
     block_table: torch.Tensor  # [nb] int64
     mask: torch.Tensor | None  # [n, context_len] bool (True = attend); None: causal, no prefix
+    # window -> (first key position, [n, context_len - first] mask), built on first use
+    windowed: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,10 @@ class _StepPlan:
     single_tables: torch.Tensor | None  # [Bs, nb] int64
     single_mask: torch.Tensor | None  # [Bs, 1, 1, nb * block_size] bool
     chunks: tuple[ChunkPlan, ...]
+    single_ctx: tuple[int, ...] = ()  # context length of each single-token sequence
+    block_size: int = 0
+    # window -> (tables [Bs, span], mask [Bs, 1, 1, span * block_size]), built on first use
+    windowed: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -58,26 +69,53 @@ class TorchAttentionBackend(AttentionBackend):
             single_tables=meta.block_tables[idx, :num_blocks],
             single_mask=(positions[None, :] < ctx[:, None])[:, None, None, :],
             chunks=chunks,
+            single_ctx=tuple(meta.context_lens[i] for i in singles),
+            block_size=meta.block_size,
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, prepared: _StepPlan, scale: float,
+                window: int | None = None):
+        window = check_window(window)
         out = torch.empty_like(q)  # [T, Hq, D]
         if prepared.single_rows is not None:
-            out[prepared.single_rows] = self._singles(q, k_cache, v_cache, prepared, scale)
+            tables, mask = prepared.single_tables, prepared.single_mask
+            if window and window < max(prepared.single_ctx):
+                tables, mask = _windowed_singles(prepared, window)
+            out[prepared.single_rows] = self._singles(q, k_cache, v_cache, tables, mask,
+                                                      prepared.single_rows, scale)
         for c in prepared.chunks:
-            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale)
+            out[c.start : c.end] = chunk_attention(q, k, v, k_cache, v_cache, c, scale, window)
         return out
 
     @staticmethod
-    def _singles(q, k_cache, v_cache, plan: _StepPlan, scale: float) -> torch.Tensor:
-        qs = q[plan.single_rows].unsqueeze(2)  # [Bs, Hq, 1, D]
+    def _singles(q, k_cache, v_cache, tables, mask, rows, scale: float) -> torch.Tensor:
+        qs = q[rows].unsqueeze(2)  # [Bs, Hq, 1, D]
         # A cache narrower than q (--kv-cache-dtype) is widened as it is gathered.
-        ks = _gather_blocks(k_cache, plan.single_tables).to(q.dtype)  # [Bs, Hkv, nb * bs, D]
-        vs = _gather_blocks(v_cache, plan.single_tables).to(q.dtype)
+        ks = _gather_blocks(k_cache, tables).to(q.dtype)  # [Bs, Hkv, nb * bs, D]
+        vs = _gather_blocks(v_cache, tables).to(q.dtype)
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=plan.single_mask, scale=scale, enable_gqa=True
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [Bs, Hq, 1, D]
         return o.squeeze(2)
+
+
+def _windowed_singles(plan: _StepPlan, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tables, mask) of the single-token rows under ``window``: row i's table starts at the
+    block holding its window's first position, so only ``span`` blocks a row are gathered."""
+    if window not in plan.windowed:
+        bs, device = plan.block_size, plan.single_tables.device
+        host_lo = [max(0, c - window) for c in plan.single_ctx]
+        span = max((c - 1) // bs - lo // bs + 1 for c, lo in zip(plan.single_ctx, host_lo,
+                                                                   strict=True))
+        lo = torch.tensor(host_lo, device=device)
+        ctx = torch.tensor(plan.single_ctx, device=device)
+        cols = (lo // bs)[:, None] + torch.arange(span, device=device)[None, :]  # [Bs, span]
+        last = plan.single_tables.shape[1] - 1  # columns past a row's table: masked out
+        tables = plan.single_tables.gather(1, cols.clamp(max=last))
+        pos = (lo // bs * bs)[:, None] + torch.arange(span * bs, device=device)[None, :]
+        mask = (pos >= lo[:, None]) & (pos < ctx[:, None])
+        plan.windowed[window] = (tables, mask[:, None, None, :])
+    return plan.windowed[window]
 
 
 def plan_chunk(meta: AttentionMetadata, i: int) -> ChunkPlan:
@@ -92,22 +130,39 @@ def plan_chunk(meta: AttentionMetadata, i: int) -> ChunkPlan:
     return ChunkPlan(start, start + n, ctx, meta.block_tables[i], mask)
 
 
-def chunk_attention(q, k, v, k_cache, v_cache, c: ChunkPlan, scale: float) -> torch.Tensor:
-    """[n, Hq, D]: one chunk's causal attention through SDPA."""
+def _windowed_chunk(c: ChunkPlan, window: int) -> tuple[int, torch.Tensor]:
+    """(first, mask): chunk ``c`` under ``window`` reads keys [first, context_len) only;
+    mask [n, context_len - first] keeps q_pos - window < k_pos <= q_pos."""
+    if window not in c.windowed:
+        n, ctx, device = c.end - c.start, c.context_len, c.block_table.device
+        first = max(0, ctx - n - window + 1)  # the chunk's first row's window start
+        q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+        k_pos = torch.arange(first, ctx, device=device)[None, :]
+        c.windowed[window] = (first, (k_pos <= q_pos) & (k_pos > q_pos - window))
+    return c.windowed[window]
+
+
+def chunk_attention(q, k, v, k_cache, v_cache, c: ChunkPlan, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """[n, Hq, D]: one chunk's causal attention through SDPA (``window``: 0 or a sliding
+    window, kernels/attention.py)."""
     qc = q[c.start : c.end].transpose(0, 1)  # [Hq, n, D]
+    mask, first = c.mask, 0
+    if window and window < c.context_len:  # else no key falls out of any row's window
+        first, mask = _windowed_chunk(c, window)
     if c.mask is None:  # whole context is this chunk: use the fresh K/V
-        kc, vc = k[c.start : c.end], v[c.start : c.end]  # [n, Hkv, D]
-    else:
-        kc = gather_context(k_cache, c.block_table, c.context_len).to(q.dtype)  # [ctx, Hkv, D]
-        vc = gather_context(v_cache, c.block_table, c.context_len).to(q.dtype)
+        kc, vc = k[c.start + first : c.end], v[c.start + first : c.end]  # [n - first, Hkv, D]
+    else:  # [ctx - first, Hkv, D]
+        kc = gather_context(k_cache, c.block_table, c.context_len, first).to(q.dtype)
+        vc = gather_context(v_cache, c.block_table, c.context_len, first).to(q.dtype)
     # A leading batch dim of 1 matters: 4-D inputs take the CPU flash kernel, 3-D ones
     # the math path (3x slower at 512 tokens).
     o = F.scaled_dot_product_attention(
         qc[None],
         kc.transpose(0, 1)[None],
         vc.transpose(0, 1)[None],
-        attn_mask=c.mask,
-        is_causal=c.mask is None,
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=True,
     )[0]  # [Hq, n, D]

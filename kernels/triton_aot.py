@@ -33,6 +33,7 @@ from kernels.triton_attention import (
     PREFILL_BLOCK_N,
 )
 
+LABELLED = ("NUM_SPLITS", "DOT_F32", "SLIDING")  # the constexprs a report line names
 INDEX = {"TABLES": "*i64", "CTX": "*i64", "QSTART": "*i64", "SEQS": "*i64", "SLOTS": "*i64",
          "PART_O": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32"}
 
@@ -43,14 +44,16 @@ def variants(dtype: str, group: int, head_dim: int, kv_heads: int):
     f32 = dtype == "fp32"
     data = {"Q": t, "K": t, "V": t, "OUT": t, "K_CACHE": t, "V_CACHE": t}
     block_h = max(16, 1 << (group - 1).bit_length())
-    for splits in (1, 4):
-        yield K.decode_split_kernel, data, dict(
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N,
-            BLOCK_D=head_dim, NUM_SPLITS=splits, DOT_F32=f32)
+    for sliding in (False, True):  # full attention, and a sliding window's variants
+        for splits in (1, 4):
+            yield K.decode_split_kernel, data, dict(
+                GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=DECODE_BLOCK_N,
+                BLOCK_D=head_dim, NUM_SPLITS=splits, DOT_F32=f32, SLIDING=sliding)
+        yield K.prefill_kernel, data, dict(
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+            BLOCK_D=head_dim, DOT_F32=f32, SLIDING=sliding)
     yield K.decode_reduce_kernel, data, dict(HEAD_DIM=head_dim, BLOCK_D=head_dim,
                                              NUM_SPLITS=4, BLOCK_S=4)
-    yield K.prefill_kernel, data, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=PREFILL_BLOCK_M,
-                                       BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=head_dim, DOT_F32=f32)
     yield K.kv_write_kernel, data, dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
                                         BLOCK=kv_heads * head_dim)
 
@@ -88,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in a.dtype or ["bf16"]:
         for fn, types, constexprs in variants(dtype, a.group, a.head_dim, a.kv_heads):
             start = time.perf_counter()
-            label = f"{dtype} {fn.__name__} " + " ".join(f"{k}={v}" for k, v in constexprs.items()
-                                                         if k in ("NUM_SPLITS", "DOT_F32"))
+            label = f"{dtype} {fn.__name__} " + " ".join(
+                f"{k}={v}" for k, v in constexprs.items() if k in LABELLED)
             try:
                 kernel = compile_one(fn, types, constexprs, target)
             except Exception as exc:  # a compile error is the finding: report them all

@@ -5,7 +5,8 @@ split) reads its blocks in place, all the head's GQA query heads at once; a long
 cut into splits (split-K) that ``decode_reduce_kernel`` merges, so a batch of a few long
 sequences still fills the GPU. Multi-token chunks (prefill, chunked prefill, recompute) take
 ``prefill_kernel``: varlen rows, causal within the chunk, full over the cached prefix.
-Nothing is gathered out of the blocks, unlike kernels/torch_backend.py.
+Nothing is gathered out of the blocks, unlike kernels/torch_backend.py. A sliding window
+(kernels/attention.py) launches the kernels' SLIDING variants, which read only the window.
 
 Triton is imported lazily: this module imports anywhere, ``available()`` says whether the
 kernels can run (a CUDA device, or TRITON_INTERPRET=1 on the CPU, as the tests run them),
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, check_window
 
 # Launch shapes: tl.dot needs every dimension >= 16. Chosen where sm_90 builds keep every
 # value in registers (python -m kernels.triton_aot, bf16, 8B shape): decode 186 registers,
@@ -142,20 +143,22 @@ class TritonAttentionBackend(AttentionBackend):
             max_chunk_len=max((meta.query_lens[i] for i in chunks), default=0),
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, prepared: TritonStepPlan, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, prepared: TritonStepPlan, scale: float,
+                window: int | None = None):
+        window = check_window(window)
         out = torch.empty_like(q)  # [T, Hq, D]
         if prepared.decode_seqs is not None:
-            self._decode(q, k_cache, v_cache, prepared, scale, out)
+            self._decode(q, k_cache, v_cache, prepared, scale, out, window)
         if prepared.chunk_seqs is not None:
-            self._prefill(q, k_cache, v_cache, prepared, scale, out)
+            self._prefill(q, k_cache, v_cache, prepared, scale, out, window)
         return out
 
-    def _decode(self, q, k_cache, v_cache, plan: TritonStepPlan, scale, out) -> None:
+    def _decode(self, q, k_cache, v_cache, plan: TritonStepPlan, scale, out, window) -> None:
         rows = plan.decode_seqs.shape[0]
         hq, dim = q.shape[1], q.shape[2]
         hkv = k_cache.shape[2]
-        splits = self.num_splits or choose_splits(rows, hkv, plan.max_decode_context,
-                                                  q.device)
+        longest = min(plan.max_decode_context, window or plan.max_decode_context)
+        splits = self.num_splits or choose_splits(rows, hkv, longest, q.device)
         part_o = part_lse = out  # unused with one split
         if splits > 1:
             key = (rows, hq, splits, dim)
@@ -169,16 +172,16 @@ class TritonAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, plan.meta.block_tables, plan.context_lens,
             plan.meta.query_start, plan.decode_seqs, out, part_o, part_lse,
             scale * kern.LOG2E, *_strides(q, out, k_cache, v_cache, plan),
-            hq, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_H=_pow2(hq // hkv),
+            hq, window, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_H=_pow2(hq // hkv),
             BLOCK_N=self.decode_block_n, BLOCK_D=_pow2(dim), NUM_SPLITS=splits,
-            DOT_F32=_dot_f32(q, k_cache), **LAUNCH)
+            DOT_F32=_dot_f32(q, k_cache), SLIDING=window > 0, **LAUNCH)
         if splits > 1:
             kern.decode_reduce_kernel[(rows, hq)](
                 part_o, part_lse, plan.meta.query_start, plan.decode_seqs, out,
                 out.stride(0), out.stride(1), hq, HEAD_DIM=dim, BLOCK_D=_pow2(dim),
                 NUM_SPLITS=splits, BLOCK_S=_pow2(splits, floor=2))
 
-    def _prefill(self, q, k_cache, v_cache, plan: TritonStepPlan, scale, out) -> None:
+    def _prefill(self, q, k_cache, v_cache, plan: TritonStepPlan, scale, out, window) -> None:
         chunks = plan.chunk_seqs.shape[0]
         hq, dim = q.shape[1], q.shape[2]
         tiles = -(-plan.max_chunk_len // self.block_m)
@@ -186,10 +189,10 @@ class TritonAttentionBackend(AttentionBackend):
         kern.prefill_kernel[(chunks, hq, tiles)](
             q, k_cache, v_cache, plan.meta.block_tables, plan.context_lens,
             plan.meta.query_start, plan.chunk_seqs, out, scale * kern.LOG2E,
-            *_strides(q, out, k_cache, v_cache, plan),
+            *_strides(q, out, k_cache, v_cache, plan), window,
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_M=self.block_m,
             BLOCK_N=self.prefill_block_n, BLOCK_D=_pow2(dim), DOT_F32=_dot_f32(q, k_cache),
-            **LAUNCH)
+            SLIDING=window > 0, **LAUNCH)
 
 
 def _strides(q, out, k_cache, v_cache, plan: TritonStepPlan) -> tuple[int, ...]:

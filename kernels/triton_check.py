@@ -7,7 +7,8 @@ Small steps are checked against kernels/reference.py (float64, on CPU copies); 8
 steps (32 query heads, 8 KV heads, head dim 128, contexts to 8k) against the torch backend
 on the device, which the suite checks against the reference (bf16 and fp16 only; float32
 pools are checked on the small steps). Every step has block tables with holes and blocks
-out of order, partial last blocks, and NaN in every slot no sequence owns. On CUDA each row
+out of order, partial last blocks, and NaN in every slot no sequence owns; the windowed
+cases (a sliding window, kernels/attention.py) add NaN before every window. On CUDA each row
 also gives the mean time of one layer's attention call. Never run on a GPU yet: its first
 run compiles some 40 kernel variants (seconds each; ~/.triton/cache keeps them).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, window_start
 from kernels.reference import ReferenceAttentionBackend
 from kernels.torch_backend import TorchAttentionBackend
 from kernels.triton_attention import TritonAttentionBackend, available, kv_write
@@ -40,6 +41,7 @@ class Case:
     hkv: int
     dim: int
     against: str  # "reference" or "torch"
+    window: int = 0  # a sliding window; 0: full attention
 
 
 def cases(quick: bool) -> list[Case]:
@@ -47,6 +49,8 @@ def cases(quick: bool) -> list[Case]:
         Case("mixed GQA 3", ((1, 37), (9, 40), (1, 5), (20, 20)), 16, 9, 3, 64, "reference"),
         Case("decode long", ((1, 700), (1, 3), (1, 260)), 16, 8, 2, 32, "reference"),
         Case("odd block 5", ((1, 19), (7, 31)), 5, 4, 1, 80, "reference"),
+        Case("window 37 mixed", ((1, 300), (40, 200), (1, 20), (60, 60)), 16, 8, 2, 32,
+             "reference", window=37),
     ]
     if quick:
         return [Case("mixed", ((1, 21), (6, 30)), 8, 4, 2, 16, "reference")]
@@ -56,6 +60,10 @@ def cases(quick: bool) -> list[Case]:
         Case("8B decode b2 8k", ((1, 8192), (1, 5000)), 16, 32, 8, 128, "torch"),
         Case("8B prefill 2x512+pfx", ((512, 1536), (512, 512), (1, 900)), 16, 32, 8, 128,
              "torch"),
+        Case("8B decode b16 4k w512", tuple((1, 4096) for _ in range(16)), 16, 32, 8, 128,
+             "torch", window=512),
+        Case("8B prefill w512 pfx", ((512, 2048), (1, 3000)), 16, 32, 8, 128, "torch",
+             window=512),
     ]
     return small + big
 
@@ -73,8 +81,8 @@ def paged_step(case: Case, dtype: torch.dtype, device, seed: int = 0):
         tables.append(order[at : at + c])
         at += c
     owned = torch.zeros(num_blocks, bs, dtype=torch.bool)
-    for (_, ctx), table in zip(case.specs, tables, strict=True):
-        pos = torch.arange(ctx)
+    for (n, ctx), table in zip(case.specs, tables, strict=True):
+        pos = torch.arange(window_start(ctx - n, case.window), ctx)  # before it: never read
         owned[torch.tensor(table)[pos // bs], pos % bs] = True
     shape = (num_blocks, bs, case.hkv, case.dim)
     caches = []
@@ -89,22 +97,24 @@ def paged_step(case: Case, dtype: torch.dtype, device, seed: int = 0):
     return q, caches[0], caches[1], meta
 
 
-def _run(backend: AttentionBackend, step, scale: float) -> torch.Tensor:
+def _run(backend: AttentionBackend, step, scale: float, window: int = 0) -> torch.Tensor:
     q, k_cache, v_cache, meta = step
-    return backend.forward(q, None, None, k_cache, v_cache, backend.prepare(meta), scale)
+    return backend.forward(q, None, None, k_cache, v_cache, backend.prepare(meta), scale,
+                           window=window)
 
 
-def _time_ms(backend: AttentionBackend, step, scale: float, device) -> float | None:
+def _time_ms(backend: AttentionBackend, step, scale: float, device,
+             window: int = 0) -> float | None:
     if torch.device(device).type != "cuda":
         return None
     q, k_cache, v_cache, meta = step
     plan = backend.prepare(meta)
     for _ in range(3):
-        backend.forward(q, None, None, k_cache, v_cache, plan, scale)
+        backend.forward(q, None, None, k_cache, v_cache, plan, scale, window=window)
     torch.cuda.synchronize()
     start, reps = time.perf_counter(), 20
     for _ in range(reps):
-        backend.forward(q, None, None, k_cache, v_cache, plan, scale)
+        backend.forward(q, None, None, k_cache, v_cache, plan, scale, window=window)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / reps * 1e3
 
@@ -118,11 +128,12 @@ def _want(case: Case, step, scale: float) -> torch.Tensor:
     q, k_cache, v_cache, meta = step
     if case.against == "torch":
         clean = _zero_nan((q.float(), k_cache.float(), v_cache.float(), meta))
-        return _run(TorchAttentionBackend(), clean, scale).float()
+        return _run(TorchAttentionBackend(), clean, scale, case.window).float()
     cpu = AttentionMetadata.build(list(meta.query_lens), list(meta.context_lens),
                                   meta.block_tables.cpu().tolist(), meta.block_size)
     return ReferenceAttentionBackend().forward(
-        q.cpu(), None, None, k_cache.cpu(), v_cache.cpu(), cpu, scale).float().to(q.device)
+        q.cpu(), None, None, k_cache.cpu(), v_cache.cpu(), cpu, scale,
+        window=case.window).float().to(q.device)
 
 
 def candidates(device) -> list[tuple[str, AttentionBackend]]:
@@ -180,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 # The torch backend gathers whole blocks: NaN in a masked slot would reach
                 # its P @ V (0 * NaN); real pools start zeroed (executor_svc/kv_cache.py).
                 step_for = _zero_nan(step) if name == "torch" else step
-                got = _run(backend, step_for, scale).float()
+                got = _run(backend, step_for, scale, case.window).float()
                 err = (got - want).abs().max().item()
                 ok = err <= TOLERANCE[dtype] and not got.isnan().any().item()
-                ms = _time_ms(backend, step_for, scale, a.device)
+                ms = _time_ms(backend, step_for, scale, a.device, case.window)
                 print(f"{case.name:<22} {label:<5} {name:<14} {err:>9.2e} "
                       f"{TOLERANCE[dtype]:>7.0e} {'' if ms is None else f'{ms:8.3f}':>8}  "
                       f"{'ok' if ok else 'MISS'}")

@@ -14,6 +14,11 @@ products, float32-level error): "ieee" FMA dots took minutes to build per prefil
 on this project's loaded CPU machine, where tf32x3 takes tens of seconds. Triton's
 interpreter cannot do bfloat16 arithmetic, so under TRITON_INTERPRET the launchers ask for
 float32 there.
+
+Sliding windows (kernels/attention.py): ``SLIDING`` is a constexpr, so full attention
+compiles to the kernels it always was; a windowed launch passes ``window`` W and each row
+reads only positions p - W < k <= p, its tiles starting at its window (whole tiles before
+it are never loaded).
 """
 
 from __future__ import annotations
@@ -49,10 +54,10 @@ def _tile(cache, table_row, pos, live, kv_head, d, d_live, block_size,
 def decode_split_kernel(
     Q, K, V, TABLES, CTX, QSTART, SEQS, OUT, PART_O, PART_LSE, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_tb, block_size, num_heads,
+    stride_vb, stride_vs, stride_vh, stride_tb, block_size, num_heads, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """One decode row, one KV head (all its GROUP query heads), one split of the context.
 
@@ -61,7 +66,8 @@ def decode_split_kernel(
     ([rows, Hq, NUM_SPLITS, (D)], float32) for ``decode_reduce_kernel``. An empty split (past
     a short context) leaves lse = -inf, which the reduction weighs as zero. Each row cuts its
     own context into NUM_SPLITS tile-aligned pieces, so no launch argument depends on the
-    step's lengths (a fixed NUM_SPLITS can be captured in a CUDA graph).
+    step's lengths (a fixed NUM_SPLITS can be captured in a CUDA graph). SLIDING: the row
+    sees positions [ctx - window, ctx) only, and the splits cut that range.
     """
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,8 +75,11 @@ def decode_split_kernel(
     seq = tl.load(SEQS + b)
     ctx = tl.load(CTX + seq)
     row = tl.load(QSTART + seq)
-    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(ctx - window, 0)
+    split_len = tl.cdiv(tl.cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, ctx)
 
     g = tl.arange(0, BLOCK_H)
@@ -141,9 +150,10 @@ def decode_reduce_kernel(
 def prefill_kernel(
     Q, K, V, TABLES, CTX, QSTART, SEQS, OUT, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_tb, block_size,
+    stride_vb, stride_vs, stride_vh, stride_tb, block_size, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     """Grid (chunks, Hq, query tiles): a tile of one chunk's rows against its paged context.
 
@@ -151,6 +161,8 @@ def prefill_kernel(
     last positions of its ``CTX[seq]``, so row j (position ctx - n + j) sees the whole cached
     prefix and the chunk causally: keys at positions <= its own, all read from the cache
     (the caller wrote this step's K/V first). Tiles past a short chunk store nothing.
+    SLIDING: row j sees only positions > its own - window; the tile's keys start at its first
+    row's window.
     """
     c = tl.program_id(0)
     head = tl.program_id(1)
@@ -172,18 +184,25 @@ def prefill_kernel(
     table_row = TABLES + seq * stride_tb
     # Keys up to the tile's last live row; a tile wholly past the chunk reads none.
     kv_end = tl.where(tile * BLOCK_M < n, tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M), 0)
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx - n + tile * BLOCK_M - window + 1, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         live = pos < kv_end
         k = _tile(K, table_row, pos, live, kv_head, d, d_live, block_size,
                   stride_kb, stride_ks, stride_kh)
         s = _dot(q, tl.trans(k), DOT_F32) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(live[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Every row sees position 0 in the first tile, so m_new is finite from then on.
+        keep = live[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            keep = keep & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        # Without a window every row sees position 0 in the first tile, so m_new is finite
+        # from then on; with one, a row may see nothing in a tile: m_safe keeps that 0 * 0.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from executor_svc.model import apply_rope
+from executor_svc.models.ops import apply_rope
 from kernels import native
 
 

@@ -22,7 +22,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (the test extra pins it)")
 
 from kernels import triton_attention  # noqa: E402
-from kernels.attention import AttentionMetadata  # noqa: E402
+from kernels.attention import AttentionMetadata, window_start  # noqa: E402
 from kernels.reference import ReferenceAttentionBackend  # noqa: E402
 from kernels.triton_attention import TritonAttentionBackend, kv_write  # noqa: E402
 
@@ -63,12 +63,14 @@ def paged_step(seed, specs, block_size, hq, hkv, dim, dtype, q_dtype=None):
     return q, k_cache, v_cache, meta
 
 
-def check(backend, step, dtype):
+def check(backend, step, dtype, window=None):
     q, k_cache, v_cache, meta = step
     scale = q.shape[-1] ** -0.5
     # The reference reads only the cache; k/v are not used by either backend.
-    want = ReferenceAttentionBackend().forward(q, None, None, k_cache, v_cache, meta, scale)
-    got = backend.forward(q, None, None, k_cache, v_cache, backend.prepare(meta), scale)
+    want = ReferenceAttentionBackend().forward(q, None, None, k_cache, v_cache, meta, scale,
+                                               window=window)
+    got = backend.forward(q, None, None, k_cache, v_cache, backend.prepare(meta), scale,
+                          window=window)
     assert got.dtype == q.dtype and not got.isnan().any()
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
@@ -104,6 +106,27 @@ def test_split_k_decode_over_long_contexts_matches_reference(dtype):
     specs = [(1, 100), (1, 7), (1, 60), (1, 33)]
     step = paged_step(10, specs, 16, 4, 2, 16, dtype)
     check(TritonAttentionBackend(num_splits=3, block_n=16), step, dtype)
+
+
+@pytest.mark.parametrize(("window", "block_size", "splits", "dtype"), [
+    (7, 5, None, torch.float32),  # a window no multiple of the block or the tile
+    (16, 16, 3, torch.float16),  # split-K over a window that starts mid-context
+    (23, 3, 2, torch.float32),  # equal to one decode's context, block size 3
+    (64, 8, None, torch.bfloat16),  # wider than every context: full attention's values
+])
+def test_sliding_windows_match_reference_and_skip_what_precedes_them(window, block_size,
+                                                                     splits, dtype):
+    # Decodes past and inside the window, a chunk starting past it (chunked prefill), one
+    # straddling it, a fresh prompt longer than it. Every position before a sequence's
+    # first window start holds NaN: the tiles start at the windows, so none is read.
+    specs = [(1, 50), (1, 4), (5, 35), (12, 15), (25, 25), (1, 23)]
+    q, k_cache, v_cache, meta = step = paged_step(12, specs, block_size, 4, 2, 16, dtype)
+    for i, (n, ctx) in enumerate(specs):
+        for p in range(window_start(ctx - n, window)):
+            k_cache[meta.block_tables[i, p // block_size], p % block_size] = float("nan")
+            v_cache[meta.block_tables[i, p // block_size], p % block_size] = float("nan")
+    check(TritonAttentionBackend(num_splits=splits, block_n=16, block_m=16), step, dtype,
+          window=window)
 
 
 def test_float32_model_over_a_16_bit_pool_matches_reference():
@@ -157,10 +180,10 @@ def test_gpu_check_entry_point_runs_its_quick_mode_here(capsys):
 
 
 def test_the_models_forward_through_triton_matches_transformers(tmp_path):
-    # The backend inside LlamaModel.forward: a 2-layer GQA model's prefill in two chunks over
+    # The backend inside DecoderModel.forward: a 2-layer GQA model's prefill in two chunks over
     # shuffled blocks, then a decode, each against transformers' logits (tests/executor).
     transformers = pytest.importorskip("transformers")
-    from executor_svc.model import LlamaModel
+    from executor_svc.models.decoder import DecoderModel
     from tests.executor.test_model import ROPE, _check_three_steps
 
     config = transformers.LlamaConfig(
@@ -170,5 +193,5 @@ def test_the_models_forward_through_triton_matches_transformers(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
-    _check_three_steps(LlamaModel.load(tmp_path), hf, TritonAttentionBackend(), torch.float32,
+    _check_three_steps(DecoderModel.load(tmp_path), hf, TritonAttentionBackend(), torch.float32,
                        tol=1e-4)
