@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-import executor_svc.model as model_mod
+import executor_svc.models.decoder as model_mod  # the names its forward looks up
 import executor_svc.runner as runner_mod
 from kernels import native, quant
 from kernels.native_decoder import NativeDecoder
 
 if TYPE_CHECKING:
     from benchmarks.bench_decode import DecodeRun
-    from executor_svc.model import LlamaModel
+    from executor_svc.models.decoder import DecoderModel
 
 
 class Breakdown:
@@ -45,7 +45,7 @@ class Breakdown:
             setattr(owner, attr, original)
 
 
-def breakdown(run: DecodeRun, model: LlamaModel, steps: int) -> dict[str, float]:
+def breakdown(run: DecodeRun, model: DecoderModel, steps: int) -> dict[str, float]:
     """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
     KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute. A
     step's layers run in one native call (kernels/cpu_decoder.cpp): its phases

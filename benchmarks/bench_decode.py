@@ -10,7 +10,7 @@ import time
 import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
@@ -21,7 +21,7 @@ INCARNATION = "bench"
 class DecodeRun:
     """``batch`` sequences at ``context`` tokens, decoding one token per step via plans."""
 
-    def __init__(self, model: LlamaModel, backend, batch: int, context: int, steps: int,
+    def __init__(self, model: DecoderModel, backend, batch: int, context: int, steps: int,
                  clock=time.perf_counter, kv_dtype: torch.dtype = torch.float32,
                  native_options=None):
         c, bs = model.config, 16

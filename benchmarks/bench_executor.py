@@ -24,8 +24,9 @@ from benchmarks.bench_breakdown import breakdown
 from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
 from benchmarks.bench_formats import format_ab, weight_bytes
 from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
-from executor_svc.model import LlamaModel, project
 from executor_svc.model_files import resolve_model
+from executor_svc.models.decoder import DecoderModel
+from executor_svc.models.ops import project
 from executor_svc.settings import Switches
 from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
 
@@ -67,7 +68,7 @@ def print_fma_peak(native_options, best_gflops: float) -> None:
           "of it", flush=True)
 
 
-def model_flops_per_token(model: LlamaModel, context: int) -> float:
+def model_flops_per_token(model: DecoderModel, context: int) -> float:
     c = model.config
     weights = sum(t.numel() for layer in model.layers for t in (layer.wqkv, layer.wo,
                                                                 layer.w13, layer.w2))
@@ -75,7 +76,7 @@ def model_flops_per_token(model: LlamaModel, context: int) -> float:
     return 2 * (weights + model.lm_head.numel()) + attention
 
 
-def step_bytes(model: LlamaModel, batch: int, context: int, kv_bytes: int = 4) -> float:
+def step_bytes(model: DecoderModel, batch: int, context: int, kv_bytes: int = 4) -> float:
     """Weights as the model's weight format stores them (bench_formats.weight_bytes; tied
     embedding counted once) + every KV (``kv_bytes`` per element: 2 with --kv-cache-dtype
     float16 / bfloat16)."""
@@ -152,7 +153,7 @@ def main() -> None:
           f"{'CPU' if args.cpu_time else 'wall'} time, {env or 'default OpenMP env'}, {load()}",
           flush=True)
     path = resolve_model(None, args.switches.cache_dir)
-    model = LlamaModel.load(path, **args.switches.model_options())
+    model = DecoderModel.load(path, **args.switches.model_options())
     c, native_options = model.config, args.switches.native_options()
     ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock, native_options)
     rates = ", ".join(f"{k.removeprefix('gflops_').replace('_', ' at ')} rows {v:.0f}"

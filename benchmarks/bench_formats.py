@@ -20,14 +20,14 @@ import time
 import torch
 
 from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
-from executor_svc.model import LlamaModel
 from executor_svc.model_files import resolve_model
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.settings import Switches
 from executor_svc.weight_formats import streamed_bytes
 from kernels import make_backend
 
 
-def weight_bytes(model: LlamaModel, batch: int = 1) -> int:
+def weight_bytes(model: DecoderModel, batch: int = 1) -> int:
     """What one step of ``batch`` tokens reads of the weights: every projection and the LM
     head as stored (a tied embedding once: the lookup reads only the step's rows; hybrid's
     fp32 copy past 8 tokens), plus the norms."""
@@ -56,7 +56,7 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
     models = {}
     for fmt in formats:
         start = time.perf_counter()
-        models[fmt] = LlamaModel.load(path, **{**options, "weight_format": fmt})
+        models[fmt] = DecoderModel.load(path, **{**options, "weight_format": fmt})
         print(f"  {fmt}: loaded in {time.perf_counter() - start:.1f} s as "
               f"{models[fmt].weight_format}, {weight_bytes(models[fmt]) / 1e6:.0f} MB of "
               f"weights per step", flush=True)

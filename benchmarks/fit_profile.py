@@ -1,6 +1,6 @@
 """``python -m benchmarks.fit_profile``: measure our executor on this machine, fit, save a profile.
 
-In this process, with the executor's own parts (``LlamaModel``, ``KVCache``, the attention
+In this process, with the executor's own parts (``DecoderModel``, ``KVCache``, the attention
 backend, ``Runner.execute`` on real ``BatchPlan`` protos, sampling included), it times
 synthetic steps: decode batches by size and context, prefill chunks by size (fresh and
 over a cached context), and mixes of the two. Each point is the median of ``--repeats``
@@ -66,14 +66,14 @@ def load_executor(kv_bytes: int, kv_dtype: str):
     import torch
 
     from executor_svc.kv_cache import KVCache, KVCacheSpec
-    from executor_svc.model import LlamaModel
     from executor_svc.model_files import resolve_model
+    from executor_svc.models.decoder import DecoderModel
     from executor_svc.settings import Switches
     from kernels import backend_for, make_backend
 
     switches = Switches.from_env()
     path = resolve_model(None, switches.cache_dir)
-    model = LlamaModel.load(path, **switches.model_options())
+    model = DecoderModel.load(path, **switches.model_options())
     c = model.config
     dtype = {"float32": torch.float32, "float16": torch.float16,
              "bfloat16": torch.bfloat16}[kv_dtype]

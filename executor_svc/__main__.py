@@ -39,9 +39,9 @@ from executor_svc.flags import add_device_arguments, check_device_arguments, par
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import IncarnationFile, SchedulerLink, ServeLoop
-from executor_svc.model import LlamaModel
-from executor_svc.model_config import ModelConfig
 from executor_svc.model_files import ModelError, resolve_model
+from executor_svc.models import registry
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner, measure_prefill_tokens_per_s
 from executor_svc.settings import Switches
 from executor_svc.standby import StandbyRunner
@@ -249,14 +249,14 @@ def _load(config: ExecutorConfig, path, device: torch.device):
             torch.set_num_threads(1)
         elif config.threads:
             torch.set_num_threads(config.threads)
-        model = LlamaModel.load(path, dtype=dtype, device=device, **options)
+        model = DecoderModel.load(path, dtype=dtype, device=device, **options)
         return model, None, model.num_kv_heads
     # Ranks share the cores unless told otherwise.
     torch.set_num_threads(config.threads or max(1, len(os.sched_getaffinity(0)) // config.tp_size))
-    model_config = ModelConfig.from_dir(path)
+    model_config = registry.read_config(path)
     layout = shard_layout(model_config, config.tp_size, config.tp_rank)
     comm = TPComm(layout)
-    model = LlamaModel.load(path, dtype, device, comm, **options)
+    model = DecoderModel.load(path, dtype, device, comm, **options)
     return model, make_sampler(model_config.eos_token_ids, comm), layout.max_kv_heads
 
 
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         backend_for(config.attention_backend, device)  # before the minutes a model may take
         path = resolve_model(config.model, config.switches.cache_dir)
         if config.tp_size > 1:  # refuse an impossible split before starting anyone
-            shard_layout(ModelConfig.from_dir(path), config.tp_size, 0)
+            shard_layout(registry.read_config(path), config.tp_size, 0)
     except (ModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -59,7 +59,7 @@ def build_inputs(
 ) -> StepInputs:
     """``scheduled``: (sequence, tokens to compute from its num_computed), each n >= 1.
 
-    A sequence samples when this step brings num_computed up to num_tokens (DESIGN.md §2):
+    A sequence samples when this step brings num_computed up to num_tokens (docs/design.md §2):
     the same rule covers a prompt's last chunk, a decode and a recompute.
 
     Per-row work is numpy over the whole step, not Python per token: this runs every step

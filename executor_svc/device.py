@@ -15,7 +15,7 @@ import torch
 
 from executor_svc.flags import DEVICE_PATTERN
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import profile_activation_bytes
 
 log = logging.getLogger("executor")
@@ -72,7 +72,7 @@ def gpu_kv_blocks(
     return blocks
 
 
-def fit_gpu_kv_cache(model: LlamaModel, spec: KVCacheSpec, backend, tokens: int,
+def fit_gpu_kv_cache(model: DecoderModel, spec: KVCacheSpec, backend, tokens: int,
                      utilization: float) -> int:
     """KV blocks for this rank's GPU (``gpu_kv_blocks`` after a profiled step of ``tokens``,
     --max-num-batched-tokens), the smallest count of any rank under tp so that a block id
@@ -120,7 +120,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
-def decode_graphs(model: LlamaModel, kv: KVCache, enforce_eager: bool):
+def decode_graphs(model: DecoderModel, kv: KVCache, enforce_eager: bool):
     """Captured decode-step CUDA graphs (executor_svc/cuda_graphs.py) for this model and
     pool, or None, logged, where they cannot run: not on CUDA, ``--enforce-eager``, tensor
     parallelism, or no Triton. Call before any sequence exists (capture writes the pool)."""

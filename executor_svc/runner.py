@@ -21,7 +21,7 @@ from executor_svc.batch import SequenceState, StepInputs, build_inputs
 from executor_svc.faults import FaultInjector, InjectedFault
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.plan_check import PlanError, PlanLimits, check_plan
 from executor_svc.sampler import (
     PLACEHOLDER_TOKEN,
@@ -43,7 +43,7 @@ class Runner:
     """Owns the per-sequence state of one executor incarnation; single-threaded."""
 
     def __init__(
-        self, model: LlamaModel, kv: KVCache, backend: AttentionBackend, incarnation: str,
+        self, model: DecoderModel, kv: KVCache, backend: AttentionBackend, incarnation: str,
         sampler: Sampler | None = None,  # tensor parallelism swaps in its own (tp_serve.py)
         faults: FaultInjector | None = None,  # test-only (executor_svc/faults.py); None: inert
         guides: Guides | None = None,  # structured output; None: guided requests fail
@@ -223,7 +223,8 @@ def _fill_result(result: pb.StepResult, seq_ids: list[int], out: SampleOutput) -
             result.top_logprobs.extend(values)
 
 
-def measure_prefill_tokens_per_s(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> float:
+def measure_prefill_tokens_per_s(model: DecoderModel, kv: KVCache, backend,
+                                 num_tokens: int) -> float:
     """Times one ``num_tokens`` prefill, after a tiny warm-up, writing into blocks 0..; call
     it before any sequence exists (it overwrites their K/V)."""
     block_size = kv.spec.block_size
@@ -237,7 +238,7 @@ def measure_prefill_tokens_per_s(model: LlamaModel, kv: KVCache, backend, num_to
     return num_tokens / (time.perf_counter() - start)
 
 
-def profile_activation_bytes(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> int:
+def profile_activation_bytes(model: DecoderModel, kv: KVCache, backend, num_tokens: int) -> int:
     """CUDA only: the most memory a ``num_tokens`` prefill allocates beyond what was
     allocated before it (weights and ``kv``, which must hold ``num_tokens``), i.e. what every
     step may need on top of the KV pool."""
@@ -256,7 +257,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _prefill_once(model: LlamaModel, kv: KVCache, backend, num_tokens: int) -> None:
+def _prefill_once(model: DecoderModel, kv: KVCache, backend, num_tokens: int) -> None:
     blocks = list(range(-(-num_tokens // kv.spec.block_size)))
     seq = SequenceState(0, [0] * num_tokens, 0, blocks, SamplingConfig(), num_tokens, 0)
     inputs = build_inputs([(seq, num_tokens)], kv.spec.block_size, model.embed.device)

@@ -3,7 +3,7 @@
 Reproducibility rests on ``draw``: each row consumes exactly one uniform number, derived
 from (request seed, token position) alone, and inverts the row's CDF in token-id order. The
 same seed therefore gives the same token whatever else is in the batch, and again after a
-preemption or an executor restart (DESIGN.md §5).
+preemption or an executor restart (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -105,6 +105,6 @@ class Switches:
                              compiler=self.compiler, isa=self.cpu_isa)
 
     def model_options(self) -> dict:
-        """LlamaModel's keyword arguments for these switches."""
+        """DecoderModel's keyword arguments for these switches."""
         return {"native_options": self.native_options(), "native_gemm": self.native_gemm,
                 "native_decoder": self.native_decoder, "weight_format": self.weight_format}

@@ -1,7 +1,7 @@
 """A shared-memory broadcast ring: one writer, N readers, one mapping in ``/dev/shm``.
 
 Rank 0 of a tensor-parallel executor writes each command (a serialized BatchPlan) once;
-ranks 1..N-1 copy it out of the same pages (DESIGN.md §4: "the executor's ranks read each
+ranks 1..N-1 copy it out of the same pages (docs/design.md §4: "the executor's ranks read each
 plan from one shared-memory broadcast rather than from N sends"), as vLLM's shm_broadcast
 does. A ZeroMQ PUB/SUB pair over ipc:// is the doorbell that wakes a reader which stopped
 spinning; it carries no data.

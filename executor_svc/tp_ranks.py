@@ -8,7 +8,7 @@ A watcher thread polls the workers. One that exits non-zero (a worker exits 0 on
 0's STOP) has broken the group: its peers would fail or time out in their next collective.
 So rank 0 kills the rest and exits EXIT_RANK_LOST from the thread at once, wherever its main
 thread is blocked (rendezvous, model load, the scheduler socket). The supervisor restarts
-the executor; the scheduler recomputes (DESIGN.md §5).
+the executor; the scheduler recomputes (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Failure: under tp a step that fails — a collective that timed out or lost its 
 exception mid-forward, after which the ranks' collectives no longer pair up — cannot be
 resynchronized in-process the way a tp 1 executor resyncs (runner.py). Rank 0 raises
 RankLost; another rank exits EXIT_RANK_LOST; either way the executor restarts whole and the
-scheduler recomputes (DESIGN.md §5). A refused plan is not a failure: every rank refuses it
+scheduler recomputes (docs/design.md §5). A refused plan is not a failure: every rank refuses it
 identically before any collective.
 """
 

@@ -1,18 +1,19 @@
 """Which slice of the model each tensor-parallel rank holds, and loading only that slice.
 
-Megatron-style split of a Llama layer over N ranks:
+Megatron-style split of a decoder layer over N ranks; each architecture declares its
+tensors' splits (executor_svc/models/base.py, ``Tensor.split``), for every one here:
 
 | tensor                 | split                   | joined by                   |
 |------------------------|-------------------------|-----------------------------|
 | q_proj, k_proj, v_proj | rows, by head (column-  | nothing: attention is local |
-|                        | parallel)               | to a rank's heads           |
+| (and their biases)     | parallel)               | to a rank's heads           |
 | o_proj                 | columns, by query head  | all-reduce (sum)            |
 | gate_proj, up_proj     | rows (column-parallel)  | nothing: SiLU is elementwise|
 | down_proj              | columns (row-parallel)  | all-reduce (sum)            |
 | embed_tokens           | vocabulary rows         | all-reduce (one rank owns   |
 |                        |                         | each id, the rest add 0)    |
 | lm_head                | vocabulary rows         | gather of logits to rank 0  |
-| norms                  | replicated              |                             |
+| norms (q/k norms too)  | replicated              |                             |
 
 Heads are split by GQA group, so that a query head and its KV head always share a rank:
 
@@ -37,6 +38,7 @@ import torch
 from safetensors import safe_open
 
 from executor_svc.model_config import ModelConfig
+from executor_svc.models.base import Architecture
 
 
 @dataclass(frozen=True)
@@ -126,36 +128,27 @@ def shard_layout(config: ModelConfig, tp_size: int, rank: int) -> ShardLayout:
     )
 
 
-def _slice_of(name: str, layout: ShardLayout, head_dim: int) -> tuple[int, range] | None:
+def _slice_of(name: str, arch: Architecture, layout: ShardLayout,
+              head_dim: int) -> tuple[int, range] | None:
     """(dimension, index range) of checkpoint tensor ``name`` this rank keeps; None: all."""
-    rows = {
-        "self_attn.q_proj.weight": layout.q_heads,
-        "self_attn.k_proj.weight": layout.kv_heads,
-        "self_attn.v_proj.weight": layout.kv_heads,
-    }
-    for suffix, heads in rows.items():
-        if name.endswith(suffix):
-            return 0, range(heads.start * head_dim, heads.stop * head_dim)
-    if name.endswith("self_attn.o_proj.weight"):
-        q = layout.q_heads
-        return 1, range(q.start * head_dim, q.stop * head_dim)
-    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-        return 0, layout.ffn
-    if name.endswith("mlp.down_proj.weight"):
-        return 1, layout.ffn
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return 0, layout.vocab
-    return None
+    tensor = arch.tensor_named(name)
+    if tensor is None or tensor.split is None:
+        return None
+    part = getattr(layout, tensor.split.by)
+    if tensor.split.by in ("q_heads", "kv_heads"):
+        part = range(part.start * head_dim, part.stop * head_dim)
+    return tensor.split.dim, part
 
 
-def load_shard(path: pathlib.Path, config: ModelConfig, layout: ShardLayout) -> dict:
+def load_shard(path: pathlib.Path, config: ModelConfig, layout: ShardLayout,
+               arch: Architecture) -> dict:
     """This rank's slice of every checkpoint tensor, read slice by slice from the
     safetensors files (a rank never holds the whole model in memory)."""
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                part = _slice_of(name, layout, config.head_dim)
+                part = _slice_of(name, arch, layout, config.head_dim)
                 if part is None:
                     weights[name] = f.get_tensor(name)
                 elif part[0] == 0:

@@ -41,6 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from executor_svc.flags import WEIGHT_FORMATS  # one list of the names
+from executor_svc.models.base import Architecture
 from kernels import native, quant
 
 log = logging.getLogger(__name__)
@@ -116,25 +117,25 @@ def available_memory(root: pathlib.Path = pathlib.Path("/")) -> int | None:
     return max(0, min(found)) if found else None
 
 
-def save_native(reader: GGUFReader, out_dir: pathlib.Path) -> None:
+def save_native(reader: GGUFReader, out_dir: pathlib.Path, arch: Architecture) -> None:
     """Writes ``gguf_blocks.st`` in ``out_dir``: every GGUF tensor under its HF name as
     stored (uint8 rows of blocks; 1-D ones and formats cpu_qgemm.cpp cannot read as fp32),
-    Q/K rows in HF's order (llama.cpp's rope permutation undone: a row permutation, exact),
-    each tensor's format and shape in the metadata. Once per conversion (executor_svc/
-    model_files.py): GGUFReader parses the ~50k-entry vocabulary in Python (seconds), a
-    safetensors file then loads in milliseconds."""
-    from executor_svc.gguf_convert import _dequantize, _hf_name
+    Q/K rows in HF's order (where ``arch`` says llama.cpp permuted them for its rope, undone:
+    a row permutation, exact), each tensor's format and shape in the metadata. Once per
+    conversion (executor_svc/model_files.py): GGUFReader parses the ~50k-entry vocabulary in
+    Python (seconds), a safetensors file then loads in milliseconds."""
+    from executor_svc.gguf_convert import _dequantize, hf_name
 
     def field(name: str, default=None):
         f = reader.fields.get(name)
         return default if f is None else f.contents()
 
-    arch = field("general.architecture")
-    heads = field(f"{arch}.attention.head_count")
-    kv_heads = field(f"{arch}.attention.head_count_kv", heads)
+    prefix = field("general.architecture")
+    heads = field(f"{prefix}.attention.head_count")
+    kv_heads = field(f"{prefix}.attention.head_count_kv", heads)
     tensors, formats = {}, {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = hf_name(arch, t.name)
         if len(t.shape) == 1:
             tensors[name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
             continue
@@ -144,7 +145,7 @@ def save_native(reader: GGUFReader, out_dir: pathlib.Path) -> None:
         if raw.format == 0 or not quant.readable(raw):
             raw = quant.RawTensor(0, (rows, cols), _dequantize(t).reshape(rows, cols))
         n = heads if name.endswith("q_proj.weight") else kv_heads
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch.gguf_rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             order = np.arange(rows).reshape(n, rows // n // 2, 2).swapaxes(1, 2).reshape(-1)
             raw = raw.take_rows(order)
         tensors[name] = torch.from_numpy(np.array(raw.data))  # a copy: the memmap is read-only

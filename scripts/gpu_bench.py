@@ -39,9 +39,9 @@ from executor_svc.device import decode_graphs  # noqa: E402
 from executor_svc.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 from executor_svc.random_model import (  # noqa: E402
     LLAMA_8B,
-    llama_config,
     parameter_count,
-    random_llama,
+    random_config,
+    random_model,
 )
 from executor_svc.runner import Runner, synchronize  # noqa: E402
 from executor_svc.sampler import SamplingConfig  # noqa: E402
@@ -246,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, shape = torch.device("cuda", 0), torch.bfloat16, LLAMA_8B
         batches, context, prefill, concurrency, seconds, limit = ((1, 32, 128), 1024, 2048, 128,
                                                                   a.serve_seconds, 4096)
-    config = llama_config(**shape)
+    config = random_config("llama", **shape)
     # The tiny run leaves the C++ library out (its build would dominate CI's seconds).
     native = NativeOptions(enabled=not a.tiny)
-    model = random_llama(config, dtype=dtype, device=device, native_gemm=False,
+    model = random_model(config, dtype=dtype, device=device, native_gemm=False,
                          native_options=native)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype, BLOCK)
     num_blocks = max(int(a.kv_gib * 2**30) // spec.block_bytes if not a.tiny else 0,

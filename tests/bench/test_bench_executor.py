@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.bench_executor import DecodeRun, breakdown
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from kernels import make_backend
 from kernels.native_decoder import NativeDecoder
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return LlamaModel.load(path)
+    return DecoderModel.load(path)
 
 
 def _run(model) -> dict[str, float]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner
 from kernels import make_backend
 from kernels.attention import AttentionBackend
@@ -25,7 +25,7 @@ INCARNATION = "test-incarnation"
 
 
 def make_runner(
-    model: LlamaModel, num_blocks: int = 64, block_size: int = 16,
+    model: DecoderModel, num_blocks: int = 64, block_size: int = 16,
     backend: AttentionBackend | None = None, num_host_blocks: int = 0,
     kv_dtype: torch.dtype | None = None,  # --kv-cache-dtype; None: the model's
 ) -> Runner:
@@ -38,9 +38,9 @@ def make_runner(
     return Runner(model, kv, backend or make_backend(None, device), INCARNATION)
 
 
-def load_model(model_dir: pathlib.Path) -> LlamaModel:
+def load_model(model_dir: pathlib.Path) -> DecoderModel:
     torch.set_num_threads(2)
-    return LlamaModel.load(model_dir)
+    return DecoderModel.load(model_dir)
 
 
 @dataclass

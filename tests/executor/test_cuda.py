@@ -12,7 +12,7 @@ import torch
 
 from executor_svc import __main__ as executor_main
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import profile_activation_bytes
 from executor_svc.sampler import Sampler, SampleRow, SamplingConfig
 from kernels import make_backend
@@ -29,7 +29,7 @@ IPC = ["--ipc", "ipc:///tmp/continuum-test-cuda.sock"]
 
 @pytest.fixture(scope="module")
 def cuda_model(model_dir):
-    return LlamaModel.load(model_dir, device=CUDA)  # float32, as the CPU reference
+    return DecoderModel.load(model_dir, device=CUDA)  # float32, as the CPU reference
 
 
 def _release_gpu_memory() -> None:

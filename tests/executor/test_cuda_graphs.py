@@ -22,7 +22,7 @@ from executor_svc.cuda_graphs import (  # noqa: E402
     pad_rows,
 )
 from executor_svc.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from executor_svc.random_model import llama_config, random_llama  # noqa: E402
+from executor_svc.random_model import random_config, random_model  # noqa: E402
 from executor_svc.sampler import SamplingConfig  # noqa: E402
 
 
@@ -75,8 +75,8 @@ def test_the_static_path_gives_the_plain_forwards_logits_and_cache():
     from kernels.triton_attention import TritonAttentionBackend
 
     torch.manual_seed(0)
-    config = llama_config(**_SHAPE)
-    model = random_llama(config, dtype=torch.float32, native_gemm=False)
+    config = random_config("llama", **_SHAPE)
+    model = random_model(config, dtype=torch.float32, native_gemm=False)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, torch.float32, 4)
     kv = KVCache(spec, 24)
     # A prompt's K/V in the cache as a prefill would leave it (random: what matters is that
@@ -122,6 +122,6 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu_where_no_graphs_
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert resolve_dtype("float16", torch.device("cuda", 0)) == "float16"
-    model = random_llama(llama_config(**_SHAPE), dtype=torch.float32, native_gemm=False)
+    model = random_model(random_config("llama", **_SHAPE), dtype=torch.float32, native_gemm=False)
     kv = KVCache(KVCacheSpec(1, 2, 16, torch.float32, 4), 4)
     assert decode_graphs(model, kv, enforce_eager=False) is None  # not on CUDA

@@ -14,8 +14,8 @@ from executor_svc import __main__ as executor_main
 from executor_svc.batch import SequenceState, build_inputs
 from executor_svc.device import gpu_kv_blocks, resolve_device
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
 from executor_svc.model_config import ModelConfig
+from executor_svc.models.decoder import DecoderModel
 from executor_svc.sampler import SamplingConfig
 from kernels import backend_for, make_backend
 
@@ -153,8 +153,11 @@ def test_a_step_on_another_device_uses_no_cpu_tensor():
     # just as CUDA does: a chunk-free step (decodes) through the model, the KV write and the
     # device's default backend must stay on the model's device.
     hidden, inter, heads, kv_heads, dim, vocab = 32, 48, 4, 2, 8, 64
-    config = ModelConfig(hidden, inter, 2, heads, kv_heads, dim, vocab, 1e-5, 10000.0, None,
-                         256, False, (3,), "tiny")
+    config = ModelConfig(architecture="llama", hidden_size=hidden, intermediate_size=inter,
+                         num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                         vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         rope_scaling=None, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_ids=(3,), name="tiny")
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (vocab, hidden)}
     for i in range(2):
@@ -169,7 +172,7 @@ def test_a_step_on_another_device_uses_no_cpu_tensor():
                    p + "input_layernorm.weight": (hidden,),
                    p + "post_attention_layernorm.weight": (hidden,)}
     meta = torch.device("meta")
-    model = LlamaModel(config, {n: torch.ones(s) for n, s in shapes.items()}, torch.float32,
+    model = DecoderModel(config, {n: torch.ones(s) for n, s in shapes.items()}, torch.float32,
                        meta)
     kv = KVCache(KVCacheSpec(2, kv_heads, dim, torch.float16, 4), 16, device=meta)
     steps = [(SequenceState(i, list(range(10)), 9, [3 * i, 3 * i + 1, 3 * i + 2],

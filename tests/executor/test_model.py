@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel, rope_inv_freq
-from executor_svc.model_config import ModelConfig
+from executor_svc.models import registry
+from executor_svc.models.decoder import DecoderModel
+from executor_svc.models.ops import rope_inv_freq
 from kernels import make_backend, native
 from kernels.attention import AttentionMetadata
 from kernels.torch_backend import TorchAttentionBackend
@@ -35,7 +36,7 @@ def tiny_dir(tmp_path_factory):
 
 def test_config_reads_untied_head_gqa_and_rope_scaling(tiny_dir):
     path, _ = tiny_dir
-    config = ModelConfig.from_dir(path)
+    config = registry.read_config(path)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert not config.tie_word_embeddings and config.eos_token_ids == (3, 4)
     assert config.rope_scaling is not None and config.rope_theta == 50000.0
@@ -43,7 +44,7 @@ def test_config_reads_untied_head_gqa_and_rope_scaling(tiny_dir):
 
 def test_llama3_rope_frequencies_match_transformers(tiny_dir):
     path, hf = tiny_dir
-    ours = rope_inv_freq(ModelConfig.from_dir(path))
+    ours = rope_inv_freq(registry.read_config(path))
     torch.testing.assert_close(ours, hf.model.rotary_emb.inv_freq.float())
 
 
@@ -52,7 +53,7 @@ def test_llama3_rope_frequencies_match_transformers(tiny_dir):
 def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm):
     path, hf = tiny_dir
     # CONTINUUM_NATIVE_GEMM=1 / 0, as the executor passes it on (executor_svc/settings.py).
-    model = LlamaModel.load(path, native_gemm=gemm == "native")
+    model = DecoderModel.load(path, native_gemm=gemm == "native")
     assert model.lm_head is not model.embed
     packed = isinstance(model.layers[0].w13, native.PackedWeight)
     assert packed == (gemm == "native" and native.load() is not None)
@@ -65,7 +66,7 @@ def test_paged_forward_matches_transformers_logits(tiny_dir, backend_name, gemm)
 def test_a_narrow_kv_cache_stays_close_to_transformers(tiny_dir, kv_dtype, tol, backend_name):
     # --kv-cache-dtype: an fp32 model over a float16 / bfloat16 pool (half the bytes).
     path, hf = tiny_dir
-    _check_three_steps(LlamaModel.load(path), hf, make_backend(backend_name), kv_dtype, tol)
+    _check_three_steps(DecoderModel.load(path), hf, make_backend(backend_name), kv_dtype, tol)
 
 
 def _check_three_steps(model, hf, backend, kv_dtype, tol):
@@ -89,7 +90,7 @@ def _check_three_steps(model, hf, backend, kv_dtype, tol):
 
 def test_bfloat16_forward_runs_close_to_fp32(tiny_dir):
     path, hf = tiny_dir
-    model = LlamaModel.load(path, dtype=torch.bfloat16)
+    model = DecoderModel.load(path, dtype=torch.bfloat16)
     c = model.config
     kv = KVCache(KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, torch.bfloat16, 4), 8)
     ids = torch.arange(10, 30)
@@ -113,7 +114,7 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
     called back per layer: the same logits and K/V, bit for bit, as the per-op loop; another
     backend keeps the loop."""
     path, _ = tiny_dir
-    model = LlamaModel.load(path)
+    model = DecoderModel.load(path)
     decoder = model._decoder
     if decoder is None:
         pytest.skip("no native kernels here: every step takes the per-op loop")
@@ -162,7 +163,7 @@ def test_the_native_decoder_equals_the_per_op_layers(tiny_dir, kv_dtype):
 
 def test_an_error_in_a_chunks_attention_fails_the_step(tiny_dir, monkeypatch):
     path, _ = tiny_dir
-    model = LlamaModel.load(path)
+    model = DecoderModel.load(path)
     if model._decoder is None:
         pytest.skip("no native kernels here")
     import kernels.torch_backend
@@ -181,7 +182,7 @@ def test_an_error_in_a_chunks_attention_fails_the_step(tiny_dir, monkeypatch):
 
 def test_the_native_decoder_refuses_a_slot_outside_the_pool(tiny_dir):
     path, _ = tiny_dir
-    model = LlamaModel.load(path)
+    model = DecoderModel.load(path)
     if model._decoder is None:
         pytest.skip("no native kernels here")
     c = model.config

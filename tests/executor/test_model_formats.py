@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from executor_svc import weight_formats
 from executor_svc.kv_cache import KVCache, KVCacheSpec
-from executor_svc.model import LlamaModel
 from executor_svc.model_files import bundled_gguf
+from executor_svc.models.decoder import DecoderModel
 from kernels import make_backend, native, quant
 from kernels.attention import AttentionMetadata
 
@@ -90,7 +90,7 @@ def tiny_dir(tmp_path_factory):
 @needs_native
 def test_bf16_weights_for_an_hf_dir_stay_close(tiny_dir):
     path, hf = tiny_dir
-    model = LlamaModel.load(path, weight_format="bf16")
+    model = DecoderModel.load(path, weight_format="bf16")
     assert model.layers[1].w13.formats == ("BF16",) and model.lm_head.formats == ("BF16",)
     w = model.layers[1].w13.dequantize()
     gate = hf.model.layers[1].mlp.gate_proj.weight.detach()
@@ -156,7 +156,7 @@ def test_available_memory_is_the_tighter_of_the_host_and_its_cgroup(tmp_path):
 def test_hybrid_outputs_are_the_native_formats_bits(model_dir):
     """The fp32 copy that hybrid's wide GEMMs read gives the blocks' panel path's bits: a
     41-token prefill (wide GEMMs) and a 6-row decode, logits equal to the last bit."""
-    models = {f: LlamaModel.load(model_dir, weight_format=f) for f in ("native", "hybrid")}
+    models = {f: DecoderModel.load(model_dir, weight_format=f) for f in ("native", "hybrid")}
     assert models["hybrid"].layers[3].w13.wide_nbytes == 2 * 1536 * 576 * 4
     assert models["native"].layers[3].w13.wide_nbytes == 0
     c = models["native"].config

@@ -47,7 +47,7 @@ def test_one_request_matches_transformers(model, hf_model, tok):
     assert sched.outputs(1)[: len(expected)] == expected
 
 
-# 16 prompts of 2 to 40-odd tokens for the concurrent test (issue: 16 at once).
+# 16 prompts of 2 to 40-odd tokens for the concurrent test (16 requests at once).
 MORE_PROMPTS = [
     "Hi",
     "The quick brown fox",

@@ -1,12 +1,15 @@
-"""A Llama-family forward pass over a flattened (varlen) batch with a paged KV cache.
+"""The forward pass of every registered architecture (executor_svc/models/registry.py) over
+a flattened (varlen) batch with a paged KV cache: a pre-norm decoder (RMSNorm, rotate-half
+RoPE, GQA, SwiGLU) whose layer takes what its architecture declares (base.py): q/k/v
+biases and per-head q/k RMSNorm are the hooks of ``DecoderLayer.adjust_qkv``.
 
 gpt-fast style: weights as plain tensors, q/k/v fused into one matmul and gate/up into
 another, shapes in comments. T = tokens this step (all sequences, concatenated), S = rows
 that sample. Between layers the activations are hidden-major, [H, T]: each projection is
-then ``W @ x`` with no transposing copy (see ``project``), and only q/k/v are turned into
-the token-major [T, heads, D] rows that the attention backends and the KV cache take. The
-math follows transformers' LlamaForCausalLM op for op (RMSNorm in fp32, rotate-half RoPE)
-so greedy outputs match it token for token.
+then ``W @ x`` with no transposing copy (ops.project), and only q/k/v are turned into the
+token-major [T, heads, D] rows that the attention backends and the KV cache take. The math
+follows transformers op for op (executor_svc/models/ops.py) so greedy outputs match it
+token for token.
 
 Tensor parallelism (executor_svc/tp_shard.py, tp_comm.py): a rank holds a slice of the
 heads, of the FFN and of the vocabulary, and ``tp`` supplies the collectives that join the
@@ -26,6 +29,9 @@ from safetensors.torch import load_file
 
 from executor_svc.kv_cache import KVCache
 from executor_svc.model_config import ModelConfig
+from executor_svc.models import registry
+from executor_svc.models.base import LAYER_PREFIX, Architecture
+from executor_svc.models.ops import Weight, apply_rope, linear, project, rms_norm, rope_inv_freq
 from executor_svc.tp_shard import load_shard
 from executor_svc.weight_formats import embedding, fuse, prepare, read_native, resolve
 from kernels import native, quant
@@ -36,91 +42,10 @@ if TYPE_CHECKING:
     from executor_svc.tp_comm import TPComm
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
-    # As LlamaRMSNorm: normalize in fp32, scale in the input dtype. ``dim``: the hidden
-    # axis (0 for hidden-major [H, T] activations; ``weight`` [H] is then broadcast [H, 1]).
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(dim, keepdim=True) + eps)
-    return (weight if dim == -1 else weight[:, None]) * x.to(dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D / 2]
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is None:
-        return inv_freq
-    # Llama 3.1 "llama3" scaling: stretch low frequencies, keep high ones, blend between.
-    s = config.rope_scaling
-    factor, old_len = s["factor"], s["original_max_position_embeddings"]
-    low_wavelen = old_len / s.get("low_freq_factor", 1.0)
-    high_wavelen = old_len / s.get("high_freq_factor", 4.0)
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - s.get("low_freq_factor", 1.0)) / (
-        s.get("high_freq_factor", 4.0) - s.get("low_freq_factor", 1.0)
-    )
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-# A projection [out, in]: a tensor, packed fp32 or GGUF blocks (executor_svc/weight_formats.py).
-Weight = torch.Tensor | native.PackedWeight | quant.QuantWeight
-
-_MM_MAX_ROWS = 128
-# Output columns per piece of a wide ``linear`` (the LM head): [2048, 64] fp32 = 512 KiB,
-# so each piece is transposed while it is still in the core's L2.
-_MM_CHUNK = 2048
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ w[out, in].T -> [T, out], contiguous.
-
-    On the 2-core AVX2 CPU, MKL runs w @ x.T 1.2-2x faster than F.linear's x @ w.T for
-    2..64 rows (the LM head: 22 vs 37 ms at 16 rows); one row stays a plain GEMV, and past
-    ~128 rows the two tie, so the transposing copy is not worth it. The result must be
-    contiguous: a head_dim that is not unit-stride sends SDPA down its math path (3x
-    slower) and slows every elementwise op after it. A wide ``w`` (the LM head) goes in
-    pieces of _MM_CHUNK rows: transposing the whole [V, T] result at once reads it back from
-    memory (batch 64: 58-75 -> 43-48 ms on 2 idle cores; the same values, bit for bit).
-    Off the CPU none of this applies: F.linear, as transformers' LM head.
-    """
-    rows, width = x.shape[0], w.shape[0]
-    if not 1 < rows <= _MM_MAX_ROWS or x.device.type != "cpu":
-        return F.linear(x, w)
-    if rows < 16 or width < 4 * _MM_CHUNK:
-        return torch.mm(w, x.t()).t().contiguous()
-    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)  # [T, out]
-    for start in range(0, width, _MM_CHUNK):
-        out[:, start : start + _MM_CHUNK] = torch.mm(w[start : start + _MM_CHUNK], x.t()).t()
-    return out
-
-
-def project(w: Weight, x: torch.Tensor) -> torch.Tensor:
-    """w [out, in] @ x [in, T] -> [out, T], contiguous: a layer's projection, hidden-major.
-
-    ``w`` is a tensor (MKL: w @ x.T is its fast case on these CPUs, and hidden-major output
-    needs no transposing copy) or, for fp32 on an AVX2 CPU, a weight packed for the native
-    GEMM (kernels/cpu_gemm.cpp, 1.1-1.7x MKL at decode batch sizes). ``x`` may be a
-    transposed view of a token-major tensor: both read it in place.
-    """
-    return w.mm(x)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> None:
-    # out = x * cos + rotate_half(x) * sin (HF's rotate-half layout, not llama.cpp's
-    # interleaved one). x [N, D, T] hidden-major heads, cos/sin [D, T], out [N, D, T] (any
-    # strides: here a view into token-major rows). rotate_half(x) = (-x2, x1).
-    half = x.shape[1] // 2
-    torch.mul(x, cos, out=out)
-    out[:, :half] -= x[:, half:] * sin[:half]
-    out[:, half:] += x[:, :half] * sin[half:]
-
-
-class LlamaModel:
+class DecoderModel:
     """Weights + forward. Not an nn.Module: there is nothing to train or register.
+    ``architecture``: the registry's declaration for ``config`` (which tensors, whether the
+    native decoder can run it).
 
     Under tensor parallelism ``weights`` holds this rank's slices (tp_shard.load_shard):
     q/k/v, gate/up and the vocabulary rows of the embedding and LM head split by rows, o_proj
@@ -137,6 +62,11 @@ class LlamaModel:
         ``weight_format``: as weight_formats.resolve decided (``weights`` then holds
         RawTensors for "native")."""
         self.config = config
+        self.architecture = arch = registry.architecture(config.architecture)
+        windowed = [i for i, w in enumerate(config.layer_windows) if w is not None]
+        if windowed:
+            raise ValueError(f"{config.name}: layers {windowed} use sliding-window attention, "
+                             "which this executor does not implement")
         self.dtype = dtype
         self.tp = tp
         self.num_heads = len(tp.layout.q_heads) if tp else config.num_heads
@@ -144,18 +74,20 @@ class LlamaModel:
 
         def take(name: str) -> torch.Tensor:
             if name not in weights:
-                raise ValueError(f"checkpoint has no tensor {name!r}: not a Llama-family model?")
+                raise ValueError(f"checkpoint has no tensor {name!r}: not a {arch.name} model?")
             w = weights.pop(name)
             return w if isinstance(w, quant.RawTensor) else w.to(device=device, dtype=dtype)
 
-        self.embed = take("model.embed_tokens.weight")  # [V, H]
-        self.norm = take("model.norm.weight")  # [H]
-        lm_head = weights.pop("lm_head.weight", None)
+        names = {t.role: t.hf for t in arch.global_tensors}
+        self.embed = take(names["embed"])  # [V, H]
+        self.norm = take(names["norm"])  # [H]
+        lm_head = weights.pop(names["lm_head"], None)
         tied = config.tie_word_embeddings or lm_head is None
         if not tied and not isinstance(lm_head, quant.RawTensor):
             lm_head = lm_head.to(device=device, dtype=dtype)
         self.lm_head = self.embed if tied else lm_head  # [V, H]
-        self.layers = [_Layer.load(i, take) for i in range(config.num_layers)]
+        self.layers = [DecoderLayer.load(i, take, config, arch)
+                       for i in range(config.num_layers)]
         self.inv_freq = rope_inv_freq(config).to(device)  # [D / 2] fp32
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
@@ -183,7 +115,7 @@ class LlamaModel:
         self.lm_head = head if isinstance(head, quant.QuantWeight) else prepare(lib, head, fmt)
         if fmt == "hybrid" and isinstance(self.lm_head, quant.QuantWeight):
             self.lm_head.add_wide_copy()  # the LM head's GEMM (the lookup reads the blocks)
-        if self.tp is None and decoder:
+        if self.tp is None and decoder and self.architecture.native_decoder:
             c = self.config
             self._decoder = NativeDecoder(
                 lib, [(lay.attn_norm, lay.wqkv, lay.wo, lay.ffn_norm, lay.w13, lay.w2)
@@ -239,26 +171,28 @@ class LlamaModel:
     @staticmethod
     def load(path: pathlib.Path, dtype=torch.float32, device="cpu", tp: TPComm | None = None,
              *, native_options: native.NativeOptions | None = None, native_gemm: bool = True,
-             native_decoder: bool = True, weight_format: str = "auto") -> LlamaModel:
+             native_decoder: bool = True, weight_format: str = "auto") -> DecoderModel:
         """The checkpoint in ``path``; under tp only this rank's slices are read
         (tp_shard.load_shard: a rank never holds the whole model). ``weight_format``: auto,
         native, hybrid, fp32 or bf16 (executor_svc/weight_formats.py; ValueError if not
-        possible)."""
-        config = ModelConfig.from_dir(path)
+        possible). The class is the same for every architecture (the checkpoint's
+        config.json names it: executor_svc/models/registry.py)."""
+        config = registry.read_config(path)
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         lib = native.load(native_options) if cpu_fp32 else None
         fmt = resolve(weight_format, path, lib, native_gemm, tp is not None)
         if tp is not None:
-            weights = load_shard(path, config, tp.layout)
+            weights = load_shard(path, config, tp.layout,
+                                 registry.architecture(config.architecture))
         elif fmt in ("native", "hybrid"):
             weights = read_native(path)
         else:
             weights = {}
             for file in sorted(path.glob("*.safetensors")):
                 weights.update(load_file(str(file)))
-        return LlamaModel(config, weights, dtype, device, tp, native_options=native_options,
-                          native_gemm=native_gemm, native_decoder=native_decoder,
-                          weight_format=fmt)
+        return DecoderModel(config, weights, dtype, device, tp, native_options=native_options,
+                            native_gemm=native_gemm, native_decoder=native_decoder,
+                            weight_format=fmt)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32
@@ -302,31 +236,59 @@ class LlamaModel:
 
 
 @dataclass
-class _Layer:
-    # The four projections are tensors or, once LlamaModel packs them, native.PackedWeight.
+class DecoderLayer:
+    # The four projections are tensors or, once DecoderModel packs them, native.PackedWeight
+    # (or quant.QuantWeight); the optional parts are None where the architecture has none.
     attn_norm: torch.Tensor  # [H]
     wqkv: Weight  # [(Hq + 2 Hkv) D, H]
     wo: Weight  # [H, Hq D]
     ffn_norm: torch.Tensor  # [H]
     w13: Weight  # [2 I, H] gate rows, then up rows
     w2: Weight  # [H, I]
+    bqkv: torch.Tensor | None = None  # [(Hq + 2 Hkv) D]: q, k, v biases (Qwen2)
+    q_norm: torch.Tensor | None = None  # [D]: every query head's RMSNorm weight (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]: every KV head's
 
     @staticmethod
-    def load(i: int, take) -> _Layer:
+    def load(i: int, take, config: ModelConfig, arch: Architecture) -> DecoderLayer:
         # take(name) pops one checkpoint tensor, cast and placed; q/k/v and gate/up are fused.
-        p = f"model.layers.{i}."
-        qkv = [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-        gate_up = [take(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
-        return _Layer(
-            attn_norm=take(p + "input_layernorm.weight"),
-            wqkv=fuse(qkv),
-            wo=take(p + "self_attn.o_proj.weight"),
-            ffn_norm=take(p + "post_attention_layernorm.weight"),
-            w13=fuse(gate_up),
-            w2=take(p + "mlp.down_proj.weight"),
+        names = {t.role: f"{LAYER_PREFIX}{i}.{t.hf}" for t in arch.layer_tensors
+                 if t.present(config)}
+
+        def get(role: str):
+            if role not in names:
+                raise ValueError(f"{arch.name} declares no {role!r} tensor for {config.name}")
+            return take(names[role])
+
+        biases = [get(r) for r in ("q_bias", "k_bias", "v_bias")] if config.qkv_bias else None
+        return DecoderLayer(
+            attn_norm=get("attn_norm"),
+            wqkv=fuse([get(r) for r in ("q", "k", "v")]),
+            wo=get("o"),
+            ffn_norm=get("ffn_norm"),
+            w13=fuse([get(r) for r in ("gate", "up")]),
+            w2=get("down"),
+            bqkv=None if biases is None else torch.cat(biases),
+            q_norm=get("q_norm") if config.qk_norm else None,
+            k_norm=get("k_norm") if config.qk_norm else None,
         )
 
-    def forward(self, model: LlamaModel, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
+    def adjust_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   eps: float) -> None:
+        """The architecture's hooks on the fused projection qkv [(Hq + 2 Hkv) D, T], in
+        place, before RoPE: + the q/k/v biases; RMSNorm over each q and k head (as
+        transformers' q_norm / k_norm, over head_dim)."""
+        if self.bqkv is not None:
+            qkv += self.bqkv[:, None]
+        if self.q_norm is not None:
+            t = qkv.shape[1]
+            dim = self.q_norm.shape[0]
+            q = qkv[: num_heads * dim].view(num_heads, dim, t)
+            k = qkv[num_heads * dim : (num_heads + num_kv_heads) * dim].view(num_kv_heads, dim, t)
+            q.copy_(rms_norm(q, self.q_norm, eps, dim=1))
+            k.copy_(rms_norm(k, self.k_norm, eps, dim=1))
+
+    def forward(self, model: DecoderModel, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
                 kv):
         """Adds ``ffn`` (the previous layer's FFN output, or None) and this layer's attention
         output to x [H, T] in place; returns this layer's FFN output [H, T], not yet added
@@ -336,6 +298,8 @@ class _Layer:
         t = x.shape[1]
         h = model.add_norm(x, ffn, self.attn_norm)  # [H, T]
         qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
+        if self.bqkv is not None or self.q_norm is not None:
+            self.adjust_qkv(qkv, hq, hkv, model.config.rms_norm_eps)
         q, k, v = model.qkv_rows(qkv, cos, sin, hq, hkv)  # [T, Hq | Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
