@@ -62,7 +62,7 @@ bench-step-gap: setup
 bench-recovery: setup
 	$(PY) -m benchmarks.bench_recovery $(ARGS)
 
-# Issue 15's evidence in one table: overload at 10x capacity, a soak with cancels and
+# The reliability evidence (docs/reliability.md) in one table: overload at 10x capacity, a soak with cancels and
 # disconnects, hypothesis fuzzing (HTTP, gRPC, ZeroMQ), the chaos matrix, hostile-traffic
 # ITL (~15 minutes; ARGS=--short is the CI form, ~3; ARGS=--long, ~1 hour).
 reliability: setup

@@ -1,7 +1,7 @@
 """Scrape latency of the replica's /metrics while the server is under full load.
 
 GIE's endpoint picker scrapes every 50 ms and treats a page older than 200 ms as a
-saturated pod; issue 18's target is a scrape p99 under 10 ms at full load. This starts
+saturated pod, so we hold a scrape to a p99 under 10 ms at full load. This starts
 `continuum serve --metrics-port`, keeps ``--streams`` greedy streams running back to
 back, scrapes every 50 ms for ``--seconds``, and prints the scrape latency p50/p99/max
 and the page's age (now minus continuum:metrics_published_timestamp_seconds).

@@ -14,10 +14,11 @@ The "decode-only" row is the floor of the same path: N sequences that only decod
 (no admission, finish or prefill), i.e. what the columnar per-decode work costs.
 
 This machine's speed drifts by up to 2x between consecutive runs of the same code, so
-each row also times a reference the way FACTS.md did (best of repeated runs), before
-and after the row: the columnar plan encode at 256 sequences, 24 us on the FACTS.md
-machine. "x ref" is the mean of the two over 24 us (how much slower this machine is
-right now), and "@ref" is TOTAL divided by it: the figure scaled to the FACTS.md machine.
+each row also times a reference the way docs/facts.md's figure was taken (best of repeated
+runs), before and after the row: the columnar plan encode at 256 sequences, 24 us on the
+machine docs/facts.md describes. "x ref" is the mean of the two over 24 us (how much slower
+this machine is right now), and "@ref" is TOTAL divided by it: the figure scaled to that
+machine.
 
 Comparing two versions: alternating whole runs is not enough here (a machine phase
 can fake a 20 % gain). ``--against REV`` loads the scheduler package of git revision
@@ -58,11 +59,11 @@ from scheduler_svc.core import Request
 from sim.workload import default_trace, load_trace
 
 SYSTEM_PROMPT = list(range(1000, 1064))
-REFERENCE_US = 24.0  # FACTS.md: protobuf, columnar, encode at 256 sequences
+REFERENCE_US = 24.0  # docs/facts.md: protobuf, columnar, encode at 256 sequences
 
 
 def reference_encode() -> bytes:
-    """FACTS.md's "protobuf, columnar" encode: 256 decodes, 1 in 16 adding a block."""
+    """docs/facts.md's "protobuf, columnar" encode: 256 decodes, 1 in 16 adding a block."""
     plan = pb.BatchPlan()
     plan.cached_seq_ids.extend(_REF_IDS)
     plan.cached_num_scheduled_tokens.extend(_REF_ONES)

@@ -1,5 +1,6 @@
 """End-to-end cost of telemetry: `continuum bench` against `continuum serve` with the
-store off and on, alternately in one run (issue 17: within noise).
+store off and on, alternately in one run (the store must cost no more than
+the run-to-run noise).
 
 Each round starts a fresh server (telemetry off, then on to a SQLite file in a temp
 dir), runs the same closed-loop workload (``--concurrency`` clients, ``--num-prompts``

@@ -1,5 +1,5 @@
 """``python -m benchmarks.sim_slo_budget``: the SLO-aware token budget in the simulator at
-70B (issue 21): static / continuous / chunked / chunked-slo on one trace.
+70B: static / continuous / chunked / chunked-slo on one trace.
 
 Each policy is ``sim.engine.policy_config``'s (chunked-slo: chunked with every tier's
 TPOT target ``SLO_TPOT_TARGET_MS`` under a ``SLO_BUDGET``-token ceiling, the online

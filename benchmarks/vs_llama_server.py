@@ -1,5 +1,5 @@
 """Continuum against llama.cpp's ``llama-server`` on one machine: same prompts, same
-streaming client, same lengths, at 1, 8, 32 and 64 concurrent streams (issue 19's table).
+streaming client, same lengths, at 1, 8, 32 and 64 concurrent streams (docs/benchmarks.md's table).
 
 Both servers are driven through their OpenAI-compatible ``/v1/completions`` with
 token-id prompts, greedy, ``ignore_eos`` and ``max_tokens`` new tokens
@@ -18,7 +18,7 @@ Restart llama-server before each run: its slots keep each prompt's KV (``cache_p
 and the prompts are fixed by ``--seed``, so a second run against the same process measures
 its prefix cache. Ours is started here with ``make run``'s defaults (``continuum serve``
 on loopback, the bundled model) unless ``--ours-url`` points at a running one. Prints one
-markdown table and whether each of issue 19's targets was met; ``--json`` writes every
+markdown table and whether each ratio in ``TARGET_RATIO`` was met; ``--json`` writes every
 figure.
 """
 
@@ -35,7 +35,7 @@ import time
 from benchmarks.reliability import procs
 from continuum.bench import add_arguments, run_point, validate_args
 
-# Issue 19: our output tok/s over llama-server's, at least, by streams.
+# What we aim for: our output tok/s over llama-server's, at least, by streams.
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
 
 

@@ -141,7 +141,7 @@ def _bench_parser(sub) -> None:
 
 
 def _ops_parsers(sub) -> None:
-    """``report`` and ``gate``: read the telemetry store / bench results (issue 17)."""
+    """``report`` and ``gate``: read the telemetry store / bench results (docs/operations.md)."""
     from continuum import gate, report
 
     for name, module, helptext in (

@@ -1,4 +1,4 @@
-"""The gateway: Continuum's only client-facing process (DESIGN.md §1).
+"""The gateway: Continuum's only client-facing process (docs/design.md §1).
 
 It owns everything textual and relays token streams from a scheduler replica:
 

@@ -15,7 +15,7 @@ at all of them every ``TICK_S``:
   on another replica, exactly as for a dead one (or ends it UNAVAILABLE when
   none is left). A replica that answers is only slow — a long queue, an
   executor restarting — and its streams keep waiting: that pause is the
-  contract of DESIGN.md §5, so silence alone never fails a stream. (Probing
+  contract of docs/design.md §5, so silence alone never fails a stream. (Probing
   rather than a fixed deadline also means the first event may wait in the
   queue for as long as admission allows, with no second bound to keep in sync.)
 * A stream whose consumer has been writing one response for longer than

@@ -1,4 +1,6 @@
-"""The scheduler's admin plane (issue 17): its config changed live, block tables on demand.
+"""The scheduler's admin plane: its config changed live, block tables on demand.
+
+Every live change takes the one validated path of docs/design.md §6a.
 
 ``ConfigAdmin`` owns the config's versions: the first is the startup config, every
 change that alters a value is the next version, with its author, time and reason,

@@ -1,4 +1,4 @@
-"""SchedulerConfig values as text and as a file (issue 17's hot reload).
+"""SchedulerConfig values as text and as a file (the live config reload).
 
 Two sources change the scheduler's config from outside, and both go through here:
 

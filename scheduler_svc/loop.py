@@ -1,4 +1,4 @@
-"""The one loop that owns the scheduler core (STYLE habit 7).
+"""The one loop that owns the scheduler core (docs/style.md habit 7).
 
 RPC handlers never touch the core directly while a step is being built:
 they call ``submit``/``abort`` (which only queue work and wake the loop) and

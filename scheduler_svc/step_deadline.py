@@ -1,6 +1,6 @@
 """How long the scheduler waits for a step before it calls the executor hung.
 
-A fixed floor (5 s before issue 19) makes every hang cost seconds of stalled streams;
+A fixed floor (5 s, as this once was) makes every hang cost seconds of stalled streams;
 a deadline from the measured step-time distribution detects one within
 ``max(FLOOR_S, FACTOR × p99 step time)`` while the work planned for a step still
 stretches its own deadline, so a long prefill is never mistaken for a hang:

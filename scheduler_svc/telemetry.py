@@ -1,4 +1,4 @@
-"""The scheduler process's telemetry (issue 17): what it records, and when.
+"""The scheduler process's telemetry (docs/operations.md): what it records, and when.
 
 Every record goes to a ``protos.telemetry.TelemetryWriter``, whose ``put`` never
 blocks (a full queue drops the record and counts it): telemetry can lose rows, never

@@ -1,7 +1,7 @@
 """Step time of Llama-3-70B BF16 on 4×A100-80GB (SXM, NVSwitch), tensor parallel 4.
 
 One formula for every step, whatever mixes of prefill chunks and decodes it holds
-(DESIGN.md §2: a sequence computes ``q`` new tokens over ``c`` cached ones):
+(docs/design.md §2: a sequence computes ``q`` new tokens over ``c`` cached ones):
 
     step = emb(T) + L·[linear(T) + 2·all_reduce(T·hidden·2 B) + attention(seqs)]
            + lm_head(sampled) + cpu_overhead,        T = tokens in the step
@@ -76,7 +76,7 @@ class ModelSpec:
     @property
     def streamed_weight_bytes(self) -> int:
         """Weights every decode step reads in full: all but the embedding table,
-        of which a step reads only its tokens' rows: ≈ 139 GB (DESIGN.md §7)."""
+        of which a step reads only its tokens' rows: ≈ 139 GB (docs/design.md §7)."""
         return self.weight_bytes - self.dtype_bytes * self.vocab * self.hidden
 
 

@@ -4,7 +4,8 @@ The data directory (measured operator profiles, the Azure conversation trace) is
 ``$CONTINUUM_DATA_DIR``, else ``../shared/data`` beside the repository; every tool
 that needs it (the simulator, its cost model, ``continuum bench``, the scheduler
 benchmark) asks ``data_dir()`` or ``default_trace()`` here, so setting the variable
-moves all of them at once.
+moves all of them at once. What the data is and where it comes from: docs/facts.md,
+"Data".
 
 A trace is a CSV with a header and at least the columns ``arrived_at`` (seconds),
 ``num_prefill_tokens`` and ``num_decode_tokens`` (the Azure LLM inference trace's

@@ -51,7 +51,7 @@ _ID_SPAN = 128253  # ids 3..128255: the first block is unique per request below 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384  # Llama-3.3-70B allows 128 k; the trace's longest request is 14,089
 VOCAB = 128256
-# chunked-slo at 70B / 4xA100: a decode-only step is 35-60 ms (DESIGN §7), so 100 ms
+# chunked-slo at 70B / 4xA100: a decode-only step is 35-60 ms (docs/design.md §7), so 100 ms
 # leaves room for ~300 prompt tokens a step; at 70 ms prefill starves at 0.4x the trace
 # (TTFT p99 10 s, docs/capacity/README.md). The ceiling lets a lone prompt prefill in one
 # step when nothing decodes.

@@ -75,7 +75,7 @@ def policy_table(requests: Sequence[TraceRequest], cost: StepCostModel,
 
 
 def validation_rows(cost: StepCostModel) -> list[dict]:
-    """The cost model against published points (DESIGN.md §7, data/README.md)."""
+    """The cost model against published points (docs/design.md §7, docs/facts.md "Data")."""
     # vLLM 0.6.6 latency test: batch 8, 32-token prompts, 128 output tokens, 4.946 s.
     batch = [(32, 0)] * 8
     total = cost.step_time(batch) + sum(cost.decode_step_time(8, 32 + k) for k in range(127))
@@ -92,7 +92,7 @@ def validation_rows(cost: StepCostModel) -> list[dict]:
                  else "BELOW FLOOR"})
     for b, c, lo, hi in ((128, 1024, 52, 61), (128, 2048, 52, 61)):
         t = cost.decode_step_time(b, c) * 1e3
-        rows.append({"point": f"decode step, {b} seqs × {c} context (ms; DESIGN §7: 52–61)",
+        rows.append({"point": f"decode step, {b} seqs × {c} context (ms; docs/design.md §7: 52–61)",
                      "published": (lo + hi) / 2, "model": t,
                      "error %": 100 * (t / ((lo + hi) / 2) - 1)})
     t = cost.prefill_time(1024) * 1e3

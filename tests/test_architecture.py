@@ -18,7 +18,11 @@ whom"):
 * torch is loaded, even through first-party imports, only by executor_svc, kernels and
   benchmarks;
 * the first-party import graph has no cycle;
-* docs/architecture.md names every module, and every path it names exists.
+* docs/architecture.md names every module, and every path it names exists;
+* the repository explains itself (docs/style.md habit 15): no tracked file outside tests/
+  cites a design document outside the checkout (``../shared/DESIGN.md`` and friends: they
+  are docs/design.md, docs/style.md and docs/facts.md), and no code comment cites a
+  tracker issue number. ``../shared/data`` stays allowed: it is a data path.
 
 Dynamic imports (``importlib.import_module``) are not seen; the one there is
 (benchmarks/bench_scheduler.py loading a committed revision beside the tree) loads a copy of
@@ -31,6 +35,7 @@ import ast
 import collections
 import pathlib
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -228,7 +233,7 @@ def _loads(mod: str) -> set[str]:
 
 
 def test_only_the_executor_kernels_and_benchmarks_load_torch():
-    """The gateway and scheduler are CPU processes (DESIGN.md §1) and the CLI parses its
+    """The gateway and scheduler are CPU processes (docs/design.md §1) and the CLI parses its
     flags before anything heavy loads: none of them reaches torch, even through a
     first-party import."""
     bad = []
@@ -329,3 +334,58 @@ def test_the_map_names_every_module_and_every_path_it_names_exists():
                    and not re.search(rf"^\s*(async )?def {name}\(", (ROOT / p).read_text(),
                                      re.MULTILINE))
     assert not gone, "docs/architecture.md names what does not exist:\n" + "\n".join(gone)
+
+
+# -- the repository explains itself ----------------------------------------------------------
+
+# A design document outside the checkout: ``../shared/<anything but data>``, or DESIGN.md,
+# STYLE.md and FACTS.md by name (also "DESIGN §7", "STYLE habit 7", "FACTS:"). The data
+# directory ``../shared/data`` (sim/data.py) is where benchmarks read data, not a citation.
+OUTSIDE_DOC = re.compile(r"\.\./shared(?!/data\b)|\b(?:DESIGN|STYLE|FACTS)(?:\.md)?\b")
+# A tracker issue cited by number: "issue 17", "Issue 17's", "issue #17", "issues 15 and",
+# "(issue: ...". A public upstream thread spelled owner/repo#N is a link a reader can follow.
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\s*\d+|\(issue\b", re.IGNORECASE)
+CODE_SUFFIXES = (".py", ".pyi", ".proto", ".cpp", ".cc", ".c", ".h", ".hpp", ".cu", ".sh",
+                 ".toml", ".cfg", ".ini", ".yaml", ".yml")
+CODE_NAMES = ("Makefile", "Dockerfile")
+
+
+def _tracked_text_files() -> list[tuple[str, str]]:
+    """(path, text) of every tracked file outside tests/ that is text."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        import pytest
+        pytest.skip("not a git checkout")
+    files = []
+    for rel in out.decode().split("\0"):
+        path = ROOT / rel
+        if not rel or rel.startswith("tests/") or not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary (images, generated blobs)
+        files.append((rel, data.decode("utf-8", errors="replace")))
+    return files
+
+
+def _hits(pattern: re.Pattern[str], files: list[tuple[str, str]]) -> list[str]:
+    return [f"{rel}:{n}: {line.strip()}" for rel, text in files
+            for n, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+
+
+def test_nothing_cites_a_design_document_outside_the_repository():
+    """Code and docs cite docs/design.md, docs/style.md and docs/facts.md; a clone elsewhere
+    has no ../shared/DESIGN.md to follow."""
+    hits = _hits(OUTSIDE_DOC, _tracked_text_files())
+    assert not hits, ("cites a document outside the repository (cite docs/design.md §N, "
+                      "docs/style.md habit N or docs/facts.md instead):\n" + "\n".join(hits))
+
+
+def test_no_code_comment_cites_an_issue_number():
+    """A reader has no access to the tracker: a comment states the reason itself."""
+    code = [(rel, text) for rel, text in _tracked_text_files()
+            if rel.endswith(CODE_SUFFIXES) or rel.rsplit("/", 1)[-1] in CODE_NAMES]
+    hits = _hits(ISSUE_NUMBER, code)
+    assert not hits, ("cites a tracker issue (say the reason instead):\n" + "\n".join(hits))

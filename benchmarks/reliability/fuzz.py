@@ -1,7 +1,7 @@
 """Row 3: hypothesis fuzzing of the client-facing entry points (HTTP and gRPC).
 
 Each target is a hypothesis property run for ``examples`` inputs. The property records
-the status every input got and fails only on what the issue forbids: a 5xx (HTTP) or
+the status every input got and fails only on what bad input must never cause: a 5xx (HTTP) or
 INTERNAL / UNKNOWN / UNAVAILABLE (gRPC) from a healthy server, no answer within the
 timeout (a hang), or a dead server. A failure stops the target's run and its input is
 printed as drawn (no shrinking here: a hang would cost the timeout per replay; the

@@ -14,7 +14,7 @@ one valid input) of each mix (the kinds and their twins: hostile_load.py):
 * ``heavy``: prompts as long as the KV pool holds (a plain one and a chat of as many
   messages as fit), which pay for their cost in prompt tokens.
 
-The issue's target is the costly mix's ratio <= 1.2 "of its value without them". On a
+Our target is the costly mix's ratio <= 1.2 "of its value without them". On a
 GPU the paid work of 20 small requests a second costs a decode step next to nothing;
 on two shared CPU cores it does not (every extra sequence in a step is compute), so
 the row with the target compares the costly mix with its benign twin: what the

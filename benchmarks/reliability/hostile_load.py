@@ -66,7 +66,7 @@ def heavy_kinds(max_model_len: int, pool_tokens: int) -> list[Kind]:
 
 def costly_kinds(max_model_len: int = 8192) -> list[Kind]:
     """Requests whose cost is not in their token count, each as large as the caps allow
-    (gateway and sampler work the issue's caps bound) for a server of `max_model_len`
+    (gateway and sampler work that the request caps bound) for a server of `max_model_len`
     tokens of context (its default body limit follows it); all valid input."""
     from gateway.config import default_body_limit
 

@@ -4,10 +4,10 @@ Capacity first: a closed loop of ``concurrency`` clients, each starting its next
 when the last one finished, for a few seconds; capacity = completed requests / s. Then an
 open loop offers 10x that (Poisson arrivals, alternating gRPC and HTTP, each its own
 connection, as many clients would) for ``offer_s`` seconds. What a well-behaved server
-does (issue 15): refuse at once what it cannot start within its queue bound (429 /
-RESOURCE_EXHAUSTED with a retry hint), keep the accepted requests' TTFT, and keep its
+does (docs/design.md §3): refuse at once what it cannot start within its queue bound
+(429 / RESOURCE_EXHAUSTED with a retry hint), keep the accepted requests' TTFT, and keep its
 memory bounded. A request the server neither refused nor answered within the client's
-``deadline_s`` counts as ``no_answer``: the silent queueing the issue forbids.
+``deadline_s`` counts as ``no_answer``: the silent queueing the design forbids.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The telemetry store (issue 17): what the scheduler records, where, and for how long.
+"""The telemetry store (docs/operations.md): what the scheduler records, where, and for how long.
 
 A cross-process contract like the rest of ``protos/``: the scheduler process
 writes it through ``writer.TelemetryWriter`` (off the step path), the

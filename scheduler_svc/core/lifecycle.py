@@ -170,7 +170,7 @@ class Lifecycle:
         return n
 
     def advance(self, req: Request, n: int, step: int) -> list[int]:
-        """``req`` computes ``n`` more tokens in ``step`` (DESIGN.md §2): its blocks grow,
+        """``req`` computes ``n`` more tokens in ``step`` (docs/design.md §2): its blocks grow,
         its full ones enter the prefix cache, its tenant is charged. Returns new blocks."""
         bm = self.block_manager
         new = bm.grow(req.seq_id, req.num_computed_tokens + n)

@@ -1,4 +1,4 @@
-"""Priority that holds when the batch is full (issue 17; vLLM's issue #40004).
+"""Priority that holds when the batch is full (vllm-project/vllm#40004 in vLLM).
 
 Without it a premium request waits behind ``max_num_seqs`` best-effort sequences (or
 behind a pool they filled) until one of them finishes: its time to first token is

@@ -45,7 +45,7 @@ class DecodeClock:
 class Request:
     """One generation request, owned by the scheduler.
 
-    Progress model (DESIGN.md §2): ``num_computed_tokens`` catches up with
+    Progress model (docs/design.md §2): ``num_computed_tokens`` catches up with
     ``len(token_ids)``; prefill, chunked prefill, decode and recompute are the
     same rule. ``0 <= num_computed_tokens <= len(token_ids)`` always holds.
     """

@@ -1,6 +1,6 @@
 """The iteration scheduler: one call to ``schedule()`` is one batch plan.
 
-Order of one iteration (DESIGN.md §3):
+Order of one iteration (docs/design.md §3):
 
 1. aborts and finishes that arrived since the last step were applied
    already (``abort`` is immediate and idempotent);

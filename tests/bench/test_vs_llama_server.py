@@ -1,5 +1,5 @@
 """benchmarks/vs_llama_server.py drives two OpenAI-compatible servers with one workload
-and prints issue 19's comparison table. llama-server is not built here, so a second
+and prints its comparison table. llama-server is not built here, so a second
 address of the same real ``continuum serve`` stands in for it: the plumbing (requests,
 figures, table, verdict) is what is tested, not the ratio."""
 

@@ -1,5 +1,5 @@
 """``python -m benchmarks.capacity_check --quick``: the audit's verdict next to the
-simulator's and a real ``continuum serve``'s at the same load (issue 21).
+simulator's and a real ``continuum serve``'s at the same load.
 
 The profile is written here (a 135M-like model on 2 cores: 40 ms a step plus 3 ms a
 token), so the audit and the simulator see the same machine whatever this one's load;

@@ -1,4 +1,4 @@
-"""The scheduler's admin service (issue 17's hot reload) through a real process.
+"""The scheduler's admin service (the live config reload) through a real process.
 
 One ``python -m scheduler_svc`` (no executor) with a ``--config-file`` and a SQLite
 telemetry store; the tests talk to it with grpc stubs and with ``continuum config``

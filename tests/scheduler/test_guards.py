@@ -1,4 +1,4 @@
-"""The seed's operational guards (issue 17): the prefill ceiling's alert and clamp, the
+"""The seed's operational guards: the prefill ceiling's alert and clamp, the
 cap on concurrent swaps, and a Submit whose client vanished (killed, no cancel sent)
 ending its request in a real scheduler process."""
 

@@ -1,4 +1,4 @@
-"""Priority holds when the batch is full (core/priority_hold.py, issue 17): a premium
+"""Priority holds when the batch is full (core/priority_hold.py): a premium
 request preempts the worst running best-effort sequence instead of waiting for one to
 finish, within the thrash guard, and the preempted ones finish with the same tokens."""
 

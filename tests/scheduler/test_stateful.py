@@ -1,4 +1,4 @@
-"""Property-based (stateful) test of the scheduler core against the contract of DESIGN.md §2–3.
+"""Property-based (stateful) test of the scheduler core against the contract of docs/design.md §2–3.
 
 A hypothesis state machine drives random arrivals (three priority tiers, four tenants, a shared
 "system prompt" prefix, EOS / ignore_eos / min_tokens), steps, cancellations (also racing a
@@ -133,7 +133,7 @@ def _num_priority_preemptions(sched) -> int:
 
 class VictimSpy:
     """Wraps the scheduler's ``pick_victim`` while a machine runs and checks each choice
-    against DESIGN.md §3 as refined in core/preemption.py: among the needy sequence and the
+    against docs/design.md §3 as refined in core/preemption.py: among the needy sequence and the
     running ones not yet scheduled this step, the lowest tier, then one whose client has
     seen no token, then the most recently admitted; never a protected one while another
     candidate is not."""

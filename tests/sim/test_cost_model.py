@@ -1,4 +1,4 @@
-"""The 70B / 4×A100 cost model on known points (DESIGN.md §7, data/README.md)."""
+"""The 70B / 4×A100 cost model on known points (docs/design.md §7, docs/facts.md "Data")."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_mixed_steps_never_beat_the_floor(cost):
 def test_prefill_1024_tokens_is_compute_bound_and_plausible(cost):
     t = cost.prefill_time(1024)
     assert t >= 0.113  # 141.6 TFLOP at 100 % of 4 × 312 TFLOPS
-    assert t <= 0.113 / 0.35  # and above 35 % of peak (DESIGN: ≈ 220 ms in practice)
+    assert t <= 0.113 / 0.35  # and above 35 % of peak (docs/design.md §7: ≈ 220 ms in practice)
 
 
 def test_step_time_grows_with_tokens_batch_and_context(cost):

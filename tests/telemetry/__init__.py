@@ -1,1 +1,1 @@
-"""Tests of issue 17's telemetry store, continuum report and continuum gate."""
+"""Tests of the telemetry store, continuum report and continuum gate."""
