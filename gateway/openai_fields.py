@@ -99,9 +99,14 @@ def looks_like_token_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and _is_int(value[0])
 
 
-def token_ids(value: list, name: str, max_len: int, vocab_size: int) -> list[int]:
-    """A list of ints as token ids: length first (cheap), then each id's type and range."""
+def token_ids(value: list, name: str, max_len: int, vocab_size: int,
+              context: bool = True) -> list[int]:
+    """A list of ints as token ids: length first (cheap), then each id's type and range.
+    ``context`` says the limit is the model's context (OpenAI's overflow wording and code);
+    otherwise it is a plain cap on the list."""
     if len(value) > max_len:
+        if not context:
+            raise bad(f"{name} holds {len(value)} token ids; at most {max_len}", name)
         raise context_exceeded(max_len, f"{name} holds {len(value)} token ids", name, name)
     for index, token_id in enumerate(value):
         if not _is_int(token_id):
@@ -160,7 +165,8 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
         if not isinstance(stop_ids, list):
             raise bad("stop_token_ids must be a list of token ids", "stop_token_ids")
         sampling.stop_token_ids.extend(
-            token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size))
+            token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, vocab_size,
+                      context=False))
     logit_bias(body, sampling, vocab_size)
     guided(body, sampling)
     proto.stop.extend(stop_strings(body))

@@ -202,9 +202,9 @@ ROWS = [
     ("1,025 messages", http_row(CHAT, {"messages": MSG * 1025}), 400,
      "holds 1025 messages; at most 1024"),
     ("8,193 prompt ids", http_row(COMP, {"prompt": [5] * 8193}), 400,
-     "holds 8193 token ids; at most 8192"),
+     "maximum context length is 8192 tokens. However, prompt holds 8193 token ids"),
     ("prompt longer than any context", http_row(COMP, {"prompt": "x" * 700_000}), 400,
-     "characters long; at most"),
+     "characters long, and at most"),
     ("body over the limit", http_row(COMP, {"prompt": "x" * (5 << 20)}), 413,
      "larger than the server's limit"),
     # HTTP: headers
@@ -254,7 +254,8 @@ ROWS = [
     ("grpc: token id past the vocabulary", grpc_row(gen.GenerateRequest(
         token_ids=gen.TokenIds(ids=[1, 2**32 - 1]))), INVALID, "token_ids.ids[1] = 4294967295"),
     ("grpc: 8,193 token ids", grpc_row(gen.GenerateRequest(
-        token_ids=gen.TokenIds(ids=[5] * 8193))), INVALID, "holds 8193 token ids; at most 8192"),
+        token_ids=gen.TokenIds(ids=[5] * 8193))), INVALID,
+     "maximum context length is 8192 tokens. However, token_ids.ids holds 8193 token ids"),
     ("grpc: 1,025 chat messages", grpc_row(gen.GenerateRequest(chat=gen.ChatInput(
         messages=[gen.ChatMessage(role="user", content="hi")] * 1025))), INVALID,
      "chat holds 1025 messages; at most 1024"),
