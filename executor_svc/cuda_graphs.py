@@ -88,8 +88,9 @@ class _StaticBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> object:
         return self.plan
 
-    def forward(self, q, k, v, k_cache, v_cache, prepared, scale):
-        return self.inner.forward(q, k, v, k_cache, v_cache, prepared, scale)
+    def forward(self, q, k, v, k_cache, v_cache, prepared, scale, window=None):
+        # A layer's window is fixed, so each layer's captured kernel keeps its own.
+        return self.inner.forward(q, k, v, k_cache, v_cache, prepared, scale, window=window)
 
 
 class _Bucket:

@@ -19,27 +19,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from executor_svc.models.base import Architecture, PreTokenizer
-
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# Pre-tokenizer splits by `tokenizer.ggml.pre`, as transformers' GGUF loader sets them; any other
-# value keeps GPT-2's ByteLevel regex (transformers does the same).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# An architecture adds its family's own (Architecture.gguf_pre_tokenizers).
-_PRE_TOKENIZERS = {
-    name: PreTokenizer(_LLAMA3_SPLIT)
-    for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
-}
-
-class ConversionError(ValueError):
-    """The GGUF file describes something this converter cannot turn into an HF dir."""
+from executor_svc.gguf_tokenizer import ConversionError, build_tokenizer, build_tokenizer_config
+from executor_svc.models.base import Architecture
 
 
 @dataclass(frozen=True)
@@ -58,29 +40,26 @@ class GGUFFile:
 
 
 def read_gguf(path: pathlib.Path) -> GGUFFile:
-    """Parses the header; raises ConversionError for a non-GGUF file or tokenizer (the
-    architecture is the caller's to check: executor_svc/models/registry.py)."""
+    """Parses the header; raises ConversionError for a non-GGUF file (the architecture is
+    the caller's to check: executor_svc/models/registry.py; the tokenizer convert's)."""
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as exc:
         raise ConversionError(f"{path} is not a readable GGUF file: {exc}") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
-    if metadata.get("tokenizer.ggml.model") != "gpt2":
-        raise ConversionError(
-            f"{path}: tokenizer {metadata.get('tokenizer.ggml.model')!r} is not supported "
-            "(only byte-level BPE, 'gpt2'); convert the model to an HF directory instead"
-        )
     return GGUFFile(metadata, reader)
 
 
 def convert(gguf: GGUFFile, out_dir: pathlib.Path, name: str, arch: Architecture) -> None:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json."""
+    tokenizer = build_tokenizer(gguf.metadata, arch)  # first: it refuses what it cannot read
     tensors = convert_weights(gguf, arch)
     config = build_config(gguf, arch, tie=("lm_head.weight" not in tensors), name=name)
+    config["eos_token_id"] = end_token_ids(gguf.metadata, arch)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    build_tokenizer(gguf.metadata, arch).save(str(out_dir / "tokenizer.json"))
-    tok_config = build_tokenizer_config(gguf.metadata, config["max_position_embeddings"])
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tok_config = build_tokenizer_config(gguf.metadata, config["max_position_embeddings"], arch)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
@@ -90,8 +69,8 @@ def convert(gguf: GGUFFile, out_dir: pathlib.Path, name: str, arch: Architecture
 
 def convert_weights(gguf: GGUFFile, arch: Architecture) -> dict[str, torch.Tensor]:
     """Dequantizes every tensor to fp32 and renames it; Q/K rows get llama.cpp's rope
-    permutation undone (where its converter applied one) so the weights equal the HF
-    checkpoint's."""
+    permutation undone (where its converter applied one) and norm weights its offset
+    (``hf_values``), so the weights equal the HF checkpoint's."""
     n_heads = gguf.arch_key("attention.head_count")
     n_kv_heads = gguf.arch_key("attention.head_count_kv", n_heads)
     out = {}
@@ -102,8 +81,29 @@ def convert_weights(gguf: GGUFFile, arch: Architecture) -> dict[str, torch.Tenso
             weight = _unpermute(weight, n_heads)
         elif arch.gguf_rope_permuted and name.endswith("k_proj.weight"):
             weight = _unpermute(weight, n_kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        out[name] = torch.from_numpy(np.ascontiguousarray(hf_values(arch, name, weight),
+                                                          dtype=np.float32))
     return out
+
+
+def hf_values(arch: Architecture, hf_name: str, values: np.ndarray) -> np.ndarray:
+    """A tensor's values as the HF checkpoint holds them: llama.cpp stores Gemma's norm
+    weights with the 1 its forward adds already added (``Architecture.gguf_norm_offset``);
+    taken off in fp32, as transformers' GGUF loader does, so the forward's 1 + w is
+    transformers' value bit for bit."""
+    if arch.gguf_norm_offset and hf_name.endswith("norm.weight"):
+        return (values.astype(np.float32) - np.float32(arch.gguf_norm_offset))
+    return values
+
+
+def end_token_ids(meta: dict, arch: Architecture) -> int | list[int] | None:
+    """config.json's eos_token_id: the file's EOS, plus the tokens that end a turn in the
+    architecture's chat format (Gemma's <end_of_turn>), as llama.cpp treats them."""
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    tokens = meta["tokenizer.ggml.tokens"]
+    extra = [tokens.index(t) for t in arch.gguf_end_tokens if t in tokens]
+    ids = [i for i in [eos, *extra] if i is not None]
+    return ids[0] if len(ids) == 1 else (list(dict.fromkeys(ids)) or None)
 
 
 def hf_name(arch: Architecture, gguf_name: str) -> str:
@@ -154,6 +154,7 @@ def build_config(gguf: GGUFFile, arch: Architecture, tie: bool, name: str) -> di
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
         "hidden_act": "silu",
         **arch.gguf_config,
+        **(arch.gguf_extra_config(key) if arch.gguf_extra_config else {}),
         "tie_word_embeddings": tie,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -161,83 +162,3 @@ def build_config(gguf: GGUFFile, arch: Architecture, tie: bool, name: str) -> di
         "torch_dtype": "float32",
         "_name_or_path": name,
     }
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's reversible byte -> printable character table (same as transformers').
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(keep, map(chr, chars), strict=True))
-
-
-def build_tokenizer(meta: dict, arch: Architecture) -> Tokenizer:
-    """Byte-level BPE matching transformers' GGUF tokenizer (GPT2Tokenizer + control tokens)."""
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
-    vocab = {
-        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
-        for i, tok in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                   end_of_word_suffix="", fuse_unk=False)
-    )
-    pre = {**_PRE_TOKENIZERS, **arch.gguf_pre_tokenizers}.get(meta.get("tokenizer.ggml.pre"))
-    if pre is not None and pre.nfc:
-        tok.normalizer = normalizers.NFC()
-    if pre is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    tok.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|> ...) must stay whole; a control token spelled outside the
-    # byte alphabet is a llama.cpp mislabel and is skipped, as transformers does.
-    tok.add_special_tokens([
-        AddedToken(t, normalized=False, special=True)
-        for t, kind in zip(tokens, types, strict=False)
-        if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet
-    ])
-    tok.add_tokens([
-        AddedToken(t, normalized=False, special=False)
-        for t, kind in zip(tokens, types, strict=False)
-        if kind == _TOKEN_TYPE_USER_DEFINED and t in vocab
-    ])
-    return tok
-
-
-def build_tokenizer_config(meta: dict, max_len: int) -> dict:
-    """tokenizer_config.json: special token strings, BOS/EOS flags and the chat template."""
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
-
-    def token(key: str):
-        idx = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[idx] if idx is not None else None
-
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "model_max_length": max_len,
-        "clean_up_tokenization_spaces": False,
-        "additional_special_tokens": [
-            t for t, kind in zip(tokens, types, strict=False) if kind == _TOKEN_TYPE_CONTROL
-        ],
-    }
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return config

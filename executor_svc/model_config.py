@@ -30,6 +30,15 @@ class ModelConfig:
     qkv_bias: bool = False  # q_proj, k_proj and v_proj carry a bias (o_proj never does)
     qk_norm: bool = False  # an RMSNorm over each q and k head (weights [head_dim]) before RoPE
     # Per layer, the sliding attention window in tokens, or None for full attention; empty:
-    # every layer full. Read so that a model that needs windows is refused, not served wrong
-    # (the forward pass has no windowed attention).
+    # every layer full. Each layer's attention call takes its own (kernels/attention.py).
     layer_windows: tuple[int | None, ...] = ()
+    # Per layer, its RoPE base where layers differ (Gemma 3: 10k on the windowed ones, 1M on
+    # the global ones); empty: rope_theta everywhere. rope_scaling applies to rope_theta's.
+    layer_rope_thetas: tuple[float, ...] = ()
+    hidden_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh"
+    embed_scale: float | None = None  # the embeddings are multiplied by this (Gemma: sqrt H)
+    attn_scale: float | None = None  # the attention's q.k scale; None: 1 / sqrt(head_dim)
+    # The checkpoint's RMSNorm weights w act as norm_offset + w (Gemma's 1 + w).
+    norm_offset: float = 0.0
+    # Each layer also normalizes its attention and FFN outputs before adding them (Gemma).
+    sandwich_norms: bool = False

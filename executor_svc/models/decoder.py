@@ -1,7 +1,8 @@
 """The forward pass of every registered architecture (executor_svc/models/registry.py) over
 a flattened (varlen) batch with a paged KV cache: a pre-norm decoder (RMSNorm, rotate-half
 RoPE, GQA, SwiGLU) whose layer takes what its architecture declares (base.py): q/k/v
-biases and per-head q/k RMSNorm are the hooks of ``DecoderLayer.adjust_qkv``.
+biases and per-head q/k RMSNorm are the hooks of ``DecoderLayer.adjust_qkv``; a layer's
+sliding window (ModelConfig.layer_windows) goes to its attention call.
 
 gpt-fast style: weights as plain tensors, q/k/v fused into one matmul and gate/up into
 another, shapes in comments. T = tokens this step (all sequences, concatenated), S = rows
@@ -63,10 +64,6 @@ class DecoderModel:
         RawTensors for "native")."""
         self.config = config
         self.architecture = arch = registry.architecture(config.architecture)
-        windowed = [i for i, w in enumerate(config.layer_windows) if w is not None]
-        if windowed:
-            raise ValueError(f"{config.name}: layers {windowed} use sliding-window attention, "
-                             "which this executor does not implement")
         self.dtype = dtype
         self.tp = tp
         self.num_heads = len(tp.layout.q_heads) if tp else config.num_heads
@@ -80,16 +77,21 @@ class DecoderModel:
 
         names = {t.role: t.hf for t in arch.global_tensors}
         self.embed = take(names["embed"])  # [V, H]
-        self.norm = take(names["norm"])  # [H]
+        # transformers multiplies by the scale as a tensor of the embedding's dtype.
+        self.embed_scale = (None if config.embed_scale is None else
+                            torch.tensor(config.embed_scale, dtype=dtype, device=device))
+        self.norm = norm_weight(take(names["norm"]), config)  # [H]
         lm_head = weights.pop(names["lm_head"], None)
         tied = config.tie_word_embeddings or lm_head is None
         if not tied and not isinstance(lm_head, quant.RawTensor):
             lm_head = lm_head.to(device=device, dtype=dtype)
         self.lm_head = self.embed if tied else lm_head  # [V, H]
-        self.layers = [DecoderLayer.load(i, take, config, arch)
+        # One RoPE frequency table per distinct base; a layer reads its own (rope_index).
+        thetas = list(dict.fromkeys(config.layer_rope_thetas or (config.rope_theta,)))
+        self.inv_freqs = [rope_inv_freq(config, theta).to(device) for theta in thetas]  # [D/2]
+        self.layers = [DecoderLayer.load(i, take, config, arch, thetas)
                        for i in range(config.num_layers)]
-        self.inv_freq = rope_inv_freq(config).to(device)  # [D / 2] fp32
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.attn_scale or 1.0 / math.sqrt(config.head_dim)
         # The fused residual-add + RMSNorm (kernels/cpu_attention.cpp) for fp32 on the CPU.
         cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32
         self._native = native.load(native_options) if cpu_fp32 else None
@@ -121,7 +123,8 @@ class DecoderModel:
                 lib, [(lay.attn_norm, lay.wqkv, lay.wo, lay.ffn_norm, lay.w13, lay.w2)
                       for lay in self.layers],
                 c.hidden_size, c.intermediate_size, self.num_heads, self.num_kv_heads,
-                c.head_dim, c.rms_norm_eps, self.scale)
+                c.head_dim, c.rms_norm_eps, self.scale,
+                windows=[lay.window or 0 for lay in self.layers])
 
     def _run_natively(self, x, cos, sin, slot_mapping, backend, prepared, kv) -> bool:
         """Runs every layer in one native call when the backend's AVX2 kernel reads the pool
@@ -143,9 +146,12 @@ class DecoderModel:
             x += delta
         return rms_norm(x, weight, self.config.rms_norm_eps, dim=0)
 
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: one native pass for fp32 on the CPU (the native decoder's), else
-        torch's two ops (``gate`` is overwritten then)."""
+    def gated_act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, the architecture's activation: silu in one native pass for fp32
+        on the CPU (the native decoder's), else torch's two ops (``gate`` is overwritten
+        then); gelu (tanh approximation) as transformers' gelu_pytorch_tanh."""
+        if self.config.hidden_act == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh").mul_(up)
         if self._native is not None:
             return self._native.silu_mul(gate, up)
         return F.silu(gate, inplace=True).mul_(up)
@@ -194,10 +200,11 @@ class DecoderModel:
                             native_gemm=native_gemm, native_decoder=native_decoder,
                             weight_format=fmt)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         # Per step, not a table: a 128k-position model would need 128 MB of it. In fp32
         # like transformers, then cast. Hidden-major like the activations.
-        freqs = self.inv_freq[:, None] * positions.float()[None, :]  # [D/2, T]
+        freqs = inv_freq[:, None] * positions.float()[None, :]  # [D/2, T]
         emb = torch.cat((freqs, freqs), dim=0)  # [D, T]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
@@ -214,14 +221,16 @@ class DecoderModel:
     ) -> torch.Tensor:  # [S, V] float32
         # [T, H]; vocab-parallel: each rank looks up the ids in its slice, then all-reduce.
         x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         x = x.t().contiguous()  # [H, T], hidden-major from here on
-        cos, sin = self._rope(positions)  # [D, T] each
+        ropes = [self._rope(positions, f) for f in self.inv_freqs]  # ([D, T], [D, T]) each
         prepared = backend.prepare(meta)
-        if not self._run_natively(x, cos, sin, slot_mapping, backend, prepared, kv):
+        if not self._run_natively(x, *ropes[0], slot_mapping, backend, prepared, kv):
             ffn = None  # a layer's FFN output, added to x by the next layer's first norm
             for i, layer in enumerate(self.layers):
-                ffn = layer.forward(self, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
-                                    kv)
+                ffn = layer.forward(self, x, ffn, *ropes[layer.rope_index], i, slot_mapping,
+                                    backend, prepared, kv)
             if ffn is not None:
                 x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
@@ -248,9 +257,14 @@ class DecoderLayer:
     bqkv: torch.Tensor | None = None  # [(Hq + 2 Hkv) D]: q, k, v biases (Qwen2)
     q_norm: torch.Tensor | None = None  # [D]: every query head's RMSNorm weight (Qwen3)
     k_norm: torch.Tensor | None = None  # [D]: every KV head's
+    window: int | None = None  # sliding attention window in tokens (Mistral); None: full
+    rope_index: int = 0  # which of DecoderModel.inv_freqs its RoPE uses
+    post_attn_norm: torch.Tensor | None = None  # [H]: on the attention output (Gemma)
+    post_ffn_norm: torch.Tensor | None = None  # [H]: on the FFN output (Gemma)
 
     @staticmethod
-    def load(i: int, take, config: ModelConfig, arch: Architecture) -> DecoderLayer:
+    def load(i: int, take, config: ModelConfig, arch: Architecture,
+             thetas: list[float]) -> DecoderLayer:
         # take(name) pops one checkpoint tensor, cast and placed; q/k/v and gate/up are fused.
         names = {t.role: f"{LAYER_PREFIX}{i}.{t.hf}" for t in arch.layer_tensors
                  if t.present(config)}
@@ -260,17 +274,26 @@ class DecoderLayer:
                 raise ValueError(f"{arch.name} declares no {role!r} tensor for {config.name}")
             return take(names[role])
 
+        def norm(role: str):
+            return norm_weight(get(role), config)
+
         biases = [get(r) for r in ("q_bias", "k_bias", "v_bias")] if config.qkv_bias else None
+        sandwich = config.sandwich_norms
         return DecoderLayer(
-            attn_norm=get("attn_norm"),
+            attn_norm=norm("attn_norm"),
             wqkv=fuse([get(r) for r in ("q", "k", "v")]),
             wo=get("o"),
-            ffn_norm=get("ffn_norm"),
+            ffn_norm=norm("ffn_norm"),
             w13=fuse([get(r) for r in ("gate", "up")]),
             w2=get("down"),
             bqkv=None if biases is None else torch.cat(biases),
-            q_norm=get("q_norm") if config.qk_norm else None,
-            k_norm=get("k_norm") if config.qk_norm else None,
+            q_norm=norm("q_norm") if config.qk_norm else None,
+            k_norm=norm("k_norm") if config.qk_norm else None,
+            window=config.layer_windows[i] if config.layer_windows else None,
+            rope_index=thetas.index(config.layer_rope_thetas[i]) if config.layer_rope_thetas
+            else 0,
+            post_attn_norm=norm("post_attn_norm") if sandwich else None,
+            post_ffn_norm=norm("post_ffn_norm") if sandwich else None,
         )
 
     def adjust_qkv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -302,15 +325,29 @@ class DecoderLayer:
             self.adjust_qkv(qkv, hq, hkv, model.config.rms_norm_eps)
         q, k, v = model.qkv_rows(qkv, cos, sin, hq, hkv)  # [T, Hq | Hkv, D]
         kv.write(i, k, v, slot_mapping)
-        o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale)
+        o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale,
+                            window=self.window)
         attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(attn)
+        eps = model.config.rms_norm_eps
+        if self.post_attn_norm is not None:
+            attn = rms_norm(attn, self.post_attn_norm, eps, dim=0)
         h = model.add_norm(x, attn, self.ffn_norm)
         gate_up = project(self.w13, h)  # [2 I, T]: gate rows, then up rows
         inter = gate_up.shape[0] // 2
-        act = model.swiglu(gate_up[:inter], gate_up[inter:])  # [I, T]
+        act = model.gated_act(gate_up[:inter], gate_up[inter:])  # [I, T]
         ffn = project(self.w2, act)  # [H, T]; a partial sum under tp
         if tp is not None:
             tp.all_reduce(ffn)
+        if self.post_ffn_norm is not None:
+            ffn = rms_norm(ffn, self.post_ffn_norm, eps, dim=0)
         return ffn
+
+
+def norm_weight(w: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """An RMSNorm weight as the forward multiplies by it: Gemma's offset + w is computed
+    once, in fp32 as transformers does (then in the weight's dtype)."""
+    if not config.norm_offset or isinstance(w, quant.RawTensor):
+        return w
+    return (w.float() + config.norm_offset).to(w.dtype)

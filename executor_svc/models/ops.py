@@ -24,11 +24,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dim: int = -1) -
     return (weight if dim == -1 else weight[:, None]) * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [D / 2]
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:  # [D / 2]
+    """RoPE's frequencies for base ``theta`` (default: rope_theta); rope_scaling applies to
+    rope_theta's only (Gemma 3 scales its global layers', not its local ones')."""
     dim = config.head_dim
+    base = config.rope_theta if theta is None else theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is None:
+    inv_freq = 1.0 / (base**exponents)
+    if config.rope_scaling is None or base != config.rope_theta:
         return inv_freq
     # Llama 3.1 "llama3" scaling: stretch low frequencies, keep high ones, blend between.
     s = config.rope_scaling

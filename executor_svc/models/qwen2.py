@@ -1,8 +1,9 @@
 """Qwen2 and Qwen2.5: the Llama layer with a bias on q_proj, k_proj and v_proj (always;
-o_proj has none). Small sizes tie the LM head to the embedding. Layers with a sliding
-window (``use_sliding_window``) are refused: the forward pass has no windowed attention.
-Biases keep it off the native fused decoder; it runs the per-op path (the same native
-GEMM, norm and RoPE kernels, one call each)."""
+o_proj has none). Small sizes tie the LM head to the embedding. With
+``use_sliding_window`` the layers from ``max_window_layers`` on (or those ``layer_types``
+names) attend over a window of ``sliding_window`` tokens (base.layer_windows); the released
+checkpoints turn it off. Biases keep it off the native fused decoder; it runs the per-op
+path (the same native GEMM, norm and RoPE kernels, one call each)."""
 
 from __future__ import annotations
 

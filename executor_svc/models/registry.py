@@ -9,11 +9,14 @@ import pathlib
 
 from executor_svc.model_config import ModelConfig
 from executor_svc.models.base import Architecture
+from executor_svc.models.gemma3 import GEMMA3
 from executor_svc.models.llama import LLAMA
+from executor_svc.models.mistral import MINISTRAL, MISTRAL
 from executor_svc.models.qwen2 import QWEN2
 from executor_svc.models.qwen3 import QWEN3
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, QWEN2, QWEN3, MISTRAL, MINISTRAL,
+                                           GEMMA3)
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_MODEL_TYPE = {t: a for a in ARCHITECTURES for t in a.model_types}
 _BY_GGUF = {a.gguf_arch: a for a in ARCHITECTURES if a.gguf_arch}
