@@ -18,8 +18,8 @@ EXECUTOR_NICE = 0
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start gateway, scheduler and executor")
     p.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face Llama-family directory "
-                        "(default: the bundled SmolLM2-135M-Instruct)")
+                   help="GGUF file or Hugging Face model directory (Llama, Qwen2, Qwen3, "
+                        "Mistral, Gemma 3) (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client gRPC port")
     p.add_argument("--http-port", type=int, default=8000,
