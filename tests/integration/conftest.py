@@ -19,6 +19,21 @@ from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb
 from tests.conftest import TEST_METADATA
 
 READY_TIMEOUT_S = 240
+# Servers this test may have used (started in it, or still running): a failing test's
+# report shows their logs.
+_started: list[Server] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        if report.failed:
+            for srv in _started:
+                report.sections.append((f"continuum serve (port {srv.port}) stderr",
+                                        "".join(srv.stderr_lines[-80:])))
+        _started[:] = [srv for srv in _started if srv.proc.poll() is None]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -82,7 +97,9 @@ def start_server(tmp: pathlib.Path, model_dir: pathlib.Path, *extra: str,
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail("server did not become ready:\n" + "".join(lines[-40:]))
-    return Server(proc, port, sched_port, ipc, lines, http_port)
+    srv = Server(proc, port, sched_port, ipc, lines, http_port)
+    _started.append(srv)
+    return srv
 
 
 def stop_server(server: Server) -> int:
