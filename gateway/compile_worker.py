@@ -40,6 +40,7 @@ FRAME = struct.Struct("<I")
 # How often a waiting parent reads the child's CPU time (``Worker.ask``).
 POLL_S = 0.05
 START_TIMEOUT_S = 60.0  # a cold import of llguidance plus a 262k-token tokenizer
+READY = b'{"ready": true}'
 
 
 class WorkerGone(Exception):
@@ -72,7 +73,7 @@ class Worker:
             stdout=subprocess.PIPE, start_new_session=True, close_fds=True)
         _write(self._proc.stdin, self._init)
         reply = self._read(time.monotonic() + START_TIMEOUT_S, None)
-        if reply is None or not json.loads(reply).get("ready"):
+        if not isinstance(reply, bytes) or reply != READY:  # EOF, or "late"
             self.kill()
             raise StartFailed("the structured-output compile worker did not start")
 
@@ -173,15 +174,18 @@ def verdict(tokenizer: llguidance.LLTokenizer, guided: sampling_pb2.Guided) -> s
 
 
 def main() -> None:
-    cpu_priority.lower(cpu_priority.LOWEST)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     init = _read_frame(stdin)
     if init is None:
         return
     config = json.loads(init)
+    # Built at the gateway's own priority: a one-off (~2 s for a 262k-token vocabulary)
+    # that, at the least share of a busy host, took past START_TIMEOUT_S; the compiles
+    # after it are what must yield to serving.
     tokenizer = guided_spec.load_tokenizer(config["tokenizer"], config["vocab_size"],
                                            tuple(config["eos"]))
-    _write(stdout, b'{"ready": true}')
+    cpu_priority.lower(cpu_priority.LOWEST)
+    _write(stdout, READY)
     while (frame := _read_frame(stdin)) is not None:  # EOF: the gateway is gone
         try:
             message = verdict(tokenizer, sampling_pb2.Guided.FromString(frame))

@@ -17,7 +17,8 @@ llguidance's reason instead; docs/architecture.md says where each side does it.
   One that has not finished COMPILE_TIMEOUT_S after the request arrived, for want of
   CPU or of a free worker, is killed too, and the request refused as overload
   (``CompileBusy``: 429 / RESOURCE_EXHAUSTED, not kept: the same spec may pass when the
-  host is less busy). A worker that dies with a spec in hand refuses that spec and is
+  host is less busy); a worker's own start does not count against it, and until one
+  has started a check waits for it. A worker that dies with a spec in hand refuses that spec and is
   replaced. The admit step calls this off the event loop (gateway/admission.py).
 """
 
@@ -33,7 +34,7 @@ from collections.abc import Callable
 import llguidance
 import structlog
 
-from gateway.compile_worker import StartFailed, Worker, WorkerGone
+from gateway.compile_worker import START_TIMEOUT_S, StartFailed, Worker, WorkerGone
 from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
 
@@ -64,6 +65,7 @@ class GuidedCheck:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._verdicts: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
         self._idle: queue.Queue[Worker] | None = None
+        self._started = False  # a worker has said it is ready once
         self._lock = threading.Lock()  # the tokenizer, the workers and the verdicts
 
     def problem(self, guided: sampling_pb2.Guided) -> str | None:
@@ -85,13 +87,16 @@ class GuidedCheck:
 
     def _compile(self, data: bytes, deadline: float) -> str | None:
         idle = self._workers()
+        # Until a worker has started once, a check waits for the start: a slow first
+        # structured request after startup, not a 429 for a server that is not busy.
+        wait_s = deadline - time.monotonic() if self._started else START_TIMEOUT_S
         try:
-            worker = idle.get(timeout=max(0.0, deadline - time.monotonic()))
+            worker = idle.get(timeout=max(0.0, wait_s))
         except queue.Empty:
             raise CompileBusy(_BUSY) from None
         try:
-            if not worker.alive:
-                worker.start()  # first use, or the last one was killed
+            if not worker.alive:  # first use, or the last one was killed
+                deadline += self._start(worker)
             if time.monotonic() >= deadline:
                 raise CompileBusy(_BUSY)
             self.num_compiles += 1
@@ -127,13 +132,20 @@ class GuidedCheck:
                 worker = idle.get()
                 try:
                     if not worker.alive:
-                        worker.start()
+                        self._start(worker)
                 except (OSError, StartFailed) as exc:  # the first check retries
                     _log.warning("structured-output compile worker did not start",
                                  reason=str(exc))
                 finally:
                     idle.put(worker)
         threading.Thread(target=start, name="guided-workers", daemon=True).start()
+
+    def _start(self, worker: Worker) -> float:
+        """Starts ``worker``; the seconds it took (not the spec's time to compile)."""
+        began = time.monotonic()
+        worker.start()
+        self._started = True
+        return time.monotonic() - began
 
     def worker_pids(self) -> list[int]:
         """The running workers' process ids (idle ones; for operators and tests)."""

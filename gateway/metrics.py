@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -94,9 +95,14 @@ class GatewayMetrics:
     """One gateway's metrics in its own registry (tests run several gateways per process)."""
 
     def __init__(self, model_name: str,
-                 replicas: Callable[[], Iterable[tuple[str, object]]] | None = None):
+                 replicas: Callable[[], Iterable[tuple[str, object]]] | None = None,
+                 max_model_len: int | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
+        if max_model_len is not None:  # which model, how long a context: for dashboards
+            Gauge("continuum:model_info", "The served model: always 1, its facts in labels.",
+                  ["model_name", "max_model_len"], registry=self.registry
+                  ).labels(model_name, str(max_model_len)).set(1)
         labels = ["model_name", "priority"]
         self.ttft = Histogram("continuum:time_to_first_token_seconds",
                               "Time from the gateway accepting a request to its first token.",

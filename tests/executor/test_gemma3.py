@@ -13,7 +13,6 @@ import pathlib
 import random
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 
 from executor_svc.model_files import resolve_model
@@ -40,9 +39,8 @@ def _long_text(seed: int, words: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> pathlib.Path:
-    cache = pathlib.Path(Switches.from_env().cache_dir or "~/.cache/continuum").expanduser()
-    return gemma_package.assemble(cache / "gemma3" / gemma_package.MODEL_NAME)
+def gguf_path(gemma_gguf) -> pathlib.Path:
+    return gemma_gguf
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +49,8 @@ def gemma_dir(gguf_path) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
-    """transformers' tokenizer and model, both read from the GGUF itself."""
-    kw = dict(gguf_file=gguf_path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, dtype=torch.float32, **kw).eval()
-    return tok, model
+def reference(gemma_reference):
+    return gemma_reference
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,24 @@ def test_no_cpu_in_time_is_overload_not_a_verdict(tokenizer):
         check.close()
 
 
+def test_a_workers_start_is_not_the_specs_time(tokenizer, monkeypatch):
+    """A worker's start (a large vocabulary takes seconds) does not count against the
+    check's timeout: the first structured request after startup gets its verdict, not a
+    429 from a server that is idle."""
+    start = compile_worker.Worker.start
+
+    def slow_start(worker):
+        time.sleep(1.0)  # longer than the timeout below
+        start(worker)
+
+    monkeypatch.setattr(compile_worker.Worker, "start", slow_start)
+    check = _check(tokenizer, timeout_s=0.5)
+    try:
+        assert check.problem(sampling_pb2.Guided(regex="[0-9")) is not None  # a verdict
+    finally:
+        check.close()
+
+
 def test_a_worker_that_died_is_replaced(tokenizer):
     check = _check(tokenizer)
     try:
