@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-policies reliability clean
+.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-architectures bench-policies reliability clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -51,6 +51,10 @@ bench-scheduler: setup
 # Executor decode/prefill speed vs transformers and the machine's roofline (~3-5 minutes).
 bench-executor: setup
 	$(PY) -m benchmarks.bench_executor
+
+# Decode step time and roofline share of every architecture beside Llama's (~5 minutes).
+bench-architectures: setup
+	$(PY) -m benchmarks.bench_architectures $(ARGS)
 
 # static vs continuous vs chunked prefill on the real engine, one workload (~10 minutes).
 bench-policies: setup
