@@ -215,6 +215,7 @@ def build(
         prefill_tokens_per_s=prefill_tps, swap_bytes_per_s=kv.measure_copy_bytes_per_s(),
         # Per rank (ranks swap their shares in parallel): the cost model's bytes per block.
         block_bytes=sizing.block_bytes, pid=os.getpid(), standby=config.standby,
+        kv_window=c.kv_window,
     )
     log.info("ready in %.2f s: %s, %d blocks x %d tokens (%.0f MiB KV), prefill %.0f tokens/s, "
              "%d threads", time.perf_counter() - start, hello.model_id, kv.num_blocks,

@@ -42,3 +42,10 @@ class ModelConfig:
     norm_offset: float = 0.0
     # Each layer also normalizes its attention and FFN outputs before adding them (Gemma).
     sandwich_norms: bool = False
+
+    @property
+    def kv_window(self) -> int:
+        """The widest layer window where every layer has one, else 0: KV further back
+        than this is read by no layer (what the scheduler may release)."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(windows) else 0

@@ -28,7 +28,7 @@ class ExecutorInfo:
             max_model_len=hello.max_model_len,
             vocab_size=hello.vocab_size,
             eos_token_ids=frozenset(hello.eos_token_ids),
-            num_host_blocks=hello.num_host_blocks,
+            num_host_blocks=hello.num_host_blocks, kv_window=hello.kv_window,
             cost=CostModel(hello.prefill_tokens_per_s, hello.swap_bytes_per_s,
                            hello.block_bytes),
         )

@@ -20,6 +20,16 @@ Every device block is in exactly one of three states:
     cached-free   0           ``_evictable`` (LRU order) + ``_by_hash``
     owned         >= 1        in ref_count tables (maybe also hashed)
     ============  ==========  =========================================
+
+Sliding windows: where every layer of the model attends to at most ``window`` trailing
+positions, a block wholly before the window of the earliest query a sequence can still
+make holds KV that no layer reads again. Growing a sequence's table releases such blocks
+(as ``free`` would: a hashed one stays cached). Their entries stay in the table as they
+were, so positions keep their indices and the executor's copy of the table (sent as
+appends) stays the same; every attention kernel reads only a row's window
+(kernels/attention.py), so those entries are never read, whoever owns the block now. A
+sequence then holds at most ``blocks_needed(any)`` blocks, which is what admission and
+the pool-size checks ask for.
 """
 
 from __future__ import annotations
@@ -53,7 +63,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, window: int = 0,
+                 max_step_tokens: int = 0) -> None:
         assert num_blocks >= 0 and block_size > 0 and num_host_blocks >= 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -77,6 +88,13 @@ class BlockManager:
         self.events = events
         if events is not None:
             events.cleared()
+        # window: every layer's widest sliding window in tokens (0: some layer sees the
+        # whole context, nothing is released). max_step_tokens: the most tokens one step
+        # computes for a sequence, which bounds a sequence's blocks under a window.
+        self.window = window
+        self._max_live = (-(-(window + max(max_step_tokens, 1)) // block_size) + 1
+                          if window else 0)
+        self._released: dict[int, int] = {}  # seq → leading table entries it no longer owns
 
     # -- accounting ------------------------------------------------------------------
 
@@ -99,10 +117,17 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks a sequence of ``num_tokens`` positions holds at most at once."""
+        need = -(-num_tokens // self.block_size)
+        return need if not self._max_live or need < self._max_live else self._max_live
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading entries of ``seq_id``'s table released under the window (not its
+        blocks any more, never read)."""
+        return self._released.get(seq_id, 0)
 
     def host_table(self, seq_id: int) -> list[int]:
         return self._host_tables.get(seq_id, [])
@@ -119,8 +144,10 @@ class BlockManager:
         """True if ``seq_id`` can hold ``num_tokens`` positions, leaving ``reserve`` free."""
         return self.num_new_blocks(seq_id, num_tokens) + reserve <= self.num_free_blocks
 
-    def grow(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns new ids."""
+    def grow(self, seq_id: int, num_tokens: int, computing: int = 0) -> list[int]:
+        """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns new ids.
+        ``computing``: the tokens this step computes, the last of those positions (0:
+        not known; under a window the fewest blocks are then released)."""
         table = self._tables.get(seq_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
         if need <= 0:
@@ -131,6 +158,8 @@ class BlockManager:
             self._tables[seq_id] = new[:]
         else:
             table.extend(new)
+            if self.window:
+                self._release_behind(seq_id, num_tokens - (computing or num_tokens))
         return new
 
     def append_block(self, seq_id: int) -> int:
@@ -158,7 +187,31 @@ class BlockManager:
             return None
         if need > 1 or not (self._free or self._evictable):
             return NEEDS_GROW
-        return self.append_block(seq_id)
+        block = self.append_block(seq_id)
+        if self.window:
+            self._release_behind(seq_id, num_tokens - 1)
+        return block
+
+    def _release_behind(self, seq_id: int, first_query: int) -> None:
+        """Releases ``seq_id``'s blocks wholly before the window of a query at
+        ``first_query``, the earliest position this or any later step computes (one
+        position more is kept than the window reads)."""
+        upto = (first_query - self.window) // self.block_size
+        done = self._released.get(seq_id, 0)
+        if upto <= done:
+            return
+        table = self._tables[seq_id]
+        ref, block_hash, free, evictable = self._ref, self._hash, self._free, self._evictable
+        for i in range(upto - 1, done - 1, -1):
+            block = table[i]
+            left = ref[block] - 1
+            ref[block] = left
+            if left == 0:
+                if block_hash[block] is None:
+                    free.append(block)
+                else:
+                    evictable[block] = None
+        self._released[seq_id] = upto
 
     def _take_blocks(self, n: int) -> list[int]:
         """``n`` blocks, free ones first (in ``pop()`` order), then LRU evictions."""
@@ -235,7 +288,8 @@ class BlockManager:
     def num_exclusive(self, seq_id: int) -> int:
         """Device blocks only ``seq_id`` holds (what freeing it gives back)."""
         ref = self._ref
-        return sum(1 for b in self._tables.get(seq_id, ()) if ref[b] == 1)
+        table = self._tables.get(seq_id, ())
+        return sum(1 for b in table[self._released.get(seq_id, 0):] if ref[b] == 1)
 
     def num_unreferenced(self, blocks: list[int]) -> int:
         """How many of ``blocks`` are cached-free (sharing them takes them from the pool)."""
@@ -280,6 +334,7 @@ class BlockManager:
             return
         self._num_registered[seq_id] = full
         table = self._tables[seq_id]
+        released = self._released.get(seq_id, 0)  # their entries are not theirs
         by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
         num_hashed = len(hashes)
         parent = hashes[start - 1] if start else 0
@@ -293,7 +348,7 @@ class BlockManager:
                 hashes.append(h)
             parent = h
             block = table[i]
-            if h not in by_hash and block_hash[block] is None:
+            if i >= released and h not in by_hash and block_hash[block] is None:
                 by_hash[h] = block
                 block_hash[block] = h
                 stored[block] = chunk
@@ -328,10 +383,11 @@ class BlockManager:
         first ones (the first are the likeliest to be shared again)."""
         self._num_registered.pop(seq_id, None)
         table = self._tables.pop(seq_id, None)
+        released = self._released.pop(seq_id, 0)
         if table:
             ref, block_hash = self._ref, self._hash
             free, evictable = self._free, self._evictable
-            for block in reversed(table):
+            for block in reversed(table[released:]):
                 left = ref[block] - 1
                 ref[block] = left
                 if left == 0:
@@ -347,20 +403,24 @@ class BlockManager:
     # -- swap ---------------------------------------------------------------------------
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return len(self.block_table(seq_id)) <= len(self._host_free)
+        return (len(self.block_table(seq_id)) - self._released.get(seq_id, 0)
+                <= len(self._host_free))
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Moves ``seq_id``'s KV to host blocks; returns (device, host) copy pairs.
 
         The device blocks are released (shared or hashed ones stay valid for
         their other users or the cache: the copy happens before anyone writes)."""
-        table = self._tables[seq_id]
+        released = self._released.get(seq_id, 0)
+        table = self._tables[seq_id][released:]
         host = [self._host_free.pop() for _ in table]
         pairs = list(zip(table, host, strict=True))
         num_registered = self._num_registered.get(seq_id, 0)
         self.free(seq_id)
         self._host_tables[seq_id] = host
         self._swapped_registered[seq_id] = num_registered
+        if released:
+            self._released[seq_id] = released  # the entries stay released on the host
         return pairs
 
     def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
@@ -370,7 +430,9 @@ class BlockManager:
         """Brings ``seq_id``'s KV back into fresh device blocks; returns (host, device)."""
         host = self._host_tables.pop(seq_id)
         device = self._take_blocks(len(host))
-        self._tables[seq_id] = device
+        released = self._released.get(seq_id, 0)
+        # Released entries: any id in range (never read); the first block's.
+        self._tables[seq_id] = [device[0]] * released + device if released else device
         # Registration continues where it was (the swapped-in copies stay unindexed).
         self._num_registered[seq_id] = self._swapped_registered.pop(seq_id)
         self._host_free.extend(host)
@@ -379,7 +441,8 @@ class BlockManager:
     # -- checks -------------------------------------------------------------------------
 
     def assert_invariants(self) -> None:
-        owners = collections.Counter(b for t in self._tables.values() for b in t)
+        owners = collections.Counter(b for s, t in self._tables.items()
+                                     for b in t[self._released.get(s, 0):])
         for block in range(self.num_blocks):
             assert self._ref[block] == owners.get(block, 0), f"ref count of block {block}"
         free, evictable = set(self._free), set(self._evictable)

@@ -191,7 +191,7 @@ class DecodeMode:
                 if block is NEEDS_GROW:
                     if not make_room(req, computed + 1):
                         continue  # it lost its turn
-                    new = bm.grow(req.seq_id, computed + 1)
+                    new = bm.grow(req.seq_id, computed + 1, 1)
                     if new:
                         grew.append((len(decodes), new))
                 elif block is not None:

@@ -135,15 +135,15 @@ class Lifecycle:
         num_tokens = len(req.token_ids)
         resumed = req.num_preemptions > 0
         # Cached-free hits leave the free pool when shared.
-        need = bm.blocks_needed(num_tokens) - len(hits) + bm.num_unreferenced(hits)
+        need = max(0, bm.blocks_needed(num_tokens) - len(hits)) + bm.num_unreferenced(hits)
         if need + reserve > bm.num_free_blocks:
             self.blocked_need = need
             return 0
         self._waiting.remove(req)
         bm.share_prefix(req.seq_id, hits)
         req.num_computed_tokens = len(hits) * bm.block_size
-        if resumed:  # never resume partially: its whole context, or keep waiting
-            bm.grow(req.seq_id, num_tokens)
+        if resumed and not bm.window:  # never resume partially: its whole context, or
+            bm.grow(req.seq_id, num_tokens)  # keep waiting (under a window: its window's)
         n = min(num_tokens - req.num_computed_tokens, budget, cap)
         self.make_running(req)
         self.advance(req, n, step)
@@ -173,7 +173,7 @@ class Lifecycle:
         """``req`` computes ``n`` more tokens in ``step`` (docs/design.md §2): its blocks grow,
         its full ones enter the prefix cache, its tenant is charged. Returns new blocks."""
         bm = self.block_manager
-        new = bm.grow(req.seq_id, req.num_computed_tokens + n)
+        new = bm.grow(req.seq_id, req.num_computed_tokens + n, n)
         req.num_computed_tokens += n
         bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
                                 req.num_computed_tokens)

@@ -49,6 +49,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     num_host_blocks: int = 0
     cost: CostModel = CostModel()
+    # Trailing positions every layer attends to (0: some layer sees the whole context):
+    # KV further back is released as sequences grow (core/block_manager.py).
+    kv_window: int = 0
 
 
 class SchedulerOutput(NamedTuple):

@@ -153,7 +153,8 @@ class Scheduler:
         self.admission.serving_since = None  # set by the first admission step
         self.block_manager = self.lifecycle.block_manager = BlockManager(
             model.num_blocks, model.block_size, model.num_host_blocks,
-            self.config.enable_prefix_caching, self.kv_events)
+            self.config.enable_prefix_caching, self.kv_events, model.kv_window,
+            self.config.max_num_batched_tokens)
 
     def detach_executor(self) -> None:
         """The executor is gone: nothing runs until ``attach_executor``."""

@@ -57,7 +57,7 @@ CONFIGS = {
 WINDOWS = {"mistral": (6, 6), "ministral": (5, None, 5), "qwen2-windowed": (None, 8)}
 
 
-def _randomize(model) -> None:
+def randomize(model) -> None:
     """transformers initializes biases to 0 and norms to 1, which would hide both: every
     bias and norm weight drawn too, and the matrices wide enough that greedy has no ties."""
     gen = torch.Generator().manual_seed(7)
@@ -80,7 +80,7 @@ def tiny(request, model_dir, tmp_path_factory):
     assert config.model_type == request.param.partition("-")[0]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomize(hf)
+    randomize(hf)
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf.save_pretrained(path)  # safetensors; a tied head is not written
     for name in TOKENIZER_FILES:

@@ -19,9 +19,10 @@ NO_COST = CostModel()  # no swap bandwidth measured: always recompute
 
 
 def make_model(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512,
-               num_host_blocks: int = 0, cost: CostModel = NO_COST) -> ModelInfo:
+               num_host_blocks: int = 0, cost: CostModel = NO_COST,
+               kv_window: int = 0) -> ModelInfo:
     return ModelInfo(block_size, num_blocks, max_model_len, 1000, frozenset({EOS}),
-                     num_host_blocks, cost)
+                     num_host_blocks, cost, kv_window)
 
 
 # The default test clock ticks a second per reading, so waits are counted in readings,

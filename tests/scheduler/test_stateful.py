@@ -196,10 +196,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         per_tenant=st.sampled_from([0, 0, 6]),
         drain=st.sampled_from(["run", "run", "abort"]),
         stale_samples=st.booleans(),
+        kv_window=st.sampled_from([0, 0, 0, 7, 12]),
     )
     def setup(self, num_blocks, host, swap_cost, policy, max_num_seqs, budget, chunk,
               long_prefill, watermark, aging_s, max_preemptions, window, caching,
-              max_num_waiting, per_tenant, drain, stale_samples=False):
+              max_num_waiting, per_tenant, drain, stale_samples=False, kv_window=0):
         budget = max(budget, max_num_seqs)
         self.config = SchedulerConfig(
             policy=policy, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
@@ -208,8 +209,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             watermark=watermark, aging_s=aging_s, max_preemptions=max_preemptions,
             preemption_window_s=window, enable_prefix_caching=caching,
         )
+        # kv_window: every layer of the model attends to that many trailing positions,
+        # so the scheduler releases blocks behind them (the KV model reads only those).
+        self.kv_window = kv_window
         self.model = make_model(num_blocks, BLOCK_SIZE, num_host_blocks=host,
-                                cost=SWAP_COST if swap_cost else CostModel())
+                                cost=SWAP_COST if swap_cost else CostModel(),
+                                kv_window=kv_window)
         self.cap = make_policy(self.config).prefill_cap(self.config)
         self.clock = Clock(0.0)
         self.drain = drain
@@ -444,7 +449,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # What the plan carries for new sequences, as built before anything else happens.
         new_tables = {r.seq_id: list(bm.block_table(r.seq_id)) for r, _ in out.new}
         for r, _ in out.new:
-            if r.num_preemptions:  # no partial resume: its whole context, or it waits
+            if r.num_preemptions and not self.kv_window:
+                # No partial resume: its whole context, or it waits (under a window, it
+                # takes its window's blocks as it goes, as a fresh start does).
                 assert len(new_tables[r.seq_id]) >= bm.blocks_needed(r.num_tokens)
         sched.assert_invariants(out)
         bm.assert_invariants()
@@ -632,10 +639,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert slot not in written, "two writes to one KV slot in one step"
                 written[slot] = content
                 self.kv.setdefault(slot[0], [None] * bs)[slot[1]] = content
-            work.append((req, tr, table, start + n))
+            work.append((req, tr, table, start, start + n))
         seq_ids, tokens = [], []
-        for req, tr, table, end in work:
-            for pos in range(end):
+        for req, tr, table, start, end in work:
+            first = max(0, start - self.kv_window + 1) if self.kv_window else 0
+            for pos in range(first, end):
                 block = self.kv.get(table[pos // bs])
                 assert block is not None and block[pos % bs] == tr.prefix_hash(pos), (
                     f"{req.request_id} reads wrong KV at position {pos}")
@@ -661,7 +669,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.sched.assert_invariants()
         bm = self.sched.block_manager
-        owned = {b for r in self.sched.running for b in bm.block_table(r.seq_id)}
+        owned = {b for r in self.sched.running
+                 for b in bm.block_table(r.seq_id)[bm.num_released(r.seq_id):]}
         assert len(owned) + bm.num_free_blocks == bm.num_blocks
         assert not any(bm.block_table(r.seq_id) for r in self.sched.waiting)
         host = [b for r in self.sched.waiting for b in bm.host_table(r.seq_id)
