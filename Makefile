@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-architectures bench-policies reliability clean
+.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-architectures bench-window-pool bench-policies reliability clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
 setup: .setup-stamp protos
@@ -48,13 +48,19 @@ bench: setup
 bench-scheduler: setup
 	$(PY) -m benchmarks.bench_scheduler
 
-# Executor decode/prefill speed vs transformers and the machine's roofline (~3-5 minutes).
+# Executor decode/prefill speed vs transformers and the machine's roofline, then every
+# architecture's step time and roofline share beside Llama's (~8-10 minutes in all).
 bench-executor: setup
 	$(PY) -m benchmarks.bench_executor
+	$(PY) -m benchmarks.bench_architectures
 
 # Decode step time and roofline share of every architecture beside Llama's (~5 minutes).
 bench-architectures: setup
 	$(PY) -m benchmarks.bench_architectures $(ARGS)
+
+# Long-context sequences one KV pool holds with sliding-window blocks released or kept (~5 s).
+bench-window-pool: setup
+	$(PY) -m benchmarks.bench_window_pool $(ARGS)
 
 # static vs continuous vs chunked prefill on the real engine, one workload (~10 minutes).
 bench-policies: setup
