@@ -31,6 +31,7 @@ import zmq.asyncio
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.zmq_sockets import release_on_collect
+from scheduler_svc.aio import cancel_all
 
 log = structlog.get_logger("scheduler.link")
 
@@ -100,9 +101,7 @@ class ExecutorLink:
             task.add_done_callback(self._task_done)
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         self._sock.disable_monitor()
         self._release()
 

@@ -30,6 +30,7 @@ import structlog
 
 from protos import internal_auth, wire
 from protos.continuum.v1 import executor_pb2 as pb
+from scheduler_svc.aio import cancel_all
 from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.hang_check import await_answer
@@ -132,9 +133,7 @@ class EngineLoop:
             self.fatal.set_result(why)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         await self.link.close()
 
     @property

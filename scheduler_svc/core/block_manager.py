@@ -91,9 +91,15 @@ class BlockManager:
         # window: every layer's widest sliding window in tokens (0: some layer sees the
         # whole context, nothing is released). max_step_tokens: the most tokens one step
         # computes for a sequence, which bounds a sequence's blocks under a window.
+        # step_cap: the scheduler computes no more than that for one sequence in a step,
+        # so that its span fits the pool (0: no cap). Where even one token's does not, a
+        # sequence is bounded by the pool as without a window.
         self.window = window
-        self._max_live = (-(-(window + max(max_step_tokens, 1)) // block_size) + 1
-                          if window else 0)
+        self.step_cap = 0
+        if window:
+            fits = (num_blocks - 1) * block_size - window  # largest step whose span fits
+            self.step_cap = max(1, min(max_step_tokens, fits) if max_step_tokens else fits)
+        self._max_live = -(-(window + self.step_cap) // block_size) + 1 if window else 0
         self._released: dict[int, int] = {}  # seq → leading table entries it no longer owns
 
     # -- accounting ------------------------------------------------------------------
@@ -132,34 +138,46 @@ class BlockManager:
     def host_table(self, seq_id: int) -> list[int]:
         return self._host_tables.get(seq_id, [])
 
-    def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks ``seq_id`` lacks to hold ``num_tokens`` positions (hot path)."""
+    def num_new_blocks(self, seq_id: int, num_tokens: int, computing: int = 0) -> int:
+        """Blocks the pool gives up for ``seq_id`` to hold ``num_tokens`` positions (hot
+        path); ``computing`` as for ``grow``: under a window, less what it releases."""
         table = self._tables.get(seq_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if need > 0 and computing and self.window and table:
+            need -= self._num_releasable(seq_id, num_tokens - computing)
         return need if need > 0 else 0
+
+    def _num_releasable(self, seq_id: int, first_query: int) -> int:
+        """Blocks ``_release_behind(seq_id, first_query)`` would return to the pool."""
+        upto = (first_query - self.window) // self.block_size
+        ref = self._ref
+        return sum(ref[b] == 1 for b in self._tables[seq_id][self._released.get(seq_id, 0):upto])
 
     # -- growing ----------------------------------------------------------------------
 
-    def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
+    def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0,
+                 computing: int = 0) -> bool:
         """True if ``seq_id`` can hold ``num_tokens`` positions, leaving ``reserve`` free."""
-        return self.num_new_blocks(seq_id, num_tokens) + reserve <= self.num_free_blocks
+        return (self.num_new_blocks(seq_id, num_tokens, computing) + reserve
+                <= self.num_free_blocks)
 
     def grow(self, seq_id: int, num_tokens: int, computing: int = 0) -> list[int]:
         """Extends ``seq_id``'s table to hold ``num_tokens`` positions; returns new ids.
         ``computing``: the tokens this step computes, the last of those positions (0:
-        not known; under a window the fewest blocks are then released)."""
+        not known; under a window the fewest blocks are then released). Under a window
+        what the step no longer reads goes back first, so the pool may hand it out again."""
         table = self._tables.get(seq_id)
         need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
         if need <= 0:
             return []
+        if self.window and table is not None:
+            self._release_behind(seq_id, num_tokens - (computing or num_tokens))
         assert need <= self.num_free_blocks, "grow() without can_grow()"
         new = self._take_blocks(need)
         if table is None:
             self._tables[seq_id] = new[:]
         else:
             table.extend(new)
-            if self.window:
-                self._release_behind(seq_id, num_tokens - (computing or num_tokens))
         return new
 
     def append_block(self, seq_id: int) -> int:
@@ -185,12 +203,13 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - len(table)
         if need <= 0:
             return None
-        if need > 1 or not (self._free or self._evictable):
+        if need > 1:
             return NEEDS_GROW
-        block = self.append_block(seq_id)
         if self.window:
             self._release_behind(seq_id, num_tokens - 1)
-        return block
+        if not (self._free or self._evictable):
+            return NEEDS_GROW
+        return self.append_block(seq_id)
 
     def _release_behind(self, seq_id: int, first_query: int) -> None:
         """Releases ``seq_id``'s blocks wholly before the window of a query at

@@ -268,9 +268,10 @@ class Scheduler:
         self._step_id += 1
         rec = StepRecord(self._step_id)
         suspect = self.isolation.next() if self.isolation.suspects else None
+        cap = self._step_cap(self.policy.prefill_cap(self.config))
         if suspect is None or self._unconfirmed or not self.isolation.plan(
-                rec, suspect, self._step_id, self.policy.prefill_cap(self.config),
-                self.config, len(self.running), self._make_room, self._events):
+                rec, suspect, self._step_id, cap, self.config, len(self.running),
+                self._make_room, self._events):
             self._schedule_batch(rec, admit=suspect is None)
         lc = self.lifecycle
         to_drop, lc.to_drop = lc.to_drop, []
@@ -308,6 +309,7 @@ class Scheduler:
                                   len(rec.cached), self.block_manager, budget,
                                   cfg.max_prefill_tokens_per_step, self.policy.prefill_cap(cfg),
                                   boost)
+        cap = self._step_cap(cap)
         budget = self._schedule_prefills(rec, budget - held, prefills, cap)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
@@ -339,11 +341,17 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _step_cap(self, cap: int) -> int:
+        """The per-sequence prompt cap, within what a sliding window's span lets the pool
+        hold (BlockManager.step_cap)."""
+        step_cap = self.block_manager.step_cap
+        return min(cap, step_cap) if step_cap else cap
+
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Preempts until ``req`` can hold ``num_tokens`` positions; False if
         ``req`` itself was preempted (or cannot progress this step)."""
         bm = self.block_manager
-        while not bm.can_grow(req.seq_id, num_tokens):
+        while not bm.can_grow(req.seq_id, num_tokens, 0, num_tokens - req.num_computed_tokens):
             victim = pick_victim(self.running, req, self._step_id)
             if victim is req:
                 if len(self.running) == 1:

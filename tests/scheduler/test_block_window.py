@@ -8,8 +8,10 @@ from __future__ import annotations
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import SchedulerConfig
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.executors import ExecutorInfo
+from tests.scheduler.factories import TICKING_CLOCK_CONFIG, Clock, make_model, make_request, step
 
 BS, WINDOW, STEP = 4, 10, 8
 
@@ -84,7 +86,7 @@ def test_decoded_blocks_registered_late_skip_released_entries():
     for pos in range(8, 40):
         tokens.append(300 + pos)
         bm.try_append_block(1, pos + 1)
-    bm.grow(2, 16, 16)  # another sequence takes the released blocks
+    bm.grow(2, bm.num_free_blocks * BS)  # another sequence takes every released block
     released = bm.num_released(1)
     assert set(bm.block_table(1)[:released]) & set(bm.block_table(2))
     bm.register_full_blocks(1, tokens, hashes, 40)
@@ -121,9 +123,40 @@ def test_without_a_window_nothing_is_released():
 
 
 def test_the_hellos_window_reaches_the_block_manager():
-    hello = pb.Hello(incarnation="x", block_size=16, num_device_blocks=64, max_model_len=8192,
+    hello = pb.Hello(incarnation="x", block_size=16, num_device_blocks=1024, max_model_len=8192,
                      vocab_size=1000, kv_window=4096)
     core = Scheduler(SchedulerConfig(max_num_batched_tokens=512))
     core.attach_executor(ExecutorInfo.from_hello(hello).model)
     assert core.block_manager.window == 4096
     assert core.block_manager.blocks_needed(8192) == -(-(4096 + 512) // 16) + 1
+
+
+def test_a_pool_that_holds_the_window_but_not_a_whole_step_caps_the_step():
+    """48 positions, a window of 7 and a 38-token budget: window + budget would need 13
+    blocks, more than the pool, so one sequence computes at most 37 tokens a step and
+    holds at most 12 blocks; a pool short of even one token's span caps nothing."""
+    bm = BlockManager(12, BS, window=7, max_step_tokens=38)
+    assert bm.step_cap == 37 and bm.blocks_needed(10_000) == 12
+    assert BlockManager(2, BS, window=7, max_step_tokens=38).step_cap == 1
+    assert BlockManager(12, BS, max_step_tokens=38).step_cap == 0
+
+
+def test_under_a_window_the_pool_is_no_context_limit_even_across_a_restart():
+    """A sequence alone in a 12-block pool decodes far past 48 positions under a window of
+    7; its executor restarts (everything recomputed) and it resumes, chunked at the step
+    cap, instead of ending with LENGTH because its whole context outgrew the pool."""
+    sched = Scheduler(SchedulerConfig(watermark=0.0, max_num_batched_tokens=38, max_num_seqs=2,
+                                      chunk_size=38, **TICKING_CLOCK_CONFIG), clock=Clock(1.0))
+    sched.attach_executor(make_model(num_blocks=12, block_size=BS, kv_window=7))
+    req = make_request(prompt_len=30, max_tokens=60)
+    sched.add_request(req)
+    for _ in range(40):
+        out = step(sched)
+        assert all(n <= 37 for _, n, _ in out.scheduled())
+    assert req.num_tokens > 12 * BS + 1 and not req.is_finished
+    sched.detach_executor()
+    sched.attach_executor(make_model(num_blocks=12, block_size=BS, kv_window=7))
+    while sched.has_work():
+        out = step(sched)
+        assert all(n <= 37 for _, n, _ in out.scheduled())
+    assert req.finish_reason == FinishReason.LENGTH and req.num_output_tokens == 60

@@ -15,7 +15,7 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc import link as link_module
 from scheduler_svc.core import FinishReason, SchedulerConfig
-from scheduler_svc.loop import EngineLoop
+from scheduler_svc.loop import HEARTBEAT_S, EngineLoop
 from tests.integration.conftest import free_port
 from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import SECRET, FakePeer, linked_peers, make_hello
@@ -243,8 +243,17 @@ def test_a_request_whose_step_hangs_the_executor_is_ended_alone(tmp_path):
             poison = loop.core.requests["p"].seq_id
 
             async def serve():
-                while True:
-                    kind, msg = await peer.recv(60)
+                while True:  # heard nothing for long, or told it is detached: as a real
+                    try:  # executor would, it registers again (a fresh, empty one)
+                        kind, msg = await peer.recv(3 * HEARTBEAT_S)
+                    except TimeoutError:
+                        kind, msg = "heartbeat", pb.Heartbeat(detached=True)
+                    if kind == "heartbeat" and msg.detached:
+                        peer.seqs.clear()
+                        await peer.say_hello(make_hello())
+                    elif kind == "heartbeat":
+                        await peer.send("heartbeat",
+                                        pb.Heartbeat(incarnation=peer.hello.incarnation))
                     if kind != "plan":
                         continue
                     if any(n.seq_id == poison for n in msg.new_seqs):
