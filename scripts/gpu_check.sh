@@ -42,24 +42,9 @@ add() {
     if [ "$2" = FAIL ]; then failed=1; fi
 }
 
-# pytest_check NAME LIMIT_S FILE...: PASS when every test passed and none skipped.
-pytest_check() {
-    local name=$1 limit=$2 log="$out/pytest.txt"
-    shift 2
-    if [ "$DRY_RUN" = 1 ]; then add "$name" SKIP "dry run"; return; fi
-    if timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider "$@" >"$log" 2>&1; then
-        if grep -q "skipped" "$log"; then
-            tail -n 20 "$log"
-            add "$name" FAIL "tests skipped: $(grep -c SKIPPED "$log" || true)"
-        else
-            add "$name" PASS "$(tail -n 1 "$log" | tr -d '=' | sed 's/^ *//')"
-        fi
-    else
-        local code=$?
-        tail -n 40 "$log"
-        add "$name" FAIL "exit status $code$([ "$code" = 124 ] && echo ", over ${limit} s")"
-    fi
-}
+# pytest_check NAME LIMIT_S FILE...: scripts/gpu_check_lib.sh.
+# shellcheck source=scripts/gpu_check_lib.sh
+source scripts/gpu_check_lib.sh
 
 # Carried by scripts/gpu_bundle.py: what the device's image lacks (a venv has it all).
 if [ -d .gpu/whl ] && [ "$PY" != .venv/bin/python ]; then
@@ -116,7 +101,8 @@ else
     add "$kernel_name" SKIP "neither kernels/triton_check.py nor $GPU_KERNEL_TESTS here"
 fi
 
-# 3-4. A skipped test in these files means it did not run: a failure.
+# 3-4. A skipped test in these files means it did not run: a failure, unless its reason
+#    says it is meant to skip on a GPU (GPU_SKIP_TAG, scripts/gpu_check_lib.sh).
 pytest_check "bundled model on cuda (tests/executor/test_cuda.py)" 130 \
     tests/executor/test_cuda.py
 pytest_check "device flags and sizing (tests/executor/test_device.py)" 60 \

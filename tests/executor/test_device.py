@@ -21,7 +21,9 @@ from kernels import backend_for, make_backend
 
 GIB, MIB = 1 << 30, 1 << 20
 IPC = ["--ipc", "ipc:///tmp/continuum-test-device.sock"]
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+# Tagged for scripts/gpu_check.sh (GPU_SKIP_TAG): on a GPU host these skip by design.
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="CPU-only: checks what a machine without CUDA does")
 
 
 def test_kv_blocks_are_what_the_utilization_leaves_after_weights_and_a_step():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -43,3 +44,43 @@ def test_the_bundle_carries_an_evenly_spaced_sample_of_the_trace(tmp_path):
     lines = (tmp_path / "sample.csv").read_text().splitlines()
     assert lines[0].startswith("arrived_at") and lines[1:3] == ["0.0,0,0", "10.0,10,20"]
     assert len(lines) == 11
+
+
+def _pytest_check(tmp_path, test_source: str) -> str:
+    """The GPU check's verdict (scripts/gpu_check_lib.sh) on one test file of ours."""
+    test = tmp_path / "test_sample.py"
+    test.write_text(test_source)
+    script = ('add() { echo "ROW|$1|$2|$3"; }\n'
+              f'PY={sys.executable}; DRY_RUN=0; out={tmp_path}\n'
+              'source scripts/gpu_check_lib.sh\n'
+              f'pytest_check sample 120 {test}\n')
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=150)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("ROW|")]
+    assert len(rows) == 1, proc.stdout + proc.stderr
+    return rows[0]
+
+
+def test_a_test_meant_to_skip_on_a_gpu_does_not_fail_the_check(tmp_path):
+    row = _pytest_check(tmp_path, (
+        "import pytest\n"
+        "def test_runs():\n    assert True\n"
+        "@pytest.mark.skip(reason='CPU-only: checks what a machine without CUDA does')\n"
+        "def test_cpu_only():\n    pass\n"))
+    assert row.startswith("ROW|sample|PASS|") and "1 meant to skip on a GPU" in row
+
+
+def test_a_test_skipped_for_a_missing_dependency_fails_the_check(tmp_path):
+    row = _pytest_check(tmp_path, (
+        "import pytest\n"
+        "def test_runs():\n    assert True\n"
+        "@pytest.mark.skip(reason='CPU-only: by design')\n"
+        "def test_cpu_only():\n    pass\n"
+        "def test_needs_flash():\n    pytest.importorskip('no_such_gpu_dependency')\n"))
+    assert row.startswith("ROW|sample|FAIL|tests skipped: 1")
+    assert "no_such_gpu_dependency" in row
+
+
+def test_a_failing_test_fails_the_check(tmp_path):
+    row = _pytest_check(tmp_path, "def test_wrong():\n    assert 1 == 2\n")
+    assert row.startswith("ROW|sample|FAIL|exit status 1")
