@@ -39,7 +39,7 @@ from continuum.bench_clients import GrpcClient, run_workload
 from continuum.bench_report import summarize_outcomes as summarize
 from continuum.bench_workload import build_workload
 from continuum.procs import free_port
-from protos import internal_auth
+from protos import internal_auth, tiers
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 # chunked-slo: chunked with the SLO-aware budget (--tpot-target-ms for every tier).
@@ -84,7 +84,7 @@ def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
     engine = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens),
               "--chunk-size", str(args.chunk_size), "--kv-cache-bytes", str(args.kv_cache_bytes)]
-    for tier in ("premium", "standard", "best-effort"):  # one bound for all: same requests
+    for tier in map(tiers.flag_word, range(tiers.NUM_TIERS)):  # one bound for all tiers
         engine += [f"--max-queue-time-{tier}-s", str(args.queue_time_bound_s)]
         if policy == "chunked-slo":
             engine += [f"--tpot-target-{tier}-ms", str(args.tpot_target_ms)]

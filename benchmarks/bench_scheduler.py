@@ -56,6 +56,7 @@ import scheduler_svc.plan
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Request
+from scheduler_svc.core.config import QUEUE_TIME_FIELDS
 from sim.workload import default_trace, load_trace
 
 SYSTEM_PROMPT = list(range(1000, 1064))
@@ -173,8 +174,7 @@ def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None,
     # The bench keeps its queue full by construction: no queue-time bound may refuse
     # (fields an older revision, under --against, may not have).
     names = {f.name for f in dataclasses.fields(api.SchedulerConfig)}
-    unbounded = {name: 0 for name in ("max_queue_time_premium_s", "max_queue_time_standard_s",
-                                      "max_queue_time_best_effort_s") if name in names}
+    unbounded = {name: 0 for name in QUEUE_TIME_FIELDS if name in names}
     cfg = api.SchedulerConfig(max_num_seqs=num_seqs,
                               max_num_batched_tokens=max(2048, 2 * num_seqs),
                               chunk_size=512, watermark=0.01, max_num_waiting=100_000,

@@ -21,12 +21,12 @@ import random
 import statistics
 
 from scheduler_svc.core import ModelInfo, Request, Scheduler, SchedulerConfig
+from scheduler_svc.core.config import QUEUE_TIME_FIELDS
 
 
 def run(window: int, args: argparse.Namespace) -> dict[str, float]:
     config = SchedulerConfig(max_num_batched_tokens=args.budget, max_num_seqs=256,
-                             max_num_waiting=4096, max_queue_time_premium_s=0.0,
-                             max_queue_time_standard_s=0.0, max_queue_time_best_effort_s=0.0)
+                             max_num_waiting=4096, **dict.fromkeys(QUEUE_TIME_FIELDS, 0.0))
     core = Scheduler(config)
     core.attach_executor(ModelInfo(args.block_size, args.blocks, 65536, 32000,
                                    frozenset({2}), kv_window=window))

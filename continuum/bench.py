@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from continuum.bench_clients import GrpcClient, OpenAIClient, run_workload
 from continuum.bench_report import format_report, plot_sweep, summarize_outcomes
 from continuum.bench_workload import BenchError, build_workload
+from protos import tiers
 
 
 def _parse_slos(items: Sequence[str]) -> dict[str, float]:
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancel-fraction", type=float, default=0.0,
                    help="share of requests cancelled mid-stream")
     p.add_argument("--tenants", default="default:1", help="NAME:WEIGHT,...")
-    p.add_argument("--tiers", default="1:1", help="TIER:WEIGHT,... (0 premium .. 2 best effort)")
+    p.add_argument("--tiers", default="1:1", help=f"TIER:WEIGHT,... (tiers {tiers.describe()})")
     p.add_argument("--goodput", nargs="*", default=[], metavar="SLO",
                    help="SLOs for goodput, e.g. ttft:500 tpot:150 (ms)")
     p.add_argument("--dollars-per-hour", type=float, default=None, metavar="USD",

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 
 from continuum.bench_workload import Spec
-from gateway.metrics import TIER_NAMES
+from protos import tiers
 
 
 @dataclasses.dataclass
@@ -53,12 +53,10 @@ class GrpcClient:
         self._channel = grpc.aio.insecure_channel(addr)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self._priorities = (generation_pb2.PRIORITY_PREMIUM, generation_pb2.PRIORITY_STANDARD,
-                            generation_pb2.PRIORITY_BEST_EFFORT)
 
     async def run(self, spec: Spec, outcome: Outcome, clock) -> None:
         request = self._pb.GenerateRequest(
-            max_tokens=spec.max_tokens, tenant=spec.tenant, priority=self._priorities[spec.tier],
+            max_tokens=spec.max_tokens, tenant=spec.tenant, priority=tiers.to_priority(spec.tier),
             sampling={"temperature": 0.0, "ignore_eos": True})
         request.token_ids.ids.extend(spec.prompt_ids)
         call = self._stub.Generate(request, metadata=self._metadata, timeout=3600)
@@ -101,7 +99,7 @@ class OpenAIClient:
     async def run(self, spec: Spec, outcome: Outcome, clock) -> None:
         body = {"prompt": spec.prompt_ids, "max_tokens": spec.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                "tenant": spec.tenant, "priority": TIER_NAMES[spec.tier]}
+                "tenant": spec.tenant, "priority": tiers.NAMES[spec.tier]}
         for attempt in range(self.RETRIES + 1):
             responded = await self._attempt(body, spec, outcome, clock)
             if responded or outcome.status != "CONNECTION" or attempt == self.RETRIES:

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Sequence
 
 from continuum.bench_clients import Outcome
-from gateway.metrics import TIER_NAMES
+from protos import tiers
 from sim.metrics import cost_per_million, summarize
 
 
@@ -47,7 +47,7 @@ def _summaries(outcomes: Sequence[Outcome], duration_s: float, slos: dict[str, f
     report = {"duration_s": duration_s, "overall": group(outcomes), "by_tier": {},
               "by_tenant": {}}
     for tier in sorted({o.tier for o in outcomes}):
-        report["by_tier"][TIER_NAMES[tier]] = group([o for o in outcomes if o.tier == tier])
+        report["by_tier"][tiers.name(tier)] = group([o for o in outcomes if o.tier == tier])
     for tenant in sorted({o.tenant for o in outcomes}):
         report["by_tenant"][tenant] = group([o for o in outcomes if o.tenant == tenant])
     return report

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import random
 
+from protos import tiers as tier_defs
 from sim.data import TraceError, default_trace, read_trace
 
 TOKEN_ID_RANGE = (1000, 20000)
@@ -92,8 +93,8 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[Spec]:
             total += gap
     tenants = _weights(args.tenants, "--tenants")
     tiers = _weights(args.tiers, "--tiers", int)
-    if any(t not in (0, 1, 2) for t, _ in tiers):
-        raise BenchError("--tiers: tiers are 0 (premium), 1 (standard), 2 (best effort)")
+    if any(t not in range(tier_defs.NUM_TIERS) for t, _ in tiers):
+        raise BenchError(f"--tiers: the tiers are {tier_defs.describe()}")
     prefix = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(args.shared_prefix_len)]
     specs = []
     for i, ((prompt_len, output_len), arrival) in enumerate(zip(lengths, arrivals, strict=True)):

@@ -8,6 +8,7 @@ import sys
 from continuum import restart_guard, serve_tls
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from gateway import edge_flags
+from protos import tiers
 from scheduler_svc import kv_event_flags
 
 DEFAULT_PORT = 50051
@@ -77,16 +78,16 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
                    help="queue cap; beyond it requests get RESOURCE_EXHAUSTED / HTTP 429")
     p.add_argument("--max-num-waiting-per-tenant", type=int, default=None,
                    help="per-tenant queue cap")
-    for tier in ("premium", "standard", "best-effort"):
-        p.add_argument(f"--max-queue-time-{tier}-s", type=float, default=None,
-                       help=f"refuse a {tier} request (429) that would wait longer than this "
-                            "for its first step, by measured throughput (0: no bound; "
-                            "default: the scheduler's)")
-    for tier in ("premium", "standard", "best-effort"):
-        p.add_argument(f"--tpot-target-{tier}-ms", type=float, default=None,
+    for tier in range(tiers.NUM_TIERS):  # dest: max_queue_time_<tier name>_s
+        p.add_argument(f"--max-queue-time-{tiers.flag_word(tier)}-s", type=float, default=None,
+                       help=f"refuse a {tiers.name(tier)} request (429) that would wait longer "
+                            "than this for its first step, by measured throughput (0: no "
+                            "bound; default: the scheduler's)")
+    for tier in range(tiers.NUM_TIERS):
+        p.add_argument(f"--tpot-target-{tiers.flag_word(tier)}-ms", type=float, default=None,
                        help=f"the chunked policy sizes each step's prompt work so a step "
-                            f"holds this TPOT while {tier} requests decode (a step-time fit "
-                            "learned online; 0 or unset: the fixed --chunk-size)")
+                            f"holds this TPOT while {tiers.name(tier)} requests decode (a "
+                            "step-time fit learned online; 0 or unset: the fixed --chunk-size)")
     p.add_argument("--max-step-failures", type=int, default=None,
                    help="failed steps after which a request (a poison request) ends with an "
                         "error, the last one run alone (default: the scheduler's, 2)")

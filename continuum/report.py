@@ -37,7 +37,8 @@ import time
 from collections.abc import Sequence
 
 from continuum import local_state
-from protos.telemetry import TIER_NAMES, SequenceRecord, StoreError, TelemetryStore
+from protos import tiers
+from protos.telemetry import SequenceRecord, StoreError, TelemetryStore
 from sim.metrics import percentile
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -95,10 +96,10 @@ def parse_window(text: str, now: float, flag: str) -> tuple[float, float]:
 def parse_tier(text: str | None) -> int | None:
     if text is None:
         return None
-    name = text.replace("-", "_")
-    if name in TIER_NAMES:
-        return TIER_NAMES.index(name)
-    raise ReportError(f"--tier {text!r}: one of {', '.join(TIER_NAMES)}")
+    tier = tiers.parse(text)
+    if tier is None:
+        raise ReportError(f"--tier {text!r}: one of {', '.join(tiers.NAMES)}")
+    return tier
 
 
 def summarize(records: Sequence[SequenceRecord]) -> dict:
@@ -148,7 +149,7 @@ def build_report(store: TelemetryStore, since: float, until: float,
     by_tier: dict = {}
     for t in sorted({r.tier for r in records}):
         rows = [r for r in records if r.tier == t]
-        by_tier[TIER_NAMES[t]] = {
+        by_tier[tiers.name(t)] = {
             **summarize(rows),
             "by_tenant": {n: summarize([r for r in rows if r.tenant == n])
                           for n in sorted({r.tenant for r in rows})}}
@@ -156,7 +157,7 @@ def build_report(store: TelemetryStore, since: float, until: float,
         "window": {"since": since, "until": until,
                    "since_local": dt.datetime.fromtimestamp(since).isoformat(" ", "seconds"),
                    "until_local": dt.datetime.fromtimestamp(until).isoformat(" ", "seconds")},
-        "filter": {"tenant": tenant, "tier": None if tier is None else TIER_NAMES[tier]},
+        "filter": {"tenant": tenant, "tier": None if tier is None else tiers.name(tier)},
         "overall": summarize(records),
         "by_tier": by_tier,
         "by_tenant": {n: summarize([r for r in records if r.tenant == n])
@@ -233,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "default 1h)")
     p.add_argument("--until", default="now", help="window end (same forms; default now)")
     p.add_argument("--tenant", default=None, help="only this tenant")
-    p.add_argument("--tier", default=None, help="only this tier: " + "|".join(TIER_NAMES))
+    p.add_argument("--tier", default=None, help="only this tier: " + "|".join(tiers.NAMES))
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--plot", type=pathlib.Path, default=None,
                    help="PNG of queue wait, TTFT, TPOT and steps over the window")

@@ -12,7 +12,8 @@ import datetime as dt
 import math
 import pathlib
 
-from protos.telemetry import TIER_NAMES, TelemetryStore
+from protos import tiers
+from protos.telemetry import TelemetryStore
 from sim.metrics import percentile
 
 MAX_LINES = 8
@@ -37,7 +38,7 @@ def plot(store: TelemetryStore, since: float, until: float, tenant: str | None,
                if r.status == "finished"]
     tenants = sorted({r.tenant for r in records})
     by_tier = len(tenants) > MAX_LINES
-    key = (lambda r: TIER_NAMES[r.tier]) if by_tier else (lambda r: r.tenant)
+    key = (lambda r: tiers.name(r.tier)) if by_tier else (lambda r: r.tenant)
     width = _bin_width(since, until)
     nbins = max(1, math.ceil((until - since) / width))
     edges = [dt.datetime.fromtimestamp(since + (i + 0.5) * width) for i in range(nbins)]

@@ -8,6 +8,7 @@ import os
 
 from continuum import local_state, serve_tls
 from gateway import edge_flags
+from protos import tiers
 from scheduler_svc import kv_event_flags
 
 
@@ -23,13 +24,13 @@ def telemetry_flags(a: argparse.Namespace) -> list[str]:
 def queue_time_flags(args) -> list[str]:
     """The scheduler's per-tier queue-time bounds that were given on serve's command line."""
     flags = []
-    for tier in ("premium", "standard", "best_effort"):
-        value = getattr(args, f"max_queue_time_{tier}_s", None)
+    for tier, name in enumerate(tiers.NAMES):
+        value = getattr(args, f"max_queue_time_{name}_s", None)
         if value is not None:
-            flags += [f"--max-queue-time-{tier.replace('_', '-')}-s", str(value)]
-        target = getattr(args, f"tpot_target_{tier}_ms", None)  # the SLO-aware budget
+            flags += [f"--max-queue-time-{tiers.flag_word(tier)}-s", str(value)]
+        target = getattr(args, f"tpot_target_{name}_ms", None)  # the SLO-aware budget
         if target is not None:
-            flags += [f"--tpot-target-{tier.replace('_', '-')}-ms", str(target)]
+            flags += [f"--tpot-target-{tiers.flag_word(tier)}-ms", str(target)]
     return flags
 
 

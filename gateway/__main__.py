@@ -20,8 +20,10 @@ from gateway import edge_flags
 from gateway.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
 from gateway.log_setup import configure_logging
+from gateway.routing_headers import DEFAULT_OBJECTIVE_TIERS
 from gateway.server import BindError, start_gateway
 from gateway.tokenizer import ModelFilesError, Tokenizer
+from protos import tiers
 from protos.internal_auth import SecretError, load_secret
 from protos.tls import LOOPBACK, TlsError
 
@@ -83,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--objective-tier", action="append", default=[], metavar="NAME=TIER",
         help="an inference gateway objective (x-llm-d-inference-objective header) that maps "
-             "to a tier, beside premium/standard/best_effort/critical/sheddable; repeatable")
+             "to a tier, beside "
+             f"{'/'.join((*tiers.NAMES, *DEFAULT_OBJECTIVE_TIERS))}; repeatable")
     edge_flags.add_flags(parser)
     return parser
 

@@ -29,16 +29,11 @@ import structlog
 
 from gateway import routing_headers
 from gateway.auth import Principal, resolve_tenant, tier_names
-from gateway.metrics import GatewayMetrics, tier_name
+from gateway.metrics import GatewayMetrics
 from gateway.parse_guard import parse_guard
 from gateway.tokenizer import Tokenizer
-from gateway.validation import (
-    PRIORITY_TIERS,
-    RequestError,
-    UndecodableRequest,
-    ValidatedRequest,
-    validate,
-)
+from gateway.validation import RequestError, UndecodableRequest, ValidatedRequest, validate
+from protos import tiers
 from protos.continuum.v1 import generation_pb2
 
 _log = structlog.get_logger("gateway")
@@ -48,11 +43,11 @@ Built = tuple[generation_pb2.GenerateRequest | UndecodableRequest, T]
 
 def check_tier(principal: Principal, priority: int) -> None:
     """PERMISSION_DENIED if the key may not use the request's priority tier."""
-    tier = PRIORITY_TIERS.get(priority)
+    tier = tiers.from_priority(priority)
     if tier is None or tier in principal.tiers:
         return  # an unknown Priority value is validation's INVALID_ARGUMENT
     raise RequestError(
-        f"this API key may not use priority {tier_name(tier)!r}; it may use "
+        f"this API key may not use priority {tiers.name(tier)!r}; it may use "
         f"{', '.join(tier_names(principal.tiers))} (ask for a key with that tier, or send "
         "another priority)",
         grpc.StatusCode.PERMISSION_DENIED,

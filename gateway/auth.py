@@ -43,28 +43,26 @@ import grpc
 
 from gateway.config import ConfigError
 from gateway.validation import RequestError
+from protos import tiers as tier_defs
 from protos.echo import clip
 
 ENV_VAR = "CONTINUUM_API_KEYS"
 _BEARER = "bearer "
-TIERS_BY_NAME = {"premium": 0, "standard": 1, "best_effort": 2}
-ALL_TIERS = frozenset(TIERS_BY_NAME.values())
-DEFAULT_KEY_TIERS = frozenset({1, 2})  # standard, best_effort
+ALL_TIERS = frozenset(range(tier_defs.NUM_TIERS))
+DEFAULT_KEY_TIERS = frozenset({tier_defs.STANDARD, tier_defs.BEST_EFFORT})
 GRANTS = ("special_tokens",)
 
 
 def tier_names(tiers: Iterable[int]) -> list[str]:
-    names = {tier: name for name, tier in TIERS_BY_NAME.items()}
-    return [names[tier] for tier in sorted(tiers)]
+    return [tier_defs.name(tier) for tier in sorted(tiers)]
 
 
 def _parse_tiers(text: str, source: str) -> frozenset[int]:
-    names = [name.strip() for name in re.split(r"[+,]", text) if name.strip()]
-    unknown = [name for name in names if name not in TIERS_BY_NAME]
-    if unknown or not names:
+    found = [tier_defs.parse(name) for name in re.split(r"[+,]", text) if name.strip()]
+    if None in found or not found:
         raise ConfigError(f"{source}: tiers {text!r} must list some of "
-                          f"{', '.join(TIERS_BY_NAME)} (separated by '+' or ',')")
-    return frozenset(TIERS_BY_NAME[name] for name in names)
+                          f"{', '.join(tier_defs.NAMES)} (separated by '+' or ',')")
+    return frozenset(found)
 
 
 def _parse_grants(text: str, source: str) -> frozenset[str]:
@@ -83,7 +81,7 @@ def _digest(key: str) -> bytes:
 class Principal:
     """Who a valid key belongs to; `tenant` is "" for a key not bound to one.
 
-    `tiers` are the priority tiers (0 premium, 1 standard, 2 best-effort) it may use;
+    `tiers` are the priority tiers (protos/tiers.py) it may use;
     `special_tokens`: whether its chats may hold control tokens (the `special_tokens` grant)."""
 
     tenant: str

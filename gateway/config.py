@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from protos import tiers
 from protos.tls import ServerTls, TlsError, server_tls
 
 
@@ -217,10 +218,9 @@ class GatewayConfig:
                 raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
         for entry in self.objective_tiers:
             name, sep, tier = entry.partition("=")
-            if not sep or not name.strip() or \
-                    tier.strip().lower() not in ("premium", "standard", "best_effort"):
+            if not sep or not name.strip() or tiers.parse(tier) is None:
                 raise ConfigError(f"--objective-tier {entry!r} must be NAME=TIER with TIER "
-                                  "one of premium, standard, best_effort")
+                                  f"one of {', '.join(tiers.NAMES)}")
         if self.tool_call_parser is not None:
             from gateway.tool_parsers import PARSERS  # pure Python, imports nothing heavy
             if self.tool_call_parser not in PARSERS:

@@ -6,8 +6,8 @@ preemptions) come from each scheduler replica's latest `Stats`, labelled by
 replica address: several gateways in front of the same replicas report the
 same values, so aggregate them with `max by (replica)`, not `sum`.
 
-Every metric carries `model_name`; request metrics also carry `priority`
-(`premium`, `standard`, `best_effort` — tiers 0, 1, 2).
+Every metric carries `model_name`; request metrics also carry `priority`, the tier's
+name (`protos/tiers.py` NAMES: `premium`, `standard`, `best_effort`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from protos import tiers
 from protos.continuum.v1 import scheduler_pb2
 
 # `*_created` series double the exposition and no dashboard reads them.
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TIER_NAMES = ("premium", "standard", "best_effort")
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
@@ -39,10 +39,6 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
                 240.0, 480.0, 960.0)
-
-
-def tier_name(tier: int) -> str:
-    return TIER_NAMES[min(max(tier, 0), 2)]
 
 
 class _ReplicaCollector(Collector):
@@ -80,7 +76,7 @@ class _ReplicaCollector(Collector):
             stats: scheduler_pb2.StatsResponse | None = replica.stats
             if stats is None:
                 continue
-            for tier, name in enumerate(TIER_NAMES):
+            for tier, name in enumerate(tiers.NAMES):
                 by_running, by_waiting = stats.num_running_by_tier, stats.num_waiting_by_tier
                 running.add_metric([*ids, name], by_running[tier] if tier < len(by_running) else 0)
                 waiting.add_metric([*ids, name], by_waiting[tier] if tier < len(by_waiting) else 0)
@@ -143,7 +139,7 @@ class GatewayMetrics:
             self.registry.register(_ReplicaCollector(model_name, replicas))
 
     def labels(self, tier: int) -> tuple[str, str]:
-        return self.model_name, tier_name(tier)
+        return self.model_name, tiers.name(tier)
 
     def error(self, code_name: str) -> None:
         self.errors.labels(self.model_name, code_name).inc()

@@ -34,7 +34,6 @@ from protos.continuum.v1 import generation_pb2
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
-PRIORITIES = fields.PRIORITIES
 
 
 @dataclass

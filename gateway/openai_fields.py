@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError, context_exceeded
+from protos import tiers
 from protos.continuum.v1 import generation_pb2
 from protos.echo import clip
 from protos.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
@@ -23,11 +24,6 @@ UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 # Our proto fields say int32-range for these; the largest value both ends agree on.
 INT31_MAX = 2**31 - 1
-PRIORITIES = {
-    "premium": generation_pb2.PRIORITY_PREMIUM,
-    "standard": generation_pb2.PRIORITY_STANDARD,
-    "best_effort": generation_pb2.PRIORITY_BEST_EFFORT,
-}
 # tools / tool_choice are the chat dialect's (gateway/tool_calls.py); the legacy
 # functions / function_call are not taken.
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction")
@@ -120,15 +116,20 @@ def token_ids(value: list, name: str, max_len: int, vocab_size: int,
 
 
 def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
+    """Continuum's ``priority``: a tier's name (any spelling protos/tiers.py reads) or
+    its number."""
     priority = body.get("priority")
     if priority is None:
         return
-    if isinstance(priority, str) and priority in PRIORITIES:
-        proto.priority = PRIORITIES[priority]
-    elif isinstance(priority, int) and not isinstance(priority, bool) and 0 <= priority <= 2:
-        proto.priority = list(PRIORITIES.values())[priority]
-    else:
-        raise bad(f"priority must be one of {', '.join(PRIORITIES)} (or 0, 1, 2)", "priority")
+    tier = None
+    if isinstance(priority, str):
+        tier = tiers.parse(priority)
+    elif _is_int(priority) and 0 <= priority < tiers.NUM_TIERS:
+        tier = priority
+    if tier is None:
+        raise bad(f"priority must be one of {', '.join(tiers.NAMES)} (or "
+                  f"{', '.join(map(str, range(tiers.NUM_TIERS)))})", "priority")
+    proto.priority = tiers.to_priority(tier)
 
 
 def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,

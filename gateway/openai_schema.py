@@ -21,9 +21,9 @@ import enum
 from dataclasses import dataclass
 
 from gateway.openai_api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
-from gateway.openai_fields import INT31_MAX, PRIORITIES, UINT32_MAX, UINT64_MAX
+from gateway.openai_fields import INT31_MAX, UINT32_MAX, UINT64_MAX
 from gateway.validation import MAX_CHAT_MESSAGES, MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from protos import limits
+from protos import limits, tiers
 
 
 class Text(enum.Enum):
@@ -136,7 +136,7 @@ COMMON = {
     "n": integer(1, MAX_N),
     "best_of": integer(1, UINT32_MAX),  # only equal to n
     "tenant": string(Text.IDENTIFIER),
-    "priority": any_of(words(*PRIORITIES), integer(0, len(PRIORITIES) - 1)),
+    "priority": any_of(words(*tiers.NAMES), integer(0, tiers.NUM_TIERS - 1)),
     "stream": BOOLEAN,
     "stream_options": obj(include_usage=BOOLEAN, continuous_usage_stats=BOOLEAN),
 }

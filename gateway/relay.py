@@ -196,9 +196,9 @@ class Relay:
         accepted = time.monotonic()
         log = _log.bind(request_id=request.request_id)
         log.info("request accepted", api=api, stream=stream, tenant=request.tenant,
-                 priority_tier=request.priority_tier, n=request.n,
+                 priority_tier=request.tier, n=request.n,
                  prompt_tokens=len(request.prompt_token_ids), max_tokens=request.max_tokens)
-        labels = self.metrics.labels(request.priority_tier)
+        labels = self.metrics.labels(request.tier)
         self.metrics.prompt_tokens.labels(*labels).inc(len(request.prompt_token_ids))
         watch = Stream(asyncio.current_task(), request.request_id)
         self.watchdog.add(watch)
@@ -267,7 +267,7 @@ class Relay:
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One completion, continued on another replica if its replica fails or stalls."""
         output = OutputStream(request, self._tokenizer)
-        metrics, labels = self.metrics, self.metrics.labels(request.priority_tier)
+        metrics, labels = self.metrics, self.metrics.labels(request.tier)
         timing = _Timing(accepted, metrics.ttft.labels(*labels), metrics.itl.labels(*labels))
         leg = Completion()
         watch.completions.append(leg)
@@ -343,7 +343,7 @@ class Relay:
 
     def _finished(self, request: ValidatedRequest, index: int, output: OutputStream,
                   timing: _Timing, num_replicas: int, log) -> None:
-        metrics, labels = self.metrics, self.metrics.labels(request.priority_tier)
+        metrics, labels = self.metrics, self.metrics.labels(request.tier)
         finished = time.monotonic()
         metrics.e2e.labels(*labels).observe(finished - timing.accepted)
         metrics.queue.labels(*labels).observe(timing.queue_time_s)

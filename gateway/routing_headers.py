@@ -9,10 +9,11 @@ request before it reaches a model server and forward the classification in heade
   the request itself names none, so our per-tenant fairness follows the gateway's.
 * ``x-llm-d-inference-objective`` (older ``x-gateway-inference-objective``): the name
   of the InferenceObjective the request belongs to. A name in the objective table
-  (``--objective-tier NAME=TIER``; by default our tier names and the criticality
-  names of GIE's v1alpha2 API: critical -> premium, standard, sheddable -> best
-  effort) sets the priority tier when the request itself sets none. Other names are
-  ignored: the endpoint picker has already used them for its own queueing.
+  (``--objective-tier NAME=TIER``; by default the criticality names of GIE's v1alpha2
+  API: critical -> premium, standard, sheddable -> best effort), or else a tier's own
+  name in any spelling protos/tiers.py reads, sets the priority tier when the request
+  itself sets none. Other names are ignored: the endpoint picker has already used them
+  for its own queueing.
 
 Neither header grants anything: the tenant and tier they give go through the same key
 checks as a tenant or priority in the body (gateway/admission.py), so a key bound to a
@@ -24,17 +25,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from gateway.validation import MAX_TENANT_CHARS, RequestError, check_identifier
+from protos import tiers
 from protos.continuum.v1 import generation_pb2
 
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-TIER_VALUES = {"premium": generation_pb2.PRIORITY_PREMIUM,
-               "standard": generation_pb2.PRIORITY_STANDARD,
-               "best_effort": generation_pb2.PRIORITY_BEST_EFFORT}
+# GIE's criticality words that are not our tier names (its "standard" is ours), as
+# Priority values. They are the header's vocabulary, not a spelling of a tier: a body's
+# `priority` or an API key's tiers do not take them.
 DEFAULT_OBJECTIVE_TIERS: Mapping[str, int] = {
-    **TIER_VALUES, "best-effort": generation_pb2.PRIORITY_BEST_EFFORT,
-    "critical": generation_pb2.PRIORITY_PREMIUM,
-    "sheddable": generation_pb2.PRIORITY_BEST_EFFORT,
+    "critical": tiers.to_priority(tiers.PREMIUM),
+    "sheddable": tiers.to_priority(tiers.BEST_EFFORT),
 }
 MAX_OBJECTIVE_CHARS = 253  # a Kubernetes object name
 
@@ -44,13 +45,21 @@ def parse_objective_tiers(entries: list[str]) -> dict[str, int]:
     bad one, for the CLI to report)."""
     table = dict(DEFAULT_OBJECTIVE_TIERS)
     for entry in entries:
-        name, sep, tier = entry.partition("=")
-        name, tier = name.strip().lower(), tier.strip().lower()
-        if not sep or not name or tier not in TIER_VALUES:
+        name, sep, tier_text = entry.partition("=")
+        name, tier = name.strip().lower(), tiers.parse(tier_text)
+        if not sep or not name or tier is None:
             raise ValueError(f"--objective-tier {entry!r} must be NAME=TIER with TIER one of "
-                             f"{', '.join(TIER_VALUES)}")
-        table[name] = TIER_VALUES[tier]
+                             f"{', '.join(tiers.NAMES)}")
+        table[name] = tiers.to_priority(tier)
     return table
+
+
+def objective_priority(objective: str, objective_tiers: Mapping[str, int]) -> int | None:
+    """The Priority an objective name stands for: the table's, else a tier's own name."""
+    priority = objective_tiers.get(objective.lower())
+    if priority is None and (tier := tiers.parse(objective)) is not None:
+        priority = tiers.to_priority(tier)
+    return priority
 
 
 def _first(get: Callable[[str], str | None], names: tuple[str, ...]) -> tuple[str, str]:
@@ -76,9 +85,9 @@ def apply(request: generation_pb2.GenerateRequest, get: Callable[[str], str | No
             raise RequestError(f"{name} header is {len(objective)} characters long; the limit "
                                f"is {MAX_OBJECTIVE_CHARS} (a Kubernetes object name)",
                                param=f"{name} header")
-        tier = objective_tiers.get(objective.lower())
-        if tier is not None and request.priority == generation_pb2.PRIORITY_UNSPECIFIED:
-            request.priority = tier
+        priority = objective_priority(objective, objective_tiers)
+        if priority is not None and request.priority == generation_pb2.PRIORITY_UNSPECIFIED:
+            request.priority = priority
 
 
 def metadata_getter(metadata) -> Callable[[str], str | None]:

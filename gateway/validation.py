@@ -37,7 +37,7 @@ from google.protobuf.message import DecodeError
 from gateway import sampling_extras, tool_checks
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
-from protos import limits
+from protos import limits, tiers
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from protos.echo import clip, shorten
 
@@ -53,12 +53,6 @@ MAX_CHAT_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
-PRIORITY_TIERS = {
-    generation_pb2.PRIORITY_PREMIUM: 0,
-    generation_pb2.PRIORITY_UNSPECIFIED: 1,
-    generation_pb2.PRIORITY_STANDARD: 1,
-    generation_pb2.PRIORITY_BEST_EFFORT: 2,
-}
 
 
 class RequestError(Exception):
@@ -109,7 +103,7 @@ class ValidatedRequest:
     max_tokens: int
     stop: tuple[str, ...]
     tenant: str
-    priority_tier: int
+    tier: int  # protos/tiers.py: 0 premium .. 2 best effort
     n: int = 1
 
     def to_submit(self) -> scheduler_pb2.SubmitRequest:
@@ -119,7 +113,7 @@ class ValidatedRequest:
             sampling=self.sampling,
             max_tokens=self.max_tokens,
             tenant=self.tenant,
-            priority_tier=self.priority_tier,
+            priority_tier=self.tier,
         )
 
 
@@ -313,9 +307,10 @@ def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) 
             param="model",
             error_code="model_not_found",
         )
-    if request.priority not in PRIORITY_TIERS:
+    if tiers.from_priority(request.priority) is None:
         raise RequestError(
-            f"priority {request.priority} is not a known Priority value", param="priority"
+            f"priority {request.priority} is not a known Priority value; use one of "
+            f"{', '.join(generation_pb2.Priority.keys())}", param="priority"
         )
     if request.n > MAX_N:
         raise RequestError(f"n is {request.n}; at most {MAX_N} completions per request", param="n")
@@ -350,6 +345,6 @@ def validate(
         max_tokens=max_tokens,
         stop=tuple(request.stop),
         tenant=request.tenant or DEFAULT_TENANT,
-        priority_tier=PRIORITY_TIERS[request.priority],
+        tier=tiers.from_priority(request.priority),
         n=request.n or 1,
     )

@@ -36,8 +36,6 @@ MAX_TOOL_NAME_CHARS = 64
 MAX_TOOLS_BYTES = 48 * 1024
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
-# Priority tiers: 0 premium, 1 standard, 2 best-effort.
-NUM_PRIORITY_TIERS = 3
 # Client values quoted in an error message or a log line: at most this many characters
 # of one (protos/echo.py), so a 900 KB model name comes back as a short 400.
 MAX_ECHO_CHARS = 100

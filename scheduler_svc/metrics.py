@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from protos import tiers
 from scheduler_svc import metrics_server
 
 PUBLISH_S = 0.05
@@ -41,7 +42,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TIERS = ("premium", "standard", "best_effort")
 FINISHED = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 
@@ -109,11 +109,12 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
     bm = core.block_manager
     known = ex or loop.last_executor  # the pool a restarting executor comes back with
     label = f'model_name="{_escape(model_name or (known.model_id if known else ""))}"'
-    running_by_tier, waiting_by_tier = [0, 0, 0], [0, 0, 0]
+    running_by_tier, waiting_by_tier = [0] * tiers.NUM_TIERS, [0] * tiers.NUM_TIERS
+    last = tiers.NUM_TIERS - 1
     for req in core.running:
-        running_by_tier[min(req.priority_tier, 2)] += 1
+        running_by_tier[min(req.priority_tier, last)] += 1
     for req in core.waiting:
-        waiting_by_tier[min(req.priority_tier, 2)] += 1
+        waiting_by_tier[min(req.priority_tier, last)] += 1
     usage = (1.0 - bm.num_free_blocks / bm.num_blocks) if bm and bm.num_blocks else 0.0
     block_size = bm.block_size if bm else 0
     lines = [
@@ -153,10 +154,10 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
     recorder = loop.recorder
     lines += [
         *_metric("continuum:num_requests_running_by_tier", "gauge", "Running, per tier.",
-                 [(f'{label},tier="{t}"', n) for t, n in zip(TIERS, running_by_tier,
+                 [(f'{label},tier="{t}"', n) for t, n in zip(tiers.NAMES, running_by_tier,
                                                              strict=True)]),
         *_metric("continuum:num_requests_waiting_by_tier", "gauge", "Waiting, per tier.",
-                 [(f'{label},tier="{t}"', n) for t, n in zip(TIERS, waiting_by_tier,
+                 [(f'{label},tier="{t}"', n) for t, n in zip(tiers.NAMES, waiting_by_tier,
                                                              strict=True)]),
         *_metric("continuum:num_preemptions_by_reason_total", "counter",
                  "Preemptions by cause (kv_full, priority, ...) and kind (swap, recompute).",

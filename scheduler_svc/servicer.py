@@ -15,6 +15,7 @@ import time
 
 import grpc
 
+from protos import tiers
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.echo import clip
 from scheduler_svc.core import Event, FinishReason, QueueFull, Request
@@ -136,7 +137,7 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
         ignore_eos=r.sampling.ignore_eos,
         min_tokens=r.sampling.min_tokens,
         tenant=r.tenant or DEFAULT_TENANT,
-        priority_tier=r.priority_tier,  # validated: < NUM_PRIORITY_TIERS
+        priority_tier=r.priority_tier,  # validated: < tiers.NUM_TIERS
         arrival_time=time.monotonic(),
         num_resumed_output_tokens=r.num_resumed_output_tokens,
     )
@@ -158,7 +159,7 @@ def _to_event(ev: Event, first: bool) -> scheduler_pb2.TokenEvent:
 
 
 def _by_tier(loop: EngineLoop) -> tuple[list[int], list[int]]:
-    running, waiting = [0, 0, 0], [0, 0, 0]
+    running, waiting = [0] * tiers.NUM_TIERS, [0] * tiers.NUM_TIERS
     for req in loop.core.running:
         running[req.priority_tier] += 1
     for req in loop.core.requests.values():

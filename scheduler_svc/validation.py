@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from protos import limits
+from protos import limits, tiers
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 from scheduler_svc.core import ModelInfo, Scheduler
 
@@ -92,9 +92,8 @@ def _envelope(r: scheduler_pb2.SubmitRequest) -> str | None:
         return "prompt_token_ids must not be empty"
     if r.max_tokens <= 0:
         return "max_tokens must be > 0"
-    if r.priority_tier >= limits.NUM_PRIORITY_TIERS:
-        return (f"priority_tier is {r.priority_tier}; tiers are 0 (premium) to "
-                f"{limits.NUM_PRIORITY_TIERS - 1} (best-effort)")
+    if r.priority_tier >= tiers.NUM_TIERS:
+        return f"priority_tier is {r.priority_tier}; the tiers are {tiers.describe()}"
     if r.num_resumed_output_tokens > len(r.prompt_token_ids):
         return (f"num_resumed_output_tokens ({r.num_resumed_output_tokens}) exceeds the "
                 f"{len(r.prompt_token_ids)} tokens of prompt_token_ids it counts within")

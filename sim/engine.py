@@ -41,7 +41,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from scheduler_svc.core.config import TPOT_TARGET_FIELDS
+from scheduler_svc.core.config import QUEUE_TIME_FIELDS, TPOT_TARGET_FIELDS
 from sim.cost_model import StepCostModel
 from sim.workload import TraceRequest
 
@@ -137,8 +137,7 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
     fields = dict(policy=policy.removesuffix("-slo"), max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=budget, **slo,
                   chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True,
-                  max_queue_time_premium_s=0.0, max_queue_time_standard_s=0.0,
-                  max_queue_time_best_effort_s=0.0)
+                  **dict.fromkeys(QUEUE_TIME_FIELDS, 0.0))
     fields.update(overrides)
     return SchedulerConfig(**fields)
 

@@ -3,6 +3,8 @@ wire's enum, read from every spelling a person types."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from protos import tiers
@@ -49,3 +51,36 @@ def test_printed_spellings():
         ["premium", "standard", "best-effort"]
     assert tiers.name(7) == "best_effort" and tiers.name(0) == "premium"
     assert tiers.describe() == "0 (premium), 1 (standard), 2 (best_effort)"
+
+
+def test_the_schedulers_per_tier_fields_follow_the_tier_names():
+    """A config file's keys (max_queue_time_best_effort_s, ...) are the tier names'."""
+    from scheduler_svc.core.config import QUEUE_TIME_FIELDS, TPOT_TARGET_FIELDS, SchedulerConfig
+    fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    assert len(QUEUE_TIME_FIELDS) == len(TPOT_TARGET_FIELDS) == tiers.NUM_TIERS
+    assert set(QUEUE_TIME_FIELDS) | set(TPOT_TARGET_FIELDS) <= fields
+    assert QUEUE_TIME_FIELDS[tiers.BEST_EFFORT] == "max_queue_time_best_effort_s"
+
+
+def test_every_surface_takes_every_spelling():
+    """An API key's tiers, a body's priority, --objective-tier and `continuum report
+    --tier` read tiers through protos/tiers.py; each keeps its old spelling."""
+    from continuum.report import parse_tier
+    from gateway.auth import ApiKeys
+    from gateway.openai_fields import _priority
+    from gateway.routing_headers import objective_priority, parse_objective_tiers
+
+    keys = ApiKeys.parse(["sk-0123456789:acme:premium+Best-Effort"], "test")
+    assert keys.entries[0][1].tiers == {tiers.PREMIUM, tiers.BEST_EFFORT}
+    for spelling in ("best_effort", "best-effort", "Best Effort", 2):
+        proto = generation_pb2.GenerateRequest()
+        _priority({"priority": spelling}, proto)
+        assert proto.priority == generation_pb2.PRIORITY_BEST_EFFORT
+    table = parse_objective_tiers(["gold=premium", "bulk=best-effort"])
+    assert objective_priority("bulk", table) == generation_pb2.PRIORITY_BEST_EFFORT
+    assert objective_priority("sheddable", table) == generation_pb2.PRIORITY_BEST_EFFORT
+    assert objective_priority("critical", table) == generation_pb2.PRIORITY_PREMIUM
+    assert objective_priority("best-effort", table) == generation_pb2.PRIORITY_BEST_EFFORT
+    assert objective_priority("gold", table) == generation_pb2.PRIORITY_PREMIUM
+    assert objective_priority("unknown", table) is None
+    assert parse_tier("best-effort") == parse_tier("best_effort") == tiers.BEST_EFFORT

@@ -9,7 +9,6 @@ Imports nothing first-party outside ``protos``.
 """
 
 from protos.telemetry.records import (
-    TIER_NAMES,
     BlockTableSnapshot,
     ConfigRecord,
     IterationRecord,
@@ -21,7 +20,7 @@ from protos.telemetry.store import SchemaError, StoreError, TelemetryStore
 from protos.telemetry.writer import TelemetryWriter
 
 __all__ = [
-    "TIER_NAMES", "BlockTableSnapshot", "ConfigRecord", "IterationRecord", "IterationRollup",
+    "BlockTableSnapshot", "ConfigRecord", "IterationRecord", "IterationRollup",
     "Retention", "SchemaError", "SequenceRecord", "StoreError", "TelemetryStore",
     "TelemetryWriter",
 ]

@@ -13,8 +13,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Tier numbers on the wire and in the store (protos/limits.NUM_PRIORITY_TIERS of them).
-TIER_NAMES = ("premium", "standard", "best_effort")
 # SequenceRecord.status values; "rejected" rows count as rejections in reports.
 SEQUENCE_STATUSES = ("finished", "aborted", "rejected", "failed")
 

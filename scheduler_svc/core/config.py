@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from protos import tiers
+
 POLICIES = ("chunked", "continuous", "static")
-# Per priority tier (0 premium, 1 standard, 2 best effort): its queue-time bound field.
-QUEUE_TIME_FIELDS = ("max_queue_time_premium_s", "max_queue_time_standard_s",
-                     "max_queue_time_best_effort_s")
-# Each tier's TPOT target (ms; 0: none), read in the same order.
-TPOT_TARGET_FIELDS = ("tpot_target_premium_ms", "tpot_target_standard_ms",
-                      "tpot_target_best_effort_ms")
+# Per priority tier (protos/tiers.py, premium first): its queue-time bound field, and its
+# TPOT target (ms; 0: none). The fields themselves are spelled out below (a config file's
+# keys); tests/test_tiers.py holds them to these.
+QUEUE_TIME_FIELDS = tuple(f"max_queue_time_{name}_s" for name in tiers.NAMES)
+TPOT_TARGET_FIELDS = tuple(f"tpot_target_{name}_ms" for name in tiers.NAMES)
 
 
 class ConfigError(ValueError):

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from protos import tiers
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: everything >= FINISHED is terminal."""
@@ -60,7 +62,7 @@ class Request:
     ignore_eos: bool = False
     min_tokens: int = 0
     tenant: str = "default"
-    priority_tier: int = 1  # 0 premium, 1 standard, 2 best-effort
+    priority_tier: int = tiers.DEFAULT  # protos/tiers.py: 0 premium .. 2 best effort
     arrival_time: float = 0.0
     # Output tokens generated before this request was (re)submitted (a continuation).
     num_resumed_output_tokens: int = 0

@@ -18,7 +18,7 @@ def _request(stop=(), num_prompt_tokens=5):
         max_tokens=64,
         stop=tuple(stop),
         tenant="default",
-        priority_tier=1,
+        tier=1,
     )
 
 

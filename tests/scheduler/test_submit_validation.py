@@ -30,7 +30,7 @@ WITHOUT_MODEL = [
     ({"tenant": "x\x00"}, "tenant must be printable ASCII"),
     ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
     ({"max_tokens": 0}, "max_tokens must be > 0"),
-    ({"priority_tier": 3}, "priority_tier is 3; tiers are 0 (premium) to 2"),
+    ({"priority_tier": 3}, "priority_tier is 3; the tiers are 0 (premium), 1 (standard), 2"),
     ({"priority_tier": 2**32 - 1}, "priority_tier is 4294967295"),
     ({"num_resumed_output_tokens": 4}, "num_resumed_output_tokens (4) exceeds the 3 tokens"),
     ({"sampling": S(logprobs=100_000)},
