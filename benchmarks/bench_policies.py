@@ -41,9 +41,11 @@ from continuum.bench_workload import build_workload
 from continuum.procs import free_port
 from protos import internal_auth, tiers
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core import policy as registry
 
-# chunked-slo: chunked with the SLO-aware budget (--tpot-target-ms for every tier).
-POLICIES = ("static", "continuous", "chunked", "chunked-slo")
+# The core's registry; a policy that uses TPOT targets (chunked-slo) gets --tpot-target-ms
+# for every tier.
+POLICIES = tuple(registry.POLICIES)
 
 
 class Server:
@@ -51,8 +53,7 @@ class Server:
 
     def __init__(self, policy: str, engine_args: list[str], workdir: pathlib.Path):
         self.port, self.scheduler_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "continuum", "serve", "--policy",
-               policy.removesuffix("-slo"),
+        cmd = [sys.executable, "-m", "continuum", "serve", "--policy", policy,
                "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
                "--http-port", "-1", "--ipc", f"ipc://{workdir}/{policy}.sock", *engine_args]
         # Our own secret for serve's internal planes, so that Stats can show it.
@@ -86,7 +87,7 @@ def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
               "--chunk-size", str(args.chunk_size), "--kv-cache-bytes", str(args.kv_cache_bytes)]
     for tier in map(tiers.flag_word, range(tiers.NUM_TIERS)):  # one bound for all tiers
         engine += [f"--max-queue-time-{tier}-s", str(args.queue_time_bound_s)]
-        if policy == "chunked-slo":
+        if registry.POLICIES[policy].uses_tpot_targets:
             engine += [f"--tpot-target-{tier}-ms", str(args.tpot_target_ms)]
     return engine
 

@@ -1,5 +1,5 @@
 """``python -m benchmarks.sim_slo_budget``: the SLO-aware token budget in the simulator at
-70B: static / continuous / chunked / chunked-slo on one trace.
+70B: every registered policy (static, continuous, chunked, chunked-slo, ...) on one trace.
 
 Each policy is ``sim.engine.policy_config``'s (chunked-slo: chunked with every tier's
 TPOT target ``SLO_TPOT_TARGET_MS`` under a ``SLO_BUDGET``-token ceiling, the online
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scheduler_svc.core.policy import POLICIES
 from sim import engine, report
 from sim.cost_model import StepCostModel
 from sim.data import default_trace
@@ -33,7 +34,8 @@ def rows(rate_scale: float, duration_s: float, target_ms: float, max_num_seqs: i
         res = Simulation(reqs, policy_config(p, max_num_seqs), cost,
                          record_token_times=True).run()
         s = summarize([r.timing() for r in res.finished], duration_s=res.end_s or None)
-        out.append({"policy": p if p != "chunked-slo" else f"chunked-slo ({target_ms:g} ms)",
+        label = f"{p} ({target_ms:g} ms)" if POLICIES[p].uses_tpot_targets else p
+        out.append({"policy": label,
                     "finished": len(res.finished),
                     "output tok/s": res.num_output_tokens / res.end_s if res.end_s else 0.0,
                     "TTFT p50 ms": s["ttft_median_ms"], "TTFT p99 ms": s["ttft_p99_ms"],

@@ -95,8 +95,10 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
                    help="telemetry store: a SQLite path or postgresql://... (default: "
                         "$XDG_STATE_HOME/continuum/telemetry.sqlite; 'off' records nothing); "
                         "read it with `continuum report`")
-    p.add_argument("--policy", default="chunked", choices=("chunked", "continuous", "static"),
-                   help="batching policy (benchmarks compare them)")
+    from scheduler_svc.core.policy import POLICIES
+    p.add_argument("--policy", default="chunked", choices=tuple(POLICIES),
+                   help="scheduling policy (benchmarks compare them): " + "; ".join(
+                       f"{name}: {cls.summary}" for name, cls in POLICIES.items()))
     p.add_argument("--config-file", default=None,
                    help="scheduler config fields in TOML or JSON (wins over these flags); "
                         "re-read every 2 s and applied live (`continuum config history`)")

@@ -42,6 +42,7 @@ from scheduler_svc.core import (
     SchedulerOutput,
 )
 from scheduler_svc.core.config import QUEUE_TIME_FIELDS, TPOT_TARGET_FIELDS
+from scheduler_svc.core.policy import POLICIES
 from sim.cost_model import StepCostModel
 from sim.workload import TraceRequest
 
@@ -123,6 +124,9 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
         each step's prompt work from the online step-time fit.
     static: a budget that lets one step admit a whole batch (``max_num_seqs`` ×
         2,048 tokens), which then runs to completion before the next is admitted.
+    Any other registered policy (core/policy.py) is simulated with the budget of the
+    nearest of these it derives from (sjf: chunked's), and with the TPOT targets when
+    it uses them.
     The queue is unbounded unless a cap is given: the simulator measures waiting (the
     core's queue-time shedding, on by default in the service, is off here for that reason;
     pass ``max_queue_time_*_s`` to simulate it).
@@ -130,11 +134,12 @@ def policy_config(policy: str, max_num_seqs: int = 128, **overrides) -> Schedule
     """
     budgets = {"chunked": (512, 512), "continuous": (MAX_MODEL_LEN, 512),
                "static": (max_num_seqs * 2048, 512), "chunked-slo": (SLO_BUDGET, 512)}
-    if policy not in budgets:
-        raise ValueError(f"policy must be one of {', '.join(budgets)}, got {policy!r}")
-    budget, chunk = budgets[policy]
-    slo = {f: SLO_TPOT_TARGET_MS for f in TPOT_TARGET_FIELDS} if policy == "chunked-slo" else {}
-    fields = dict(policy=policy.removesuffix("-slo"), max_num_seqs=max_num_seqs,
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    cls = POLICIES[policy]
+    budget, chunk = next(budgets[c.name] for c in cls.__mro__ if c.name in budgets)
+    slo = dict.fromkeys(TPOT_TARGET_FIELDS, SLO_TPOT_TARGET_MS) if cls.uses_tpot_targets else {}
+    fields = dict(policy=policy, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=budget, **slo,
                   chunk_size=chunk, max_num_waiting=1_000_000, enable_prefix_caching=True,
                   **dict.fromkeys(QUEUE_TIME_FIELDS, 0.0))

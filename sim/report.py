@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from scheduler_svc.core import policy
 from sim.cost_model import StepCostModel
 from sim.engine import SimResult, Simulation, policy_config
 from sim.metrics import cost_per_million, summarize
 from sim.workload import TraceRequest, merge, poisson_class, split_classes
 
-POLICIES = ("static", "continuous", "chunked", "chunked-slo")
+POLICIES = tuple(policy.POLICIES)  # the core's registry, in its order
 # The seed's price of the simulated hardware (a 4xA100 80GB spot node), and its target:
 # under $0.50 per 1M output tokens. `python -m sim --dollars-per-hour` changes the price.
 DOLLARS_PER_HOUR = 8.20

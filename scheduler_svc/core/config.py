@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from protos import tiers
+from scheduler_svc.core.policy import POLICIES
 
-POLICIES = ("chunked", "continuous", "static")
 # Per priority tier (protos/tiers.py, premium first): its queue-time bound field, and its
 # TPOT target (ms; 0: none). The fields themselves are spelled out below (a config file's
 # keys); tests/test_tiers.py holds them to these.
@@ -26,9 +26,11 @@ class ConfigError(ValueError):
 class SchedulerConfig:
     """Limits of one iteration, of the queues, and the scheduling policy.
 
-    policy: "chunked" (default: long prompts prefill in chunks beside decodes),
-        "continuous" (a prompt prefills in as few steps as the budget allows,
-        no per-step chunk cap) or "static" (admit a batch, run it to completion).
+    policy: a name in core/policy.py's ``POLICIES``: "chunked" (default: long prompts
+        prefill in chunks beside decodes), "chunked-slo" (chunked with the SLO-aware
+        budget of tpot_target_*_ms), "continuous" (a prompt prefills in as few steps as
+        the budget allows, no per-step chunk cap), "static" (admit a batch, run it to
+        completion), "sjf" (chunked, shortest prompt first within a tier), ...
     max_num_batched_tokens: tokens computed per step across all sequences.
     max_num_seqs: sequences running at once (each decodes one token a step).
     chunk_size: most prompt tokens one sequence computes in one step.
@@ -73,7 +75,8 @@ class SchedulerConfig:
         max_preemptions; a client that went silent is cancelled by the gateway's
         watchdog (gateway/watchdog.py), a vanished gateway by gRPC keepalive.
     tpot_target_*_ms: the SLO-aware token budget (core/step_cost.py): with a target set
-        for a tier that has running sequences, the chunked policy sizes each step's prompt
+        for a tier that has running sequences, the chunked-slo policy (and chunked, which
+        with a target is chunked-slo) sizes each step's prompt
         tokens from an online fit of the measured step time so the step holds the tightest
         such target: spare time goes to prefill when decodes are few, decodes are
         protected when they are many, and chunk_size no longer caps a prompt (the step's
@@ -107,6 +110,10 @@ class SchedulerConfig:
     tpot_target_premium_ms: float = 0.0
     tpot_target_standard_ms: float = 0.0
     tpot_target_best_effort_ms: float = 0.0
+
+    def tpot_targets(self) -> tuple[float, ...]:
+        """The per-tier TPOT targets in ms, premium first (0: none)."""
+        return tuple(getattr(self, f) for f in TPOT_TARGET_FIELDS)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -161,8 +168,3 @@ def _non_negative(cfg: SchedulerConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-
-
-def tpot_targets(cfg: SchedulerConfig) -> tuple[float, ...]:
-    """The per-tier TPOT targets in ms, premium first (0: none)."""
-    return tuple(getattr(cfg, f) for f in TPOT_TARGET_FIELDS)

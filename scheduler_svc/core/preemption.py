@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from scheduler_svc.core.request import Request
 
@@ -39,13 +40,15 @@ def victim_key(req: Request) -> tuple[int, bool, int]:
     return (req.priority_tier, silent, req.admit_seq)
 
 
-def pick_victim(running: list[Request], needy: Request, step: int) -> Request:
+def pick_victim(running: list[Request], needy: Request, step: int,
+                key: Callable[[Request], tuple] = victim_key) -> Request:
     """The sequence to preempt among ``needy`` and those running that have not been
-    scheduled this step (``running`` is in priority order): see ``victim_key``.
+    scheduled this step (``running`` is in priority order): the largest ``key`` (the
+    policy's victim order; by default ``victim_key``).
 
     Protected sequences are passed over while any other choice exists.
     """
     candidates = [r for r in running if r.scheduled_step != step and r is not needy]
     candidates.append(needy)
     unprotected = [r for r in candidates if not r.protected]
-    return max(unprotected or candidates, key=victim_key)
+    return max(unprotected or candidates, key=key)

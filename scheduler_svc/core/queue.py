@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+from collections.abc import Callable
 
 from scheduler_svc.core.request import Request, RequestStatus
 
 
 class WaitingQueue:
-    """Requests waiting for admission, fresh or preempted."""
+    """Requests waiting for admission, fresh or preempted. ``pick`` (the policy's,
+    core/policy.py) chooses within the lane that ranks first: its head by default."""
 
-    def __init__(self, aging_s: float) -> None:
+    def __init__(self, aging_s: float, pick: Callable[[collections.deque[Request], float,
+                                                       float], Request] | None = None) -> None:
         self.aging_s = aging_s
+        self.pick = pick or _head
         self._fifos: dict[tuple[int, str], collections.deque[Request]] = {}
         self._per_tenant: dict[str, int] = {}  # tenant → requests waiting (no zeros)
         self._per_tier: collections.Counter[int] = collections.Counter()
@@ -76,6 +80,11 @@ class WaitingQueue:
     def oldest_arrival_up_to(self, tier: int) -> float | None:
         """Arrival time of the longest-waiting request in tiers 0..``tier``, or None."""
         times = [fifo[0].arrival_time for (t, _), fifo in self._fifos.items() if t <= tier]
+        return min(times) if times else None
+
+    def oldest_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request of any tier, or None."""
+        times = [fifo[0].arrival_time for fifo in self._fifos.values()]
         return min(times) if times else None
 
     def overdue(self, now: float, limit_s: collections.abc.Callable[[int], float],
@@ -143,11 +152,10 @@ class WaitingQueue:
         best, best_key = None, None
         order = self._order
         for fifo in self._fifos.values():
-            head = fifo[0]
-            key = order(head, now)
+            key = order(fifo[0], now)
             if best_key is None or key < best_key:
-                best, best_key = head, key
-        return best
+                best, best_key = fifo, key
+        return None if best is None else self.pick(best, now, self.aging_s)
 
     def best_tier(self) -> int:
         """The best (smallest) tier with a request waiting; call only when not empty."""
@@ -176,3 +184,7 @@ class WaitingQueue:
     def charge(self, tenant: str, num_tokens: int) -> None:
         """Counts tokens computed for ``tenant`` (the fairness currency)."""
         self.served[tenant] = self.served.get(tenant, 0.0) + num_tokens
+
+
+def _head(lane: collections.deque[Request], now: float, aging_s: float) -> Request:
+    return lane[0]

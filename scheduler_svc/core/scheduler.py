@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 
 from scheduler_svc.core.admission import Admission, QueueFull
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.config import SchedulerConfig, tpot_targets
+from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.isolation import Isolation
 from scheduler_svc.core.kv_events import KVEventLog
@@ -53,13 +53,7 @@ from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.running import RunningSet
-from scheduler_svc.core.step_cost import (
-    StepCost,
-    TtftGuard,
-    kv_tokens,
-    oldest_wait_s,
-    prompt_bounds,
-)
+from scheduler_svc.core.step_cost import StepCost, kv_tokens
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
@@ -95,8 +89,8 @@ class Scheduler:
         self._events: list[Event] = []
         self._step_id = 0
         self.num_prefill_alerts = 0  # steps past SchedulerConfig.prefill_alert_tokens
-        self.step_cost = StepCost()  # fed by observe_step: the SLO-aware token budget
-        self.ttft_guard = TtftGuard()  # its rationed long steps for the TTFT tail
+        self.step_cost = StepCost()  # fed by observe_step: the SLO-aware token budget's
+        self.policy = None
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self.kv_events: KVEventLog | None = None  # set before attach: index changes go there
         self.reconfigure(config)
@@ -104,10 +98,9 @@ class Scheduler:
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Replaces the config between steps (hot reload)."""
         self.config = config
-        self.policy = make_policy(config)
-        targets = tpot_targets(config)  # the SLO-aware budget is the chunked policy's
-        self._targets = targets if config.policy == "chunked" and any(targets) else ()
+        self.policy = make_policy(config, self.policy)
         self.waiting.aging_s = config.aging_s
+        self.waiting.pick = self.policy.pick
         self.admission.config = config
         self.lifecycle.config = config
 
@@ -268,7 +261,7 @@ class Scheduler:
         self._step_id += 1
         rec = StepRecord(self._step_id)
         suspect = self.isolation.next() if self.isolation.suspects else None
-        cap = self._step_cap(self.policy.prefill_cap(self.config))
+        cap = self._step_cap(self.policy.prefill_cap())
         if suspect is None or self._unconfirmed or not self.isolation.plan(
                 rec, suspect, self._step_id, cap, self.config, len(self.running),
                 self._make_room, self._events):
@@ -300,23 +293,19 @@ class Scheduler:
         prefills = self.decode_mode.schedule(rec, self.block_manager, self._step_id,
                                              bool(self._unconfirmed), self._make_room)
         self.running_set.charge_decodes(self.waiting.charge, prefills)
-        cfg = self.config
+        cfg, policy = self.config, self.policy
         budget = cfg.max_num_batched_tokens - len(rec.cached)
-        # Prompt tokens this step: the clamp's or the SLO budget's (core/step_cost.py).
-        boost = bool(self._targets) and self.ttft_guard.boost(
-            oldest_wait_s(self.waiting, prefills, self.clock()))
-        held, cap = prompt_bounds(self.step_cost, self._targets, self.running_set.per_tier,
-                                  len(rec.cached), self.block_manager, budget,
-                                  cfg.max_prefill_tokens_per_step, self.policy.prefill_cap(cfg),
-                                  boost)
+        # Prompt tokens this step: the policy's (the clamp, or the SLO-aware budget).
+        held, cap = policy.prompt_bounds(budget, len(rec.cached), prefills, self.step_cost,
+                                         self.running_set.per_tier, self.block_manager,
+                                         self.waiting, self.clock)
         cap = self._step_cap(cap)
         budget = self._schedule_prefills(rec, budget - held, prefills, cap)
         if admit and self.lifecycle.num_preemptions == preempts_before and \
                 self.policy.admission_open(num_running_at_start):
             budget = self.lifecycle.admit(rec, budget, cap,
                                           prefills, self._step_id, self._events)
-        if self._targets:
-            self.ttft_guard.note_prompts_done(rec, self.clock())
+        policy.step_planned(rec, self.clock)
         rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
         if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
             self.num_prefill_alerts += 1
@@ -352,7 +341,7 @@ class Scheduler:
         ``req`` itself was preempted (or cannot progress this step)."""
         bm = self.block_manager
         while not bm.can_grow(req.seq_id, num_tokens, 0, num_tokens - req.num_computed_tokens):
-            victim = pick_victim(self.running, req, self._step_id)
+            victim = pick_victim(self.running, req, self._step_id, self.policy.victim_key)
             if victim is req:
                 if len(self.running) == 1:
                     # Alone and the pool is full: the pool is its context limit.

@@ -32,8 +32,6 @@ import collections
 import itertools
 import math
 
-from scheduler_svc.core.config import QUEUE_TIME_FIELDS
-
 # Feature scales keep the normal equations well conditioned (x is O(1) for usual plans).
 _SCALES = (1.0, 1 / 64, 1 / 512, 1 / 65536)
 FORGET = 0.999
@@ -156,7 +154,7 @@ class TtftGuard:
 def oldest_wait_s(waiting, prefills, now: float) -> float | None:
     """How long the longest-waiting prompt without a first token has waited: a partial
     prefill's (``prefills``: running requests) or the ``waiting`` queue's oldest."""
-    oldest = waiting.oldest_arrival_up_to(len(QUEUE_TIME_FIELDS))  # every tier
+    oldest = waiting.oldest_arrival()
     for req in prefills:
         if req.num_output_tokens == 0 and (oldest is None or req.arrival_time < oldest):
             oldest = req.arrival_time

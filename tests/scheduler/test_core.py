@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from scheduler_svc.core import ConfigError, Event, FinishReason, RequestStatus, SchedulerConfig
+from scheduler_svc.core.policy import POLICIES
 from tests.scheduler.factories import (
     EOS,
     fake_execute,
@@ -35,7 +36,7 @@ def test_core_imports_no_torch_grpc_or_zmq():
         ({"chunk_size": 4096}, "chunk_size (4096) must be <="),
         ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
         ({"watermark": 0.7}, "watermark must be in [0, 0.5)"),
-        ({"policy": "fifo"}, "policy must be one of chunked, continuous, static"),
+        ({"policy": "fifo"}, f"policy must be one of {', '.join(POLICIES)}, got 'fifo'"),
         ({"aging_s": 0}, "aging_s and preemption_window_s must be > 0"),
     ],
 )

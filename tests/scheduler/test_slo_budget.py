@@ -126,8 +126,8 @@ def test_a_prompt_waiting_into_the_tail_gets_a_whole_budget_step():
         sched.add_request(make_request(prompt_len=64 + i, max_tokens=400, request_id=f"d{i}"))
         _drive(sched, 1)
     assert sched.step_cost.ready
-    sched.ttft_guard.threshold_s = 0.5  # as if the recent prompts' p95 wait were 0.5 s
-    sched.ttft_guard.credit = 1.0
+    sched.policy.ttft_guard.threshold_s = 0.5  # as if the recent prompts' p95 wait were 0.5 s
+    sched.policy.ttft_guard.credit = 1.0
     late = make_request(prompt_len=3000, max_tokens=4, request_id="late",
                         arrival_time=sched.clock() - 10.0)
     sched.add_request(late)
@@ -136,7 +136,7 @@ def test_a_prompt_waiting_into_the_tail_gets_a_whole_budget_step():
     assert late.num_output_tokens == 1  # the whole prompt in one step (less its cached
     assert out.num_prefill_tokens > 2500  # prefix), past the 40 ms target
     assert _step_ms(decodes, out.num_prefill_tokens) > 40.0
-    assert sched.ttft_guard.num_boosts == 1
+    assert sched.policy.ttft_guard.num_boosts == 1
     nxt = _drive(sched, 1)[0]  # the ration is spent: the target holds again
     assert _step_ms(nxt.num_batched_tokens - nxt.num_prefill_tokens,
                     nxt.num_prefill_tokens) <= 40.0 + 1.0

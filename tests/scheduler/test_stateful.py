@@ -53,7 +53,7 @@ from scheduler_svc.core import (
     SchedulerOutput,
 )
 from scheduler_svc.core.config import queue_time_bound
-from scheduler_svc.core.policy import make_policy
+from scheduler_svc.core.policy import POLICIES, make_policy
 from scheduler_svc.core.preemption import priority_key, victim_key
 from tests.scheduler.factories import (
     EOS,
@@ -143,9 +143,11 @@ class VictimSpy:
         self.real = real.real if isinstance(real, VictimSpy) else real
         self.forced: list[Request] = []  # protected victims (every candidate was)
 
-    def __call__(self, running: list[Request], needy: Request, step: int) -> Request:
+    def __call__(self, running: list[Request], needy: Request, step: int,
+                 key=victim_key) -> Request:
         assert needy in running and running == sorted(running, key=priority_key)
-        victim = self.real(running, needy, step)
+        assert key is victim_key, "every registered policy keeps the default victim order"
+        victim = self.real(running, needy, step, key)
         candidates = [r for r in running if r.scheduled_step != step and r is not needy]
         candidates.append(needy)
         assert victim in candidates, "the victim was already scheduled this step"
@@ -182,7 +184,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks=st.sampled_from([12, 16, 20, 24, 32, 40]),
         host=st.sampled_from([0, 16, 64]),
         swap_cost=st.sampled_from([True, True, False]),
-        policy=st.sampled_from(["chunked", "chunked", "chunked", "continuous", "static"]),
+        policy=st.sampled_from(["chunked", "chunked", *POLICIES]),  # every registered one
         max_num_seqs=st.integers(2, 8),
         budget=st.integers(8, 64),
         chunk=st.integers(4, 64),
@@ -215,7 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.model = make_model(num_blocks, BLOCK_SIZE, num_host_blocks=host,
                                 cost=SWAP_COST if swap_cost else CostModel(),
                                 kv_window=kv_window)
-        self.cap = make_policy(self.config).prefill_cap(self.config)
+        self.cap = make_policy(self.config).prefill_cap()
         self.clock = Clock(0.0)
         self.drain = drain
         self.stale_samples = stale_samples  # the executor also returns samples nobody asked for
@@ -534,7 +536,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             # Blocks it needs without any prefix hit: at least what the scheduler needs.
             need = bm.blocks_needed(w.num_tokens) + keep
             return bool(preempted
-                        or (cfg.policy == "static" and running_before)
+                        or not sched.policy.admission_open(len(running_before))
                         or len(sched.running) >= cfg.max_num_seqs
                         or out.num_batched_tokens >= cfg.max_num_batched_tokens
                         or need + prefill_reserve > bm.num_free_blocks)

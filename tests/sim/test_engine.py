@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scheduler_svc.core.policy import POLICIES
 from sim.engine import Simulation, policy_config
 from sim.report import class_rows, run, three_classes
 from sim.workload import TraceRequest, poisson_class
@@ -29,7 +30,7 @@ def tiny_trace() -> list[TraceRequest]:
     return [TraceRequest(0.05 * i, p, o) for i, (p, o) in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("policy", ["static", "continuous", "chunked"])
+@pytest.mark.parametrize("policy", POLICIES)  # every registered one, as it is registered
 def test_every_request_finishes_with_its_traced_output(policy):
     trace, cost = tiny_trace(), LinearCost()
     res = Simulation(trace, policy_config(policy, max_num_seqs=4), cost).run()
