@@ -6,12 +6,13 @@ becomes the protobuf the gRPC API takes, and the shapes of its chunks, final
 choices, logprobs and envelope. The HTTP front end never branches on which
 one it serves. Requests then go through the same `validation.validate` (via
 `gateway/admission.py`), so both APIs accept and refuse exactly the same
-things; type errors and OpenAI-only rules (temperature <= 2, `stream_options`
-only with `stream`) are checked here and in `gateway/openai_fields.py`.
+things; type errors and OpenAI-only rules (`stream_options` only with `stream`,
+`logprobs` <= 5 on completions) are checked here and in `gateway/openai_fields.py`.
 
-Extensions beyond OpenAI's fields, as in other open servers: `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, and
-Continuum's `priority` ("premium" | "standard" | "best_effort") and `tenant`.
+Extensions beyond OpenAI's fields, as in other open servers: every sampling number of
+protos/sampling_checks.py (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, ...), `ignore_eos`, `stop_token_ids`, and Continuum's `priority` (a tier
+name of protos/tiers.py) and `tenant`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from gateway.relay import finish_name
 from gateway.tokenizer import Tokenizer
 from gateway.tool_answers import ToolAnswers
 from gateway.validation import MAX_CHAT_MESSAGES
+from protos import limits
+from protos import sampling_checks as checks
 from protos.continuum.v1 import generation_pb2
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = limits.MAX_LOGPROBS  # OpenAI's top_logprobs limit
+MAX_TOKENS_RANGE = (checks.MAX_TOKENS.low, checks.MAX_TOKENS.high)
 
 
 @dataclass
@@ -120,7 +124,7 @@ class CompletionDialect(Dialect):
             raise fields.bad("prompt is required: a string or a list of token ids", "prompt")
         tool_calls.refuse(body)
         fields.common(body, proto, served_model, tokenizer.info.vocab_size)
-        proto.max_tokens = fields.integer(body, "max_tokens", 1, fields.UINT32_MAX,
+        proto.max_tokens = fields.integer(body, "max_tokens", *MAX_TOKENS_RANGE,
                                           COMPLETION_DEFAULT_MAX_TOKENS)
         logprobs = fields.integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
         if logprobs is not None:
@@ -217,9 +221,9 @@ class ChatDialect(Dialect):
         tool_calls.constrain(plan, proto.chat, proto.sampling)
         dialect = self if plan is None or plan.mode == "none" else \
             ChatDialect(ToolAnswers(plan), self.parser)
-        max_tokens = fields.integer(body, "max_completion_tokens", 1, fields.UINT32_MAX)
+        max_tokens = fields.integer(body, "max_completion_tokens", *MAX_TOKENS_RANGE)
         if max_tokens is None:
-            max_tokens = fields.integer(body, "max_tokens", 1, fields.UINT32_MAX, 0)
+            max_tokens = fields.integer(body, "max_tokens", *MAX_TOKENS_RANGE, 0)
         proto.max_tokens = max_tokens
         logprobs = fields.boolean(body, "logprobs")
         top = fields.integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)

@@ -1,29 +1,27 @@
 """Typed readers for OpenAI request fields, and the fields both dialects share.
 
-Every reader checks the JSON type and a range that fits the protobuf field it
-feeds (uint32, uint64, float32), so no client value can make a protobuf
-assignment raise (ValueError past 2^32) or overflow to inf (a float32 holds
-about 3.4e38). Semantic limits that both APIs share (n <= 16, stop caps,
-vocabulary, context) are checked once, in `gateway/validation.py`.
+Every reader checks the JSON type, then the value's range before it is assigned, so no
+client value can make a protobuf assignment raise (ValueError past 2^32) or overflow to
+inf (a float32 holds about 3.4e38). The ranges of the sampling numbers, and their
+messages, are protos/sampling_checks.py's (``NUMBERS``: a parameter added there is read
+here with no change); caps on the whole request (stop strings, vocabulary, context) are
+checked once for both APIs, in `gateway/validation.py`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
-from gateway.validation import MAX_N, MAX_STOP_TOKEN_IDS, RequestError, context_exceeded
+from gateway.validation import RequestError, context_exceeded
+from protos import sampling_checks as checks
 from protos import tiers
 from protos.continuum.v1 import generation_pb2
 from protos.echo import clip
-from protos.limits import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES
+from protos.limits import MAX_STOP_TOKEN_IDS
 
-UINT32_MAX = 2**32 - 1
-UINT64_MAX = 2**64 - 1
-# Our proto fields say int32-range for these; the largest value both ends agree on.
-INT31_MAX = 2**31 - 1
+UINT32_MAX = checks.UINT32_MAX
 # tools / tool_choice are the chat dialect's (gateway/tool_calls.py); the legacy
 # functions / function_call are not taken.
 _UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction")
@@ -33,27 +31,33 @@ def bad(message: str, param: str | None = None) -> RequestError:
     return RequestError(message, param=param)
 
 
-def number(body: dict, name: str, low: float, high: float, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad(f"{name} must be a number, got {type(value).__name__}", name)
-    if isinstance(value, int) and not low <= value <= high:  # may be too big for a float
-        raise bad(f"{name} must be between {low:g} and {high:g}, got {clip(value)}", name)
-    if not (math.isfinite(value) and low <= value <= high):
-        raise bad(f"{name} must be between {low:g} and {high:g}, got {value:g}", name)
-    return value
+def _typed(name: str, value: Any, integer: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        kind = "an integer" if integer else "a number"
+        raise bad(f"{name} must be {kind}, got {type(value).__name__}", name)
 
 
 def integer(body: dict, name: str, low: int, high: int, default=None):
+    """An integer field in [low, high] (checks.range_problem's words)."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"{name} must be an integer, got {type(value).__name__}", name)
-    if not low <= value <= high:
-        raise bad(f"{name} must be between {low} and {high}, got {clip(value)}", name)
+    _typed(name, value, integer=True)
+    if problem := checks.range_problem(name, value, low, high, integer=True):
+        raise bad(problem, name)
+    return value
+
+
+def bounded(body: dict, bound: checks.Bound):
+    """The field ``bound`` names, typed and in its interval; None when absent."""
+    value = body.get(bound.name)
+    if value is None:
+        return None
+    _typed(bound.name, value, bound.integer)
+    if bound.name == "top_k" and value == -1:
+        return 0  # vLLM's "no top-k", as 0 is ours
+    if problem := bound.problem(value):
+        raise bad(problem, bound.name)
     return value
 
 
@@ -108,10 +112,8 @@ def token_ids(value: list, name: str, max_len: int, vocab_size: int,
         if not _is_int(token_id):
             raise bad(f"{name}[{index}] must be a token id (an integer), got "
                       f"{type(token_id).__name__}", name)
-        if not 0 <= token_id < vocab_size:
-            kind = "a negative token id" if token_id < 0 else "not a token id"
-            raise bad(f"{name}[{index}] = {token_id} is {kind}: the model's vocabulary has "
-                      f"{vocab_size} tokens (ids 0..{vocab_size - 1})", name)
+    if problem := checks.token_ids_problem(name, value, vocab_size):
+        raise bad(problem, name)
     return value
 
 
@@ -140,26 +142,10 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
             raise bad(f"{name} is not supported by this server; remove it", name)
     proto.model = string(body, "model") or served_model
     sampling = proto.sampling
-    temperature = number(body, "temperature", 0.0, 2.0)
-    if temperature is not None:
-        sampling.temperature = temperature
-    top_p = number(body, "top_p", 0.0, 1.0)
-    if top_p is not None:
-        if top_p == 0:
-            raise bad("top_p must be > 0 (use temperature 0 for greedy decoding)", "top_p")
-        sampling.top_p = top_p
-    sampling.presence_penalty = number(body, "presence_penalty", -2.0, 2.0, 0.0)
-    sampling.frequency_penalty = number(body, "frequency_penalty", -2.0, 2.0, 0.0)
-    seed = integer(body, "seed", 0, UINT64_MAX)
-    if seed is not None:
-        sampling.seed = seed
-    top_k = integer(body, "top_k", -1, INT31_MAX, 0)
-    sampling.top_k = max(top_k, 0)  # -1 (as in vLLM) and 0 both mean "no top-k"
-    sampling.min_p = number(body, "min_p", 0.0, 1.0, 0.0)
-    repetition_penalty = number(body, "repetition_penalty", 0.0, 1e6)
-    if repetition_penalty is not None:
-        sampling.repetition_penalty = repetition_penalty
-    sampling.min_tokens = integer(body, "min_tokens", 0, INT31_MAX, 0)
+    for bound in checks.NUMBERS:  # temperature, top_p, top_k, min_p, penalties, seed, ...
+        value = bounded(body, bound)
+        if value is not None:
+            setattr(sampling, bound.name, value)
     sampling.ignore_eos = boolean(body, "ignore_eos")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
@@ -171,7 +157,7 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
     logit_bias(body, sampling, vocab_size)
     guided(body, sampling)
     proto.stop.extend(stop_strings(body))
-    proto.n = integer(body, "n", 1, MAX_N, 1)
+    proto.n = bounded(body, checks.N) or 1
     best_of = integer(body, "best_of", 1, UINT32_MAX)
     if best_of is not None and best_of != proto.n:
         raise bad("best_of other than n is not supported; remove it", "best_of")
@@ -181,26 +167,24 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
 
 def logit_bias(body: dict, sampling, vocab_size: int) -> None:
     """OpenAI's ``logit_bias``: an object from token ids (JSON keys, so strings of
-    digits) to biases in [-100, 100]; its size is capped before any entry is read."""
+    digits) to numbers; its size is capped before any entry is read, and the rules of
+    protos/sampling_checks.py hold before anything is assigned."""
     bias = body.get("logit_bias")
     if bias is None:
         return
     if not isinstance(bias, dict):
         raise bad("logit_bias must be an object mapping token ids to biases", "logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}",
-                  "logit_bias")
+    if problem := checks.logit_bias_size_problem(len(bias)):
+        raise bad(problem, "logit_bias")
+    parsed = {}
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
             raise bad(f"logit_bias key {clip(key)} must be a token id (digits)", "logit_bias")
-        token_id = int(key)
-        if token_id >= vocab_size:
-            raise bad(f"logit_bias key {token_id} is not a token id: the model's vocabulary "
-                      f"has {vocab_size} tokens (ids 0..{vocab_size - 1})", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, int | float) or \
-                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, "
-                      f"{MAX_LOGIT_BIAS:g}], got {clip(value)}", "logit_bias")
+        _typed(f"logit_bias[{key}]", value, integer=False)
+        parsed[int(key)] = value
+    if problem := checks.logit_bias_problem(parsed, vocab_size):
+        raise bad(problem, "logit_bias")
+    for token_id, value in parsed.items():
         sampling.logit_bias[token_id] = float(value)
 
 

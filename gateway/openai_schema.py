@@ -21,9 +21,10 @@ import enum
 from dataclasses import dataclass
 
 from gateway.openai_api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
-from gateway.openai_fields import INT31_MAX, UINT32_MAX, UINT64_MAX
-from gateway.validation import MAX_CHAT_MESSAGES, MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from gateway.validation import MAX_CHAT_MESSAGES
 from protos import limits, tiers
+from protos import sampling_checks as checks
+from protos.sampling_checks import UINT32_MAX
 
 
 class Text(enum.Enum):
@@ -115,25 +116,22 @@ GUIDED = {
     "guided_choice": array(string()),
     "guided_grammar": string(Text.LARK),
 }
+# Every sampling number, as protos/sampling_checks.py bounds it (an open low end, as
+# top_p's 0, is drawn too: it is refused). top_k also takes -1 (vLLM's "off").
+SAMPLING_NUMBERS = {
+    b.name: integer(-1 if b.name == "top_k" else b.low, b.high) if b.integer
+    else number(b.low, b.high) for b in checks.NUMBERS}
 COMMON = {
     "model": string(Text.MODEL),
-    "temperature": number(0.0, 2.0),
-    "top_p": number(0.0, 1.0),  # 0 itself is refused: greedy is temperature 0
-    "presence_penalty": number(-limits.MAX_PENALTY, limits.MAX_PENALTY),
-    "frequency_penalty": number(-limits.MAX_PENALTY, limits.MAX_PENALTY),
-    "seed": integer(0, UINT64_MAX),
-    "top_k": integer(-1, INT31_MAX),
-    "min_p": number(0.0, 1.0),
-    "repetition_penalty": number(0.0, 1e6),
-    "min_tokens": integer(0, INT31_MAX),
+    **SAMPLING_NUMBERS,
     "ignore_eos": BOOLEAN,
-    "stop_token_ids": array(TOKEN_ID, MAX_STOP_TOKEN_IDS),
+    "stop_token_ids": array(TOKEN_ID, limits.MAX_STOP_TOKEN_IDS),
     "logit_bias": Shape("map", keys=string(Text.TOKEN_ID),
                         values=number(-limits.MAX_LOGIT_BIAS, limits.MAX_LOGIT_BIAS),
                         max_items=limits.MAX_LOGIT_BIAS_ENTRIES),
     **GUIDED,
-    "stop": any_of(string(), array(string(), MAX_STOP_STRINGS)),
-    "n": integer(1, MAX_N),
+    "stop": any_of(string(), array(string(), limits.MAX_STOP_STRINGS)),
+    "n": integer(checks.N.low, checks.N.high),
     "best_of": integer(1, UINT32_MAX),  # only equal to n
     "tenant": string(Text.IDENTIFIER),
     "priority": any_of(words(*tiers.NAMES), integer(0, tiers.NUM_TIERS - 1)),
@@ -173,14 +171,14 @@ MESSAGES = array(MESSAGE, MAX_CHAT_MESSAGES)
 COMPLETIONS = {
     "prompt": any_of(string(), array(TOKEN_ID), array(string(), 1), array(array(TOKEN_ID), 1)),
     "echo": BOOLEAN,
-    "max_tokens": integer(1, UINT32_MAX),
+    "max_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
     "logprobs": integer(0, MAX_COMPLETION_LOGPROBS),
     **COMMON, **TOOLS, **UNSUPPORTED, **IGNORED,  # tools: refused on this endpoint
 }
 CHAT = {
     "messages": MESSAGES,
-    "max_completion_tokens": integer(1, UINT32_MAX),
-    "max_tokens": integer(1, UINT32_MAX),
+    "max_completion_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
+    "max_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
     "logprobs": BOOLEAN,
     "top_logprobs": integer(0, MAX_TOP_LOGPROBS),
     **COMMON, **TOOLS, **UNSUPPORTED, **IGNORED,

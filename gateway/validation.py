@@ -4,6 +4,10 @@ Every check produces a `RequestError` whose message tells the caller what to
 change; nothing a client sends may surface as INTERNAL. Cheap field checks run
 before tokenization so that a malformed request costs nothing.
 
+Sampling values, stop strings and n are checked by protos/sampling_checks.py (the
+scheduler and the OpenAI readers call the same checks, so a limit and its message
+exist once; the numbers are protos/limits.py's).
+
 Caps (a request may not cost more than it pays for), checked by length before
 any template is rendered or text tokenized. Where trusted servers have a limit
 we follow or tighten it: top_logprobs <= 20 as OpenAI; stop strings 16 x 256
@@ -26,29 +30,22 @@ running sequence). Ours beyond them:
 
 from __future__ import annotations
 
-import math
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway import sampling_extras, tool_checks
+from gateway import tool_checks
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
-from protos import limits, tiers
+from protos import limits, sampling_checks, tiers
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from protos.echo import clip, shorten
 
 # The limits the scheduler enforces again on its internal plane live in protos/limits.py.
 MAX_REQUEST_ID_CHARS = limits.MAX_REQUEST_ID_CHARS
 MAX_TENANT_CHARS = limits.MAX_TENANT_CHARS
-MAX_LOGPROBS = limits.MAX_LOGPROBS
-MAX_STOP_TOKEN_IDS = limits.MAX_STOP_TOKEN_IDS
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_BYTES = 256
-MAX_N = 16
 MAX_CHAT_MESSAGES = 1024
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_TENANT = "default"
@@ -118,21 +115,8 @@ class ValidatedRequest:
 
 
 def check_identifier(value: str, field: str, max_chars: int) -> None:
-    if len(value) > max_chars:
-        raise RequestError(
-            f"{field} is {len(value)} characters long; the limit is {max_chars}", param=field
-        )
-    bad = next((c for c in value if not " " <= c <= "~"), None)
-    if bad is not None:
-        raise RequestError(f"{field} must be printable ASCII; it contains {clip(bad)}",
-                           param=field)
-
-
-def _check_range(field: str, value: float, low: float, high: float, closed_low: bool) -> None:
-    above_low = value >= low if closed_low else value > low
-    if not (math.isfinite(value) and above_low and value <= high):
-        interval = f"{'[' if closed_low else '('}{low:g}, {high:g}]"
-        raise RequestError(f"sampling.{field} must be in {interval}, got {value:g}", param=field)
+    if problem := sampling_checks.identifier_problem(value, field, max_chars):
+        raise RequestError(problem, param=field)
 
 
 def context_exceeded(max_model_len: int, however: str, reduce: str,
@@ -147,69 +131,16 @@ def context_exceeded(max_model_len: int, however: str, reduce: str,
         param=param, error_code="context_length_exceeded")
 
 
-def _check_token_ids(field: str, ids: Sequence[int], vocab_size: int,
-                     max_len: int | None = None) -> None:
-    param = field.split(".")[-2 if field.endswith(".ids") else -1]
-    if max_len is not None and len(ids) > max_len:
-        raise RequestError(f"{field} holds {len(ids)} token ids; at most {max_len}", param=param)
-    for index, token_id in enumerate(ids):
-        if token_id >= vocab_size:
-            raise RequestError(
-                f"{field}[{index}] = {token_id} is not a token id: the model's vocabulary "
-                f"has {vocab_size} tokens (ids 0..{vocab_size - 1})",
-                param=param,
-            )
-
-
 def check_sampling(sampling: sampling_pb2.SamplingParams, tokenizer: Tokenizer) -> None:
-    vocab_size = tokenizer.info.vocab_size
-    temperature = sampling.temperature
-    if sampling.HasField("temperature") and not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestError(
-            f"sampling.temperature must be a finite number >= 0 (0 means greedy), "
-            f"got {temperature:g}",
-            param="temperature",
-        )
-    if sampling.HasField("top_p"):
-        _check_range("top_p", sampling.top_p, 0.0, 1.0, closed_low=False)
-    _check_range("min_p", sampling.min_p, 0.0, 1.0, closed_low=True)
-    if sampling.HasField("repetition_penalty"):
-        penalty = sampling.repetition_penalty
-        if not (math.isfinite(penalty) and penalty > 0):
-            raise RequestError(
-                f"sampling.repetition_penalty must be > 0, got {penalty:g}",
-                param="repetition_penalty",
-            )
-    _check_range("presence_penalty", sampling.presence_penalty, -2.0, 2.0, closed_low=True)
-    _check_range("frequency_penalty", sampling.frequency_penalty, -2.0, 2.0, closed_low=True)
-    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
-        raise RequestError(
-            f"sampling.logprobs asks for {sampling.logprobs} alternatives; at most {MAX_LOGPROBS}",
-            param="logprobs",
-        )
-    _check_token_ids("sampling.stop_token_ids", sampling.stop_token_ids, vocab_size,
-                     MAX_STOP_TOKEN_IDS)
-    if found := sampling_extras.problem(sampling, vocab_size, tokenizer.guided):
+    """protos/sampling_checks.py's checks, then a structured-output spec compiled against
+    the served tokenizer (gateway/guided_check.py)."""
+    found = (sampling_checks.sampling_problem(sampling)
+             or sampling_checks.vocabulary_problem(sampling, tokenizer.info.vocab_size))
+    if found is None and sampling.HasField("guided") and \
+            (message := tokenizer.guided.problem(sampling.guided)) is not None:
+        found = message, "response_format"
+    if found is not None:
         raise RequestError(found[0], param=found[1])
-
-
-def check_stop_strings(stop: Sequence[str]) -> None:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise RequestError(
-            f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS}", param="stop"
-        )
-    for index, text in enumerate(stop):
-        if not text:
-            raise RequestError(
-                f"stop[{index}] is empty; remove it or give a non-empty string", param="stop"
-            )
-        size = len(text.encode("utf-8"))
-        if size > MAX_STOP_STRING_BYTES:
-            raise RequestError(
-                f"stop[{index}] is {size} bytes long; each stop string is at most "
-                f"{MAX_STOP_STRING_BYTES} bytes",
-                param="stop",
-            )
 
 
 def max_prompt_chars(tokenizer: Tokenizer) -> int:
@@ -276,7 +207,9 @@ def prompt_token_ids(request: generation_pb2.GenerateRequest, tokenizer: Tokeniz
             raise context_exceeded(tokenizer.info.max_model_len,
                                    f"token_ids.ids holds {len(ids)} token ids", "token_ids.ids",
                                    "token_ids")
-        _check_token_ids("token_ids.ids", ids, tokenizer.info.vocab_size)
+        if problem := sampling_checks.token_ids_problem("token_ids.ids", ids,
+                                                        tokenizer.info.vocab_size):
+            raise RequestError(problem, param="token_ids")
     if not ids:
         raise RequestError(f"the {kind} tokenizes to zero tokens", param=kind)
     return ids
@@ -312,9 +245,10 @@ def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) 
             f"priority {request.priority} is not a known Priority value; use one of "
             f"{', '.join(generation_pb2.Priority.keys())}", param="priority"
         )
-    if request.n > MAX_N:
-        raise RequestError(f"n is {request.n}; at most {MAX_N} completions per request", param="n")
-    check_stop_strings(request.stop)
+    if request.n and (problem := sampling_checks.N.problem(request.n)):
+        raise RequestError(problem, param="n")
+    if problem := sampling_checks.stop_strings_problem(request.stop):
+        raise RequestError(problem, param="stop")
 
 
 def validate(

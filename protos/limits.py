@@ -36,6 +36,17 @@ MAX_TOOL_NAME_CHARS = 64
 MAX_TOOLS_BYTES = 48 * 1024
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
+# temperature lies in [0, MAX_TEMPERATURE] (OpenAI's range), on every API.
+MAX_TEMPERATURE = 2.0
+# repetition_penalty lies in (0, MAX_REPETITION_PENALTY]: far past any useful value, and
+# within a float32.
+MAX_REPETITION_PENALTY = 1e6
+# Completions per request (n): each is a running sequence (OpenAI allows 128).
+MAX_N = 16
+# Stop strings: at most this many per request, each at most this many bytes of UTF-8
+# (OpenAI allows 4 stop sequences; TGI's max_stop_sequences defaults to 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_BYTES = 256
 # Client values quoted in an error message or a log line: at most this many characters
 # of one (protos/echo.py), so a 900 KB model name comes back as a short 400.
 MAX_ECHO_CHARS = 100

@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.auth import ApiKeys
-from gateway.validation import MAX_STOP_STRINGS
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
+from protos.limits import MAX_STOP_STRINGS
 
 from .harness import MODEL_NAME, FakeScheduler, collect, fake_scheduler, gateway, run
 
@@ -60,19 +60,21 @@ VALIDATION_TABLE = [
     (_COMP, {"prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens",
      "context_length_exceeded", "maximum context length is"),
     (_COMP, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None, "max_tokens"),
-    (_COMP, {"prompt": "hi", "temperature": -1}, 400, "temperature", None, "between 0 and 2"),
-    (_COMP, {"prompt": "hi", "temperature": 2.5}, 400, "temperature", None, "between 0 and 2"),
+    (_COMP, {"prompt": "hi", "temperature": -1}, 400, "temperature", None, "in [0, 2]"),
+    (_COMP, {"prompt": "hi", "temperature": 2.5}, 400, "temperature", None,
+     "temperature must be in [0, 2] (0 means greedy), got 2.5"),
     (_COMP, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None, "a number"),
     (_COMP, {"prompt": "hi", "top_p": 0}, 400, "top_p", None, "top_p"),
-    (_COMP, {"prompt": "hi", "top_p": 1.5}, 400, "top_p", None, "between 0 and 1"),
+    (_COMP, {"prompt": "hi", "top_p": 1.5}, 400, "top_p", None, "top_p must be in (0, 1]"),
     (_COMP, {"prompt": "hi", "top_k": -5}, 400, "top_k", None, "top_k"),
     (_COMP, {"prompt": "hi", "min_p": 2}, 400, "min_p", None, "min_p"),
     (_COMP, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", None, "-2"),
     (_COMP, {"prompt": "hi", "frequency_penalty": -9}, 400, "frequency_penalty", None, "-2"),
-    (_COMP, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", None, "> 0"),
+    (_COMP, {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", None,
+     "repetition_penalty must be in (0, "),
     (_COMP, {"prompt": "hi", "seed": -1}, 400, "seed", None, "seed"),
     (_COMP, {"prompt": "hi", "n": 0}, 400, "n", None, "n must be"),
-    (_COMP, {"prompt": "hi", "n": 17}, 400, "n", None, "between 1 and 16"),
+    (_COMP, {"prompt": "hi", "n": 17}, 400, "n", None, "n must be an integer in [1, 16]"),
     (_COMP, {"prompt": "hi", "logprobs": 6}, 400, "logprobs", None, "logprobs"),
     (_COMP, {"prompt": "hi", "stop": 5}, 400, "stop", None, "stop must be"),
     (_COMP, {"prompt": "hi", "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, 400, "stop", None,
@@ -83,7 +85,7 @@ VALIDATION_TABLE = [
     (_COMP, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options", None, "only allowed when stream"),
     (_COMP, {"prompt": "hi", "logit_bias": {"1": 500}}, 400, "logit_bias", None,
-     "must be a number in [-100, 100]"),
+     "logit_bias[1] = 500; a bias must be in [-100, 100]"),
     (_COMP, {"prompt": "hi", "logit_bias": [1, 5]}, 400, "logit_bias", None,
      "must be an object"),
     (_COMP, {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found",
@@ -100,7 +102,7 @@ VALIDATION_TABLE = [
     (_CHAT, {"messages": _MSG, "top_logprobs": 3}, 400, "top_logprobs", None,
      "requires logprobs"),
     (_CHAT, {"messages": _MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-     None, "between 0 and 20"),
+     None, "top_logprobs must be an integer in [0, 20], got 21"),
     (_CHAT, {"messages": _MSG, "tools": [{"type": "function"}]}, 400, "tools", None,
      "function is required"),
     (_CHAT, {"messages": _MSG, "max_completion_tokens": 10**6}, 400, "max_tokens",

@@ -3,9 +3,11 @@
 The keys are found in the readers' source (every gateway module with a function that
 takes a ``body``): ``body.get("k")``, ``body["k"]``, ``"k" in body``, a reader call
 ``fields.integer(body, "k", ...)``, and ``body.get(name)`` inside ``for name in (...)``
-(a tuple literal, or a module-level tuple of names). A key read from ``body`` itself must
-be a top-level key of some endpoint; a key read from any other object (a message, a
-tool, stream_options) must be a key of some object nested in the schema. So a field
+(a tuple literal, or a module-level tuple of names); a ``Bound`` of
+protos/sampling_checks.py (``bounded(body, checks.N)``, or a loop over ``checks.NUMBERS``)
+reads its ``name``. A key read from ``body`` itself must be a top-level key of some
+endpoint; a key read from any other object (a message, a tool, stream_options) must be a
+key of some object nested in the schema. So a field
 added to a reader and not to the schema fails here, and so is never left unfuzzed.
 """
 
@@ -17,6 +19,7 @@ import pathlib
 import pytest
 
 from gateway import openai_schema as schema
+from protos import sampling_checks
 
 GATEWAY = pathlib.Path(__file__).resolve().parents[2] / "gateway"
 
@@ -31,10 +34,20 @@ def _reader_modules() -> list[pathlib.Path]:
     return found
 
 
+def _bound_names(node: ast.expr) -> list[str]:
+    """``checks.N`` / ``checks.NUMBERS``: the names of protos/sampling_checks.py's bounds."""
+    found = getattr(sampling_checks, node.attr, None) if isinstance(node, ast.Attribute) else None
+    bounds = found if isinstance(found, tuple) else (found,)
+    return [b.name for b in bounds if isinstance(b, sampling_checks.Bound)]
+
+
 def _names_of(node: ast.expr, constants: dict[str, list[str]]) -> list[str]:
-    """The strings a loop iterates: a literal tuple/list (with *NAME spliced) or NAME."""
+    """The strings a loop iterates: a literal tuple/list (with *NAME spliced), NAME, or
+    a tuple of sampling_checks bounds."""
     if isinstance(node, ast.Name):
         return constants.get(node.id, [])
+    if isinstance(node, ast.Attribute):
+        return _bound_names(node)
     if not isinstance(node, ast.Tuple | ast.List):
         return []
     out: list[str] = []
@@ -56,9 +69,10 @@ def _module_constants(tree: ast.Module) -> dict[str, list[str]]:
 
 
 def _readers(tree: ast.Module) -> set[str]:
-    """Functions that read one named field: ``def integer(body, name, ...)``."""
+    """Functions that read one named field: ``def integer(body, name, ...)``, or the field
+    a bound names: ``def bounded(body, bound)``."""
     return {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-            and [a.arg for a in node.args.args[:2]] == ["body", "name"]}
+            and [a.arg for a in node.args.args[:2]] in (["body", "name"], ["body", "bound"])}
 
 
 def _loop_names(tree: ast.Module, constants: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -81,6 +95,8 @@ class _Reads(ast.NodeVisitor):
     def _keys(self, node: ast.expr) -> list[str]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return [node.value]
+        if isinstance(node, ast.Attribute):
+            return _bound_names(node)
         return self.loops.get(node.id, []) if isinstance(node, ast.Name) else []
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -151,6 +167,8 @@ def test_a_key_read_in_any_of_those_ways_is_found():
 NAMES = ("n_tuple",)
 def integer(body, name, low, high):
     return body.get(name)
+def bounded(body, bound):
+    return body.get(bound.name)
 def parse(body, fields):
     fields.integer(body, "n_reader", 0, 1)
     opts = body["n_subscript"]
@@ -159,11 +177,15 @@ def parse(body, fields):
         pass
     for name in (*NAMES, "n_loop"):
         body.get(name)
+    for bound in checks.NUMBERS:
+        fields.bounded(body, bound)
+    fields.bounded(body, checks.N)
     return [body.get(k) for k in ("n_comprehension",)]
 """
     found = reads({"new.py": source})["new.py"]
     assert {("body", k) for k in ("n_tuple", "n_reader", "n_subscript", "n_in", "n_loop",
                                   "n_comprehension")} | {("opts", "n_nested")} <= found
+    assert {("body", b.name) for b in (*sampling_checks.NUMBERS, sampling_checks.N)} <= found
 
 
 def test_every_valid_body_uses_only_its_endpoints_keys():

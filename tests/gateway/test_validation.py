@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from protos.continuum.v1 import generation_pb2, sampling_pb2
+from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 from .harness import MODEL_NAME, collect, free_port, gateway, generation_stub, run
 
@@ -57,32 +57,33 @@ BAD_REQUESTS = {
     "negative temperature": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(temperature=-0.5)),
         INVALID,
-        "sampling.temperature must be a finite number >= 0 (0 means greedy), got -0.5",
+        "sampling.temperature must be in [0, 2] (0 means greedy), got -0.5",
     ),
     "nan temperature": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(temperature=float("nan"))),
         INVALID,
-        "sampling.temperature must be a finite number",
+        "sampling.temperature must be in [0, 2] (0 means greedy), got nan",
     ),
     "top_p zero": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(top_p=0.0)),
         INVALID,
-        "sampling.top_p must be in (0, 1], got 0",
+        "sampling.top_p must be in (0, 1] (1 keeps every token; for greedy decoding use "
+        "temperature 0), got 0",
     ),
     "top_p above one": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(top_p=1.5)),
         INVALID,
-        "sampling.top_p must be in (0, 1], got 1.5",
+        "sampling.top_p must be in (0, 1]",
     ),
     "min_p above one": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(min_p=2.0)),
         INVALID,
-        "sampling.min_p must be in [0, 1], got 2",
+        "sampling.min_p must be in [0, 1] (0 keeps every token), got 2",
     ),
     "zero repetition penalty": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(repetition_penalty=0.0)),
         INVALID,
-        "sampling.repetition_penalty must be > 0, got 0",
+        "sampling.repetition_penalty must be in (0, 1000000] (1 disables it), got 0",
     ),
     "presence penalty": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(presence_penalty=2.5)),
@@ -97,7 +98,8 @@ BAD_REQUESTS = {
     "too many logprobs": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(logprobs=21)),
         INVALID,
-        "sampling.logprobs asks for 21 alternatives; at most 20",
+        "sampling.logprobs must be an integer in [0, 20] (alternatives per generated token), "
+        "got 21",
     ),
     "stop token id out of vocab": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(stop_token_ids=[2, 60000])),
@@ -107,12 +109,12 @@ BAD_REQUESTS = {
     "logit_bias token out of vocab": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(logit_bias={60000: 1.0})),
         INVALID,
-        "logit_bias names token 60000, which is not a token id",
+        "sampling.logit_bias names token 60000, which is not a token id",
     ),
     "logit_bias past 100": (
         GenerateRequest(prompt="hi", sampling=SamplingParams(logit_bias={5: -100.5})),
         INVALID,
-        "logit_bias[5] = -100.5; a bias must be in [-100, 100]",
+        "sampling.logit_bias[5] = -100.5; a bias must be in [-100, 100]",
     ),
     "min_tokens above max_tokens": (
         GenerateRequest(prompt="hi", max_tokens=4, sampling=SamplingParams(min_tokens=5)),
@@ -240,3 +242,38 @@ def test_undecodable_request_is_invalid_argument(tokenizer, unreachable_schedule
     error = run(scenario())
     assert error.code() == INVALID
     assert "string fields must be UTF-8" in error.details()
+
+
+# One bad value per check of protos/sampling_checks.py, as (OpenAI body fields, the same
+# value as SamplingParams).
+SAME_EVERYWHERE = [
+    ({"temperature": 2.5}, SamplingParams(temperature=2.5)),
+    ({"top_p": 0}, SamplingParams(top_p=0.0)),
+    ({"min_p": 1.5}, SamplingParams(min_p=1.5)),
+    ({"repetition_penalty": 0}, SamplingParams(repetition_penalty=0.0)),
+    ({"presence_penalty": -2.5}, SamplingParams(presence_penalty=-2.5)),
+    ({"frequency_penalty": 3}, SamplingParams(frequency_penalty=3.0)),
+    ({"logit_bias": {"5": 101}}, SamplingParams(logit_bias={5: 101.0})),
+]
+
+
+@pytest.mark.parametrize("body,sampling", SAME_EVERYWHERE, ids=[str(b) for b, _ in SAME_EVERYWHERE])
+def test_the_gateway_the_openai_readers_and_the_scheduler_say_the_same(tokenizer, body,
+                                                                      sampling):
+    """One check, one message: the gRPC edge and the scheduler word a refusal alike, and
+    the OpenAI reader the same but for the field's path (``top_p``, not ``sampling.top_p``)."""
+    from gateway.openai_api import COMPLETION
+    from gateway.validation import RequestError, check_sampling
+    from scheduler_svc.validation import validate_submit
+    from tests.scheduler.factories import make_scheduler
+
+    with pytest.raises(RequestError) as at_grpc:
+        check_sampling(sampling, tokenizer)
+    with pytest.raises(RequestError) as at_http:
+        COMPLETION.parse({"prompt": "hi", **body}, MODEL_NAME, tokenizer)
+    submit = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1], max_tokens=1,
+                                         sampling=sampling)
+    at_scheduler = validate_submit(submit, make_scheduler())
+    assert at_grpc.value.message == at_scheduler
+    assert at_grpc.value.message == "sampling." + at_http.value.message
+    assert at_grpc.value.param == at_http.value.param == next(iter(body))

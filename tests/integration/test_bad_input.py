@@ -139,9 +139,9 @@ ROWS = [
     ("Infinity literal", http_row(COMP, b'{"prompt": "hi", "top_p": -Infinity}'), 400,
      "-Infinity"),
     ("1e400 temperature", http_row(COMP, b'{"prompt": "hi", "temperature": 1e400}'), 400,
-     "temperature must be between 0 and 2"),
+     "temperature must be in [0, 2]"),
     ("1e39 penalty (past float32)", http_row(COMP, {"prompt": "hi", "presence_penalty": 1e39}),
-     400, "presence_penalty must be between -2 and 2"),
+     400, "presence_penalty must be in [-2, 2]"),
     ("not JSON", http_row(COMP, b"{prompt: hi}"), 400, "not valid JSON"),
     ("empty body", http_row(COMP, b""), 400, "not valid JSON"),
     # The default body limit of an 8k context (1 MiB), on both APIs.
@@ -154,8 +154,9 @@ ROWS = [
     ("5000-digit integer", http_row(COMP, b'{"prompt": "hi", "n": 1' + b"0" * 5000 + b"}"),
      400, "not valid JSON"),
     # HTTP: integers past the protobuf field types
-    ("n past 2^32", http_row(COMP, {"prompt": "hi", "n": 2**32}), 400, "n must be between"),
-    ("n 17", http_row(COMP, {"prompt": "hi", "n": 17}), 400, "between 1 and 16"),
+    ("n past 2^32", http_row(COMP, {"prompt": "hi", "n": 2**32}), 400,
+     "n must be an integer in [1, 16]"),
+    ("n 17", http_row(COMP, {"prompt": "hi", "n": 17}), 400, "in [1, 16]"),
     ("prompt id past 2^32", http_row(COMP, {"prompt": [1, 2**32]}), 400,
      "prompt[1] = 4294967296 is not a token id"),
     ("negative prompt id", http_row(COMP, {"prompt": [5, -1]}), 400, "negative token id"),
@@ -165,11 +166,11 @@ ROWS = [
         "prompt": "hi", "stop_token_ids": list(range(VOCAB)), "min_tokens": 1,
         "max_tokens": 2}), 400, "stop_token_ids holds 49152 token ids; at most 128"),
     ("max_tokens past 2^32", http_row(COMP, {"prompt": "hi", "max_tokens": 2**32 + 1}), 400,
-     "max_tokens must be between 1 and 4294967295"),
+     "max_tokens must be an integer in [1, 4294967295]"),
     ("seed past 2^64", http_row(COMP, {"prompt": "hi", "seed": 2**64}), 400,
-     "seed must be between 0 and 18446744073709551615"),
-    ("min_tokens past int31", http_row(COMP, {"prompt": "hi", "min_tokens": 2**40}), 400,
-     "min_tokens must be between"),
+     "seed must be an integer in [0, 18446744073709551615]"),
+    ("min_tokens past uint32", http_row(COMP, {"prompt": "hi", "min_tokens": 2**40}), 400,
+     "min_tokens must be an integer in [0, 4294967295]"),
     ("top_logprobs float", http_row(CHAT, {"messages": MSG, "logprobs": True,
                                            "top_logprobs": 1.5}), 400,
      "top_logprobs must be an integer"),
@@ -231,7 +232,8 @@ ROWS = [
     ("unknown model", openai_row(lambda c: c.completions.create(
         model="gpt-4", prompt="hi", max_tokens=1)), 404, "is not served here"),
     ("logit_bias out of range", openai_row(lambda c: c.chat.completions.create(
-        model="", messages=MSG, logit_bias={"1": 500})), 400, "must be a number in [-100, 100]"),
+        model="", messages=MSG, logit_bias={"1": 500})), 400,
+     "a bias must be in [-100, 100]"),
     ("logit_bias past the vocabulary", openai_row(lambda c: c.chat.completions.create(
         model="", messages=MSG, logit_bias={"4000000": 1})), 400, "is not a token id"),
     # gRPC: stubs
@@ -242,12 +244,12 @@ ROWS = [
      "may not use priority 'premium'"),
     ("grpc: inf temperature", grpc_row(gen.GenerateRequest(
         prompt="hi", sampling=_S(temperature=float("inf")))), INVALID,
-     "sampling.temperature must be a finite number"),
+     "sampling.temperature must be in [0, 2] (0 means greedy), got inf"),
     ("grpc: penalty past float32", grpc_row(gen.GenerateRequest(
         prompt="hi", sampling=_S(frequency_penalty=1e39))), INVALID,
      "sampling.frequency_penalty must be in [-2, 2], got inf"),
     ("grpc: n = 2^32 - 1", grpc_row(gen.GenerateRequest(prompt="hi", n=2**32 - 1)), INVALID,
-     "at most 16 completions"),
+     "n must be an integer in [1, 16] (completions per request)"),
     ("grpc: 129 stop token ids", grpc_row(gen.GenerateRequest(
         prompt="hi", sampling=_S(stop_token_ids=list(range(129))))), INVALID,
      "sampling.stop_token_ids holds 129 token ids; at most 128"),
