@@ -2,8 +2,9 @@
 
 Order per row: penalties (repetition on prompt + output, presence/frequency on output),
 then min_tokens (EOS and stop ids banned until enough output), then greedy argmax when
-temperature == 0, else temperature -> softmax -> min_p / top_k / top_p -> one draw with a
-uniform number derived from (request seed, token position) (executor_svc/sampling_ops.py).
+temperature == 0, else temperature -> softmax -> min_p / top_k / top_p / typical_p -> one
+draw with a uniform number derived from (request seed, token position)
+(executor_svc/sampling_ops.py).
 Rows are batched; only penalties and logprobs loop over the rows that ask for them.
 
 Each row's own work (its grammar mask, logit bias, penalties, bans, draw, matcher advance,
@@ -42,6 +43,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    typical_p: float = 1.0  # 1: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -61,6 +63,7 @@ class SamplingConfig:
             top_p=p.top_p if has("top_p") else 1.0,
             top_k=p.top_k,
             min_p=p.min_p,
+            typical_p=p.typical_p if has("typical_p") else 1.0,
             repetition_penalty=p.repetition_penalty if has("repetition_penalty") else 1.0,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
@@ -266,6 +269,9 @@ class Sampler:
             top_k=torch.tensor([c.top_k for c in cfgs], dtype=torch.int64, device=device),
             top_p=torch.tensor([c.top_p for c in cfgs], device=device),
             min_p=torch.tensor([c.min_p for c in cfgs], device=device),
+            # None when no row asks for it: the rows that do not pay nothing for it
+            typical_p=(torch.tensor([c.typical_p for c in cfgs], device=device)
+                       if any(c.typical_p < 1 for c in cfgs) else None),
         )
         uniforms = torch.tensor([row_uniform(rows[i].seed, rows[i].position) for i in sampled],
                                 dtype=torch.float64, device=device)

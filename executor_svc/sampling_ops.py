@@ -55,21 +55,47 @@ def filter_probs(
     top_k: torch.Tensor,  # [R] int64, 0 = off
     top_p: torch.Tensor,  # [R] float, 1 = off
     min_p: torch.Tensor,  # [R] float, 0 = off
+    typical_p: torch.Tensor | None = None,  # [R] float, 1 = off; None: every row off
 ) -> torch.Tensor:  # [R, V], filtered-out tokens at 0 (not renormalized; draw() needs not)
     if bool((min_p > 0).any()):
         floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = torch.where(probs < floor, 0.0, probs)
     rows = ((top_k > 0) | (top_p < 1)).nonzero().flatten()
-    if len(rows) == 0:
-        return probs
-    sub = probs.index_select(0, rows)  # [J, V]
-    vocab = sub.shape[-1]
-    k = min(vocab, max(CANDIDATES, int(top_k[rows].max())))
-    filtered, short = _keep_nucleus(sub, top_k[rows], top_p[rows], k)
-    if bool(short.any()):  # the nucleus runs past the candidates: use every token
-        again, _ = _keep_nucleus(sub[short], top_k[rows][short], top_p[rows][short], vocab)
-        filtered[short] = again
-    return probs.index_copy(0, rows, filtered)
+    if len(rows):
+        sub = probs.index_select(0, rows)  # [J, V]
+        vocab = sub.shape[-1]
+        k = min(vocab, max(CANDIDATES, int(top_k[rows].max())))
+        filtered, short = _keep_nucleus(sub, top_k[rows], top_p[rows], k)
+        if bool(short.any()):  # the nucleus runs past the candidates: use every token
+            again, _ = _keep_nucleus(sub[short], top_k[rows][short], top_p[rows][short], vocab)
+            filtered[short] = again
+        probs = probs.index_copy(0, rows, filtered)
+    if typical_p is not None:
+        rows = (typical_p < 1).nonzero().flatten()
+        if len(rows):
+            kept = _keep_typical(probs.index_select(0, rows), typical_p[rows])
+            probs = probs.index_copy(0, rows, kept)
+    return probs
+
+
+def _keep_typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022, as transformers' TypicalLogitsWarper):
+    rank tokens by how far their surprisal -log p lies from the entropy H, and keep the
+    closest until their mass reaches ``mass``, the one that crosses it and any tied with it
+    included; the closest token always stays. Applied after top-k / top-p, so H is the
+    entropy of what those kept (renormalized).
+
+    probs [J, V] >= 0 (zeros: filtered out already; they rank last and stay 0),
+    mass [J] in (0, 1) -> [J, V]."""
+    p = probs / probs.sum(dim=-1, keepdim=True)
+    logp = torch.log(p)  # -inf where p == 0
+    entropy = -(p * logp).nansum(dim=-1, keepdim=True)  # [J, 1]; 0 * -inf counts 0
+    distance, order = (-logp - entropy).abs().sort(dim=-1)  # [J, V], closest first
+    before_mass = p.gather(-1, order).cumsum(dim=-1) < mass[:, None]
+    last = before_mass.sum(dim=-1, keepdim=True).clamp_(max=p.shape[-1] - 1)  # [J, 1]
+    drop = distance > distance.gather(-1, last)
+    drop[:, 0] = False
+    return probs.masked_fill(drop.scatter(1, order, drop), 0.0)
 
 
 def _keep_nucleus(probs, top_k, top_p, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,6 +77,7 @@ NUMBERS = (
           note="1 keeps every token; for greedy decoding use temperature 0"),
     Bound("top_k", 0, UINT32_MAX, integer=True, note="0 keeps every token"),
     Bound("min_p", 0.0, 1.0, note="0 keeps every token"),
+    Bound("typical_p", 0.0, 1.0, low_open=True, note="1 keeps every token"),
     Bound("repetition_penalty", 0.0, limits.MAX_REPETITION_PENALTY, low_open=True,
           note="1 disables it"),
     Bound("presence_penalty", -limits.MAX_PENALTY, limits.MAX_PENALTY),

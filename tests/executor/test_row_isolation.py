@@ -31,13 +31,14 @@ MAX_TOKENS = 6
 
 
 def _sampling(i: int) -> sampling_pb2.SamplingParams:
-    """Greedy rows, one with penalties and logprobs, one drawn with a seed: each stage
-    runs for some healthy row too."""
+    """Greedy rows, one with penalties and logprobs, one drawn with a seed and every
+    filter (top_k, min_p, typical_p): each stage runs for some healthy row too."""
     if i == 1:
         return sampling_pb2.SamplingParams(temperature=0.0, repetition_penalty=1.3,
                                            presence_penalty=0.5, logprobs=2)
     if i == 2:
-        return sampling_pb2.SamplingParams(temperature=0.8, top_k=40, seed=7, min_tokens=2)
+        return sampling_pb2.SamplingParams(temperature=0.8, top_k=40, min_p=0.01,
+                                           typical_p=0.9, seed=7, min_tokens=2)
     return sampling_pb2.SamplingParams(temperature=0.0)
 
 

@@ -163,3 +163,41 @@ def test_logit_bias_forces_bans_and_shifts_before_choosing():
     proto = sampling_pb2.SamplingParams(logit_bias={4: -2.5, 7: 1.0})
     cfg = SamplingConfig.from_proto(proto)
     assert dict(zip(*cfg.logit_bias, strict=True)) == {4: -2.5, 7: 1.0}
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_p_keeps_what_transformers_typical_warper_keeps(mass):
+    """Against transformers' TypicalLogitsWarper on random logits: the same tokens kept,
+    row by row, in a batch whose other rows ask for no typical_p (they stay unfiltered)
+    or combine it with top_k (applied first, as transformers' warper order does)."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(int(mass * 100))
+    logits = torch.randn(6, 4000, generator=gen) * torch.tensor([[0.5], [1], [2], [3], [4], [1]])
+    warper = transformers.TypicalLogitsWarper(mass=mass)
+    want = ~torch.isinf(warper(None, logits.clone()))  # [R, V], kept
+    probs = torch.softmax(logits, dim=-1)
+    typical = torch.tensor([mass] * 5 + [1.0])
+    got = filter_probs(probs, torch.zeros(6, dtype=torch.int64), torch.ones(6),
+                       torch.zeros(6), typical) > 0
+    assert torch.equal(got[:5], want[:5])
+    assert bool(got[5].all())  # typical_p 1: untouched
+    top = filter_probs(probs[:1], torch.tensor([50]), torch.ones(1), torch.zeros(1),
+                       typical[:1]) > 0
+    top_k = transformers.TopKLogitsWarper(top_k=50)(None, logits[:1].clone())
+    assert torch.equal(top, ~torch.isinf(warper(None, top_k)))
+
+
+def test_typical_p_from_the_proto_and_in_a_draw():
+    assert SamplingConfig.from_proto(sampling_pb2.SamplingParams()).typical_p == 1.0
+    cfg = SamplingConfig.from_proto(sampling_pb2.SamplingParams(typical_p=0.3, seed=5))
+    assert cfg.typical_p == pytest.approx(0.3)
+    logits = logits_for(0, 1)
+    probs = torch.softmax(logits, dim=-1)
+    kept_ids = set((filter_probs(probs[:1], torch.zeros(1, dtype=torch.int64), torch.ones(1),
+                                 torch.zeros(1), torch.tensor([0.3]))[0] > 0)
+                   .nonzero().flatten().tolist())
+    sampler = Sampler(())
+    for position in range(40):  # every draw is one of the typical set; the other row is free
+        out = sampler.sample(logits.clone(), [row(cfg, position, seed=5),
+                                              row(SamplingConfig(), position)])
+        assert out.token_ids[0] in kept_ids

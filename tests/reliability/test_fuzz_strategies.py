@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from benchmarks.reliability import body_strategies as bodies
 from benchmarks.reliability import proto_strategies as protos
 from gateway import openai_schema
+from protos import sampling_checks
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
 
@@ -42,7 +43,8 @@ def _set_paths(msg, above: str = "") -> set[str]:
 def test_the_walk_finds_every_field_of_every_nested_message():
     names = {_name(p) for p in PATHS}
     assert {"prompt", "chat.messages.tool_calls.arguments", "chat.tools.parameters",
-            "sampling.logit_bias", "sampling.guided.lark", "token_ids.ids", "priority"} <= names
+            "sampling.logit_bias", "sampling.guided.lark", "sampling.typical_p",
+            "token_ids.ids", "priority"} <= names
     for message in (sampling_pb2.SamplingParams, sampling_pb2.Guided, gen.ToolCall):
         for field in message.DESCRIPTOR.fields:
             assert any(p[-1] is field for p in PATHS), field.full_name
@@ -97,6 +99,13 @@ def test_no_drawn_request_asks_for_a_long_generation(req):
 def test_every_key_of_every_endpoint_is_swept():
     for path, fields in openai_schema.ENDPOINTS.items():
         assert set(fields) <= set(bodies.field_names(path)), path
+    # every sampling number, typical_p included, with its range from protos/sampling_checks.py
+    for bound in sampling_checks.NUMBERS:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert bound.name in bodies.field_names(path), (path, bound.name)
+        shape = openai_schema.COMMON[bound.name]
+        assert shape.high == bound.high and shape.kind == ("integer" if bound.integer
+                                                           else "number")
 
 
 @settings(SETTINGS, max_examples=100)

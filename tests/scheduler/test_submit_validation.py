@@ -46,6 +46,8 @@ WITHOUT_MODEL = [
     ({"sampling": S(top_p=NAN)}, "sampling.top_p"),
     ({"sampling": S(min_p=-0.1)}, "sampling.min_p must be in [0, 1]"),
     ({"sampling": S(min_p=INF)}, "sampling.min_p"),
+    ({"sampling": S(typical_p=0.0)}, "sampling.typical_p must be in (0, 1]"),
+    ({"sampling": S(typical_p=NAN)}, "sampling.typical_p"),
     ({"sampling": S(repetition_penalty=0.0)}, "sampling.repetition_penalty must be in (0, "),
     ({"sampling": S(repetition_penalty=INF)}, "sampling.repetition_penalty"),
     ({"sampling": S(presence_penalty=2.5)}, "sampling.presence_penalty must be in [-2, 2]"),
@@ -96,7 +98,7 @@ def test_fields_that_need_the_model(fields, message):
 
 
 def test_the_limits_themselves_pass():
-    top = S(temperature=0.0, top_p=1.0, min_p=1.0, repetition_penalty=1e-3,
+    top = S(temperature=0.0, top_p=1.0, min_p=1.0, typical_p=1.0, repetition_penalty=1e-3,
             presence_penalty=-2.0, frequency_penalty=2.0, logprobs=limits.MAX_LOGPROBS,
             stop_token_ids=[999] * limits.MAX_STOP_TOKEN_IDS, top_k=2**32 - 1,
             seed=2**64 - 1)
