@@ -4,7 +4,8 @@ Blocks are allocated as tokens are computed (never worst case up front) and
 released the moment a sequence finishes, aborts or is preempted.
 
 Prefix caching: a full block is keyed by a chain hash
-``hash((parent_hash, block_tokens))`` and registered (the scheduler registers
+``hash((parent_hash, block_tokens))`` in the index (core/prefix_index.py) and
+registered (the scheduler registers
 prompt blocks as prefill computes them, decoded ones when the sequence leaves
 the running set). A new sequence whose prompt starts with the same full
 blocks shares them (ref-counted, read-only) and computes only the rest. A
@@ -16,9 +17,9 @@ Every device block is in exactly one of three states:
     ============  ==========  =========================================
     state         ref_count   where
     ============  ==========  =========================================
-    free          0           ``_free`` (no valid content)
-    cached-free   0           ``_evictable`` (LRU order) + ``_by_hash``
-    owned         >= 1        in ref_count tables (maybe also hashed)
+    free          0           the pool's ``free`` (no valid content)
+    cached-free   0           the pool's ``evictable`` (LRU order) + the index
+    owned         >= 1        in block tables (maybe also indexed)
     ============  ==========  =========================================
 
 Sliding windows: where every layer of the model attends to at most ``window`` trailing
@@ -30,6 +31,9 @@ appends) stays the same; every attention kernel reads only a row's window
 (kernels/attention.py), so those entries are never read, whoever owns the block now. A
 sequence then holds at most ``blocks_needed(any)`` blocks, which is what admission and
 the pool-size checks ask for.
+
+The blocks themselves are core/block_pool.py's, the host (swap) pool core/host_pool.py's;
+``swap_out``/``swap_in`` move a sequence between the two.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from __future__ import annotations
 import collections
 import enum
 
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.host_pool import HostPool
 from scheduler_svc.core.kv_events import KVEventLog
 
 
@@ -70,24 +76,13 @@ class BlockManager:
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref = [0] * num_blocks
-        self._hash: list[int | None] = [None] * num_blocks
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # collision check
-        self._by_hash: dict[int, int] = {}
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
-        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._pool = BlockPool(num_blocks, block_size, events)
         self._tables: dict[int, list[int]] = {}
         # seq → how many of its first blocks were considered for the index (registered,
         # or shared from it); their hashes are the first entries of its ``hashes`` list.
         self._num_registered: dict[int, int] = {}
-        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self._host_tables: dict[int, list[int]] = {}
-        self._swapped_registered: dict[int, int] = {}
-        self.num_cache_queries = 0  # prompt blocks looked up
-        self.num_cache_hits = 0  # of those, found cached
+        self._host = HostPool(num_host_blocks)
         self.events = events
-        if events is not None:
-            events.cleared()
         # window: every layer's widest sliding window in tokens (0: some layer sees the
         # whole context, nothing is released). max_step_tokens: the most tokens one step
         # computes for a sequence, which bounds a sequence's blocks under a window.
@@ -107,15 +102,26 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free + cached-free)."""
-        return len(self._free) + len(self._evictable)
+        pool = self._pool
+        return len(pool.free) + len(pool.evictable)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return len(self._evictable)
+        return len(self._pool.evictable)
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        return self._host.num_free
+
+    @property
+    def num_cache_queries(self) -> int:
+        """Prompt blocks looked up in the prefix cache."""
+        return self._pool.index.num_queries
+
+    @property
+    def num_cache_hits(self) -> int:
+        """Of those, found cached."""
+        return self._pool.index.num_hits
 
     @property
     def usage(self) -> float:
@@ -136,7 +142,7 @@ class BlockManager:
         return self._released.get(seq_id, 0)
 
     def host_table(self, seq_id: int) -> list[int]:
-        return self._host_tables.get(seq_id, [])
+        return self._host.table(seq_id)
 
     def num_new_blocks(self, seq_id: int, num_tokens: int, computing: int = 0) -> int:
         """Blocks the pool gives up for ``seq_id`` to hold ``num_tokens`` positions (hot
@@ -150,7 +156,7 @@ class BlockManager:
     def _num_releasable(self, seq_id: int, first_query: int) -> int:
         """Blocks ``_release_behind(seq_id, first_query)`` would return to the pool."""
         upto = (first_query - self.window) // self.block_size
-        ref = self._ref
+        ref = self._pool.ref
         return sum(ref[b] == 1 for b in self._tables[seq_id][self._released.get(seq_id, 0):upto])
 
     # -- growing ----------------------------------------------------------------------
@@ -173,7 +179,7 @@ class BlockManager:
         if self.window and table is not None:
             self._release_behind(seq_id, num_tokens - (computing or num_tokens))
         assert need <= self.num_free_blocks, "grow() without can_grow()"
-        new = self._take_blocks(need)
+        new = self._pool.take(need)
         if table is None:
             self._tables[seq_id] = new[:]
         else:
@@ -183,15 +189,7 @@ class BlockManager:
     def append_block(self, seq_id: int) -> int:
         """Appends one block to ``seq_id``'s table (a decode crossing into a new
         block: the hot case of ``grow``); needs ``num_free_blocks > 0``."""
-        if self._free:
-            block = self._free.pop()
-        else:
-            block = self._evictable.popitem(last=False)[0]
-            del self._by_hash[self._hash[block]]
-            if self.events is not None:
-                self.events.removed([self._hash[block]])
-            self._hash[block] = None
-        self._ref[block] = 1
+        block = self._pool.take_one()
         self._tables[seq_id].append(block)
         return block
 
@@ -207,7 +205,8 @@ class BlockManager:
             return NEEDS_GROW
         if self.window:
             self._release_behind(seq_id, num_tokens - 1)
-        if not (self._free or self._evictable):
+        pool = self._pool
+        if not (pool.free or pool.evictable):
             return NEEDS_GROW
         return self.append_block(seq_id)
 
@@ -219,108 +218,44 @@ class BlockManager:
         done = self._released.get(seq_id, 0)
         if upto <= done:
             return
-        table = self._tables[seq_id]
-        ref, block_hash, free, evictable = self._ref, self._hash, self._free, self._evictable
-        for i in range(upto - 1, done - 1, -1):
-            block = table[i]
-            left = ref[block] - 1
-            ref[block] = left
-            if left == 0:
-                if block_hash[block] is None:
-                    free.append(block)
-                else:
-                    evictable[block] = None
+        self._pool.release(self._tables[seq_id][done:upto][::-1])
         self._released[seq_id] = upto
-
-    def _take_blocks(self, n: int) -> list[int]:
-        """``n`` blocks, free ones first (in ``pop()`` order), then LRU evictions."""
-        free = self._free
-        if n <= 0:
-            return []
-        if len(free) >= n:
-            new = free[-n:]
-            del free[-n:]
-            new.reverse()
-        else:
-            new = free[::-1]
-            free.clear()
-            evictable, by_hash, hashes = self._evictable, self._by_hash, self._hash
-            # An evicted block's stored tokens stay until it is registered again: only
-            # a block found through ``_by_hash`` has them compared.
-            evicted = []
-            for _ in range(n - len(new)):
-                block = evictable.popitem(last=False)[0]
-                evicted.append(hashes[block])
-                del by_hash[hashes[block]]
-                hashes[block] = None
-                new.append(block)
-            if self.events is not None:
-                self.events.removed(evicted)
-        ref = self._ref
-        for block in new:
-            ref[block] = 1
-        return new
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def num_cached_prefix(self, token_ids: list[int],
-                          hashes: list[int]) -> tuple[list[int], int]:
+    def num_cached_prefix(self, token_ids: list[int], hashes: list[int],
+                          count: bool = True) -> tuple[list[int], int]:
         """Cached blocks matching the longest full-block prefix of ``token_ids``.
 
         ``hashes`` is the sequence's hash cache (chain hashes of its first full
         blocks); it is extended as far as the lookup goes. Returns (block ids,
         the chain hash of the last). At least one token is always left to
-        compute, so the step that completes the prompt samples.
+        compute, so the step that completes the prompt samples. ``count``: the
+        look-up counts in the hit statistics (``num_cache_queries``/``_hits``).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        bs = self.block_size
-        by_hash, stored = self._by_hash, self._tokens
-        hits: list[int] = []
-        parent = 0
-        for i in range((len(token_ids) - 1) // bs):
-            chunk = None
-            if i < len(hashes):
-                h = hashes[i]
-            else:
-                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-                h = hash((parent, chunk))
-                hashes.append(h)
-            self.num_cache_queries += 1
-            block = by_hash.get(h)
-            if block is None:
-                break
-            if chunk is None:
-                chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            if stored[block] != chunk:  # a hash collision: not the same tokens
-                break
-            self.num_cache_hits += 1
-            hits.append(block)
-            parent = h
-        return hits, parent
+        return self._pool.index.lookup(token_ids, hashes, count)
 
     @property
     def num_swapped(self) -> int:
         """Sequences whose KV is in the host pool now."""
-        return len(self._host_tables)
+        return self._host.num_swapped
 
     def num_exclusive(self, seq_id: int) -> int:
         """Device blocks only ``seq_id`` holds (what freeing it gives back)."""
-        ref = self._ref
+        ref = self._pool.ref
         table = self._tables.get(seq_id, ())
         return sum(1 for b in table[self._released.get(seq_id, 0):] if ref[b] == 1)
 
     def num_unreferenced(self, blocks: list[int]) -> int:
         """How many of ``blocks`` are cached-free (sharing them takes them from the pool)."""
-        return sum(1 for b in blocks if self._ref[b] == 0)
+        return self._pool.num_unreferenced(blocks)
 
     def share_prefix(self, seq_id: int, blocks: list[int]) -> None:
         """Starts ``seq_id``'s table with cached ``blocks`` (from num_cached_prefix)."""
         assert seq_id not in self._tables, "share_prefix() on a sequence with blocks"
-        for block in blocks:
-            if self._ref[block] == 0:
-                del self._evictable[block]
-            self._ref[block] += 1
+        self._pool.share(blocks)
         self._tables[seq_id] = list(blocks)
         self._num_registered[seq_id] = len(blocks)
 
@@ -328,14 +263,8 @@ class BlockManager:
         """Extends ``hashes`` (a sequence's hash cache) to its first ``num_blocks`` full
         blocks. The scheduler calls it as a request arrives, so admission and prefill
         only look the hashes up."""
-        if not self.enable_prefix_caching:
-            return
-        bs = self.block_size
-        parent = hashes[-1] if hashes else 0
-        append = hashes.append
-        for start in range(len(hashes) * bs, num_blocks * bs, bs):
-            parent = hash((parent, tuple(token_ids[start:start + bs])))
-            append(parent)
+        if self.enable_prefix_caching:
+            self._pool.index.extend_hashes(token_ids, hashes, num_blocks)
 
     def register_full_blocks(self, seq_id: int, token_ids: list[int], hashes: list[int],
                              num_computed: int) -> None:
@@ -352,45 +281,18 @@ class BlockManager:
         if start >= full:
             return
         self._num_registered[seq_id] = full
-        table = self._tables[seq_id]
-        released = self._released.get(seq_id, 0)  # their entries are not theirs
-        by_hash, block_hash, stored = self._by_hash, self._hash, self._tokens
-        num_hashed = len(hashes)
-        parent = hashes[start - 1] if start else 0
-        indexed: list[int] | None = None if self.events is None else []
-        for i in range(start, full):
-            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            if i < num_hashed:
-                h = hashes[i]
-            else:
-                h = hash((parent, chunk))
-                hashes.append(h)
-            parent = h
-            block = table[i]
-            if i >= released and h not in by_hash and block_hash[block] is None:
-                by_hash[h] = block
-                block_hash[block] = h
-                stored[block] = chunk
-                if indexed is not None:
-                    indexed.append(i)
-        if indexed:
-            self.events.stored_runs(indexed, hashes, token_ids, bs)
+        self._pool.index.register(self._tables[seq_id], token_ids, hashes, start, full,
+                             self._released.get(seq_id, 0))
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):
         cached-free blocks become free and no block is found by hash again."""
-        self._free.extend(reversed(self._evictable))
-        self._evictable.clear()
-        self._by_hash.clear()
-        self._hash = [None] * self.num_blocks
-        self._tokens = [None] * self.num_blocks
-        if self.events is not None:
-            self.events.cleared()
+        self._pool.forget_cached()
 
     def indexed_blocks(self) -> dict[int, tuple[int, ...]]:
         """The hash index now: chain hash → the block's token ids (what a subscriber
         to the KV events must have rebuilt)."""
-        return {h: self._tokens[block] for h, block in self._by_hash.items()}
+        return self._pool.index.indexed_blocks()
 
     # -- release ----------------------------------------------------------------------
 
@@ -404,26 +306,14 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         released = self._released.pop(seq_id, 0)
         if table:
-            ref, block_hash = self._ref, self._hash
-            free, evictable = self._free, self._evictable
-            for block in reversed(table[released:]):
-                left = ref[block] - 1
-                ref[block] = left
-                if left == 0:
-                    if block_hash[block] is None:
-                        free.append(block)
-                    else:
-                        evictable[block] = None
-        host = self._host_tables.pop(seq_id, None)
-        if host:
-            self._host_free.extend(host)
-        self._swapped_registered.pop(seq_id, None)
+            self._pool.release(reversed(table[released:]))
+        self._host.release(seq_id)
 
     # -- swap ---------------------------------------------------------------------------
 
     def can_swap_out(self, seq_id: int) -> bool:
         return (len(self.block_table(seq_id)) - self._released.get(seq_id, 0)
-                <= len(self._host_free))
+                <= self._host.num_free)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Moves ``seq_id``'s KV to host blocks; returns (device, host) copy pairs.
@@ -432,12 +322,11 @@ class BlockManager:
         their other users or the cache: the copy happens before anyone writes)."""
         released = self._released.get(seq_id, 0)
         table = self._tables[seq_id][released:]
-        host = [self._host_free.pop() for _ in table]
+        host = self._host.take(len(table))
         pairs = list(zip(table, host, strict=True))
         num_registered = self._num_registered.get(seq_id, 0)
         self.free(seq_id)
-        self._host_tables[seq_id] = host
-        self._swapped_registered[seq_id] = num_registered
+        self._host.hold(seq_id, host, num_registered)
         if released:
             self._released[seq_id] = released  # the entries stay released on the host
         return pairs
@@ -447,14 +336,13 @@ class BlockManager:
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Brings ``seq_id``'s KV back into fresh device blocks; returns (host, device)."""
-        host = self._host_tables.pop(seq_id)
-        device = self._take_blocks(len(host))
+        host, num_registered = self._host.give_back(seq_id)
+        device = self._pool.take(len(host))
         released = self._released.get(seq_id, 0)
         # Released entries: any id in range (never read); the first block's.
         self._tables[seq_id] = [device[0]] * released + device if released else device
         # Registration continues where it was (the swapped-in copies stay unindexed).
-        self._num_registered[seq_id] = self._swapped_registered.pop(seq_id)
-        self._host_free.extend(host)
+        self._num_registered[seq_id] = num_registered
         return list(zip(host, device, strict=True))
 
     # -- checks -------------------------------------------------------------------------
@@ -462,16 +350,5 @@ class BlockManager:
     def assert_invariants(self) -> None:
         owners = collections.Counter(b for s, t in self._tables.items()
                                      for b in t[self._released.get(s, 0):])
-        for block in range(self.num_blocks):
-            assert self._ref[block] == owners.get(block, 0), f"ref count of block {block}"
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a block is free twice"
-        assert not (free & evictable) and not (free & owners.keys()), "free block owned"
-        assert not (evictable & owners.keys()), "cached-free block owned"
-        assert len(free) + len(evictable) + len(owners) == self.num_blocks, "blocks leaked"
-        for h, block in self._by_hash.items():
-            assert self._hash[block] == h, "hash index out of date"
-        assert all(self._hash[b] is not None for b in evictable), "unhashed block cached"
-        host_owned = [b for t in self._host_tables.values() for b in t]
-        assert len(host_owned) == len(set(host_owned)), "a host block is owned twice"
-        assert len(host_owned) + len(self._host_free) == self.num_host_blocks, "host leak"
+        self._pool.assert_invariants(owners)
+        self._host.assert_invariants()

@@ -3,7 +3,7 @@
 The hottest path of the scheduler is "every running sequence decodes one token". A
 sequence in decode mode is not touched for that: advancing the shared DecodeClock
 (in ``schedule``) gives each of them one more computed token and this step as its last
-scheduled one (``Request.num_computed_tokens`` reads ``_computed + clock.epoch``).
+scheduled one (``Request.num_computed_tokens`` reads ``computed_base + clock.epoch``).
 Their seq ids and token lists are kept as two dicts in one order (``ids``,
 ``tokens``), which become the plan's bulk columns as they are.
 
@@ -16,8 +16,8 @@ preemption — happens in explicit mode, one sequence at a time.
     ===========  ==================  =====================================
     mode         in                  num_computed_tokens
     ===========  ==================  =====================================
-    explicit     ``explicit``        ``req._computed``
-    decode mode  ``ids``/``tokens``  ``req._computed + clock.epoch``
+    explicit     ``explicit``        ``req.computed_base``
+    decode mode  ``ids``/``tokens``  ``req.computed_base + clock.epoch``
     ===========  ==================  =====================================
 """
 
@@ -37,7 +37,7 @@ _DUE_START, _DUE_LEAVE = 0, 1
 # The smallest block size decode mode is used for (below it every step is a boundary).
 MIN_BLOCK_SIZE = 2
 _seq_id = operator.attrgetter("seq_id")
-_order_key = operator.attrgetter("_order_key")  # the RunningSet's priority order
+_order_key = operator.attrgetter("running_key")  # the RunningSet's priority order
 
 
 class DecodeMode:
@@ -66,7 +66,7 @@ class DecodeMode:
 
     def remove(self, req: Request) -> None:
         """``req`` left the running set."""
-        if req._clock is not None:
+        if req.decode_clock is not None:
             self.leave(req)
         del self.explicit[req]
         self._num_removed += 1
@@ -124,11 +124,11 @@ class DecodeMode:
         clock = self.clock
         if starts and self._num_removed != removed_before:  # the bulk's tail: less
             blocks = [b for r, b in zip(starts, blocks, strict=True)  # preempted ones
-                      if r._clock is clock]
+                      if r.decode_clock is clock]
         clock.epoch += 1  # everything in decode mode decodes in ``step``: this is their
         clock.step = step  # "num_computed_tokens += 1; scheduled_step = step"
         for req in leave_after:
-            if req._clock is clock:
+            if req.decode_clock is clock:
                 self.leave(req)
         bs = bm.block_size
         if bs >= MIN_BLOCK_SIZE:
@@ -164,8 +164,8 @@ class DecodeMode:
         append = decodes.append
         grew: list[tuple[int, list[int]]] = []
         for req in order:
-            if req._clock is clock:  # in decode mode, and its token starts a block
-                c = req._computed + epoch
+            if req.decode_clock is clock:  # in decode mode, and its token starts a block
+                c = req.computed_base + epoch
                 block = bm.try_append_block(req.seq_id, c + 1)
                 if block is not NEEDS_GROW:
                     if block is not None:
@@ -180,7 +180,7 @@ class DecodeMode:
                 self.leave(req)  # it may have to preempt: one by one
             if req.status is not running:
                 continue  # preempted earlier in this loop
-            computed = req._computed
+            computed = req.computed_base
             pending = len(req.token_ids) - computed
             if pending != 1 and (pending or not ahead
                                  or computed + 1 >= req.length_limit):
@@ -196,8 +196,8 @@ class DecodeMode:
                         grew.append((len(decodes), new))
                 elif block is not None:
                     grew.append((len(decodes), [block]))
-            req._computed = computed + 1
-            req._scheduled_step = step
+            req.computed_base = computed + 1
+            req.scheduled_base = step
             append(req)
         return grew
 
@@ -205,20 +205,20 @@ class DecodeMode:
         """After the clock advanced: ``req`` (explicit, just given a decode) rides the
         clock from now on, unless its next sample could already be its last."""
         clock = self.clock
-        c = req._computed
+        c = req.computed_base
         if not self._plan(req, c, clock.epoch, bs):
             return
-        req._computed = c - clock.epoch
-        req._clock = clock
+        req.computed_base = c - clock.epoch
+        req.decode_clock = clock
         del self.explicit[req]
         self.ids[req] = req.seq_id
         self.tokens[req] = req.token_ids
 
     def leave(self, req: Request) -> None:
-        clock = req._clock
-        req._computed += clock.epoch
-        req._scheduled_step = clock.step
-        req._clock = None
+        clock = req.decode_clock
+        req.computed_base += clock.epoch
+        req.scheduled_base = clock.step
+        req.decode_clock = None
         del self.ids[req]
         del self.tokens[req]
         self._event.pop(req, None)
@@ -258,10 +258,10 @@ class DecodeMode:
         assert self.ids.keys() | self.explicit.keys() == set(running)
         assert self._event.keys() <= self.ids.keys()
         for req, seq_id in self.ids.items():
-            assert req._clock is clock and seq_id == req.seq_id
+            assert req.decode_clock is clock and seq_id == req.seq_id
             assert self.tokens[req] is req.token_ids
             epoch = self._event[req] >> 1
             assert epoch >= clock.epoch, "its event is past"
             assert req in self._due.get(epoch, ()), "no event planned"
         for req in self.explicit:
-            assert req._clock is None
+            assert req.decode_clock is None

@@ -24,14 +24,23 @@ _MAX_SOLO_SHIFT = 6
 
 class Isolation:
     """The suspects, in the order they failed, and their steps of their own (``plan``).
-    ``suspects`` is shared with the Lifecycle, which drops a request from it as it ends."""
+    A suspect that ended meanwhile (aborted, finished) is dropped as it is met."""
 
-    __slots__ = ("suspects", "_lifecycle")
+    __slots__ = ("_suspects", "_lifecycle")
 
-    def __init__(self, suspects: dict[Request, None], lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle) -> None:
         # Requests in a failed step, not yet through their steps of their own.
-        self.suspects = suspects
+        self._suspects: dict[Request, None] = {}
         self._lifecycle = lifecycle
+
+    @property
+    def active(self) -> bool:
+        """Some suspect has not yet completed its steps of its own."""
+        suspects = self._suspects
+        if suspects:
+            for req in [r for r in suspects if r.is_finished]:
+                del suspects[req]
+        return bool(suspects)
 
     def step_failed(self, scheduled: list[Request], why: str,
                     max_step_failures: int) -> list[Event]:
@@ -43,7 +52,7 @@ class Isolation:
             req.num_failed_steps += 1
             if len(scheduled) > 1 or req.num_failed_steps < max_step_failures:
                 req.num_solo_steps_due = 1 << min(req.num_failed_steps - 1, _MAX_SOLO_SHIFT)
-                self.suspects[req] = None
+                self._suspects[req] = None
                 continue
             req.error = (f"the executor failed {req.num_failed_steps} times while "
                          f"computing this request, the last time alone ({why}); it was "
@@ -70,10 +79,11 @@ class Isolation:
     def next(self) -> Request | None:
         """The suspect whose steps of its own have begun, else the first waiting one."""
         first = None
-        for req in self.suspects:
+        for req in self._suspects:
             if req.status == RequestStatus.RUNNING:
                 return req
-            first = first or req
+            if first is None and not req.is_finished:
+                first = req
         return first
 
     def plan(self, rec: StepRecord, req: Request, step: int, cap: int,
@@ -94,9 +104,9 @@ class Isolation:
             events.append(Event(req, None, FinishReason.LENGTH))
             return False
         if req.status == RequestStatus.SWAPPED:
-            n = lc.swap_in(req, rec, budget, cap, 0, step)
+            n, _ = lc.swap_in(req, rec, budget, cap, 0, step)
         else:
-            n = lc.start(req, rec, budget, cap, 0, step)
+            n, _ = lc.start(req, rec, budget, cap, 0, step)
         if n:
             rec.isolated = req
             rec.num_batched_tokens = n
@@ -121,8 +131,8 @@ class Isolation:
     def solo_step_done(self, req: Request) -> None:
         req.num_solo_steps_due -= 1
         if req.num_solo_steps_due <= 0:
-            self.suspects.pop(req, None)
+            self._suspects.pop(req, None)
 
     def discard(self, req: Request) -> None:
         """``req`` ended, or has nothing to run alone."""
-        self.suspects.pop(req, None)
+        self._suspects.pop(req, None)

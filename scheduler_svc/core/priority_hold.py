@@ -7,9 +7,9 @@ planned (a victim chosen later would already hold a token of this step), the wai
 queue's best request may preempt running sequences of a strictly worse tier when it
 cannot start for lack of a slot or of KV blocks:
 
-* victims by the usual rule (core/preemption.py ``victim_key``: lowest tier, then
-  one that has shown no token, then the most recently admitted), recompute or swap
-  by the cost model as for any preemption (reason ``priority``);
+* victims in the policy's victim order (by default core/preemption.py ``victim_key``:
+  lowest tier, then one that has shown no token, then the most recently admitted),
+  recompute or swap by the cost model as for any preemption (reason ``priority``);
 * never a protected sequence (the thrash guard: max_preemptions in
   preemption_window_s), never one that, queued again, would be admitted before the
   request it made room for (a starving one: it would take its slot straight back);
@@ -29,59 +29,89 @@ step (core/scheduler.py): priority preemption does not add to a pool already sho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler_svc.core.lifecycle import Lifecycle
-from scheduler_svc.core.preemption import victim_key
-from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import Request, RequestStatus
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 
-def hold_priority(lc: Lifecycle, waiting: WaitingQueue, running: list[Request],
-                  max_num_seqs: int) -> int:
-    """Preempts for the waiting queue's best request as the module docstring says;
-    returns how many were preempted. Looks only when the last admission left a request
-    without room or a better tier arrived to full slots (``lc.wants_room``), then at the
-    worst running tier and the best waiting one before anything costlier; the request
-    the last admission could not fit and its need are taken as admission counted them."""
-    if lc.held_back:
-        lc.held_back.clear()
-    if not lc.wants_room:
-        return 0
-    lc.wants_room = False  # the next admission that finds no room sets it again
-    if not running or not waiting or waiting.best_tier() >= running[-1].priority_tier:
-        return 0
-    now = lc._clock()
-    head, need = lc.blocked, lc.blocked_need
-    if head is None or head.status not in _QUEUED:  # the slots were short, or an arrival
-        if len(running) < max_num_seqs:
-            return 0  # a slot came free since: admission tries (and records a KV need)
-        head, need = waiting.peek(now), None
-    tier = head.priority_tier
-    if tier >= running[-1].priority_tier:
-        return 0  # the head is a starving request of a worse tier: it waits its turn
-    bm = lc.block_manager
-    # The blocks admission kept free for the running last time (core/lifecycle.py
-    # admit: the watermark or a block per decode, plus the running prefills' blocks).
-    reserve = max(lc.reserve, lc._admission.watermark_blocks(bm))
-    if need is None:
-        need = _blocks_needed(lc, head)
-    short_slots = len(running) - max_num_seqs + 1
-    short_blocks = need + reserve - bm.num_free_blocks
-    if short_slots <= 0 and short_blocks <= 0:
-        return 0  # it fits: admission starts it (or the budget did not reach it)
-    victims = _victims(lc, waiting, running, head, now, short_slots, short_blocks)
-    for req in victims:
-        lc.preempt(req, "priority")
-    lc.held_back.update(victims)  # none of them resumes in this step's admission
-    return len(victims)
+class PriorityHold:
+    """What the last admission step left for priority hold (core/admit.py writes it):
+    whether a request found no room (``wants_room``, also set by an arrival of a better
+    tier to full slots), the blocks that admission kept free (``reserve``), the request
+    that did not fit and its device blocks (``blocked``, ``blocked_need``; None, 0: the
+    slots were short); and the sequences preempted for priority in this step
+    (``held_back``: none of them resumes in this step's admission)."""
+
+    __slots__ = ("wants_room", "reserve", "blocked", "blocked_need", "held_back")
+
+    def __init__(self) -> None:
+        self.wants_room = False
+        self.reserve = 0
+        self.blocked: Request | None = None
+        self.blocked_need = 0
+        self.held_back: set[Request] = set()
+
+    @property
+    def pending(self) -> bool:
+        """``hold`` has something to do: a request wants room, or the last step's
+        ``held_back`` is to be cleared."""
+        return self.wants_room or bool(self.held_back)
+
+    def arrived(self, req: Request, running: list[Request], max_num_seqs: int) -> None:
+        """``req`` was queued: with no slot free, a better tier than the worst running may
+        preempt at the next step."""
+        if len(running) >= max_num_seqs and req.priority_tier < running[-1].priority_tier:
+            self.wants_room = True
+
+    def hold(self, lc: Lifecycle, watermark_blocks: int, max_num_seqs: int,
+             victim_key: Callable[[Request], tuple]) -> int:
+        """Preempts for the waiting queue's best request as the module docstring says;
+        returns how many were preempted. Looks only when the last admission left a
+        request without room or a better tier arrived to full slots, then at the worst
+        running tier and the best waiting one before anything costlier; the request the
+        last admission could not fit and its need are taken as admission counted them.
+        ``watermark_blocks``: admission's; ``victim_key``: the policy's victim order."""
+        if self.held_back:
+            self.held_back.clear()
+        if not self.wants_room:
+            return 0
+        self.wants_room = False  # the next admission that finds no room sets it again
+        waiting, running = lc.waiting, lc.running_set.order
+        if not running or not waiting or waiting.best_tier() >= running[-1].priority_tier:
+            return 0
+        now = lc.clock()
+        head, need = self.blocked, self.blocked_need
+        if head is None or head.status not in _QUEUED:  # the slots were short, or an arrival
+            if len(running) < max_num_seqs:
+                return 0  # a slot came free since: admission tries (and records a KV need)
+            head, need = waiting.peek(now), None
+        if head.priority_tier >= running[-1].priority_tier:
+            return 0  # the head is a starving request of a worse tier: it waits its turn
+        bm = lc.block_manager
+        # The blocks admission kept free for the running last time (core/admit.py: the
+        # watermark or a block per decode, plus the running prefills' blocks).
+        reserve = max(self.reserve, watermark_blocks)
+        if need is None:
+            need = _blocks_needed(bm, head)
+        short_slots = len(running) - max_num_seqs + 1
+        short_blocks = need + reserve - bm.num_free_blocks
+        if short_slots <= 0 and short_blocks <= 0:
+            return 0  # it fits: admission starts it (or the budget did not reach it)
+        victims = _victims(lc, head, now, short_slots, short_blocks, victim_key)
+        for req in victims:
+            lc.preempt(req, "priority")
+        self.held_back.update(victims)  # none of them resumes in this step's admission
+        return len(victims)
 
 
-def _victims(lc: Lifecycle, waiting: WaitingQueue, running: list[Request], head: Request,
-             now: float, short_slots: int, short_blocks: int) -> list[Request]:
+def _victims(lc: Lifecycle, head: Request, now: float, short_slots: int, short_blocks: int,
+             victim_key: Callable[[Request], tuple]) -> list[Request]:
     """The fewest running sequences, in victim order, whose slots and blocks make room
     for ``head``; none when all of them would not."""
-    bm = lc.block_manager
+    bm, waiting, running = lc.block_manager, lc.waiting, lc.running_set.order
     tier = head.priority_tier
     i = len(running)  # the running set is in (tier, admission) order: worse tiers last
     while i and running[i - 1].priority_tier > tier:
@@ -100,14 +130,11 @@ def _victims(lc: Lifecycle, waiting: WaitingQueue, running: list[Request], head:
     return []  # even every eligible victim would not make room
 
 
-def _blocks_needed(lc: Lifecycle, req: Request) -> int:
+def _blocks_needed(bm, req: Request) -> int:
     """Device blocks ``req`` takes to start (as ``Lifecycle.start``/``swap_in`` count);
     a look-up that does not count in the prefix cache's hit statistics."""
-    bm = lc.block_manager
     total = bm.blocks_needed(len(req.token_ids))
     if req.status == RequestStatus.SWAPPED:
         return total
-    queries, hits_before = bm.num_cache_queries, bm.num_cache_hits
-    hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
-    bm.num_cache_queries, bm.num_cache_hits = queries, hits_before
+    hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes, count=False)
     return total - len(hits) + bm.num_unreferenced(hits)

@@ -31,8 +31,8 @@ class DecodeClock:
     """What every sequence in decode mode shares: each ``schedule()`` that advances
     the clock gives each of them one more computed token without touching them.
 
-    A sequence enters decode mode with ``_computed = computed − epoch``; its
-    computed count is then ``_computed + epoch`` and its last scheduled step
+    A sequence enters decode mode with ``computed_base = computed − epoch``; its
+    computed count is then ``computed_base + epoch`` and its last scheduled step
     ``step``. It leaves (its count written back) before anything else changes it.
     """
 
@@ -70,14 +70,14 @@ class Request:
     # State. The fields every step reads or writes come first, side by side, so one
     # sequence's per-step work touches as few cache lines as possible.
     # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three:
-    # in decode mode (``_clock`` set) they advance with the scheduler's DecodeClock
+    # in decode mode (``decode_clock`` set) they advance with the scheduler's DecodeClock
     # instead of being written every step. Only the scheduler's DecodeMode
-    # (core/decode_mode.py) sets ``_clock``, and its explicit decode loop writes
-    # ``_computed``/``_scheduled_step`` directly (hot path); everyone else uses the
+    # (core/decode_mode.py) sets ``decode_clock``, and its explicit decode loop writes
+    # ``computed_base``/``scheduled_base`` directly (hot path); everyone else uses the
     # properties.
-    _computed: int = dataclasses.field(default=0, init=False, repr=False)
-    _scheduled_step: int = dataclasses.field(default=-1, init=False, repr=False)
-    _clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)
+    computed_base: int = dataclasses.field(default=0, init=False, repr=False)
+    scheduled_base: int = dataclasses.field(default=-1, init=False, repr=False)
+    decode_clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)
     status: RequestStatus = RequestStatus.WAITING
     # Filled at admission from the executor's model: what ends it.
     stop_ids: frozenset[int] = frozenset()
@@ -109,29 +109,29 @@ class Request:
     block_hashes: list[int] = dataclasses.field(default_factory=list)
 
     # Its priority_key as one int, set by the RunningSet (core/running.py) as it starts.
-    _order_key: int = dataclasses.field(default=0, init=False, repr=False)
+    running_key: int = dataclasses.field(default=0, init=False, repr=False)
 
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose K/V the executor holds or computes in a step already planned."""
-        clock = self._clock
-        return self._computed if clock is None else self._computed + clock.epoch
+        clock = self.decode_clock
+        return self.computed_base if clock is None else self.computed_base + clock.epoch
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
-        clock = self._clock
-        self._computed = value if clock is None else value - clock.epoch
+        clock = self.decode_clock
+        self.computed_base = value if clock is None else value - clock.epoch
 
     @property
     def scheduled_step(self) -> int:
         """The last step that gave it tokens."""
-        clock = self._clock
-        return self._scheduled_step if clock is None else clock.step
+        clock = self.decode_clock
+        return self.scheduled_base if clock is None else clock.step
 
     @scheduled_step.setter
     def scheduled_step(self, value: int) -> None:
-        assert self._clock is None, "a sequence in decode mode is scheduled by its clock"
-        self._scheduled_step = value
+        assert self.decode_clock is None, "a sequence in decode mode is scheduled by its clock"
+        self.scheduled_base = value
 
     @property
     def num_tokens(self) -> int:

@@ -15,41 +15,26 @@ from collections.abc import Callable
 from scheduler_svc.core.plan import Event, StepRecord
 from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.running import RunningSet
+from scheduler_svc.core.unanswered import Unanswered
 
 _repeat = itertools.repeat
 
 
 class ResultApplier:
-    """Folds sampled tokens into the running sequences (``by_seq``) and the preempted
-    ones whose sample was still pending (``awaiting``). A request a token ends is ended
-    through ``end_running`` / ``end_waiting`` (the scheduler's transitions)."""
+    """Folds sampled tokens into the running sequences (``running``) and the preempted
+    ones whose sample was still pending (``unanswered.awaiting``). A request a token ends
+    is ended through ``end_running`` / ``end_waiting`` (the lifecycle's transitions)."""
 
-    def __init__(self, running: RunningSet,
+    def __init__(self, running: RunningSet, unanswered: Unanswered,
                  end_running: Callable[[Request, FinishReason], None],
                  end_waiting: Callable[[Request, FinishReason], None]) -> None:
+        self._running_set = running
         self._by_seq = running.by_seq
-        self._running = running.order
+        self._unanswered = unanswered
         self._end_running = end_running
         self._end_waiting = end_waiting
-        # Preempted while their sample from an unanswered step was pending: that sample
-        # still counts (a synchronous scheduler would have had it before preempting).
-        self.awaiting: dict[int, Request] = {}
-        self._stop_sets: dict[frozenset[int], frozenset[int]] = {}
-        self._stop_union: frozenset[int] = frozenset()  # of every set in _stop_sets
         self.num_columnar_updates = 0  # answers applied column-wise, and the rest
         self.num_update_fallbacks = 0
-
-    def intern_stops(self, req: Request) -> None:
-        """Requests share one object per distinct stop set (fewer cache lines per step),
-        and every running one's is in the union the bulk's stop filter uses."""
-        interned = self._stop_sets.get(req.stop_ids)
-        if interned is None:
-            if len(self._stop_sets) > 1024:
-                self._stop_sets.clear()
-                self._stop_union = frozenset().union(*(r.stop_ids for r in self._running))
-            interned = self._stop_sets[req.stop_ids] = req.stop_ids
-            self._stop_union |= interned
-        req.stop_ids = interned
 
     def apply_columnar(self, rec: StepRecord, seq_ids: list[int], token_ids: list[int],
                        events: list[Event]) -> None:
@@ -122,7 +107,7 @@ class ResultApplier:
         base = len(events)
         # Plain 4-tuples, not Events, here too.
         events.extend(zip(reqs, tokens, _repeat(None), _repeat(None), strict=False))
-        stop = self._stop_union
+        stop = self._running_set.stop_union
         if stop.isdisjoint(tokens):
             return
         for i in itertools.compress(range(hi - lo), map(stop.__contains__, tokens)):
@@ -136,7 +121,7 @@ class ResultApplier:
     def apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
                        events: list[Event]) -> None:
         """Samples of step ``step_id`` for sequences preempted after it was sent."""
-        awaiting = self.awaiting
+        awaiting = self._unanswered.awaiting
         for seq_id, token in zip(seq_ids, token_ids, strict=True):
             req = awaiting.get(seq_id)
             if req is None or req.scheduled_step != step_id or req.is_finished:

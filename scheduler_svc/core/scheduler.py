@@ -14,13 +14,14 @@ Order of one iteration (docs/design.md §3):
    that lacks a slot or KV preempts the worst running (core/priority_hold.py).
 
 ``schedule()`` returns the plan (immutable, core/plan.py) and keeps a StepRecord of
-it; ``update()`` applies the executor's answer to that record (core/results.py).
-The collaborators each own their state: the running set (core/running.py), decode
-mode and the decode step (core/decode_mode.py), the transitions and the request
-registry (core/lifecycle.py), admission at Submit (core/admission.py), poison-request
-isolation (core/isolation.py), the waiting queue and the block manager. This module
-keeps the iteration: ``schedule`` → steps 2–5 → ``update``, and the executor's
-lifecycle (attach, detach, resync).
+it until its answer (core/unanswered.py); ``update()`` applies the answer to that
+record (core/results.py). Each piece of state has one owner: where a request is and
+the executor's model and block manager (core/lifecycle.py, over the waiting queue,
+the running set and decode mode), admission at Submit (core/admission.py), priority
+hold (core/priority_hold.py), the suspects (core/isolation.py), what differs between
+policies (core/policy.py); steps 1b–5 are core/batch.py's. This module keeps the
+iteration's frame (``schedule`` → steps → ``update``), the request API and the
+executor's attach, detach and resync.
 
 The output is columnar (lists of ids and counts) because the per-step path
 is hot: at 256 running sequences the whole schedule + update must stay in
@@ -39,21 +40,19 @@ import time
 from collections.abc import Callable, Sequence
 
 from scheduler_svc.core.admission import Admission, QueueFull
+from scheduler_svc.core.batch import BatchPlanner, step_cap
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.isolation import Isolation
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecord
-from scheduler_svc.core.policy import make_policy
-from scheduler_svc.core.preemption import pick_victim
-from scheduler_svc.core.priority_hold import hold_priority
-from scheduler_svc.core.queue import WaitingQueue
+from scheduler_svc.core.policy import Policy, make_policy
+from scheduler_svc.core.priority_hold import PriorityHold
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
-from scheduler_svc.core.running import RunningSet
 from scheduler_svc.core.step_cost import StepCost, kv_tokens
+from scheduler_svc.core.unanswered import Unanswered
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
@@ -68,41 +67,54 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.model: ModelInfo | None = None
-        self.block_manager: BlockManager | None = None
-        self.running_set = RunningSet()
-        self.running = self.running_set.order  # priority order: (tier, admission)
-        self.decode_mode = DecodeMode()
-        self.waiting = WaitingQueue(config.aging_s)
-        self.admission = Admission(config, self.waiting, self.running_set)
-        suspects: dict[Request, None] = {}  # core/isolation.py's
         # Steps planned and not yet answered (update) nor voided: a refused plan's drop
         # list (finished_seq_ids) is sent again. More than one only when scheduling ahead.
-        self._unconfirmed: collections.deque[StepRecord] = collections.deque()
-        self.lifecycle = lc = Lifecycle(config, clock, self.waiting, self.running_set,
-                                        self.decode_mode, self.admission, suspects,
-                                        self._unconfirmed)
-        self.isolation = Isolation(suspects, lc)
+        self.unanswered = Unanswered()
+        # The lifecycle owns where each request is and the executor's model and blocks;
+        # these names read its objects (never replaced).
+        self.lifecycle = lc = Lifecycle(config, clock, self.unanswered)
+        self.waiting, self.running_set, self.decode_mode = \
+            lc.waiting, lc.running_set, lc.decode_mode
+        self.running = self.running_set.order  # priority order: (tier, admission)
         self.requests = lc.requests  # every live request, by id
-        self.results = lc.results = ResultApplier(self.running_set, lc.end_running,
-                                                  lc.end_waiting)
+        self.admission = Admission(config, self.waiting, self.running_set)
+        lc.on_served = self.admission.finished  # Little's law's W and L, as requests end
+        self.hold = PriorityHold()
+        self.batch = BatchPlanner(lc, self.admission, self.hold, self.unanswered)
+        self.isolation = Isolation(lc)
+        self.results = ResultApplier(self.running_set, self.unanswered, lc.end_running,
+                                     lc.end_waiting)
         self._events: list[Event] = []
         self._step_id = 0
-        self.num_prefill_alerts = 0  # steps past SchedulerConfig.prefill_alert_tokens
         self.step_cost = StepCost()  # fed by observe_step: the SLO-aware token budget's
-        self.policy = None
-        self._hashed_block_size = 0  # the block size of every request's block_hashes
+        self.policy: Policy | None = None
         self.kv_events: KVEventLog | None = None  # set before attach: index changes go there
         self.reconfigure(config)
 
     def reconfigure(self, config: SchedulerConfig) -> None:
-        """Replaces the config between steps (hot reload)."""
+        """Replaces the config between steps (hot reload); each component is handed the
+        fields it reads (docs/style.md habit 6)."""
         self.config = config
         self.policy = make_policy(config, self.policy)
         self.waiting.aging_s = config.aging_s
         self.waiting.pick = self.policy.pick
         self.admission.config = config
         self.lifecycle.config = config
+
+    @property
+    def model(self) -> ModelInfo | None:
+        """The current executor's (core/lifecycle.py owns it); None while there is none."""
+        return self.lifecycle.model
+
+    @property
+    def block_manager(self) -> BlockManager | None:
+        """The current executor's KV pool (core/lifecycle.py owns it)."""
+        return self.lifecycle.block_manager
+
+    @property
+    def num_prefill_alerts(self) -> int:
+        """Steps past SchedulerConfig.prefill_alert_tokens."""
+        return self.batch.num_prefill_alerts
 
     @property
     def num_finished(self) -> int:
@@ -137,25 +149,12 @@ class Scheduler:
     def attach_executor(self, model: ModelInfo) -> None:
         """A new executor incarnation: its KV cache is empty, so every running or
         swapped sequence goes back to the queue to be recomputed."""
-        self._reset_kv()
-        if model.block_size != self._hashed_block_size:  # block hashes depend on it
-            for req in self.requests.values():
-                req.block_hashes.clear()
-            self._hashed_block_size = model.block_size
-        self.model = self.lifecycle.model = model
+        self.lifecycle.attach(model, self.kv_events)
         self.admission.serving_since = None  # set by the first admission step
-        self.block_manager = self.lifecycle.block_manager = BlockManager(
-            model.num_blocks, model.block_size, model.num_host_blocks,
-            self.config.enable_prefix_caching, self.kv_events, model.kv_window,
-            self.config.max_num_batched_tokens)
 
     def detach_executor(self) -> None:
         """The executor is gone: nothing runs until ``attach_executor``."""
-        self._reset_kv()
-        if self.kv_events is not None:  # its cache went with it
-            self.kv_events.cleared()
-        self.model = self.lifecycle.model = None
-        self.block_manager = self.lifecycle.block_manager = None
+        self.lifecycle.detach(self.kv_events)
 
     def resync(self) -> None:
         """The executor refused a plan: drop everything it holds and recompute
@@ -167,23 +166,7 @@ class Scheduler:
         sequences are recomputed too, and the drop list is sent again. Plans built
         after it (scheduling ahead) are void too: answers to them must not be applied
         (the caller ignores them), and their drop lists are sent again as well."""
-        for unanswered in self._unconfirmed:
-            self.lifecycle.to_drop.extend(unanswered.plan.finished_seq_ids)
-        self._forget_unconfirmed()
-        self.lifecycle.recompute_all("resync", free_swapped=True)
-        self.block_manager.forget_cached()
-
-    def _reset_kv(self) -> None:
-        self.lifecycle.recompute_all("executor_restart", free_swapped=False)
-        self.lifecycle.to_drop.clear()
-        self._forget_unconfirmed()
-        self.lifecycle.swap_out.clear()
-
-    def _forget_unconfirmed(self) -> None:
-        """No answer will be applied to the plans built so far: their pending samples are
-        dropped (every running sequence is recomputed from its token history)."""
-        self._unconfirmed.clear()
-        self.results.awaiting.clear()
+        self.lifecycle.resync()
 
     # -- poison requests (core/isolation.py) -------------------------------------------
 
@@ -191,7 +174,7 @@ class Scheduler:
     def isolating(self) -> bool:
         """Some request failed a step and has not yet completed its steps of its own: the
         loop keeps one plan in flight, so such a step is built when nothing else runs."""
-        return bool(self.isolation.suspects)
+        return self.isolation.active
 
     def step_failed(self, out: SchedulerOutput, why: str) -> list[Event]:
         """The executor raised, hung or died running ``out``: every request in it failed a
@@ -220,12 +203,8 @@ class Scheduler:
         if self.block_manager is not None:  # hash the prompt now, not in a step
             self.block_manager.extend_hashes(req.token_ids, req.block_hashes,
                                              len(req.token_ids) // self.model.block_size)
-        self.requests[req.request_id] = req
-        self.waiting.push(req)
-        running = self.running
-        if len(running) >= self.config.max_num_seqs and \
-                req.priority_tier < running[-1].priority_tier:
-            self.lifecycle.wants_room = True  # no slot: it may preempt (priority_hold.py)
+        self.lifecycle.enqueue(req)
+        self.hold.arrived(req, self.running, self.config.max_num_seqs)
 
     def admission_problem(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request can never be served by the current executor, or None."""
@@ -260,98 +239,28 @@ class Scheduler:
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         rec = StepRecord(self._step_id)
-        suspect = self.isolation.next() if self.isolation.suspects else None
-        cap = self._step_cap(self.policy.prefill_cap())
-        if suspect is None or self._unconfirmed or not self.isolation.plan(
-                rec, suspect, self._step_id, cap, self.config, len(self.running),
-                self._make_room, self._events):
-            self._schedule_batch(rec, admit=suspect is None)
+        isolation = self.isolation
+        suspect = isolation.next() if isolation.active else None
+        if suspect is None or self.unanswered.records or not isolation.plan(
+                rec, suspect, self._step_id,
+                step_cap(self.block_manager, self.policy.prefill_cap()), self.config,
+                len(self.running), self._make_room, self._events):
+            self.batch.plan(rec, suspect is None, self._step_id, self.config, self.policy,
+                            self.step_cost, self._make_room, self._events)
         lc = self.lifecycle
         to_drop, lc.to_drop = lc.to_drop, []
         swap_out, lc.swap_out = lc.swap_out, []
         out = rec.freeze(to_drop, swap_out)
         if not out.is_empty:  # an empty plan is never sent, so never answered
-            self._unconfirmed.append(rec)
+            self.unanswered.sent(rec)
             rec.list_samplers()
         return out
 
-    def _schedule_batch(self, rec: StepRecord, admit: bool) -> None:
-        """Steps 2-5 of an iteration. ``admit`` False while a suspect waits for a step of
-        its own: nobody overtakes it, and the running sequences drain the pool for it."""
-        num_running_at_start = len(self.running)
-        if admit and self.policy.admission_open(num_running_at_start):
-            # Step 1b (core/priority_hold.py): a better tier waiting for a slot or KV
-            # preempts the worst running, before any of them is given this step's decode.
-            hold_priority(self.lifecycle, self.waiting, self.running,
-                          self.config.max_num_seqs)
-        preempts_before = self.lifecycle.num_preemptions  # KV preemptions close admission
-        # Step 2 (core/decode_mode.py: most decodes are not touched, the clock advance
-        # schedules them). Two unanswered plans: a decode-mode sequence may have no
-        # pending token left to decode, which only the explicit loop checks.
-        if len(self._unconfirmed) > 1:
-            self.decode_mode.leave_all()
-        prefills = self.decode_mode.schedule(rec, self.block_manager, self._step_id,
-                                             bool(self._unconfirmed), self._make_room)
-        self.running_set.charge_decodes(self.waiting.charge, prefills)
-        cfg, policy = self.config, self.policy
-        budget = cfg.max_num_batched_tokens - len(rec.cached)
-        # Prompt tokens this step: the policy's (the clamp, or the SLO-aware budget).
-        held, cap = policy.prompt_bounds(budget, len(rec.cached), prefills, self.step_cost,
-                                         self.running_set.per_tier, self.block_manager,
-                                         self.waiting, self.clock)
-        cap = self._step_cap(cap)
-        budget = self._schedule_prefills(rec, budget - held, prefills, cap)
-        if admit and self.lifecycle.num_preemptions == preempts_before and \
-                self.policy.admission_open(num_running_at_start):
-            budget = self.lifecycle.admit(rec, budget, cap,
-                                          prefills, self._step_id, self._events)
-        policy.step_planned(rec, self.clock)
-        rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
-        if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
-            self.num_prefill_alerts += 1
-            if self.num_prefill_alerts % 1000 == 1:
-                log.warning("prefill ceiling passed: %d prompt tokens in step %d (ceiling "
-                            "%d; %d such steps)", rec.num_prefill_tokens, self._step_id,
-                            cfg.prefill_alert_tokens, self.num_prefill_alerts)
-
-    def _schedule_prefills(self, rec: StepRecord, budget: int,
-                           prefills: list[Request], cap: int) -> int:
-        """Step 3: running partial prefills continue, chunk-capped."""
-        for req in prefills:
-            if budget <= 0:
-                break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
-            if n <= 0 or not self._make_room(req, req.num_computed_tokens + n):
-                continue
-            rec.add_chunk(req, n, self.lifecycle.advance(req, n, self._step_id))
-            rec.num_prefill_tokens += n
-            budget -= n
-        return budget
-
-    def _step_cap(self, cap: int) -> int:
-        """The per-sequence prompt cap, within what a sliding window's span lets the pool
-        hold (BlockManager.step_cap)."""
-        step_cap = self.block_manager.step_cap
-        return min(cap, step_cap) if step_cap else cap
-
     def _make_room(self, req: Request, num_tokens: int) -> bool:
-        """Preempts until ``req`` can hold ``num_tokens`` positions; False if
-        ``req`` itself was preempted (or cannot progress this step)."""
-        bm = self.block_manager
-        while not bm.can_grow(req.seq_id, num_tokens, 0, num_tokens - req.num_computed_tokens):
-            victim = pick_victim(self.running, req, self._step_id, self.policy.victim_key)
-            if victim is req:
-                if len(self.running) == 1:
-                    # Alone and the pool is full: the pool is its context limit.
-                    self.lifecycle.end_running(req, FinishReason.LENGTH)
-                    self._events.append(Event(req, None, FinishReason.LENGTH))
-                else:
-                    self.lifecycle.preempt(req, "kv_full")
-                return False
-            self.lifecycle.preempt(victim, "kv_full")
-        return True
+        """Preempts until ``req`` can hold ``num_tokens`` positions (Lifecycle.make_room);
+        False if ``req`` itself was preempted (or cannot progress this step)."""
+        return self.lifecycle.make_room(req, num_tokens, self._step_id,
+                                        self.policy.victim_key, self._events)
 
     # -- results -----------------------------------------------------------------------
 
@@ -359,14 +268,7 @@ class Scheduler:
                token_ids: Sequence[int]) -> list[Event]:
         """Folds one step's sampled tokens in; returns what clients must hear."""
         events, self._events = self._events, []
-        confirmed = self._unconfirmed
-        rec = None  # stays None for a voided plan
-        for unanswered in confirmed:
-            if unanswered.plan is out:
-                rec = unanswered
-                break
-        while confirmed and confirmed[0].step_id <= out.step_id:
-            confirmed.popleft()
+        rec = self.unanswered.answered(out)  # None for a voided plan
         if rec is not None and rec.isolated is not None:  # its step of its own succeeded
             self.isolation.solo_step_done(rec.isolated)
         # Plain lists first: iterating protobuf repeated fields costs twice as much.
@@ -380,7 +282,7 @@ class Scheduler:
             results.num_update_fallbacks += 1
             self.decode_mode.leave_all()
             results.apply_samples(seq_ids, token_ids, events)
-        if results.awaiting:
+        if self.unanswered.awaiting:
             results.apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
 
@@ -417,7 +319,7 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         self.running_set.assert_invariants()
         self.decode_mode.assert_invariants(self.running)
-        ahead = 1 if self._unconfirmed else 0  # a decode of a pending sample
+        ahead = 1 if self.unanswered.records else 0  # a decode of a pending sample
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
             assert 0 <= req.num_computed_tokens <= len(req.token_ids) + ahead

@@ -40,7 +40,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-import scheduler_svc.core.scheduler as scheduler_module
 from scheduler_svc.core import (
     CostModel,
     Event,
@@ -52,6 +51,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from scheduler_svc.core import preemption as preemption_module
 from scheduler_svc.core.config import queue_time_bound
 from scheduler_svc.core.policy import POLICIES, make_policy
 from scheduler_svc.core.preemption import priority_key, victim_key
@@ -139,7 +139,7 @@ class VictimSpy:
     candidate is not."""
 
     def __init__(self) -> None:
-        real = scheduler_module.pick_victim
+        real = preemption_module.pick_victim
         self.real = real.real if isinstance(real, VictimSpy) else real
         self.forced: list[Request] = []  # protected victims (every candidate was)
 
@@ -160,11 +160,11 @@ class VictimSpy:
         return victim
 
     def __enter__(self) -> VictimSpy:
-        scheduler_module.pick_victim = self
+        preemption_module.pick_victim = self
         return self
 
     def __exit__(self, *exc) -> None:
-        scheduler_module.pick_victim = self.real
+        preemption_module.pick_victim = self.real
 
 
 class SchedulerMachine(RuleBasedStateMachine):
