@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from scheduler_svc.core.policy import POLICIES
 from tests.scheduler.factories import fake_execute, make_request, make_scheduler
 
 
@@ -54,10 +55,24 @@ def test_switching_policy_mid_flight_finishes_everything():
         sched.add_request(make_request(prompt_len=20, max_tokens=5))
     out = sched.schedule()
     sched.update(out, *fake_execute(out))
-    for policy in ("static", "continuous", "chunked"):
+    for policy in POLICIES:  # every registered one
         sched.reconfigure(dataclasses.replace(sched.config, policy=policy))
         out = sched.schedule()
         sched.update(out, *fake_execute(out))
         sched.assert_invariants()
     drain(sched)
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_a_reload_under_the_same_policy_keeps_what_it_learned():
+    sched = make_scheduler(policy="chunked-slo", tpot_target_standard_ms=50.0)
+    policy = sched.policy
+    policy.ttft_guard.threshold_s = 0.5  # as if learned from the recent prompts
+    sched.reconfigure(dataclasses.replace(sched.config, chunk_size=16))
+    assert sched.policy is policy and policy.ttft_guard.threshold_s == 0.5
+    assert policy.prefill_cap() == 16  # the new config is the one it reads
+    # "chunked" with a TPOT target has always meant the SLO-aware budget.
+    sched.reconfigure(dataclasses.replace(sched.config, policy="chunked"))
+    assert sched.policy is policy
+    sched.reconfigure(dataclasses.replace(sched.config, tpot_target_standard_ms=0.0))
+    assert sched.policy.name == "chunked" and sched.policy is not policy
