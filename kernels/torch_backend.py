@@ -150,7 +150,7 @@ def chunk_attention(q, k, v, k_cache, v_cache, c: ChunkPlan, scale: float,
     mask, first = c.mask, 0
     if window and window < c.context_len:  # else no key falls out of any row's window
         first, mask = _windowed_chunk(c, window)
-    if c.mask is None:  # whole context is this chunk: use the fresh K/V
+    if c.mask is None and k is not None:  # whole context is this chunk: the fresh K/V
         kc, vc = k[c.start + first : c.end], v[c.start + first : c.end]  # [n - first, Hkv, D]
     else:  # [ctx - first, Hkv, D]
         kc = gather_context(k_cache, c.block_table, c.context_len, first).to(q.dtype)

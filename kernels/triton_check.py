@@ -53,7 +53,7 @@ def cases(quick: bool) -> list[Case]:
              "reference", window=37),
     ]
     if quick:
-        return [Case("mixed", ((1, 21), (6, 30)), 8, 4, 2, 16, "reference")]
+        return [Case("mixed", ((1, 21), (6, 30), (5, 5)), 8, 4, 2, 16, "torch")]
     big = [
         Case("8B decode b32 4k", tuple((1, 4096 - 61 * i) for i in range(32)), 16, 32, 8, 128,
              "torch"),

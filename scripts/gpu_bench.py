@@ -215,15 +215,17 @@ def bench_serving(runner: Runner, mix, concurrency: int, seconds: float, budget:
     serving = _Serving(runner, mix, concurrency, budget)
     device = runner.model.embed.device
     start = time.perf_counter()
-    steps = 0
+    steps = in_flight = 0
     while time.perf_counter() - start < seconds and (serving.active or serving.queue):
         serving.step()
         steps += 1
+        in_flight += len(serving.active)
     synchronize(device)
     elapsed = time.perf_counter() - start
     row(f"serving, {concurrency} in flight, trace length mix", "PASS",
         f"{serving.generated / elapsed:,.0f} output tokens/s over {elapsed:.0f} s, {steps} steps, "
-        f"{serving.next_id - 1} requests started")
+        f"{serving.next_id - 1} requests started, {in_flight / max(steps, 1):.0f} in flight "
+        "on average")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(config, dtype=dtype, device=device, native_gemm=False,
                          native_options=native)
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, dtype, BLOCK)
+    # The serving run admits a request only when its blocks are free, so the pool needs
+    # to hold the longest one, not every one in flight at its longest.
     num_blocks = max(int(a.kv_gib * 2**30) // spec.block_bytes if not a.tiny else 0,
                      max(batches) * -(-context // BLOCK), -(-prefill // BLOCK),
-                     concurrency * -(-2 * limit // BLOCK))
+                     (1 if not a.tiny else concurrency) * -(-2 * limit // BLOCK))
     kv = KVCache(spec, num_blocks, device=device, native_options=native)
     backend = make_backend("torch" if a.tiny else None, device)
     runner = Runner(model, kv, backend, "bench")

@@ -133,14 +133,16 @@ def test_the_activation_peak_grows_with_the_tokens_in_a_step(cuda_model):
 
 def test_build_sizes_the_kv_cache_from_gpu_memory(model_dir):
     config = executor_main.parse_args([*IPC, "--device", "cuda", "--warmup-tokens", "16",
-                                       "--gpu-memory-utilization", "0.5"])
+                                       "--gpu-memory-utilization", "0.5",
+                                       "--host-kv-cache-bytes", "64MiB"])  # a swap pool too
     assert config.kv_cache_bytes is None
     total = torch.cuda.mem_get_info(CUDA)[1]
     runner, hello = executor_main.build(config, model_dir, "inc", device=CUDA)
     try:
         kv = runner.kv
         block_bytes = kv.spec.block_bytes
-        assert kv.device_pool.device == CUDA and kv.host_pool.is_pinned()
+        assert kv.device_pool.device == CUDA
+        assert kv.num_host_blocks == (64 << 20) // block_bytes and kv.host_pool.is_pinned()
         assert type(runner.backend).__name__ == "TorchAttentionBackend"
         # Plausible: a pool for at least one 8192-token sequence, within half the device.
         assert 8192 // 16 <= hello.num_device_blocks < total // block_bytes
