@@ -41,9 +41,10 @@ Kind = tuple[str, str, dict]
 def _caps() -> tuple[int, int]:
     """(most chat messages, most stop token ids) the gateway accepts."""
     from gateway import validation
+    from protos import limits
 
     return (getattr(validation, "MAX_CHAT_MESSAGES", 1024),
-            getattr(validation, "MAX_STOP_TOKEN_IDS", 49152))
+            getattr(limits, "MAX_STOP_TOKEN_IDS", 49152))
 
 
 def _chat(num_messages: int, max_tokens: int) -> dict:
