@@ -39,8 +39,9 @@ from continuum.bench_clients import GrpcClient, run_workload
 from continuum.bench_report import summarize_outcomes as summarize
 from continuum.bench_workload import build_workload
 from continuum.procs import free_port
-from protos import internal_auth, tiers
+from protos import tiers
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 from scheduler_svc.core import policy as registry
 
 # The core's registry; a policy that uses TPOT targets (chunked-slo) gets --tpot-target-ms

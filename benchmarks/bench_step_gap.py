@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from protos import internal_auth
+from runtime import internal_auth
 from scheduler_svc.core import Request, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 

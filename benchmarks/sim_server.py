@@ -26,7 +26,7 @@ class Server:
     def __init__(self, w, config: SchedulerConfig, tmp: str) -> None:
         """``w``: a ``sim_validate.Workload`` (its KV pool size); ``tmp``: a directory
         for the socket and the telemetry store."""
-        from protos import internal_auth
+        from runtime import internal_auth
 
         self.secret = os.environ.get(internal_auth.ENV_SECRET) or secrets.token_hex(24)
         self._metadata = internal_auth.metadata(self.secret.encode())

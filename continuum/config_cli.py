@@ -28,9 +28,9 @@ import sys
 import grpc
 
 from continuum import local_state
-from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
+from runtime import internal_auth
 
 DEFAULT_SCHEDULER = "127.0.0.1:50061"
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from continuum import local_state
 from continuum.report import ReportError, build_report, emit, json_safe, parse_window
-from protos.telemetry import StoreError, TelemetryStore
+from telemetry import StoreError, TelemetryStore
 
 
 class GateError(Exception):

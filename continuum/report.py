@@ -38,8 +38,8 @@ from collections.abc import Sequence
 
 from continuum import local_state
 from protos import tiers
-from protos.telemetry import SequenceRecord, StoreError, TelemetryStore
 from sim.metrics import percentile
+from telemetry import SequenceRecord, StoreError, TelemetryStore
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")

@@ -13,8 +13,8 @@ import math
 import pathlib
 
 from protos import tiers
-from protos.telemetry import TelemetryStore
 from sim.metrics import percentile
+from telemetry import TelemetryStore
 
 MAX_LINES = 8
 # Bin widths tried in order; the first giving at most MAX_BINS bins is used.

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from protos import tls
+from runtime import tls
 
 # serve's flag -> the scheduler's.
 SCHEDULER_FLAGS = (("scheduler_tls_cert_file", "--tls-cert-file"),

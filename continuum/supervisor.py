@@ -49,8 +49,8 @@ import grpc
 from continuum import local_state, serve_argv, serve_tls
 from continuum.procs import port_is_free, spawn, stop_all
 from continuum.restart_guard import RestartGuard
-from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 
 STANDBY_START_DELAY_S = 3.0
 EXECUTORS = ("executor", "standby")

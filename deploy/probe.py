@@ -17,7 +17,7 @@
         a reason to restart a healthy executor.
 
 Exit 1 with one line on stdout (the kubelet shows it in the pod's events) otherwise.
-The Stats call carries the internal secret (protos/internal_auth.py), read from the
+The Stats call carries the internal secret (runtime/internal_auth.py), read from the
 environment the container already has.
 """
 
@@ -32,8 +32,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the imag
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from protos import internal_auth  # noqa: E402
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from runtime import internal_auth  # noqa: E402
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"  # scheduler_svc's --port default, inside the pod
 DEFAULT_TIMEOUT_S = 3.0  # below the manifests' timeoutSeconds (5), so we answer first

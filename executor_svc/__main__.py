@@ -11,7 +11,7 @@ with ``--tp-rank``; executor_svc/tp_ranks.py), each loads its slice of the model
 (tp_shard.py) and its own KV pool, and rank 0 alone talks to the scheduler, passing every
 plan on (tp_serve.py). When any rank is lost, rank 0 exits 3 (EXIT_RANK_LOST).
 
-Rank 0 signs its Hello with the deployment's internal secret (protos/internal_auth.py:
+Rank 0 signs its Hello with the deployment's internal secret (runtime/internal_auth.py:
 ``CONTINUUM_INTERNAL_SECRET`` or ``_FILE``); without one, and without the explicit opt-out,
 it exits 2 before loading anything.
 
@@ -50,8 +50,9 @@ from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import shard_layout
 from kernels import BACKEND_NAMES, backend_for, make_backend
-from protos import cpu_priority, internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
+from runtime import cpu_priority, internal_auth
 
 log = logging.getLogger("executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,7 +88,7 @@ class ExecutorConfig:
     incarnation_file: str | None = None  # each Hello's incarnation, for a probe of its own
     switches: Switches = field(default_factory=Switches)
     enforce_eager: bool = False  # no decode-step CUDA graphs (executor_svc/cuda_graphs.py)
-    cpu_nice: int = 0  # lowered CPU share (protos/cpu_priority.py); 0: unchanged
+    cpu_nice: int = 0  # lowered CPU share (runtime/cpu_priority.py); 0: unchanged
 
 
 def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cpu-nice", type=int, default=0,
                    help="lower this process's CPU share to this nice value (0-19; its "
-                        "session's autogroup too: protos/cpu_priority.py), so that on a "
+                        "session's autogroup too: runtime/cpu_priority.py), so that on a "
                         "shared host the gateway and scheduler keep the CPU they need to "
                         "answer at once; 0 (default): unchanged")
     p.add_argument("--model-id", default=None,

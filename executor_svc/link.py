@@ -14,7 +14,7 @@ makes it re-register at once, under a new incarnation unless tensor-parallel ran
 old one.
 
 Every Hello carries ``auth_tag``, the HMAC of the Hello under the deployment's secret
-(protos/internal_auth.py); the scheduler ignores an executor that cannot sign. Frames that
+(runtime/internal_auth.py); the scheduler ignores an executor that cannot sign. Frames that
 are not one decodable SchedulerMessage are dropped and counted (``num_dropped_frames``).
 """
 
@@ -30,9 +30,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from executor_svc.runner import Runner
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from protos.zmq_sockets import release_on_collect
+from runtime import internal_auth
+from runtime.zmq_sockets import release_on_collect
 
 log = logging.getLogger("executor.link")
 CONNECTED = "connected"  # what recv() returns when the connection is (re)established

@@ -53,7 +53,7 @@ class Switches:
     ========================== ================ ==============================================
 
     The internal secret (``CONTINUUM_INTERNAL_SECRET`` / ``_FILE``, or the opt-out
-    ``CONTINUUM_INSECURE_NO_INTERNAL_AUTH=1``) is read by protos/internal_auth.py, which the
+    ``CONTINUUM_INSECURE_NO_INTERNAL_AUTH=1``) is read by runtime/internal_auth.py, which the
     scheduler shares; ``NUMBA_*`` variables are numba's own. The native switches apply
     where the library does: float32 on an AVX2 CPU.
     """

@@ -24,8 +24,8 @@ from gateway.routing_headers import DEFAULT_OBJECTIVE_TIERS
 from gateway.server import BindError, start_gateway
 from gateway.tokenizer import ModelFilesError, Tokenizer
 from protos import tiers
-from protos.internal_auth import SecretError, load_secret
-from protos.tls import LOOPBACK, TlsError
+from runtime.internal_auth import SecretError, load_secret
+from runtime.tls import LOOPBACK, TlsError
 
 EXIT_USAGE = 2
 

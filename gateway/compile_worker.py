@@ -9,7 +9,7 @@ bombs a second, 2 cores): compiled in gateway threads the streams' ITL p99 went 
 it: the kernel shares the CPU between sessions first (autogroup; every Continuum
 service runs in a session of its own), and a low-priority thread that holds the GIL
 stalls the event loop. So the child starts its own session (``Worker.start``) and
-lowers its share to the least (protos/cpu_priority.py). A process can also be killed,
+lowers its share to the least (runtime/cpu_priority.py). A process can also be killed,
 so a compile that runs too long ends (gateway/guided_check.py decides when) and a
 crash in the matcher costs a respawn, not the gateway.
 
@@ -31,10 +31,10 @@ import time
 
 import llguidance
 
-from protos import cpu_priority
 from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
 from protos.echo import clip
+from runtime import cpu_priority
 
 FRAME = struct.Struct("<I")
 # How often a waiting parent reads the child's CPU time (``Worker.ask``).

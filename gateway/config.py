@@ -6,7 +6,7 @@ import pathlib
 from dataclasses import dataclass
 
 from protos import tiers
-from protos.tls import ServerTls, TlsError, server_tls
+from runtime.tls import ServerTls, TlsError, server_tls
 
 
 class ConfigError(ValueError):
@@ -116,7 +116,7 @@ class GatewayConfig:
     # only for deployments whose every client may write roles (docs/security.md).
     allow_special_tokens_in_content: bool = False
     # TLS on the gRPC and HTTP ports (one certificate serves both; PEM files, re-read
-    # when they change: protos/tls.py); None: plaintext. A client CA makes it mutual:
+    # when they change: runtime/tls.py); None: plaintext. A client CA makes it mutual:
     # every client, on both ports, must present a certificate signed by it.
     tls_cert_file: pathlib.Path | None = None
     tls_key_file: pathlib.Path | None = None

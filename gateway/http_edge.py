@@ -25,7 +25,7 @@
   headers) answer 400/431 themselves.
 * TLS (`start_http(tls=...)`): each connection, as it arrives and before its
   handshake, has the certificate files looked at, so a replaced pair serves it
-  (protos/tls.py); connections already open keep theirs.
+  (runtime/tls.py); connections already open keep theirs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from aiohttp import web, web_protocol
 
 from gateway.client_limits import ClientLimits
 from gateway.validation import RequestError
-from protos.tls import ReloadingSslContext
+from runtime.tls import ReloadingSslContext
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ sequences). A replica whose Stats fail, that has no executor, or that is
 draining is skipped while any other will do.
 
 Each replica's channel carries the per-deployment internal secret
-(``protos/internal_auth.py``) on every call, Submit, Abort and Stats alike,
+(``runtime/internal_auth.py``) on every call, Submit, Abort and Stats alike,
 through a client interceptor: whoever makes a call on ``replica.stub`` need not
-know about it. Given channel credentials, every channel is TLS (protos/tls.py).
+know about it. Given channel credentials, every channel is TLS (runtime/tls.py).
 
 An address ``dns:///NAME:PORT`` is a set, not one replica: NAME is resolved every
 REFRESH_S (all A/AAAA records, as a Kubernetes headless Service publishes one per
@@ -29,8 +29,8 @@ import grpc
 import structlog
 
 from gateway.upstream import CHANNEL_OPTIONS
-from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 
 POLL_S = 0.5
 DNS_SCHEME = "dns:///"

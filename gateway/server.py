@@ -43,7 +43,7 @@ from gateway.validation import (
 )
 from gateway.watchdog import Watchdog
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
-from protos.tls import ServerTls, add_port, channel_credentials
+from runtime.tls import ServerTls, add_port, channel_credentials
 
 _log = structlog.get_logger("gateway")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -2,7 +2,7 @@
 
 Binds the executor channel (ZeroMQ ROUTER on --ipc) and the internal gRPC
 Scheduler service (--host/--port), then runs the step loop until SIGTERM.
-Both planes need the per-deployment secret (``protos/internal_auth.py``):
+Both planes need the per-deployment secret (``runtime/internal_auth.py``):
 without one, and without the explicit opt-out, the process refuses to start.
 """
 
@@ -23,9 +23,8 @@ import structlog
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protos import internal_auth, tls
 from protos.continuum.v1 import scheduler_pb2_grpc
-from protos.telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
+from runtime import internal_auth, tls
 from scheduler_svc import config_file, kv_event_flags, metrics
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
@@ -34,6 +33,7 @@ from scheduler_svc.kv_events import KVEventPublisher
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.telemetry import Recorder
+from telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
 
 SERVICE_NAME = "continuum.v1.Scheduler"
 # Gateways ping every 10 s to notice a hung scheduler (gateway/upstream.py): permit

@@ -33,11 +33,11 @@ import structlog
 
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
-from protos.telemetry import BlockTableSnapshot, ConfigRecord
 from scheduler_svc import config_file
 from scheduler_svc.core import ConfigError, RequestStatus, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.servicer import KEY_SEPARATOR
+from telemetry import BlockTableSnapshot, ConfigRecord
 
 MAX_AUTHOR_CHARS = 64
 MAX_REASON_CHARS = 500

@@ -1,5 +1,5 @@
 """Deny by default: the scheduler's gRPC service answers only callers that show
-the per-deployment secret (``protos/internal_auth.py``).
+the per-deployment secret (``runtime/internal_auth.py``).
 
 Every method but gRPC health checking (kubelet probes and load balancers carry
 no secret, and health reveals nothing) needs the metadata
@@ -16,7 +16,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health
 
-from protos import internal_auth
+from runtime import internal_auth
 
 OPEN_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
 UNAUTHENTICATED_MESSAGE = (

@@ -5,7 +5,7 @@ The link only moves typed messages; what they mean is the loop's business.
 
 Nothing a peer sends can stop the reader: a frame that is malformed, has the
 wrong number of parts, or is a Hello with impossible fields or without a valid
-auth tag (protos/internal_auth.py) is dropped and counted
+auth tag (runtime/internal_auth.py) is dropped and counted
 (``num_dropped_frames``). A peer that is not the current executor (a forged
 one, or one detached after a stall) never becomes it without a valid Hello;
 its results and heartbeats are answered with a ``detached`` heartbeat (at most
@@ -28,9 +28,10 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from protos.zmq_sockets import release_on_collect
+from runtime import internal_auth
+from runtime.zmq_sockets import release_on_collect
 from scheduler_svc.aio import cancel_all
 
 log = structlog.get_logger("scheduler.link")
@@ -76,7 +77,7 @@ class ExecutorLink:
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # Events queue here unread once the link stops; nothing waits for them. A link
-        # collected without close() is released by protos/zmq_sockets.py, not by its context.
+        # collected without close() is released by runtime/zmq_sockets.py, not by its context.
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._release = release_on_collect(self, self._ctx, self._sock, self._monitor)
         self._tasks: list[asyncio.Task] = []

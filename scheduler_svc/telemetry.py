@@ -1,6 +1,6 @@
 """The scheduler process's telemetry (docs/operations.md): what it records, and when.
 
-Every record goes to a ``protos.telemetry.TelemetryWriter``, whose ``put`` never
+Every record goes to a ``telemetry.TelemetryWriter``, whose ``put`` never
 blocks (a full queue drops the record and counts it): telemetry can lose rows, never
 slow serving. Two places record:
 
@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 import time
 
-from protos.telemetry import (
+from telemetry import (
     ConfigRecord,
     IterationRecord,
     SequenceRecord,

@@ -25,7 +25,7 @@ import tempfile
 
 import pytest
 
-from protos import internal_auth
+from runtime import internal_auth
 
 TEST_SECRET = "continuum-test-internal-secret-0123456789"
 os.environ[internal_auth.ENV_SECRET] = TEST_SECRET

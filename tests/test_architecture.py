@@ -42,8 +42,8 @@ import sys
 from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "scheduler_svc", "executor_svc", "kernels", "protos", "continuum",
-            "sim", "benchmarks")
+PACKAGES = ("gateway", "scheduler_svc", "executor_svc", "kernels", "protos", "runtime",
+            "telemetry", "continuum", "sim", "benchmarks")
 FIRST_PARTY = (*PACKAGES, "tests")
 SERVICES = ("gateway", "scheduler_svc", "executor_svc")
 CORE = "scheduler_svc.core"
@@ -56,12 +56,14 @@ DOC = ROOT / "docs" / "architecture.md"
 # may import anything: they measure the parts from outside.
 MAY_IMPORT = {
     "protos": (),
+    "runtime": (),
+    "telemetry": (),
     "kernels": (),
-    "gateway": ("protos",),
-    "scheduler_svc": ("protos",),
-    "executor_svc": ("protos", "kernels"),
+    "gateway": ("protos", "runtime"),
+    "scheduler_svc": ("protos", "runtime", "telemetry"),
+    "executor_svc": ("protos", "runtime", "kernels"),
     "sim": ("scheduler_svc.core",),
-    "continuum": ("protos", "sim"),
+    "continuum": ("protos", "runtime", "telemetry", "sim"),
     "benchmarks": FIRST_PARTY,
 }
 # The service modules continuum/ may import besides MAY_IMPORT, and why. It starts the

@@ -1,4 +1,4 @@
-"""protos/zmq_sockets.py: a link collected in a reference cycle without close() must not hang
+"""runtime/zmq_sockets.py: a link collected in a reference cycle without close() must not hang
 the process in zmq's Context.__del__ (it once hung a whole test run). Each case runs in a
 child process with a timeout, so a regression fails here instead of hanging the suite."""
 
@@ -17,7 +17,7 @@ ROOT = __file__.rsplit("/tests/", 1)[0]
 PROGRAM = textwrap.dedent("""
     import gc, sys, zmq
     sys.path.insert(0, {root!r})
-    from protos.zmq_sockets import release_on_collect
+    from runtime.zmq_sockets import release_on_collect
 
     class Owner:
         def __init__(self, released):

@@ -28,8 +28,8 @@ import time
 import grpc
 
 from continuum.procs import free_port, spawn
-from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 
 READY_TIMEOUT_S = 240.0
 ROLES = ("gateway", "scheduler_svc", "executor_svc")

@@ -30,8 +30,8 @@ from gateway.http_api import _OPEN_PATHS
 from gateway.metrics import GatewayMetrics
 from gateway.relay import END_S
 from gateway.replicas import split_dns
-from protos import internal_auth
 from protos.continuum.v1 import scheduler_pb2
+from runtime import internal_auth
 from scheduler_svc import __main__ as scheduler_main
 from scheduler_svc.loop import HEARTBEAT_TIMEOUT_S
 

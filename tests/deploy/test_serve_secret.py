@@ -10,7 +10,7 @@ import pytest
 
 from continuum.cli import build_parser
 from continuum.supervisor import ServeError, Supervisor, check_ipc_dir, internal_secret
-from protos import internal_auth
+from runtime import internal_auth
 
 ENV, FILE, INSECURE = internal_auth.ENV_SECRET, internal_auth.ENV_SECRET_FILE, \
     internal_auth.ENV_INSECURE

@@ -10,9 +10,10 @@ import sys
 import pytest
 import zmq
 
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
+from runtime import internal_auth
 
 TIMEOUT_MS = 60_000
 

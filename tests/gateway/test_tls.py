@@ -1,5 +1,5 @@
 """TLS and mutual TLS on the gateway's ports and on its channels to the scheduler
-(protos/tls.py), with a throwaway CA from trustme, the official openai client and grpc
+(runtime/tls.py), with a throwaway CA from trustme, the official openai client and grpc
 stubs: what is served, what is refused, and a certificate replaced under a running
 gateway."""
 
@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig
-from protos import tls
 from protos.continuum.v1 import (
     generation_pb2,
     generation_pb2_grpc,
@@ -25,6 +24,7 @@ from protos.continuum.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from runtime import tls
 from tests.pki import Pki, make_pki
 
 from .harness import FakeScheduler, collect, fake_scheduler, free_port, gateway, run

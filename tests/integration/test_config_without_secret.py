@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from continuum import local_state
-from protos import internal_auth
+from runtime import internal_auth
 
 from .conftest import start_server, stop_server
 

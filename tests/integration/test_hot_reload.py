@@ -19,7 +19,7 @@ import pytest
 from continuum import cli
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
-from protos.telemetry import TelemetryStore
+from telemetry import TelemetryStore
 from tests.conftest import TEST_METADATA
 from tests.integration.conftest import start_server, stop_server
 from tests.integration.test_serve import chat

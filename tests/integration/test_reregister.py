@@ -16,9 +16,10 @@ import grpc
 import pytest
 import zmq
 
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
 from tests.integration.conftest import free_port
 

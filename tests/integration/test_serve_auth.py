@@ -10,8 +10,8 @@ import pathlib
 import grpc
 import pytest
 
-from protos import internal_auth
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 from tests.conftest import TEST_SECRET
 from tests.integration.conftest import processes_mentioning, start_server, stop_server
 from tests.integration.test_serve import chat, collect

@@ -13,8 +13,8 @@ import httpx2
 import openai
 import pytest
 
-from protos import tls
 from protos.continuum.v1 import generation_pb2
+from runtime import tls
 from tests.integration.conftest import start_server, stop_server
 from tests.pki import make_pki
 

@@ -15,9 +15,10 @@ import uuid
 import zmq
 import zmq.asyncio
 
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from protos.zmq_sockets import release_on_collect
+from runtime import internal_auth
+from runtime.zmq_sockets import release_on_collect
 from scheduler_svc.link import ExecutorLink
 
 SECRET = b"fake-peer-test-secret-0123456789"

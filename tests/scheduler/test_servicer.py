@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.replicas import ReplicaSet
-from protos import internal_auth
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from runtime import internal_auth
 from tests.conftest import TEST_METADATA, TEST_SECRET
 from tests.scheduler.scheduler_process import (  # noqa: F401 (fixtures)
     free_port,

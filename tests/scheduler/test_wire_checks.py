@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from protos import internal_auth, wire
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
+from runtime import internal_auth
 from tests.scheduler.fake_peer import SECRET, make_hello
 
 

@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from continuum.procs import free_port
-from protos.telemetry import TelemetryStore
+from telemetry import TelemetryStore
 
 _PG_BIN_DIRS = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 _counter = itertools.count()

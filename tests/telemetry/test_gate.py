@@ -15,7 +15,7 @@ import pytest
 
 from continuum.bench_clients import Outcome
 from continuum.bench_report import summarize_outcomes
-from protos.telemetry import TelemetryWriter
+from telemetry import TelemetryWriter
 from tests.telemetry.test_report import run_cli
 from tests.telemetry.test_store import seq
 

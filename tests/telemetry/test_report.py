@@ -15,7 +15,7 @@ import pytest
 
 from continuum.cli import main as cli_main
 from continuum.report import ReportError, parse_time, parse_window
-from protos.telemetry import TelemetryWriter
+from telemetry import TelemetryWriter
 from tests.telemetry.test_store import seq, step
 
 # The latest 14:00 local at least an hour ago (the whole workload is in the past);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protos.telemetry import (
+from telemetry import (
     BlockTableSnapshot,
     ConfigRecord,
     IterationRecord,

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 
-from protos.telemetry import (
+from telemetry import (
     Retention,
     TelemetryStore,
     TelemetryWriter,

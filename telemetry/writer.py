@@ -19,10 +19,10 @@ import queue
 import threading
 import time
 
-from protos.telemetry import retention as retention_pass
-from protos.telemetry.records import Record
-from protos.telemetry.retention import Retention
-from protos.telemetry.store import TelemetryStore
+from telemetry import retention as retention_pass
+from telemetry.records import Record
+from telemetry.retention import Retention
+from telemetry.store import TelemetryStore
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import weakref
 
 import zmq
 
-log = logging.getLogger("protos.zmq_sockets")
+log = logging.getLogger("runtime.zmq_sockets")
 
 
 def _release(ctx: zmq.Context, sockets: tuple[zmq.Socket, ...]) -> None:

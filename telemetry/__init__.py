@@ -8,16 +8,16 @@ SQLite and PostgreSQL; ``records`` the row types; ``retention`` the size bound.
 Imports nothing first-party outside ``protos``.
 """
 
-from protos.telemetry.records import (
+from telemetry.records import (
     BlockTableSnapshot,
     ConfigRecord,
     IterationRecord,
     IterationRollup,
     SequenceRecord,
 )
-from protos.telemetry.retention import Retention
-from protos.telemetry.store import SchemaError, StoreError, TelemetryStore
-from protos.telemetry.writer import TelemetryWriter
+from telemetry.retention import Retention
+from telemetry.store import SchemaError, StoreError, TelemetryStore
+from telemetry.writer import TelemetryWriter
 
 __all__ = [
     "BlockTableSnapshot", "ConfigRecord", "IterationRecord", "IterationRollup",

@@ -17,8 +17,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from protos.telemetry.records import IterationRecord, IterationRollup, roll_up
-from protos.telemetry.store import TelemetryStore
+from telemetry.records import IterationRecord, IterationRollup, roll_up
+from telemetry.store import TelemetryStore
 
 # Raw iteration rows folded per pass: bounds one pass's memory and transaction.
 _ROLLUP_BATCH = 100_000

@@ -21,8 +21,8 @@ import pathlib
 import sqlite3
 from collections.abc import Iterable, Iterator
 
-from protos.telemetry import schema
-from protos.telemetry.records import (
+from telemetry import schema
+from telemetry.records import (
     BlockTableSnapshot,
     ConfigRecord,
     IterationRecord,

@@ -1,0 +1,5 @@
+"""Runtime code the service processes share that is no contract: the internal plane's
+HMAC authentication (internal_auth), TLS for every listener (tls), ZeroMQ socket
+lifetimes (zmq_sockets), and a process's CPU priority (cpu_priority). Contracts (the
+messages, the framing, the shared limits and checks) are protos/'s; the telemetry store
+is telemetry/'s."""
