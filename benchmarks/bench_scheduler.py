@@ -38,6 +38,7 @@ import dataclasses
 import importlib
 import io
 import itertools
+import os
 import pathlib
 import random
 import re
@@ -53,6 +54,7 @@ import types
 
 import scheduler_svc.core
 import scheduler_svc.plan
+from benchmarks import nano_vllm_ref
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Request
@@ -293,6 +295,29 @@ def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
             "ratio": statistics.median(ratios)}
 
 
+def against_nano_vllm(num_seqs: int, steps: int, nano,
+                      trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
+    """Ours on the mix (85 % pool) and decode-only, and nano-vllm's decode-only step
+    (benchmarks/nano_vllm_ref.py), steps interleaved round-robin (the order rotating) so
+    all three see the same machine phases: each one's p50 in µs."""
+    mix = Stepper(num_seqs, 0.85, trace=trace)
+    decode = Stepper(num_seqs, decode_only=True, trace=trace)
+    while decode.last_prefill_tokens or not decode.sched.running:
+        decode.step(record=False)
+    work = Workload(trace=trace)
+    lens = [len(work.request().token_ids) for _ in range(num_seqs)]
+    theirs = nano_vllm_ref.DecodeOnly(nano, num_seqs, lens, steps + WARMUP)
+    runs = (lambda r: mix.step(r), lambda r: decode.step(r), lambda r: theirs.step())
+    times: list[list[float]] = [[], [], []]
+    for i in range(steps + WARMUP):
+        for j in range(3):
+            k = (i + j) % 3
+            dt = runs[k](i >= WARMUP)
+            if i >= WARMUP:
+                times[k].append(dt)
+    return dict(zip(("mix", "decode", "nano"), map(statistics.median, times), strict=True))
+
+
 def reference_us() -> float:
     """Best of 5 × 200 reference encodes, in µs each."""
     return min(timeit.repeat(reference_encode, number=200, repeat=5)) / 200 * 1e6
@@ -320,6 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per size")
     parser.add_argument("--lengths", choices=("synthetic", "trace"), default="synthetic",
                         help="length mix: synthetic, or the Azure conversation trace's")
+    parser.add_argument("--nano-vllm", metavar="DIR", type=pathlib.Path,
+                        default=os.environ.get("NANO_VLLM_DIR") or None,
+                        help="a nano-vllm checkout: also time its decode-only step beside "
+                             "ours, interleaved, and print the two ratios (default: "
+                             "$NANO_VLLM_DIR)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -342,6 +372,17 @@ def main(argv: list[str] | None = None) -> None:
                           f"{x['update']:>5.0f}  TOTAL {x['total']:>6.0f}")
                 print(f"{n:>5} per-step ratio working tree / {args.against}: "
                       f"{r['ratio']:.3f}")
+        return
+    if args.nano_vllm:
+        nano = nano_vllm_ref.load(pathlib.Path(args.nano_vllm))
+        print("against nano-vllm's decode-only step, interleaved (µs per step, p50)")
+        for n in sizes:
+            for _ in range(args.repeats):
+                r = against_nano_vllm(n, steps[n], nano, trace)
+                print(f"{n:>5} ours mix {r['mix']:>6.0f}  ours decode-only {r['decode']:>5.0f}  "
+                      f"nano-vllm decode-only {r['nano']:>5.0f}  |  decode-only / nano "
+                      f"{r['decode'] / r['nano']:.2f} (target <= 0.5)  mix / nano decode-only "
+                      f"{r['mix'] / r['nano']:.2f} (target <= 1)")
         return
     print(f"lengths: {args.lengths}")
     print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")
