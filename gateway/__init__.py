@@ -4,7 +4,8 @@ It owns everything textual and relays token streams from a scheduler replica:
 
     __main__.py       CLI, startup errors (exit 2), SIGTERM/SIGINT drain
     config.py         GatewayConfig, the one frozen config
-    server.py         grpc.aio Generation servicer, health, reflection, binding
+    app.py            start_gateway: binds the ports, wires gRPC + HTTP + probes, drains
+    server.py         grpc.aio Generation servicer, interceptors, health, reflection
     rpc_limit.py      the cap on gRPC calls in flight (RESOURCE_EXHAUSTED + retry hint)
     validation.py     GenerateRequest → ValidatedRequest, or RequestError (status + message)
     upstream.py       scheduler channel options; upstream status → client status

@@ -17,11 +17,11 @@ import sys
 import structlog
 
 from gateway import edge_flags
+from gateway.app import BindError, start_gateway
 from gateway.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
 from gateway.log_setup import configure_logging
 from gateway.routing_headers import DEFAULT_OBJECTIVE_TIERS
-from gateway.server import BindError, start_gateway
 from gateway.tokenizer import ModelFilesError, Tokenizer
 from protos import tiers
 from runtime.internal_auth import SecretError, load_secret

@@ -5,35 +5,29 @@ Each Generate call is validated, submitted to the scheduler as one
 call is cancelled in a `finally` whenever the client's call ends early (client
 gone, deadline passed, stop string matched), so the scheduler frees the
 request's KV blocks by its next step.
+
+This module builds the gRPC server only (`build_server`, `add_services`,
+`mark_serving`); gateway/app.py binds it, and starts it beside the HTTP API and the
+probe listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import socket
-from dataclasses import dataclass
 
 import grpc
 import structlog
-from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import routing_headers
 from gateway.admission import Admission
 from gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
-from gateway.client_limits import RETRY_AFTER_MS, ClientLimits, grpc_peer_ip, parse_networks
+from gateway.client_limits import RETRY_AFTER_MS, ClientLimits, grpc_peer_ip
 from gateway.config import GatewayConfig
-from gateway.http_api import HttpApi, start_http
-from gateway.http_edge import HttpLimits
-from gateway.metrics import GatewayMetrics
-from gateway.probes import Probes, start_probes
-from gateway.relay import DRAINING, END_S, Relay, RelayError, end_after_grace
-from gateway.replicas import ReplicaSet
+from gateway.relay import Relay, RelayError
 from gateway.rpc_limit import RpcLimit
-from gateway.tokenizer import Tokenizer
 from gateway.upstream import RETRY_AFTER_KEY
 from gateway.validation import (
     RequestError,
@@ -41,19 +35,13 @@ from gateway.validation import (
     ValidatedRequest,
     parse_request,
 )
-from gateway.watchdog import Watchdog
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
-from runtime.tls import ServerTls, add_port, channel_credentials
 
 _log = structlog.get_logger("gateway")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # grpc reports "no deadline" as an enormous time remaining; do not forward that upstream.
 _NO_DEADLINE_S = 10**7
 _OPEN_METHOD_PREFIX = f"/{health.SERVICE_NAME}/"
-
-
-class BindError(Exception):
-    """The listening address could not be bound; the message names the fix."""
 
 
 def _upstream_timeout(context: grpc.aio.ServicerContext) -> float | None:
@@ -181,52 +169,6 @@ def _server_options(config: GatewayConfig, max_body_bytes: int) -> list[tuple[st
     return options
 
 
-def _probe_bind(host: str, port: int) -> None:
-    """Raises BindError if (host, port) cannot be listened on.
-
-    Probing with a plain socket first gives a precise reason and keeps grpc's
-    own multi-line bind error off stderr. SO_REUSEADDR matches grpc, so sockets
-    left in TIME_WAIT by a previous run do not count as "in use".
-    """
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}; pass --host") from exc
-    for family, kind, proto, _, sockaddr in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise BindError(f"port {port} is already in use; pass --port") from exc
-                raise BindError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-
-
-def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) -> int:
-    """Binds the gRPC port (over TLS when ``tls``); raises BindError, or TlsError for
-    certificate files that cannot be used."""
-    if port != 0:
-        _probe_bind(host, port)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        bound = add_port(server, address, tls)
-    except RuntimeError as exc:  # lost a race for the port since the probe
-        raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port") from exc
-    if bound == 0:
-        raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port")
-    return bound
-
-
-def _scheduler_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None:
-    """TLS to the scheduler replicas, or None (plaintext); raises TlsError."""
-    if config.scheduler_tls_ca_file is None:
-        return None
-    return channel_credentials(config.scheduler_tls_ca_file,
-                               config.scheduler_tls_client_cert_file,
-                               config.scheduler_tls_client_key_file)
-
-
 def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     """Like the generated add_GenerationServicer_to_server, but with a deserializer that
     lets undecodable requests reach validation (INVALID_ARGUMENT, not UNKNOWN)."""
@@ -238,122 +180,35 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, {"Generate": generate})
 
 
-@dataclass
-class RunningGateway:
-    """A started gateway; `stop()` drains it (health first, then calls, then upstream)."""
-
-    server: grpc.aio.Server
-    health: health.aio.HealthServicer
-    replicas: ReplicaSet
-    port: int
-    metrics: GatewayMetrics
-    http: HttpApi | None = None
-    http_runner: web.AppRunner | None = None
-    http_port: int | None = None
-    relay: Relay | None = None
-    probe_runner: web.AppRunner | None = None
-    probe_port: int | None = None
-    stopping: bool = False
-
-    async def stop(self, grace_s: float) -> None:
-        """New calls are refused at once (UNAVAILABLE / 503); in-flight ones get grace_s
-        to finish. Whatever still runs then gets a terminal answer, not a cut
-        connection: gRPC streams end UNAVAILABLE with a message, SSE streams with an
-        `error` event and `[DONE]`; only a client that does not take even that within
-        END_S more is cut."""
-        self.stopping = True  # the probe listener's /health answers 503 from here
-        if self.relay is not None:  # first, so that health NOT_SERVING implies refusal
-            self.relay.refuse_new(DRAINING)
-        await self.health.enter_graceful_shutdown()
-        drains = [self.http.drain(grace_s)] if self.http is not None else []
-        if self.relay is not None:
-            drains.append(end_after_grace(self.relay, grace_s))
-        await asyncio.gather(*drains)
-        # The server is stopped only now: until here new calls got the relay's clear
-        # UNAVAILABLE, not a call cancelled by a server shutting down under it.
-        await self.server.stop(END_S if self.relay is not None else grace_s)
-        if self.http_runner is not None:
-            await self.http_runner.cleanup()
-        if self.relay is not None:
-            await self.relay.close()
-        await self.replicas.close()
-        if self.probe_runner is not None:  # last: /live answers while the rest drains
-            await self.probe_runner.cleanup()
-
-
-async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
-                        keys: ApiKeys | None = None) -> RunningGateway:
-    """Binds, starts serving and marks health SERVING; raises BindError."""
-    keys = keys or ApiKeys()
-    if config.allow_special_tokens_in_content:
-        tokenizer = tokenizer.trusting_content()  # every path: chat, /tokenize
-    max_body_bytes = config.body_limit(tokenizer.info.max_model_len)
+def build_server(config: GatewayConfig, keys: ApiKeys, max_body_bytes: int
+                 ) -> tuple[grpc.aio.Server, RpcLimit]:
+    """The client-facing gRPC server, neither bound nor serving yet, and its cap on calls
+    in flight (whose `on_refuse` the caller sets once metrics exist: the port is bound
+    before anything else is built). Interceptors run in order: the cap, then the key
+    check when API keys are configured."""
     limit = RpcLimit(config.grpc_max_concurrent_rpcs, _OPEN_METHOD_PREFIX)
     server = grpc.aio.server(
         options=_server_options(config, max_body_bytes),
         interceptors=[limit, *([_AuthInterceptor(keys)] if keys.enabled else [])],
         maximum_concurrent_rpcs=limit.total,  # grpc's own, a backstop: rpc_limit.py
     )
-    port = _bind(server, config.host, config.port, config.server_tls)
-    if config.http_port:
-        _probe_bind(config.host, config.http_port)
-    replicas = ReplicaSet(config.scheduler_addresses, credentials=_scheduler_credentials(config),
-                          server_name=config.scheduler_tls_server_name)
-    metrics = GatewayMetrics(config.model_name, replicas.snapshot, tokenizer.info.max_model_len)
-    limit.on_refuse = metrics.error  # the server needed the limit before metrics existed
-    watchdog = Watchdog(metrics.intervention, progress_timeout_s=config.stream_progress_timeout_s,
-                        write_stall_s=config.slow_reader_timeout_s)
-    relay = Relay(tokenizer, replicas, metrics, watchdog=watchdog)
-    admission = Admission(tokenizer, config.model_name, metrics,
-                          routing_headers.parse_objective_tiers(list(config.objective_tiers)))
-    clients = ClientLimits(config.http_max_connections_per_client,
-                           config.max_streams_per_client,
-                           parse_networks(config.trusted_proxies))
-    servicer = GenerationServicer(admission, relay, keys, clients)
+    return server, limit
+
+
+def add_services(server: grpc.aio.Server, servicer: GenerationServicer
+                 ) -> health.aio.HealthServicer:
+    """Generate (through ``servicer``), health and reflection on ``server``; health
+    answers SERVING only after `mark_serving`."""
     server.add_generic_rpc_handlers((_generation_handler(servicer),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    running = RunningGateway(server, health_servicer, replicas, port, metrics, relay=relay)
-    await _start_listeners(running, config, HttpApi(
-        relay, admission, tokenizer, config.model_name, keys, metrics, replicas,
-        _http_limits(config, max_body_bytes, clients), config.tool_call_parser))
-    await server.start()
-    replicas.start()
+    return health_servicer
+
+
+async def mark_serving(health_servicer: health.aio.HealthServicer) -> None:
+    """Health SERVING for the server as a whole and for Generate."""
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return running
-
-
-def _http_limits(config: GatewayConfig, max_body_bytes: int, clients: ClientLimits
-                 ) -> HttpLimits:
-    return HttpLimits(max_body_bytes=max_body_bytes,
-                      header_timeout_s=config.http_header_timeout_s,
-                      body_timeout_s=config.http_body_timeout_s,
-                      max_connections=config.http_max_connections,
-                      lingering_s=config.http_lingering_s,
-                      keepalive_s=config.http_keepalive_timeout_s, clients=clients)
-
-
-async def _start_listeners(running: RunningGateway, config: GatewayConfig, http: HttpApi
-                           ) -> None:
-    """The HTTP API (when --http-port is set) and the probe listener (--probe-port)."""
-    if config.http_port is not None:
-        running.http = http
-        try:
-            running.http_runner, running.http_port = await start_http(
-                http, config.host, config.http_port,
-                None if config.server_tls is None else config.server_tls.ssl_context())
-        except OSError as exc:
-            raise BindError(f"cannot listen on {config.host}:{config.http_port} for HTTP "
-                            f"({exc.strerror}); pass --http-port") from exc
-    if config.probe_port is not None:
-        probes = Probes(lambda: running.stopping, lambda: running.replicas.any_healthy)
-        try:
-            running.probe_runner, running.probe_port = await start_probes(
-                probes, config.host, config.probe_port)
-        except OSError as exc:
-            raise BindError(f"cannot listen on {config.host}:{config.probe_port} for probes "
-                            f"({exc.strerror}); pass --probe-port") from exc
