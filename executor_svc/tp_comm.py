@@ -12,7 +12,7 @@ Collectives pair up by call order, so every rank must make the same calls in the
 That holds because all ranks run the same plans through the same code; the only
 rank-dependent branches are inside this class.
 
-Commands (the plans) go through a shared-memory ring (executor_svc/shm_ring.py: one copy
+Commands (the plans) go through a shared-memory ring (runtime/shm_ring.py: one copy
 into /dev/shm, a ZeroMQ doorbell) rather than a gloo broadcast, which costs a TCP send per
 rank; gloo keeps the tensors. A reader waits at most ``--tp-timeout-s`` for a command, as it
 waited in the broadcast, and a ring failure is a RuntimeError like gloo's. Where no ring can
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from executor_svc import shm_ring
 from executor_svc.tp_shard import ShardLayout
+from runtime import shm_ring
 
 log = logging.getLogger("executor.tp")
 

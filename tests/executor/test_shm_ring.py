@@ -1,4 +1,4 @@
-"""The shared-memory plan ring (executor_svc/shm_ring.py) between real processes: every
+"""The shared-memory plan ring (runtime/shm_ring.py) between real processes: every
 reader gets every payload byte for byte and in order, the writer never overwrites an unread
 slot, a dead or hung peer raises instead of wedging the other end, and no name is left in
 /dev/shm. The ring as the tp executor's plan channel runs in tests/executor/test_tp.py."""
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from executor_svc import shm_ring
-from executor_svc.shm_ring import RingError, RingReader, RingWriter
+from runtime import shm_ring
+from runtime.shm_ring import RingError, RingReader, RingWriter
 
 pytestmark = pytest.mark.skipif(shm_ring.available() is not None,
                                 reason=f"no ring here: {shm_ring.available()}")
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(shm_ring.available() is not None,
 # A reader process: attaches, prints "ready", then one sha256 per payload until an empty one.
 _READER = """
 import hashlib, sys
-from executor_svc.shm_ring import RingReader
+from runtime.shm_ring import RingReader
 r = RingReader(sys.argv[1], sys.argv[2], int(sys.argv[3]))
 print("ready", flush=True)
 while True:
@@ -105,7 +105,7 @@ def test_a_dead_reader_fails_the_writer_at_once(writer):
 
 
 def test_a_dead_writer_fails_its_reader_and_leaves_no_name(tmp_path):
-    code = ("import sys, time\nfrom executor_svc.shm_ring import RingWriter\n"
+    code = ("import sys, time\nfrom runtime.shm_ring import RingWriter\n"
             f"w = RingWriter(1, {str(tmp_path)!r})\nprint(w.name, w.doorbell, flush=True)\n"
             "sys.stdin.readline()\nw.unlink()\nprint('unlinked', flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
@@ -126,7 +126,7 @@ def test_a_dead_writer_fails_its_reader_and_leaves_no_name(tmp_path):
 
 
 def test_a_writer_killed_before_unlinking_is_swept_by_the_next(tmp_path):
-    code = (f"from executor_svc.shm_ring import RingWriter\nw = RingWriter(1, {str(tmp_path)!r})"
+    code = (f"from runtime.shm_ring import RingWriter\nw = RingWriter(1, {str(tmp_path)!r})"
             "\nprint(w.name, flush=True)\nimport time\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             cwd=_ROOT)
