@@ -4,14 +4,17 @@ Rank 0 of a tensor-parallel executor writes each command (a serialized BatchPlan
 ranks 1..N-1 copy it out of the same pages (docs/design.md §4: "the executor's ranks read each
 plan from one shared-memory broadcast rather than from N sends"), as vLLM's shm_broadcast
 does. A ZeroMQ PUB/SUB pair over ipc:// is the doorbell that wakes a reader which stopped
-spinning; it carries no data.
+spinning; it carries no data. The scheduler writes its plans to the executor through a ring
+too (runtime/plan_ring.py), without this doorbell and without ever waiting: ``reserve`` and
+``publish`` never block, and the reader's ``sleeping`` flag tells the writer when its own
+channel must wake the reader.
 
 Layout (int64 words, every field naturally aligned)::
 
     header  [0, 64)        magic, num_readers, num_slots, slot_bytes, writer_pid, closed
     readers [64, 64 + 8R)  word 64 + 8r: reader r's pid; word 64 + 8r + 1: the last
-                           message number r has consumed (one 64-byte line per reader:
-                           no false sharing)
+                           message number r has consumed; word 64 + 8r + 2: 1 while r
+                           sleeps (one 64-byte line per reader: no false sharing)
     slots   S x slot_bytes each: seq, total, chunk, then the chunk's bytes
 
 Messages are numbered 1, 2, ...; message m lives in slot (m - 1) % S. A payload larger
@@ -34,6 +37,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import threading
 import time
 import uuid
 
@@ -47,6 +51,17 @@ _LINE = 8  # int64 words per reader line (64 bytes)
 _SLOT_HEADER = 24  # seq, total, chunk: int64 each
 _SPIN_S = 200e-6  # spin (yielding the core) this long before sleeping on the doorbell
 _POLL_MS = 20  # a sleeping wait rechecks the ring and the peers' pids this often
+
+
+def fence() -> None:
+    """A full memory barrier (a locked instruction: an uncontended lock's acquire). Between a
+    store and a load of two different words it keeps x86-64 from reordering them, so a
+    reader that says it sleeps and a writer that publishes cannot both miss the other."""
+    with _FENCE:
+        pass
+
+
+_FENCE = threading.Lock()
 
 
 class RingError(RuntimeError):
@@ -114,9 +129,10 @@ def _size(num_readers: int, num_slots: int, slot_bytes: int) -> int:
 
 
 class RingWriter:
-    """Rank 0's end. ``name`` and ``doorbell`` tell the readers where to attach."""
+    """Rank 0's end. ``name`` and ``doorbell`` tell the readers where to attach;
+    ``doorbell_dir`` None: no doorbell (``doorbell`` is empty; the caller wakes readers)."""
 
-    def __init__(self, num_readers: int, doorbell_dir: str, num_slots: int = 16,
+    def __init__(self, num_readers: int, doorbell_dir: str | None, num_slots: int = 16,
                  slot_bytes: int = 64 << 10) -> None:
         if num_readers < 1 or num_slots < 2 or slot_bytes % 8 or slot_bytes <= _SLOT_HEADER:
             raise ValueError("a ring needs >= 1 reader, >= 2 slots, 8-byte-aligned slots")
@@ -134,13 +150,15 @@ class RingWriter:
         except BaseException:
             os.unlink(self._path)
             raise
+        self._next = 1
+        self.doorbell, self._bell = "", None
+        if doorbell_dir is None:
+            return
         self.doorbell = f"ipc://{doorbell_dir}/{self.name}.bell"
-        self._ctx = zmq.Context.instance()
-        self._bell = self._ctx.socket(zmq.PUB)
+        self._bell = zmq.Context.instance().socket(zmq.PUB)
         self._bell.setsockopt(zmq.LINGER, 0)
         self._bell.setsockopt(zmq.SNDHWM, 64)  # a reader that spins drains nothing: drop
         self._bell.bind(self.doorbell)
-        self._next = 1
 
     def unlink(self) -> None:
         """Removes the name once every reader has mapped it: nothing left to leak."""
@@ -170,7 +188,43 @@ class RingWriter:
             if offset >= total:
                 return
 
+    @property
+    def next_number(self) -> int:
+        """The number the next published message gets."""
+        return self._next
+
+    def reserve(self) -> memoryview | None:
+        """The next message's slot bytes (``chunk_bytes`` long) to write one payload into,
+        or None when a reader has not consumed the message that slot holds (never waits).
+        Nothing is visible to the readers until ``publish``."""
+        r = self.ring
+        m = self._next
+        acks = r.words[64 + 1 : 64 + _LINE * r.num_readers : _LINE]
+        if int(acks.min()) < m - r.num_slots:
+            return None
+        start = 8 * r.slot_word(m) + _SLOT_HEADER
+        return r.bytes[start : start + r.chunk_bytes]
+
+    def publish(self, length: int) -> int:
+        """Publishes the ``length`` bytes written into ``reserve()``'s slot as the next
+        message (one chunk); returns its number. Rings no doorbell."""
+        r, m = self.ring, self._next
+        assert 0 < length <= r.chunk_bytes
+        w = r.slot_word(m)
+        r.words[w + 1 : w + 3] = (length, length)
+        r.words[w] = m  # last: publishes the message
+        self._next = m + 1
+        return m
+
+    def sleeping(self, index: int) -> bool:
+        """Whether reader ``index`` said it sleeps (after a ``publish``: fenced, so a
+        reader that goes to sleep concurrently either sees the message or is seen)."""
+        fence()
+        return bool(self.ring.words[64 + _LINE * index + 2])
+
     def _ring_bell(self) -> None:
+        if self._bell is None:
+            return
         try:
             self._bell.send(b"", zmq.NOBLOCK)
         except zmq.Again:
@@ -200,6 +254,8 @@ class RingWriter:
             self._ring_bell()
             self.ring.close()
         self.unlink()
+        if self._bell is None:
+            return
         self._bell.close()
         try:
             os.unlink(self.doorbell[len("ipc://"):])
@@ -208,7 +264,8 @@ class RingWriter:
 
 
 class RingReader:
-    """Rank r's end (``index`` = r - 1). Attach while the writer keeps the name."""
+    """Rank r's end (``index`` = r - 1). Attach while the writer keeps the name.
+    ``doorbell`` empty: none (only ``peek``/``consume`` then, no waiting ``recv``)."""
 
     def __init__(self, name: str, doorbell: str, index: int) -> None:
         if not name.startswith(_PREFIX) or "/" in name:
@@ -232,10 +289,40 @@ class RingReader:
         self._line = 64 + _LINE * index
         r.words[self._line] = os.getpid()
         self._next = int(r.words[self._line + 1]) + 1
-        self._bell = zmq.Context.instance().socket(zmq.SUB)
-        self._bell.setsockopt(zmq.LINGER, 0)
-        self._bell.setsockopt(zmq.SUBSCRIBE, b"")
-        self._bell.connect(doorbell)
+        self._bell = None
+        if doorbell:
+            self._bell = zmq.Context.instance().socket(zmq.SUB)
+            self._bell.setsockopt(zmq.LINGER, 0)
+            self._bell.setsockopt(zmq.SUBSCRIBE, b"")
+            self._bell.connect(doorbell)
+
+    @property
+    def next_number(self) -> int:
+        """The number of the message ``peek`` looks for."""
+        return self._next
+
+    def peek(self) -> memoryview | None:
+        """The next message's bytes, in place, if it is published (never waits), else
+        None. A one-chunk message only: a longer one is the caller's to refuse. Valid
+        until ``consume``: the writer may reuse the slot from then on."""
+        r, m = self.ring, self._next
+        w = r.slot_word(m)
+        if int(r.words[w]) != m:
+            return None
+        length = min(int(r.words[w + 2]), r.chunk_bytes)
+        start = 8 * w + _SLOT_HEADER
+        return r.bytes[start : start + max(length, 0)]
+
+    def consume(self) -> None:
+        """Done with the message ``peek`` returned: its slot is the writer's again."""
+        self.ring.words[self._line + 1] = self._next
+        self._next += 1
+
+    def set_sleeping(self, sleeping: bool) -> None:
+        """Says whether this reader now waits on its caller's channel rather than spinning
+        on the ring. Fenced: call ``peek`` once more after saying so, before sleeping."""
+        self.ring.words[self._line + 2] = int(sleeping)
+        fence()
 
     def recv(self, timeout_s: float) -> bytes:
         """The next payload; raises RingError after ``timeout_s`` without one, or when the
@@ -286,5 +373,6 @@ class RingReader:
             self._bell.poll(min(_POLL_MS, max(1, int((deadline - now) * 1e3))))
 
     def close(self) -> None:
-        self._bell.close()
+        if self._bell is not None:
+            self._bell.close()
         self.ring.close()
