@@ -7,7 +7,7 @@ import sys
 
 from continuum import restart_guard, serve_tls
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
-from gateway import edge_flags
+from gateway.edge import edge_flags
 from protos import tiers
 from scheduler_svc import kv_event_flags
 

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from continuum import local_state, serve_tls
-from gateway import edge_flags
+from gateway.edge import edge_flags
 from protos import tiers
 from scheduler_svc import kv_event_flags
 

@@ -2,7 +2,7 @@
 and the supervisor's own connections to a scheduler and a gateway that speak TLS.
 
 The gateway's flags (``--tls-*`` for its ports, ``--scheduler-tls-*`` for its channels
-to the scheduler) are gateway/edge_flags.py's and pass straight through; this module
+to the scheduler) are gateway/edge/edge_flags.py's and pass straight through; this module
 adds the scheduler's side (``--scheduler-tls-cert-file``, ``-key-file``,
 ``-client-ca-file``), whose certificate the gateway and the supervisor check against
 ``--scheduler-tls-ca-file`` and, under mutual TLS, answer with

@@ -16,13 +16,13 @@ import sys
 
 import structlog
 
-from gateway import edge_flags
+from gateway.admit.auth import ApiKeys
+from gateway.admit.routing_headers import DEFAULT_OBJECTIVE_TIERS
 from gateway.app import BindError, start_gateway
-from gateway.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
+from gateway.edge import edge_flags
 from gateway.log_setup import configure_logging
-from gateway.routing_headers import DEFAULT_OBJECTIVE_TIERS
-from gateway.tokenizer import ModelFilesError, Tokenizer
+from gateway.text.tokenizer import ModelFilesError, Tokenizer
 from protos import tiers
 from runtime.internal_auth import SecretError, load_secret
 from runtime.tls import LOOPBACK, TlsError

@@ -4,7 +4,7 @@ in front of one relay to the scheduler replicas.
 `start_gateway` binds every port before building what talks to the replicas, so a port
 in use is one `BindError` line at startup; it builds the pieces both front ends share
 (replica set, metrics, relay, the admit step, per-client limits), hands them to the
-gRPC server (gateway/server.py) and the HTTP routes (gateway/http_api.py), and starts
+gRPC server (gateway/rpc/server.py) and the HTTP routes (gateway/api/http_api.py), and starts
 serving. `RunningGateway.stop` drains all of it in order.
 """
 
@@ -19,20 +19,20 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health
 
-from gateway import routing_headers
-from gateway.admission import Admission
-from gateway.auth import ApiKeys
-from gateway.client_limits import ClientLimits, parse_networks
+from gateway.admit import routing_headers
+from gateway.admit.admission import Admission
+from gateway.admit.auth import ApiKeys
+from gateway.api.http_api import HttpApi, start_http
 from gateway.config import GatewayConfig
-from gateway.http_api import HttpApi, start_http
-from gateway.http_edge import HttpLimits
+from gateway.edge.client_limits import ClientLimits, parse_networks
+from gateway.edge.http_edge import HttpLimits
+from gateway.edge.probes import Probes, start_probes
 from gateway.metrics import GatewayMetrics
-from gateway.probes import Probes, start_probes
-from gateway.relay import DRAINING, END_S, Relay, end_after_grace
-from gateway.replicas import ReplicaSet
-from gateway.server import GenerationServicer, add_services, build_server, mark_serving
-from gateway.tokenizer import Tokenizer
-from gateway.watchdog import Watchdog
+from gateway.routing.relay import DRAINING, END_S, Relay, end_after_grace
+from gateway.routing.replicas import ReplicaSet
+from gateway.routing.watchdog import Watchdog
+from gateway.rpc.server import GenerationServicer, add_services, build_server, mark_serving
+from gateway.text.tokenizer import Tokenizer
 from runtime.tls import ServerTls, add_port, channel_credentials
 
 

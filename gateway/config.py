@@ -54,7 +54,7 @@ class GatewayConfig:
     # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it);
     # None: derived from the context length (`default_body_limit`).
     max_body_bytes: int | None = None
-    # File of API keys (KEY[:TENANT[:TIERS[:GRANTS]]] per line); see gateway/auth.py.
+    # File of API keys (KEY[:TENANT[:TIERS[:GRANTS]]] per line); see gateway/admit/auth.py.
     api_keys_file: pathlib.Path | None = None
     # Connections cannot be held hostage (defaults after nginx's client_header_timeout
     # and client_body_timeout, 60 s, tightened for an API whose requests are small):
@@ -72,7 +72,7 @@ class GatewayConfig:
     # open HTTP connections at most; one more is answered 503 and closed
     # (nginx's worker_connections default is 512 per worker; 2,048 per gateway);
     http_max_connections: int = 2048
-    # Per client address (gateway/client_limits.py says why these numbers): open HTTP
+    # Per client address (gateway/edge/client_limits.py says why these numbers): open HTTP
     # connections (one more gets 429), and generation streams in flight on both APIs
     # together (429 / RESOURCE_EXHAUSTED);
     http_max_connections_per_client: int = 256
@@ -80,7 +80,7 @@ class GatewayConfig:
     # comma-separated IPs / CIDRs of proxies whose X-Forwarded-For names the client
     # (their own connections are not capped per address); None: the header is ignored;
     trusted_proxies: str | None = None
-    # a listener serving only /live and /health, for the kubelet (gateway/probes.py);
+    # a listener serving only /live and /health, for the kubelet (gateway/edge/probes.py);
     # None: no such listener (the probes are still routes of the HTTP port).
     probe_port: int | None = None
     # concurrent gRPC streams per HTTP/2 connection: 100, the floor RFC 9113 §5.1.2
@@ -90,7 +90,7 @@ class GatewayConfig:
     # grpc-go's MaxConnectionIdle; 0 disables.
     grpc_max_connection_idle_s: float = 300.0
     # gRPC calls in flight at once on this gateway, over all connections, health checks
-    # aside (gateway/rpc_limit.py); one more is RESOURCE_EXHAUSTED with a retry hint.
+    # aside (gateway/rpc/rpc_limit.py); one more is RESOURCE_EXHAUSTED with a retry hint.
     # The process-wide bound beside the per-connection one, as nginx has
     # worker_connections beside http2_max_concurrent_streams and Envoy its overload
     # manager's global_downstream_max_connections: twice http_max_connections, eight
@@ -99,16 +99,16 @@ class GatewayConfig:
     grpc_max_concurrent_rpcs: int = 4096
     # A stream silent this long has its replica probed; two missed probes and it
     # continues elsewhere (a replica that answers is only slow). None: the watchdog's
-    # default, gateway/watchdog.py's PROGRESS_TIMEOUT_S (5 s).
+    # default, gateway/routing/watchdog.py's PROGRESS_TIMEOUT_S (5 s).
     stream_progress_timeout_s: float | None = None
     # A client that leaves one response unread this long has its request cancelled
     # (gRPC's flow-control window, or SSE's 64 KiB send buffer, is full). None: the
     # watchdog's WRITE_STALL_S (30 s).
     slow_reader_timeout_s: float | None = None
     # NAME=TIER entries: an inference gateway's objective names that map to our tiers,
-    # beside the defaults (gateway/routing_headers.py).
+    # beside the defaults (gateway/admit/routing_headers.py).
     objective_tiers: tuple[str, ...] = ()
-    # How "auto" tool_choice reads calls out of the model's text (gateway/tool_parsers.py).
+    # How "auto" tool_choice reads calls out of the model's text (gateway/tools/tool_parsers.py).
     # None: hermes.
     tool_call_parser: str | None = None
     # Special-token strings in chat content, tool results, call arguments and tool
@@ -155,7 +155,7 @@ class GatewayConfig:
                             ("--max-streams-per-client", self.max_streams_per_client)):
             if value < 1:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
-        from gateway.client_limits import parse_networks  # the stdlib only, and grpc
+        from gateway.edge.client_limits import parse_networks  # the stdlib only, and grpc
         try:
             parse_networks(self.trusted_proxies)
         except ValueError as exc:
@@ -222,7 +222,7 @@ class GatewayConfig:
                 raise ConfigError(f"--objective-tier {entry!r} must be NAME=TIER with TIER "
                                   f"one of {', '.join(tiers.NAMES)}")
         if self.tool_call_parser is not None:
-            from gateway.tool_parsers import PARSERS  # pure Python, imports nothing heavy
+            from gateway.tools.tool_parsers import PARSERS  # pure Python, imports nothing heavy
             if self.tool_call_parser not in PARSERS:
                 raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one "
                                   f"of {', '.join(sorted(PARSERS))}")

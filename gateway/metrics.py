@@ -127,7 +127,7 @@ class GatewayMetrics:
         self.parse_errors = Counter(
             "continuum:request_parse_errors",
             "Requests whose parsing or validation raised something unexpected (answered "
-            "400 by gateway/parse_guard.py); any growth is a gap in a check, worth a look.",
+            "400 by gateway/admit/parse_guard.py); any growth is a gap in a check, worth a look.",
             ["model_name", "api"], registry=self.registry)
         self.interventions = Counter(
             "continuum:stream_interventions",

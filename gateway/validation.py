@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway import tool_checks
-from gateway.chat_template import ChatTemplateError
-from gateway.tokenizer import Tokenizer
+from gateway.text.chat_template import ChatTemplateError
+from gateway.text.tokenizer import Tokenizer
+from gateway.tools import tool_checks
 from protos import limits, sampling_checks, tiers
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from protos.echo import clip, shorten
@@ -133,7 +133,7 @@ def context_exceeded(max_model_len: int, however: str, reduce: str,
 
 def check_sampling(sampling: sampling_pb2.SamplingParams, tokenizer: Tokenizer) -> None:
     """protos/sampling_checks.py's checks, then a structured-output spec compiled against
-    the served tokenizer (gateway/guided_check.py)."""
+    the served tokenizer (gateway/structured/guided_check.py)."""
     found = (sampling_checks.sampling_problem(sampling)
              or sampling_checks.vocabulary_problem(sampling, tokenizer.info.vocab_size))
     if found is None and sampling.HasField("guided") and \

@@ -1,7 +1,7 @@
 """The checks of a request's sampling values and request-level caps, in one place.
 
 Every edge that takes these values calls here: the OpenAI field readers on the raw JSON
-value (gateway/openai_fields.py), the gateway's validation of a `GenerateRequest`
+value (gateway/api/openai_fields.py), the gateway's validation of a `GenerateRequest`
 (gateway/validation.py, both APIs) and the scheduler's of a `SubmitRequest`
 (scheduler_svc/validation.py, which trusts no caller). So each limit is stated once
 (its number in protos/limits.py, its interval in ``NUMBERS``) and each refusal reads the
@@ -9,7 +9,7 @@ same wherever it is raised; only the field's path differs (``sampling.top_p`` on
 wire, ``top_p`` in an OpenAI body).
 
 A new sampling parameter is one ``Bound`` in ``NUMBERS``: the OpenAI readers, the schema
-the fuzzers draw from (gateway/openai_schema.py) and both validations take it from there.
+the fuzzers draw from (gateway/api/openai_schema.py) and both validations take it from there.
 
 Each check answers a message (or ``(message, param)``, ``param`` being the OpenAI field
 to name) for a refusal, None to accept; the caller raises its own error type. Standard

@@ -36,7 +36,7 @@ from scheduler_svc.telemetry import Recorder
 from telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
 
 SERVICE_NAME = "continuum.v1.Scheduler"
-# Gateways ping every 10 s to notice a hung scheduler (gateway/upstream.py): permit
+# Gateways ping every 10 s to notice a hung scheduler (gateway/routing/upstream.py): permit
 # that (half the interval, so jitter is no strike), and ping gateways in turn, so
 # the streams of one that vanished without closing are cancelled and their KV freed.
 KEEPALIVE_OPTIONS = (

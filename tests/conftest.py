@@ -115,7 +115,7 @@ SPAWNS = re.compile(r"\b(subprocess|Popen|multiprocessing|start_server|start_ser
                     r"launch_replica|start_replica|start_gateway|scheduler_process|spawn\()")
 SPAWNING_FIXTURES = frozenset({"server", "scheduler", "served", "serve", "replica"})
 # What a fast test may still start: the gateway's structured-output compile workers.
-LIGHT_CHILDREN = ("gateway.compile_worker",)
+LIGHT_CHILDREN = ("gateway.structured.compile_worker",)
 SERVICES = ("continuum", "executor_svc", "scheduler_svc", "gateway", "benchmarks")
 _spawning_modules: dict[str, bool] = {}
 

@@ -72,8 +72,9 @@ MAY_IMPORT = {
 TOOL_IMPORTS = {
     "executor_svc.flags": "the device/KV flags `continuum serve` parses and passes on: one "
                           "definition, importable without torch",
-    "gateway.edge_flags": "the gateway's connection and stream limit flags `continuum serve` "
-                          "takes and passes on: one definition, nothing heavy imported",
+    "gateway.edge.edge_flags": "the gateway's connection and stream limit flags `continuum "
+                               "serve` takes and passes on: one definition, nothing heavy "
+                               "imported",
     "scheduler_svc.kv_event_flags": "the KV event stream's flags `continuum serve` takes "
                                     "and passes on: one definition, nothing heavy imported",
     "scheduler_svc.core.policy": "the policy registry `continuum serve --policy` offers: one "

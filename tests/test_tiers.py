@@ -66,9 +66,9 @@ def test_every_surface_takes_every_spelling():
     """An API key's tiers, a body's priority, --objective-tier and `continuum report
     --tier` read tiers through protos/tiers.py; each keeps its old spelling."""
     from continuum.report import parse_tier
-    from gateway.auth import ApiKeys
-    from gateway.openai_fields import _priority
-    from gateway.routing_headers import objective_priority, parse_objective_tiers
+    from gateway.admit.auth import ApiKeys
+    from gateway.admit.routing_headers import objective_priority, parse_objective_tiers
+    from gateway.api.openai_fields import _priority
 
     keys = ApiKeys.parse(["sk-0123456789:acme:premium+Best-Effort"], "test")
     assert keys.entries[0][1].tiers == {tiers.PREMIUM, tiers.BEST_EFFORT}

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for OpenAI HTTP bodies, built from gateway/openai_schema.py.
+"""Hypothesis strategies for OpenAI HTTP bodies, built from gateway/api/openai_schema.py.
 
 Every field of an endpoint's schema is drawn four ways (``field``): valid-ish (a value
 of its shape, nested fields drawn the same way), wrong-typed (any other JSON value),
@@ -24,8 +24,8 @@ import json
 from hypothesis import strategies as st
 
 from benchmarks.reliability import fuzz_values as values
-from gateway import openai_schema as schema
-from gateway.openai_schema import Shape, Text
+from gateway.api import openai_schema as schema
+from gateway.api.openai_schema import Shape, Text
 
 RAW = {  # JSON text no json.dumps writes: spliced in where a string "\x00RAW<k>\x00" stands
     0: "1e999", 1: "-1e999", 2: "1" + "0" * 400, 3: '"\\ud800"', 4: '"\\udfff x"',

@@ -9,7 +9,7 @@ schema row, fuzz_schema.py, shrinks what it finds). After every target a normal
 request must still succeed.
 
 HTTP inputs go over a raw socket, so anything can be sent: JSON of random shape, bodies
-with up to three of the endpoint's fields (gateway/openai_schema.py) set to anything
+with up to three of the endpoint's fields (gateway/api/openai_schema.py) set to anything
 (integers past 2^64, float literals past a double, deep nesting, lone surrogates),
 random bytes, and random header values (charsets, request ids with non-ASCII bytes).
 gRPC: requests drawn from the ``GenerateRequest`` descriptor (proto_strategies.py), and
@@ -30,7 +30,7 @@ from benchmarks.reliability import proto_strategies
 from benchmarks.reliability.body_strategies import ANY_JSON, LENGTH_KEYS, SCALAR, splice
 from benchmarks.reliability.fuzz_common import PHASES, Tally, run_property
 from benchmarks.reliability.streams import SERVER_ERROR_CODES
-from gateway import openai_schema
+from gateway.api import openai_schema
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 

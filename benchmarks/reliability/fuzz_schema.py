@@ -2,7 +2,7 @@
 while normal streams run.
 
 Targets: ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize`` with bodies generated from gateway/openai_schema.py
+``/detokenize`` with bodies generated from gateway/api/openai_schema.py
 (body_strategies.py), and gRPC ``Generate`` with requests generated from the
 ``GenerateRequest`` descriptor (proto_strategies.py), sent as bytes so that lone
 surrogates reach the wire. Each target is swept field by field: ``SIZES[size]`` inputs
@@ -42,7 +42,7 @@ from hypothesis.errors import NoSuchExample
 from benchmarks.reliability import body_strategies, proto_strategies, steady_streams
 from benchmarks.reliability.fuzz import TIMEOUT_S, grpc_code, grpc_failed, http_failed, http_raw
 from benchmarks.reliability.fuzz_common import PHASES, Tally
-from gateway import openai_schema
+from gateway.api import openai_schema
 from gateway.config import default_body_limit
 from protos.continuum.v1 import generation_pb2_grpc
 

@@ -14,7 +14,7 @@ import json
 
 from hypothesis import strategies as st
 
-from gateway.openai_schema import Text
+from gateway.api.openai_schema import Text
 
 HUGE = 900_000  # characters: under an 8k context's 1 MiB body cap, far past any context
 VOCAB = 49152  # SmolLM2's: the edge of every token id (the server reads its own)

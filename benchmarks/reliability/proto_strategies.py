@@ -26,7 +26,7 @@ from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
 from benchmarks.reliability import fuzz_values as values
-from gateway.openai_schema import Text
+from gateway.api.openai_schema import Text
 from protos.continuum.v1 import generation_pb2 as gen
 
 F = FieldDescriptor

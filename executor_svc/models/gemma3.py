@@ -41,7 +41,7 @@ _LAYER = tuple(t for t in DECODER_LAYER if t.role != "ffn_norm") + QK_NORMS + (
 )
 
 # Gemma's turn format: a system message opens the first user turn; the assistant's turns
-# are the model's. Tools reach it as plain turns (gateway/tool_fallback.py).
+# are the model's. Tools reach it as plain turns (gateway/tools/tool_fallback.py).
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- set state = namespace(prefix='') -%}"

@@ -73,7 +73,7 @@ class SchedulerConfig:
         max_queue_time_*_s (core/admission.py refuses at Submit and sheds requests that
         waited twice their bound, 429 at the gateway); the thrash guard is
         max_preemptions; a client that went silent is cancelled by the gateway's
-        watchdog (gateway/watchdog.py), a vanished gateway by gRPC keepalive.
+        watchdog (gateway/routing/watchdog.py), a vanished gateway by gRPC keepalive.
     tpot_target_*_ms: the SLO-aware token budget (core/step_cost.py): with a target set
         for a tier that has running sequences, the chunked-slo policy (and chunked, which
         with a target is chunked-slo) sizes each step's prompt

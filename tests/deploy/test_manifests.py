@@ -26,10 +26,10 @@ from continuum.cli import build_parser
 from deploy import probe
 from executor_svc.flags import parse_bytes
 from gateway import __main__ as gateway_main
-from gateway.http_api import _OPEN_PATHS
+from gateway.api.http_api import _OPEN_PATHS
 from gateway.metrics import GatewayMetrics
-from gateway.relay import END_S
-from gateway.replicas import split_dns
+from gateway.routing.relay import END_S
+from gateway.routing.replicas import split_dns
 from protos.continuum.v1 import scheduler_pb2
 from runtime import internal_auth
 from scheduler_svc import __main__ as scheduler_main
@@ -189,7 +189,7 @@ def test_probes_hit_open_routes_and_real_targets_on_declared_ports(rendered):
                 # With API keys on, any other route would answer the kubelet 401.
                 assert spec["httpGet"]["path"] in _OPEN_PATHS
                 # The gateway's probes use its probe listener, which a crowd of
-                # clients on the API port cannot fill (gateway/probes.py).
+                # clients on the API port cannot fill (gateway/edge/probes.py).
                 if container["command"][-1] == "gateway":
                     assert target["port"] == int(_flag(container["args"], "--probe-port"))
 

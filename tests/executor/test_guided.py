@@ -11,7 +11,7 @@ import torch
 
 from executor_svc.guided import Guides
 from executor_svc.sampler import Sampler, SampleRow, SamplingConfig
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 from protos import guided as guided_spec
 from protos.continuum.v1 import sampling_pb2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.tokenizer import Tokenizer
+from gateway.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.admission import check_tier
-from gateway.auth import ALL_TIERS, DEFAULT_KEY_TIERS, ApiKeys, Principal, resolve_tenant
+from gateway.admit.admission import check_tier
+from gateway.admit.auth import ALL_TIERS, DEFAULT_KEY_TIERS, ApiKeys, Principal, resolve_tenant
 from gateway.config import ConfigError
 from gateway.validation import RequestError
 from protos.continuum.v1 import generation_pb2

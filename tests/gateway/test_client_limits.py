@@ -12,9 +12,9 @@ import aiohttp
 import grpc
 import pytest
 
-from gateway.client_limits import ClientLimits, grpc_peer_ip, parse_networks
 from gateway.config import ConfigError, GatewayConfig
-from gateway.upstream import RETRY_AFTER_KEY
+from gateway.edge.client_limits import ClientLimits, grpc_peer_ip, parse_networks
+from gateway.routing.upstream import RETRY_AFTER_KEY
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 from .harness import FakeScheduler, collect, fake_scheduler, gateway, generation_stub, run

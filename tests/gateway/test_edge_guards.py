@@ -1,6 +1,6 @@
 """The edge's last guards: client values echoed in errors and logs are bounded
 (protos/echo.py), and whatever parsing a request raises is a counted 400, never a 500
-(gateway/parse_guard.py)."""
+(gateway/admit/parse_guard.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from gateway.admit.parse_guard import parse_guard
 from gateway.metrics import GatewayMetrics
-from gateway.parse_guard import parse_guard
 from gateway.validation import RequestError
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 from protos.echo import clip, shorten

@@ -1,5 +1,5 @@
 """The gateway's cap on concurrent gRPC calls (``--grpc-max-concurrent-rpcs``,
-gateway/rpc_limit.py) holds over all connections: the call past it ends at once
+gateway/rpc/rpc_limit.py) holds over all connections: the call past it ends at once
 RESOURCE_EXHAUSTED, naming the flag, with ``retry-after-ms``; health checks still pass
 while it is full; once a call ends, its slot serves the next one."""
 
@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gateway.config import ConfigError, GatewayConfig
-from gateway.rpc_limit import RpcLimit
-from gateway.upstream import RETRY_AFTER_KEY
+from gateway.routing.upstream import RETRY_AFTER_KEY
+from gateway.rpc.rpc_limit import RpcLimit
 from protos.continuum.v1 import generation_pb2
 
 from .harness import collect, fake_scheduler, gateway, generation_stub, run

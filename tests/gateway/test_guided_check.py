@@ -15,10 +15,12 @@ import aiohttp
 import grpc
 import pytest
 
-from gateway import compile_worker, guided_check, http_replies, tool_checks
-from gateway.guided_check import GuidedCheck
+from gateway.admit.parse_guard import parse_guard
+from gateway.api import http_replies
 from gateway.metrics import GatewayMetrics
-from gateway.parse_guard import parse_guard
+from gateway.structured import compile_worker, guided_check
+from gateway.structured.guided_check import GuidedCheck
+from gateway.tools import tool_checks
 from gateway.validation import RequestError
 from protos import guided as guided_spec
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2

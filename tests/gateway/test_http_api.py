@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.auth import ApiKeys
+from gateway.admit.auth import ApiKeys
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 from protos.limits import MAX_STOP_STRINGS
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig, default_body_limit
-from gateway.server import _server_options
+from gateway.rpc.server import _server_options
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.json_body import MAX_JSON_DEPTH, check_depth, decode_json
+from gateway.api.json_body import MAX_JSON_DEPTH, check_depth, decode_json
 from gateway.validation import RequestError
 
 _leaves = st.none() | st.booleans() | st.integers() | st.text(alphabet="ab[]{}\"\\ \u00e9")

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.reliability import body_strategies
-from gateway import openai_schema
-from gateway.json_body import decode_json
-from gateway.openai_api import CHAT, COMPLETION
+from gateway.api import openai_schema
+from gateway.api.json_body import decode_json
+from gateway.api.openai_api import CHAT, COMPLETION
 from gateway.validation import RequestError, ValidatedRequest, parse_request, validate
 from protos.continuum.v1 import generation_pb2
 

@@ -1,4 +1,4 @@
-"""gateway/openai_schema.py lists every body key the HTTP readers read.
+"""gateway/api/openai_schema.py lists every body key the HTTP readers read.
 
 The keys are found in the readers' source (every gateway module with a function that
 takes a ``body``): ``body.get("k")``, ``body["k"]``, ``"k" in body``, a reader call
@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from gateway import openai_schema as schema
+from gateway.api import openai_schema as schema
 from protos import sampling_checks
 
 GATEWAY = pathlib.Path(__file__).resolve().parents[2] / "gateway"
@@ -26,7 +26,7 @@ GATEWAY = pathlib.Path(__file__).resolve().parents[2] / "gateway"
 
 def _reader_modules() -> list[pathlib.Path]:
     found = []
-    for path in sorted(GATEWAY.glob("*.py")):
+    for path in sorted(GATEWAY.rglob("*.py")):
         tree = ast.parse(path.read_text())
         if any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
                and any(a.arg == "body" for a in node.args.args) for node in ast.walk(tree)):
@@ -125,7 +125,8 @@ def reads(sources: dict[str, str] | None = None) -> dict[str, set[tuple[str, str
     """Per reader module (name -> source; default: the gateway's), the (object name,
     key) pairs it reads."""
     if sources is None:
-        sources = {path.name: path.read_text() for path in _reader_modules()}
+        sources = {str(path.relative_to(GATEWAY)): path.read_text()
+                   for path in _reader_modules()}
     trees = {name: ast.parse(text) for name, text in sources.items()}
     readers = set().union(*(_readers(tree) for tree in trees.values()))
     out = {}
@@ -138,8 +139,8 @@ def reads(sources: dict[str, str] | None = None) -> dict[str, set[tuple[str, str
 
 def test_the_readers_are_found_and_their_keys_extracted():
     found = reads()
-    assert {"openai_api.py", "openai_fields.py", "tool_calls.py", "http_tokenize.py"} <= \
-        set(found)
+    assert {"api/openai_api.py", "api/openai_fields.py", "tools/tool_calls.py",
+            "api/http_tokenize.py"} <= set(found)
     body_keys = {k for pairs in found.values() for name, k in pairs if name == "body"}
     # one of each way a key is read: .get, a reader call, a loop over a tuple constant,
     # a loop over a literal with a splice, "k" in body
@@ -152,7 +153,7 @@ def test_every_body_key_a_reader_reads_is_in_the_schema(module):
     unknown = sorted(f"{name}[{key!r}]" for name, key in reads()[module]
                      if key not in (top if name == "body" else nested))
     assert not unknown, (f"gateway/{module} reads {', '.join(unknown)}, which "
-                         "gateway/openai_schema.py does not list: add it there (the "
+                         "gateway/api/openai_schema.py does not list: add it there (the "
                          "fuzzer then covers it)")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.output_stream import OutputStream
+from gateway.text.output_stream import OutputStream
 from gateway.validation import ValidatedRequest
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 

@@ -14,9 +14,9 @@ import socket
 import grpc
 import pytest
 
-from gateway import replicas as replicas_module
 from gateway.config import ConfigError, GatewayConfig
-from gateway.replicas import ReplicaSet, resolve, split_dns
+from gateway.routing import replicas as replicas_module
+from gateway.routing.replicas import ReplicaSet, resolve, split_dns
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 from .harness import (

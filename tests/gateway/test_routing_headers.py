@@ -1,4 +1,4 @@
-"""An inference gateway's tenant and tier headers (gateway/routing_headers.py), through a
+"""An inference gateway's tenant and tier headers (gateway/admit/routing_headers.py), through a
 real gateway over both APIs: they fill what the request leaves unset and grant nothing
 the key does not."""
 
@@ -9,7 +9,7 @@ import pathlib
 import openai
 import pytest
 
-from gateway.auth import ApiKeys
+from gateway.admit.auth import ApiKeys
 from gateway.config import ConfigError, GatewayConfig
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 

@@ -10,11 +10,11 @@ import aiohttp
 import pytest
 import tokenizers
 
-from gateway.auth import ApiKeys
-from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.admit.auth import ApiKeys
 from gateway.config import ConfigError
-from gateway.special_tokens import SpecialTokenEscape
-from gateway.tokenizer import Tokenizer
+from gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from gateway.text.special_tokens import SpecialTokenEscape
+from gateway.text.tokenizer import Tokenizer
 from gateway.validation import prompt_token_ids
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
@@ -185,8 +185,8 @@ def test_tokenize_shows_no_control_token_inside_the_user_turn(tokenizer):
 
 def test_the_flag_is_off_by_default_and_continuum_serve_passes_it_on():
     from continuum.cli import build_parser
-    from gateway import edge_flags
     from gateway.__main__ import parse_args
+    from gateway.edge import edge_flags
 
     base = ["--model-dir", "m", "--scheduler", "127.0.0.1:1"]
     assert not parse_args(base).allow_special_tokens_in_content

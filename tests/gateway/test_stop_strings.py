@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.stop_strings import StopStringMatcher
+from gateway.text.stop_strings import StopStringMatcher
 
 
 def _run(stops, deltas):

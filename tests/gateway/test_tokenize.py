@@ -7,7 +7,7 @@ import json
 
 import aiohttp
 
-from gateway.auth import ApiKeys
+from gateway.admit.auth import ApiKeys
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run

@@ -9,8 +9,8 @@ import pytest
 import tokenizers
 from tokenizers import processors
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError
-from gateway.tokenizer import ModelFilesError, Tokenizer
+from gateway.text.chat_template import ChatTemplate, ChatTemplateError
+from gateway.text.tokenizer import ModelFilesError, Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import tool_fallback, tool_parsers
-from gateway.chat_template import ChatTemplate
+from gateway.api.json_body import decode_json
+from gateway.api.openai_api import CHAT
 from gateway.config import ConfigError, GatewayConfig
-from gateway.json_body import decode_json
-from gateway.openai_api import CHAT
-from gateway.tool_parsers import Call
+from gateway.text.chat_template import ChatTemplate
+from gateway.tools import tool_fallback, tool_parsers
+from gateway.tools.tool_parsers import Call
 from gateway.validation import RequestError, ValidatedRequest, validate
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 

@@ -262,7 +262,7 @@ def test_the_gateway_the_openai_readers_and_the_scheduler_say_the_same(tokenizer
                                                                       sampling):
     """One check, one message: the gRPC edge and the scheduler word a refusal alike, and
     the OpenAI reader the same but for the field's path (``top_p``, not ``sampling.top_p``)."""
-    from gateway.openai_api import COMPLETION
+    from gateway.api.openai_api import COMPLETION
     from gateway.validation import RequestError, check_sampling
     from scheduler_svc.validation import validate_submit
     from tests.scheduler.factories import make_scheduler

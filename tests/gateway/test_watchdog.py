@@ -15,7 +15,7 @@ import aiohttp
 import grpc
 import pytest
 
-from gateway import watchdog
+from gateway.routing import watchdog
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
 from .harness import FakeScheduler, collect, fake_scheduler, gateway, generation_stub, run

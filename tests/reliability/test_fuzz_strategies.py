@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from benchmarks.reliability import body_strategies as bodies
 from benchmarks.reliability import proto_strategies as protos
-from gateway import openai_schema
+from gateway.api import openai_schema
 from protos import sampling_checks
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2

@@ -12,8 +12,8 @@ from benchmarks.reliability.hostile_load import (
     benign_twin,
     costly_kinds,
 )
-from gateway.openai_api import CHAT, COMPLETION
-from gateway.tokenizer import Tokenizer
+from gateway.api.openai_api import CHAT, COMPLETION
+from gateway.text.tokenizer import Tokenizer
 from gateway.validation import prompt_token_ids, validate
 
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.replicas import ReplicaSet
+from gateway.routing.replicas import ReplicaSet
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 from tests.conftest import TEST_METADATA, TEST_SECRET

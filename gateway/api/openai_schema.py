@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API's request bodies as data: for each endpoint, every key
+the gateway reads, its JSON shape, the values and ranges it accepts, and nested shapes.
+
+This module enforces nothing: the readers (gateway/api/openai_api.py, openai_fields.py,
+tool_calls.py, http_tokenize.py) are the rules, and this says what they read, so that
+the reliability fuzzer (benchmarks/reliability/fuzz_schema.py) can generate bodies for
+every field without a hand list. tests/gateway/test_openai_schema.py reads the readers'
+source and fails when one reads a key that is not listed here: a new field is in the
+fuzzer from the change that adds it (docs/reliability.md, "Schema fuzzing").
+
+A ``Shape`` is a JSON value's type with what makes a value of it interesting: the
+accepted range of a number, the accepted words of an enumeration, an array's items, an
+object's keys, a map's values, the alternatives of a union, and for strings what the
+text means (``Text``), so the fuzzer knows to send a regex with a huge repeat count to a
+regex and a special token to a prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gateway.api.openai_api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+from gateway.validation import MAX_CHAT_MESSAGES
+from protos import limits, tiers
+from protos import sampling_checks as checks
+from protos.sampling_checks import UINT32_MAX
+
+
+class Text(enum.Enum):
+    """What a string field holds, where it means more than text."""
+
+    PLAIN = "plain"  # free text that reaches the model (prompt, content, stop)
+    MODEL = "model"  # a model name
+    IDENTIFIER = "identifier"  # a tenant or request id: printable ASCII, capped
+    ROLE = "role"  # a chat role
+    TOOL_NAME = "tool_name"  # a function name
+    JSON = "json"  # JSON text (tool call arguments)
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text or as an object
+    REGEX = "regex"
+    LARK = "lark"  # a Lark grammar (llguidance's dialect)
+    TOKEN_ID = "token_id"  # a token id as a string of digits (logit_bias keys)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One JSON value's shape. ``kind``: "string", "integer", "number", "boolean",
+    "array", "object", "map" (string keys of ``keys``' shape to ``values``), "any_of"
+    (one of ``options``) or "any" (read, but any value is refused: a field this server
+    does not support). ``low``/``high``: a number's accepted range, inclusive (None:
+    unbounded, or bounded by the model, as token ids are by the vocabulary).
+    ``enum``: the only accepted values. ``max_items``: an array's or map's cap."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    enum: tuple = ()
+    text: Text = Text.PLAIN
+    items: Shape | None = None
+    fields: tuple[tuple[str, Shape], ...] = ()
+    keys: Shape | None = None
+    values: Shape | None = None
+    options: tuple[Shape, ...] = ()
+    max_items: int | None = None
+
+    @property
+    def field_map(self) -> dict[str, Shape]:
+        return dict(self.fields)
+
+
+def string(text: Text = Text.PLAIN) -> Shape:
+    return Shape("string", text=text)
+
+
+def words(*accepted: str, text: Text = Text.PLAIN) -> Shape:
+    return Shape("string", enum=accepted, text=text)
+
+
+def integer(low: int | None, high: int | None) -> Shape:
+    return Shape("integer", low=low, high=high)
+
+
+def number(low: float, high: float) -> Shape:
+    return Shape("number", low=low, high=high)
+
+
+def array(items: Shape, max_items: int | None = None) -> Shape:
+    return Shape("array", items=items, max_items=max_items)
+
+
+def obj(**fields: Shape) -> Shape:
+    return Shape("object", fields=tuple(fields.items()))
+
+
+def any_of(*options: Shape) -> Shape:
+    return Shape("any_of", options=options)
+
+
+BOOLEAN = Shape("boolean")
+REFUSED = Shape("any")
+TOKEN_ID = integer(0, None)  # < the model's vocabulary size
+# An object that is a JSON Schema: the fuzzer draws schemas, not the object's own keys.
+SCHEMA_OBJECT = Shape("object", text=Text.JSON_SCHEMA)
+TEXT_PART = obj(type=words("text"), text=string())
+
+# --- what both generation dialects read (openai_fields.common) -----------------------
+
+RESPONSE_FORMAT = any_of(
+    obj(type=words("text")), obj(type=words("json_object")),
+    obj(type=words("json_schema"),
+        json_schema=obj(name=string(), schema=SCHEMA_OBJECT, strict=BOOLEAN)))
+GUIDED = {
+    "response_format": RESPONSE_FORMAT,
+    "guided_json": any_of(SCHEMA_OBJECT, string(Text.JSON_SCHEMA)),
+    "guided_regex": string(Text.REGEX),
+    "guided_choice": array(string()),
+    "guided_grammar": string(Text.LARK),
+}
+# Every sampling number, as protos/sampling_checks.py bounds it (an open low end, as
+# top_p's 0, is drawn too: it is refused). top_k also takes -1 (vLLM's "off").
+SAMPLING_NUMBERS = {
+    b.name: integer(-1 if b.name == "top_k" else b.low, b.high) if b.integer
+    else number(b.low, b.high) for b in checks.NUMBERS}
+COMMON = {
+    "model": string(Text.MODEL),
+    **SAMPLING_NUMBERS,
+    "ignore_eos": BOOLEAN,
+    "stop_token_ids": array(TOKEN_ID, limits.MAX_STOP_TOKEN_IDS),
+    "logit_bias": Shape("map", keys=string(Text.TOKEN_ID),
+                        values=number(-limits.MAX_LOGIT_BIAS, limits.MAX_LOGIT_BIAS),
+                        max_items=limits.MAX_LOGIT_BIAS_ENTRIES),
+    **GUIDED,
+    "stop": any_of(string(), array(string(), limits.MAX_STOP_STRINGS)),
+    "n": integer(checks.N.low, checks.N.high),
+    "best_of": integer(1, UINT32_MAX),  # only equal to n
+    "tenant": string(Text.IDENTIFIER),
+    "priority": any_of(words(*tiers.NAMES), integer(0, tiers.NUM_TIERS - 1)),
+    "stream": BOOLEAN,
+    "stream_options": obj(include_usage=BOOLEAN, continuous_usage_stats=BOOLEAN),
+}
+# Read only to be refused with a message that names them (a silent drop would answer
+# something else than was asked).
+UNSUPPORTED = {name: REFUSED for name in ("suffix", "functions", "function_call", "audio",
+                                          "modalities", "prediction")}
+# OpenAI fields that are accepted and not read (they change nothing here).
+IGNORED = {"user": string()}
+
+# --- chat ----------------------------------------------------------------------------
+
+TOOL_CALL = obj(id=string(), type=words("function"),
+                function=obj(name=string(Text.TOOL_NAME),
+                             arguments=any_of(string(Text.JSON), SCHEMA_OBJECT)))
+MESSAGE = obj(
+    role=words("system", "user", "assistant", "tool", "developer", text=Text.ROLE),
+    content=any_of(string(), array(TEXT_PART)),
+    tool_calls=array(TOOL_CALL),
+    tool_call_id=string(),
+)
+TOOL = obj(type=words("function"),
+           function=obj(name=string(Text.TOOL_NAME), description=string(),
+                        parameters=SCHEMA_OBJECT, strict=BOOLEAN))
+TOOLS = {
+    "tools": array(TOOL, limits.MAX_TOOLS),
+    "tool_choice": any_of(words("none", "auto", "required"),
+                          obj(type=words("function"),
+                              function=obj(name=string(Text.TOOL_NAME)))),
+    "parallel_tool_calls": BOOLEAN,
+}
+MESSAGES = array(MESSAGE, MAX_CHAT_MESSAGES)
+
+COMPLETIONS = {
+    "prompt": any_of(string(), array(TOKEN_ID), array(string(), 1), array(array(TOKEN_ID), 1)),
+    "echo": BOOLEAN,
+    "max_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
+    "logprobs": integer(0, MAX_COMPLETION_LOGPROBS),
+    **COMMON, **TOOLS, **UNSUPPORTED, **IGNORED,  # tools: refused on this endpoint
+}
+CHAT = {
+    "messages": MESSAGES,
+    "max_completion_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
+    "max_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
+    "logprobs": BOOLEAN,
+    "top_logprobs": integer(0, MAX_TOP_LOGPROBS),
+    **COMMON, **TOOLS, **UNSUPPORTED, **IGNORED,
+}
+TOKENIZE = {  # prompt or messages (not both), rendered as the dialects render them
+    "model": string(Text.MODEL), "prompt": COMPLETIONS["prompt"], "messages": MESSAGES,
+    "tools": TOOLS["tools"], "return_token_strs": BOOLEAN,
+}
+DETOKENIZE = {"model": string(Text.MODEL), "tokens": array(TOKEN_ID)}
+
+ENDPOINTS: dict[str, dict[str, Shape]] = {
+    "/v1/completions": COMPLETIONS,
+    "/v1/chat/completions": CHAT,
+    "/tokenize": TOKENIZE,
+    "/detokenize": DETOKENIZE,
+}
+# A body that each endpoint accepts and answers quickly: what the fuzzer changes.
+# max_tokens stays set: unset, chat would generate up to the context limit.
+VALID = {
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 4, "temperature": 0},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}],
+                             "max_tokens": 4, "temperature": 0},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
+
+def top_level_keys() -> set[str]:
+    """Every key any endpoint reads from the body itself."""
+    return {key for fields in ENDPOINTS.values() for key in fields}
+
+
+def nested_keys() -> set[str]:
+    """Every key of every object nested anywhere in a body."""
+    found: set[str] = set()
+    stack = [shape for fields in ENDPOINTS.values() for shape in fields.values()]
+    while stack:
+        shape = stack.pop()
+        found.update(name for name, _ in shape.fields)
+        stack += [s for _, s in shape.fields] + list(shape.options)
+        stack += [s for s in (shape.items, shape.keys, shape.values) if s is not None]
+    return found

@@ -1,0 +1,92 @@
+"""The gateway's side of the internal Scheduler API: channel setup and error mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+RETRY_AFTER_KEY = "retry-after-ms"
+# The scheduler's trailer on a request that failed by itself (a poison request):
+# continuing it on another replica would only fail, or kill, that one too.
+REQUEST_FAILED_KEY = "request-failed"
+# The scheduler's trailer naming OpenAI's error code ("context_length_exceeded").
+ERROR_CODE_KEY = "error-code"
+
+# Fail fast while the scheduler is down (no wait_for_ready: the client gets
+# UNAVAILABLE at once), but reconnect within about a second once it is back:
+# gRPC's default backoff grows to two minutes, which would keep a gateway
+# started before its scheduler refusing work long after the scheduler is up.
+#
+# Keepalive: a scheduler that hangs (SIGSTOP, a wedged host) keeps its TCP
+# connection open, and without pings gRPC would wait on it forever. Every
+# KEEPALIVE_TIME_MS the channel pings, also while idle, and gives the connection
+# up when no ack comes within KEEPALIVE_TIMEOUT_MS: its calls fail UNAVAILABLE
+# and the relay continues them elsewhere. 10 s is grpc-go's floor for client
+# pings; the scheduler's server must permit pings this often
+# (KEEPALIVE_OPTIONS in scheduler_svc/__main__.py), or it answers GOAWAY
+# "too_many_pings". The relay's watchdog (gateway/routing/watchdog.py) notices a stalled
+# stream sooner; keepalive is the floor under it, and also covers idle channels.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that sends nothing
+)
+
+# Codes whose upstream details are meaningful to the client as they are.
+_PASS_THROUGH = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ClientStatus:
+    """The status to end the client's call with after an upstream failure."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+
+def _retry_after(exc: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
+    metadata = exc.trailing_metadata() or ()
+    return tuple((key, value) for key, value in metadata if key == RETRY_AFTER_KEY)
+
+
+def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
+    """Maps an upstream Submit failure to what the client should see."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        message = details or "the server is overloaded; retry later"
+        return ClientStatus(code, message, _retry_after(exc))
+    if code in _PASS_THROUGH:
+        return ClientStatus(code, details, tuple(
+            (key, value) for key, value in exc.trailing_metadata() or ()
+            if key == ERROR_CODE_KEY))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ClientStatus(code, "the deadline passed before generation finished")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ClientStatus(code, f"no scheduler replica reachable at {address} ({details})")
+    # CANCELLED (the scheduler shut down under us), UNIMPLEMENTED (not a
+    # scheduler at that address) and the rest: the replica cannot serve, retry.
+    return ClientStatus(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the scheduler at {address} failed the request ({code.name}: {details})",
+    )
+
+
+def request_failed(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the scheduler ended the request because of the request itself."""
+    return any(key == REQUEST_FAILED_KEY for key, _ in exc.trailing_metadata() or ())

@@ -1,0 +1,122 @@
+"""A cap on the gRPC calls the gateway serves at once, answered so a client can act on it.
+
+HTTP/2's ``max_concurrent_streams`` bounds the streams of one connection only: a client
+opening many connections could hold any number of Generate streams (each with its
+relay, detokenizer and upstream call). grpc's own ``maximum_concurrent_rpcs`` bounds
+them, but answers "Concurrent RPC limit exceeded!" with no hint of when to retry, and
+counts the health checks with the rest, so a full gateway would also fail its probes.
+This interceptor bounds two pools of its own instead:
+
+* every call but health (Generate, reflection): ``max_rpcs``
+  (``--grpc-max-concurrent-rpcs``; its default and why: gateway/config.py);
+* health checks and watches, which need no key: ``MAX_HEALTH_RPCS``, so probes still
+  pass while the first pool is full, and a flood of watches cannot fill the process.
+
+A call past its pool's cap ends RESOURCE_EXHAUSTED, naming the cap and its flag, with
+``retry-after-ms`` in its trailing metadata (gateway/routing/upstream.py's key, which the
+HTTP side reads too); its request bytes are not parsed. The server is also given
+grpc's own cap at the sum of both pools, a backstop for anything that reaches no
+handler. One event loop runs every handler, so the counts need no lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+
+import grpc
+
+from gateway.edge.client_limits import RETRY_AFTER_MS
+from gateway.routing.upstream import RETRY_AFTER_KEY
+
+# Probes and load balancers open a handful of health calls each.
+MAX_HEALTH_RPCS = 256
+
+_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+_MAKE = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
+
+
+class RpcLimit(grpc.aio.ServerInterceptor):
+    """Counts the calls in flight per pool; refuses one past its pool's cap.
+
+    ``health_prefix``: the method prefix of the health service (its pool).
+    ``on_refuse``: called with the status name of each refused call but health
+    (the request error counter)."""
+
+    def __init__(self, max_rpcs: int, health_prefix: str,
+                 max_health_rpcs: int = MAX_HEALTH_RPCS,
+                 on_refuse: Callable[[str], None] | None = None) -> None:
+        self._health_prefix = health_prefix
+        self.on_refuse = on_refuse
+        self._caps = {False: max_rpcs, True: max_health_rpcs}
+        self.active = {False: 0, True: 0}  # health? -> calls in flight
+
+    @property
+    def total(self) -> int:
+        """Both caps: grpc's own backstop cap for the server."""
+        return self._caps[False] + self._caps[True]
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:  # UNIMPLEMENTED: grpc answers at once
+            return None
+        health = details.method.startswith(self._health_prefix)
+        kind = next(k for k in _KINDS if getattr(handler, k) is not None)
+        if self.active[health] >= self._caps[health]:  # before the request is parsed
+            return _MAKE[kind](self._refusal(health))
+        behavior = getattr(handler, kind)
+        counted = (self._counted_stream if inspect.isasyncgenfunction(behavior)
+                   else self._counted_call)(behavior, health)
+        return _MAKE[kind](counted, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+
+    def _refusal(self, health: bool):
+        async def refuse(request_or_iterator, context):
+            await self._abort(context, health)
+        return refuse
+
+    async def _abort(self, context, health: bool) -> None:
+        if self.on_refuse is not None and not health:  # requests only
+            self.on_refuse(grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        what = "health calls" if health else "calls (--grpc-max-concurrent-rpcs)"
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the gateway is serving its limit of {self._caps[health]} concurrent {what}; "
+            f"retry in {RETRY_AFTER_MS} ms (trailing metadata {RETRY_AFTER_KEY})",
+            ((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+
+    def _enter(self, health: bool) -> bool:
+        # Checked again here: calls admitted by intercept_service in the same loop turn
+        # start one by one, so the cap holds exactly.
+        if self.active[health] >= self._caps[health]:
+            return False
+        self.active[health] += 1
+        return True
+
+    def _counted_call(self, behavior, health: bool):
+        async def call(request_or_iterator, context):
+            if not self._enter(health):
+                await self._abort(context, health)
+            try:
+                return await behavior(request_or_iterator, context)
+            finally:
+                self.active[health] -= 1
+        return call
+
+    def _counted_stream(self, behavior, health: bool):
+        async def stream(request_or_iterator, context):
+            if not self._enter(health):
+                await self._abort(context, health)
+            try:
+                async with contextlib.aclosing(behavior(request_or_iterator, context)) as it:
+                    async for response in it:
+                        yield response
+            finally:
+                self.active[health] -= 1
+        return stream
