@@ -9,7 +9,7 @@ from continuum import restart_guard, serve_tls
 from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
 from gateway.edge import edge_flags
 from protos import tiers
-from scheduler_svc import kv_event_flags
+from scheduler_svc import kv_event_flags, plan_channel_flags
 
 DEFAULT_PORT = 50051
 # The executor's nice value under serve (measured in docs/reliability.md, row burst).
@@ -30,6 +30,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                    help="serve the replica's vLLM-compatible /metrics (what inference gateways "
                         "scrape) on this loopback port (0: any; default: off)")
     kv_event_flags.add_flags(p)  # passed to the scheduler
+    plan_channel_flags.add_flag(p)  # passed to the scheduler
     p.add_argument("--scheduler-host", default="127.0.0.1",
                    help="internal scheduler bind address (loopback unless gateways elsewhere "
                         "use it; it always requires the internal secret)")

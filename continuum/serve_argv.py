@@ -9,7 +9,7 @@ import os
 from continuum import local_state, serve_tls
 from gateway.edge import edge_flags
 from protos import tiers
-from scheduler_svc import kv_event_flags
+from scheduler_svc import kv_event_flags, plan_channel_flags
 
 
 def telemetry_flags(a: argparse.Namespace) -> list[str]:
@@ -50,7 +50,7 @@ def scheduler_argv(a: argparse.Namespace, ipc: str) -> list[str]:
             *(["--config-file", os.path.abspath(a.config_file)]
               if getattr(a, "config_file", None) else []),
             *(["--metrics-port", str(a.metrics_port)] if a.metrics_port >= 0 else []),
-            *kv_event_flags.argv(a),
+            *kv_event_flags.argv(a), *plan_channel_flags.argv(a),
             *serve_tls.scheduler_argv(a)]
 
 

@@ -16,6 +16,12 @@ old one.
 Every Hello carries ``auth_tag``, the HMAC of the Hello under the deployment's secret
 (runtime/internal_auth.py); the scheduler ignores an executor that cannot sign. Frames that
 are not one decodable SchedulerMessage are dropped and counted (``num_dropped_frames``).
+
+Plans may come through a shared-memory ring instead (runtime/plan_ring.py): the scheduler
+offers one in a heartbeat to this incarnation; the loop attaches it (once per offer) and
+names it in its heartbeats, then reads plans there: it spins on the ring for a moment after
+each plan, then sleeps on ZeroMQ, where a ``ring_bell`` wakes it. A ring frame that fails
+its checks is dropped and counted like a bad frame. Every Hello drops the ring.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from executor_svc.runner import Runner
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from runtime import internal_auth
+from runtime import internal_auth, plan_ring
 from runtime.zmq_sockets import release_on_collect
 
 log = logging.getLogger("executor.link")
@@ -56,6 +62,10 @@ class SchedulerLink:
 
     def send(self, kind: str, msg) -> None:
         self._sock.send(wire.encode_to_scheduler(kind, msg))
+
+    def pending(self) -> bool:
+        """A message (or a connection event) is waiting: a spin on the plan ring stops."""
+        return bool(self._sock.poll(0) or self._monitor.poll(0))
 
     def recv(self, timeout_ms: int) -> bytes | str | None:
         """The next payload, CONNECTED after a (re)connection, or None after ``timeout_ms``."""
@@ -110,10 +120,23 @@ class ServeLoop:
         self._last_hello = 0.0
         self._received_at = 0.0  # perf_counter when the frame being handled arrived
         self._result_sent_at = 0.0  # ... when the last result went out (0: none since Hello)
+        self.plans: plan_ring.PlanRingReader | None = None  # the scheduler's plan ring
+        self._offered = ""  # the ring last offered: attached (or tried) once
+        self._spin = False  # a plan was just handled: the next one is likely close
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._drop_ring()
+
+    def _run(self) -> None:
         while not self.should_stop():
+            if self.plans is not None and self._serve_ring():
+                continue
             frame = self.link.recv(self.poll_ms)
+            if self.plans is not None:
+                self.plans.awake()
             if frame == CONNECTED:
                 self._send_hello("connected")
             elif frame == JUNK:
@@ -128,7 +151,21 @@ class ServeLoop:
             else:
                 self._receive(frame)
 
-    def _receive(self, frame: bytes) -> None:
+    def _serve_ring(self) -> bool:
+        """Runs the ring's next plan if one comes within the spin; False: wait on ZeroMQ."""
+        try:
+            payload = self.plans.wait(plan_ring.SPIN_S if self._spin else 0.0,
+                                      self.link.pending)
+        except plan_ring.FrameError as exc:
+            self._drop(str(exc))
+            return True
+        if payload is None:
+            self._spin = False
+            return False
+        self._receive(payload, from_ring=True)
+        return True
+
+    def _receive(self, frame: bytes, from_ring: bool = False) -> None:
         self._received_at = time.perf_counter()
         try:
             kind, msg = wire.decode_from_scheduler(frame)
@@ -136,7 +173,39 @@ class ServeLoop:
             self._drop(str(exc))
             return
         self._answered = True
+        if kind == "plan" and not from_ring and self.plans is not None:
+            self._drain_ring()  # its frames written before this plan went over ZeroMQ
+            self.plans.received_over_zmq()
         self.handle(kind, msg)
+
+    def _drain_ring(self) -> None:
+        while self.plans is not None:
+            try:
+                payload = self.plans.poll()
+            except plan_ring.FrameError as exc:
+                self._drop(str(exc))
+                continue
+            if payload is None:
+                return
+            self._receive(payload, from_ring=True)
+
+    def _attach_ring(self, offer: pb.PlanRing) -> None:
+        """Attaches the offered ring once (a failure leaves the plans on ZeroMQ)."""
+        self._offered = offer.name
+        self._drop_ring()
+        try:
+            self.plans = plan_ring.PlanRingReader(offer.name, offer.generation, offer.key,
+                                                  self.secret, self.hello.incarnation)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the scheduler's plan ring %s (%s): plans over ZeroMQ",
+                        offer.name, exc)
+            return
+        log.info("plans through the scheduler's shared-memory ring %s", offer.name)
+
+    def _drop_ring(self) -> None:
+        if self.plans is not None:
+            self.plans.close()
+            self.plans = None
 
     def handle(self, kind: str, msg) -> None:
         if kind == "plan":
@@ -145,6 +214,7 @@ class ServeLoop:
                 result.idle_ms = max(0.0, self._received_at - self._result_sent_at) * 1e3
             self.link.send("result", result)
             self._result_sent_at = time.perf_counter()
+            self._spin = True
             log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.seq_ids),
                       result.step_ms)
         elif kind == "heartbeat":
@@ -156,11 +226,15 @@ class ServeLoop:
                 return
             if msg.incarnation != self.hello.incarnation and self._since_hello() >= 1.0:
                 self._send_hello(f"scheduler knows incarnation {msg.incarnation!r}")
+            elif msg.HasField("plan_ring") and msg.incarnation == self.hello.incarnation \
+                    and msg.plan_ring.name != self._offered:
+                self._attach_ring(msg.plan_ring)
             self.link.send("heartbeat", pb.Heartbeat(
                 incarnation=self.hello.incarnation,
                 sent_at=time.time(),
                 last_step_id=self.runner.last_step_id,
                 num_sequences=len(self.runner.seqs),
+                plan_ring_name=self.plans.name if self.plans is not None else "",
             ))
 
     def _since_hello(self) -> float:
@@ -173,6 +247,8 @@ class ServeLoop:
 
     def _send_hello(self, why: str, renew: bool = False) -> None:
         self._result_sent_at = 0.0
+        self._drop_ring()  # the scheduler offers a fresh one to the registration
+        self._offered = ""
         if renew and self.renew_incarnation:
             self.hello.incarnation = uuid.uuid4().hex
             self.runner.reset(self.hello.incarnation)

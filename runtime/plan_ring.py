@@ -31,6 +31,7 @@ import os
 import secrets
 import struct
 import time
+from collections.abc import Callable
 
 from runtime import internal_auth, shm_ring
 
@@ -151,15 +152,20 @@ class PlanRingReader:
             raise FrameError(f"ring frame {got} ({length} bytes) in slot {number}")
         return frame[_FRAME:]
 
-    def wait(self, spin_s: float) -> bytes | None:
-        """Spins up to ``spin_s`` (yielding the core) for the next plan; None means the
-        caller waits on ZeroMQ, where a doorbell will come for a later frame."""
+    def wait(self, spin_s: float, interrupt: Callable[[], bool] | None = None) -> bytes | None:
+        """Spins up to ``spin_s`` (yielding the core) for the next plan, or until
+        ``interrupt()`` (checked now and then: the caller's ZeroMQ socket has a frame, a
+        plan the ring could not take, say); None means the caller waits on ZeroMQ, where
+        a doorbell will come for a later frame."""
         deadline = time.monotonic() + spin_s
+        spins = 0
         while True:
             payload = self.poll()
             if payload is not None:
                 return payload
-            if time.monotonic() >= deadline:
+            spins += 1
+            if time.monotonic() >= deadline or (
+                    interrupt is not None and spins % 16 == 0 and interrupt()):
                 break
             os.sched_yield()
         self._ring.set_sleeping(True)

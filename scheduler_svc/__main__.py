@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.continuum.v1 import scheduler_pb2_grpc
 from runtime import internal_auth, tls
-from scheduler_svc import config_file, kv_event_flags, metrics
+from scheduler_svc import config_file, kv_event_flags, metrics, plan_channel_flags
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address of the /metrics port (it carries no secrets, but stays on "
                         "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
     kv_event_flags.add_flags(p)
+    plan_channel_flags.add_flag(p)
     tls.add_server_flags(p, peers="gateways (and `continuum serve`)")
     p.add_argument("--config-file", default="",
                    help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
@@ -165,7 +166,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
                 file_bytes: bytes = b"") -> None:
     """``config``: the startup config (``flags`` under the config file's fields)."""
     private_ipc_dir(args.ipc)
-    loop = EngineLoop(config, args.ipc, secret=secret)
+    loop = EngineLoop(config, args.ipc, secret=secret, plan_channel=args.plan_channel)
     loop.recorder = open_telemetry(args, config)
     kv_events = start_kv_events(args, loop)
     admin = ConfigAdmin(loop, config, flags, source="command line" + (

@@ -16,6 +16,10 @@ A warm standby (a Hello marked ``standby`` while another executor is the peer) i
 kept aside, not made the peer: ``promote_standby`` switches to it when the loop loses
 its executor, with no process start, model load or handshake on the critical path.
 Its heartbeats keep ``standby_last_seen`` fresh; a newer standby Hello replaces it.
+
+Plans go through the peer's shared-memory ring where there is one (scheduler_svc/plan_channel.py:
+a fresh ring for every peer, offered in the heartbeats to it until it names the ring), with
+a ``ring_bell`` frame when the executor sleeps on ZeroMQ, and over ZeroMQ otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
 from runtime.zmq_sockets import release_on_collect
 from scheduler_svc.aio import cancel_all
+from scheduler_svc.plan_channel import PlanChannel
 
 log = structlog.get_logger("scheduler.link")
 
@@ -43,6 +48,7 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_REMEMBERED_PEERS = 1024
 # How far a Hello's signing time may be from ours (replays older than this are refused).
 HELLO_MAX_SKEW_S = 60.0
+_BELL = wire.encode_to_executor("ring_bell", pb.RingBell())
 
 
 class ExecutorLink:
@@ -51,6 +57,7 @@ class ExecutorLink:
     ``on_hello(identity, hello)`` and ``on_result(result)`` run on the event
     loop; ``last_seen`` is the monotonic time of the latest message from the
     current peer. ``secret`` None (the insecure opt-out) accepts unsigned Hellos.
+    ``plan_channel``: "shm" (plans through a shared-memory ring where possible) or "zmq".
     """
 
     def __init__(
@@ -61,8 +68,10 @@ class ExecutorLink:
         on_lost: Callable[[], None],
         secret: bytes | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        plan_channel: str = "shm",
     ) -> None:
         self.address = address
+        self.plans = PlanChannel(plan_channel, address, secret)
         self._on_hello = on_hello
         self._on_result = on_result
         self._on_lost = on_lost
@@ -105,6 +114,7 @@ class ExecutorLink:
         await cancel_all(self._tasks)
         self._sock.disable_monitor()
         self._release()
+        self.plans.close()
 
     def _task_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -115,13 +125,22 @@ class ExecutorLink:
             self._on_fatal(f"{task.get_name()} died: {exc!r}")
 
     def send_plan(self, msg: pb.SchedulerMessage) -> bool:
-        """Sends a plan frame (plan.build_plan_message) to the current peer; False if
-        it is unreachable."""
-        return self._send(msg.SerializeToString())
+        """Sends a plan frame (plan.build_plan_message) to the current peer, through its
+        ring or over ZeroMQ; False if it is unreachable."""
+        if self.peer is None:
+            return False
+        frame = msg.SerializeToString()
+        in_ring = self.plans.write(frame)
+        if in_ring is None:
+            return self._send(frame)
+        return not in_ring or self._send(_BELL)
 
     def send_heartbeat(self, incarnation: str, last_step_id: int,
                        to: bytes | None = None) -> bool:
         hb = pb.Heartbeat(incarnation=incarnation, sent_at=time.time(), last_step_id=last_step_id)
+        offer = self.plans.offer() if to in (None, self.peer) else None
+        if offer is not None and incarnation == self.peer_incarnation:
+            hb.plan_ring.CopyFrom(offer)
         return self._send(wire.encode_to_executor("heartbeat", hb), to=to)
 
     def probe_standby(self) -> bool:
@@ -147,6 +166,7 @@ class ExecutorLink:
         self.peer, hello = self.standby, self.standby_hello
         self.peer_incarnation, self.last_seen = hello.incarnation, time.monotonic()
         self.standby = self.standby_hello = None
+        self.plans.renew(hello.incarnation)
         return hello
 
     def _send(self, frame: bytes, to: bytes | None = None) -> bool:
@@ -213,6 +233,7 @@ class ExecutorLink:
                 self.drop_standby("it registered as the executor")
             self.peer, self.peer_incarnation = identity, msg.incarnation
             self.last_seen = time.monotonic()
+            self.plans.renew(msg.incarnation)
             self._on_hello(identity, msg)
         elif identity == self.peer:
             self.last_seen = time.monotonic()
@@ -220,6 +241,8 @@ class ExecutorLink:
                 self._on_result(msg)
             elif kind == "heartbeat":
                 self.executor_num_sequences = msg.num_sequences
+                if msg.plan_ring_name and msg.incarnation == self.peer_incarnation:
+                    self.plans.confirm(msg.plan_ring_name)
         elif identity == self.standby and kind == "heartbeat":
             self.standby_last_seen = time.monotonic()
         else:

@@ -67,14 +67,17 @@ class EngineLoop:
     """
 
     def __init__(self, config: SchedulerConfig, ipc_address: str,
-                 secret: bytes | None | object = _FROM_ENV) -> None:
+                 secret: bytes | None | object = _FROM_ENV, plan_channel: str = "shm") -> None:
         """``secret``: what an executor's Hello must be signed with; by default the
-        deployment's (internal_auth.load_secret: raises SecretError when none is set)."""
+        deployment's (internal_auth.load_secret: raises SecretError when none is set).
+        ``plan_channel``: "shm" (a shared-memory ring where possible) or "zmq"
+        (scheduler_svc/plan_channel.py)."""
         if secret is _FROM_ENV:
             secret = internal_auth.load_secret()
         self.core = Scheduler(config)
         self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result,
-                                 self._on_lost, secret=secret, on_fatal=self._die)
+                                 self._on_lost, secret=secret, on_fatal=self._die,
+                                 plan_channel=plan_channel)
         self.heartbeat_timeout_s = float(os.environ.get(ENV_HEARTBEAT_TIMEOUT)
                                          or HEARTBEAT_TIMEOUT_S)
         # Resolved (with the reason) when a task the loop depends on died.

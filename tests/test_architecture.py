@@ -77,6 +77,8 @@ TOOL_IMPORTS = {
                                "imported",
     "scheduler_svc.kv_event_flags": "the KV event stream's flags `continuum serve` takes "
                                     "and passes on: one definition, nothing heavy imported",
+    "scheduler_svc.plan_channel_flags": "the plan channel flag `continuum serve` takes and "
+                                        "passes on: one definition, nothing heavy imported",
     "scheduler_svc.core.policy": "the policy registry `continuum serve --policy` offers: one "
                                  "list, pure Python",
 }

@@ -45,6 +45,17 @@ def executor_pid(server) -> int:
     raise AssertionError("no executor process found")
 
 
+def rings_attached(server, more_than: int = 0, timeout_s: float = 30.0) -> int:
+    """How many executors the scheduler has sent plans through a shared-memory ring
+    (its default channel), once that is more than ``more_than``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = sum("plans go through shared memory" in line for line in server.stderr_lines)
+        if n > more_than or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
 def run_all(server, fault=None):
     """Streams every request; ``fault()`` runs once all streams have tokens."""
     started = concurrent.futures.ThreadPoolExecutor(NUM_STREAMS)
@@ -77,9 +88,12 @@ def baseline(fault_server):
 def test_kill_9_executor_mid_generation_loses_nothing(fault_server, baseline):
     srv = fault_server
     before = executor_pid(srv)
+    rings = rings_attached(srv)
+    assert rings >= 1, "the plans must go through the shared-memory ring"
     tokens = run_all(srv, lambda: os.kill(executor_pid(srv), signal.SIGKILL))
     assert executor_pid(srv) != before, "the supervisor must have started a new executor"
     assert tokens == baseline  # no token lost or duplicated; seeded and greedy identical
+    assert rings_attached(srv, rings) > rings  # the new executor reads a fresh ring
     stats = wait_until_idle(srv)
     assert stats.num_free_blocks == stats.num_total_blocks
 

@@ -16,6 +16,7 @@ import pytest
 
 from protos.continuum.v1 import sampling_pb2
 from tests.integration.conftest import start_server, stop_server
+from tests.integration.test_faults import rings_attached
 from tests.integration.test_serve import chat, collect, wait_until_idle
 
 pytestmark = pytest.mark.integration
@@ -78,7 +79,10 @@ def test_kill_9_hands_the_streams_to_the_standby(standby_server, baseline):
     srv = standby_server
     active, standby = executors(srv)
     takeovers = srv.stats().num_standby_takeovers
+    rings = rings_attached(srv)
+    assert rings >= 1, "the plans must go through the shared-memory ring"
     assert run_all(srv, lambda: os.kill(active, signal.SIGKILL)) == baseline
+    assert rings_attached(srv, rings) > rings  # the standby got a fresh ring
     stats = srv.stats()  # (a busy box may see a step miss its deadline too: "at least")
     assert stats.executor_pid != active and stats.num_standby_takeovers >= takeovers + 1
     assert any(f'"pid": {standby}' in line and "standby executor takes over" in line

@@ -1,0 +1,92 @@
+"""Which way each plan goes to the current executor: its shared-memory ring or ZeroMQ.
+
+``--plan-channel shm`` (the default) gives every executor incarnation that becomes the peer
+a fresh ring (runtime/plan_ring.py), offered in the scheduler's heartbeats to it. Plans go
+over ZeroMQ until the executor's heartbeat names the ring (it attached: the same host and
+/dev/shm), then through the ring, each one the ring cannot take at once (larger than a
+slot, or the slot it would reuse still unread: the reader is gone or hung) over ZeroMQ.
+Without shared memory (``--plan-channel zmq``, a ``tcp://`` channel, not x86-64, no
+writable /dev/shm) there is no ring and everything is as before.
+
+Nothing here ever waits: a ring write either fits now or the plan takes ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from protos.continuum.v1 import executor_pb2 as pb
+from runtime import shm_ring
+from runtime.plan_ring import PlanRingWriter
+from scheduler_svc.plan_channel_flags import CHANNELS
+
+log = structlog.get_logger("scheduler.plan_channel")
+
+
+def ring_unavailable(channel: str, address: str) -> str | None:
+    """Why plans cannot use shared memory with this configuration, or None."""
+    if channel == "zmq":
+        return "--plan-channel zmq"
+    if not address.startswith("ipc://"):
+        return f"the executor channel {address} is not ipc:// (another host, maybe)"
+    return shm_ring.available()
+
+
+class PlanChannel:
+    """Owns the current peer's ring. ``renew(incarnation)`` whenever the peer changes."""
+
+    def __init__(self, channel: str, address: str, secret: bytes | None) -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"plan channel {channel!r}, expected one of {CHANNELS}")
+        self.why_not = ring_unavailable(channel, address)
+        self._secret = secret
+        self.ring: PlanRingWriter | None = None
+        self.confirmed = False  # the peer's heartbeat named the ring: plans may use it
+        self.num_ring_plans = 0
+        self.num_zmq_plans = 0
+        if self.why_not is not None:
+            log.info("plans go over ZeroMQ only", why=self.why_not)
+
+    def renew(self, incarnation: str) -> None:
+        """A new peer (or incarnation): the old ring goes, a fresh one is offered."""
+        self.close()
+        if self.why_not is not None:
+            return
+        try:
+            self.ring = PlanRingWriter(self._secret, incarnation)
+        except (OSError, ValueError) as exc:  # /dev/shm full, say: this peer keeps ZeroMQ
+            log.warning("no plan ring for this executor; plans go over ZeroMQ",
+                        error=str(exc))
+
+    def offer(self) -> pb.PlanRing | None:
+        """What a heartbeat to the peer offers: the ring until the peer confirmed it."""
+        ring = self.ring
+        if ring is None or self.confirmed:
+            return None
+        return pb.PlanRing(name=ring.name, generation=ring.generation, key=ring.offered_key)
+
+    def confirm(self, name: str) -> None:
+        """The peer's heartbeat names the ring it reads."""
+        ring = self.ring
+        if ring is not None and not self.confirmed and name == ring.name:
+            self.confirmed = True
+            ring.unlink()  # mapped on both sides: nothing is left to leak
+            log.info("plans go through shared memory", ring=ring.name)
+
+    def write(self, frame: bytes) -> bool | None:
+        """Puts ``frame`` (a SchedulerMessage) in the ring. None: not written, send it over
+        ZeroMQ (counted, so later ring frames wait for it); True: written, and the reader
+        sleeps on ZeroMQ, so send a doorbell; False: written, nothing else to do."""
+        ring = self.ring
+        if ring is not None and self.confirmed and ring.try_write(frame):
+            self.num_ring_plans += 1
+            return ring.reader_sleeping()
+        if ring is not None:
+            ring.sent_over_zmq()
+        self.num_zmq_plans += 1
+        return None
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        self.ring, self.confirmed = None, False
