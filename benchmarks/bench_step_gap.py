@@ -8,6 +8,10 @@ overhead the device sees (result transit + update + schedule + encode + plan
 transit). With async scheduling the next plan is already queued when a step ends.
 
     .venv/bin/python -m benchmarks.bench_step_gap [--streams 64] [--max-tokens 48]
+        [--plan-channel zmq shm]
+
+``--plan-channel``: the plans over ZeroMQ, or through the shared-memory ring
+(scheduler_svc/plan_channel.py); each channel is run with async scheduling off and on.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ from scheduler_svc.loop import EngineLoop
 
 
 async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
-              repeats: int) -> dict[str, float]:
+              repeats: int, channel: str = "zmq") -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         ipc = f"ipc://{tmp}/executor.sock"
         config = SchedulerConfig(max_num_seqs=max(streams, 1), max_num_batched_tokens=2048,
                                  async_scheduling=async_on)
-        loop = EngineLoop(config, ipc)
+        loop = EngineLoop(config, ipc, plan_channel=channel)
         loop.start()
         executor = subprocess.Popen(
             [sys.executable, "-m", "executor_svc", "--model", model_dir, "--ipc", ipc,
@@ -45,6 +49,7 @@ async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
                     raise RuntimeError("the executor exited while starting")
                 await asyncio.sleep(0.1)
             await generate(loop, 8, 8, "warmup")  # first-step costs out of the way
+            assert (channel == "shm") == loop.link.plans.confirmed, "the plan channel"
             figures = []
             for r in range(repeats):
                 loop.executor_idle_ms.clear()
@@ -92,6 +97,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--model", default="", help="HF dir; default: the bundled model")
+    p.add_argument("--plan-channel", nargs="+", choices=("zmq", "shm"), default=["zmq", "shm"])
     args = p.parse_args()
     # The loop here and the executor child sign and check Hellos with one secret.
     os.environ.setdefault(internal_auth.ENV_SECRET, internal_auth.new_secret())
@@ -100,13 +106,16 @@ def main() -> None:
     model_dir = str(resolve_model(args.model or None, Switches.from_env().cache_dir))
     print(f"{args.streams} streams × {args.max_tokens} tokens, greedy, median of "
           f"{args.repeats} runs")
-    print(f"{'async scheduling':>16} {'steps':>6} {'idle p50 ms':>11} {'idle mean':>9} "
-          f"{'idle p90':>8} {'step ms':>8} {'tokens/s':>9}")
+    print(f"{'plans':>5} {'async scheduling':>16} {'steps':>6} {'idle p50 ms':>11} "
+          f"{'idle mean':>9} {'idle p90':>8} {'step ms':>8} {'tokens/s':>9}")
     for async_on in (False, True):
-        r = asyncio.run(run(model_dir, async_on, args.streams, args.max_tokens, args.repeats))
-        print(f"{'on' if async_on else 'off':>16} {r['steps']:>6.0f} {r['idle_p50_ms']:>11.2f} "
-              f"{r['idle_mean_ms']:>9.2f} {r['idle_p90_ms']:>8.2f} {r['step_ms']:>8.2f} "
-              f"{r['tokens_per_s']:>9.0f}")
+        for channel in args.plan_channel:
+            r = asyncio.run(run(model_dir, async_on, args.streams, args.max_tokens,
+                                args.repeats, channel))
+            print(f"{channel:>5} {'on' if async_on else 'off':>16} {r['steps']:>6.0f} "
+                  f"{r['idle_p50_ms']:>11.2f} "
+                  f"{r['idle_mean_ms']:>9.2f} {r['idle_p90_ms']:>8.2f} {r['step_ms']:>8.2f} "
+                  f"{r['tokens_per_s']:>9.0f}")
 
 
 if __name__ == "__main__":

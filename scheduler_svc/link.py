@@ -68,7 +68,7 @@ class ExecutorLink:
         on_lost: Callable[[], None],
         secret: bytes | None = None,
         on_fatal: Callable[[str], None] | None = None,
-        plan_channel: str = "shm",
+        plan_channel: str = "zmq",
     ) -> None:
         self.address = address
         self.plans = PlanChannel(plan_channel, address, secret)

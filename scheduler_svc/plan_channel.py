@@ -1,7 +1,8 @@
 """Which way each plan goes to the current executor: its shared-memory ring or ZeroMQ.
 
-``--plan-channel shm`` (the default) gives every executor incarnation that becomes the peer
-a fresh ring (runtime/plan_ring.py), offered in the scheduler's heartbeats to it. Plans go
+``--plan-channel shm`` (opt-in: ZeroMQ is the default, docs/gpu.md says why) gives every
+executor incarnation that becomes the peer a fresh ring (runtime/plan_ring.py), offered in
+the scheduler's heartbeats to it. Plans go
 over ZeroMQ until the executor's heartbeat names the ring (it attached: the same host and
 /dev/shm), then through the ring, each one the ring cannot take at once (larger than a
 slot, or the slot it would reuse still unread: the reader is gone or hung) over ZeroMQ.

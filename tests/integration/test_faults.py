@@ -75,7 +75,8 @@ def run_all(server, fault=None):
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, model_dir):
-    srv = start_server(tmp_path_factory.mktemp("faults"), model_dir)
+    srv = start_server(tmp_path_factory.mktemp("faults"), model_dir,  # the faults over the ring
+                       "--kv-cache-bytes", str(96 << 20), "--plan-channel", "shm")
     yield srv
     assert stop_server(srv) == 0
 

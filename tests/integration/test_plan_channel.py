@@ -4,7 +4,7 @@ carries the plans and the greedy text is the one ZeroMQ gives; an executor kille
 -9 mid-stream is replaced by one that gets a fresh ring and the streams finish; no ring
 name is left in /dev/shm; a tcp:// channel keeps ZeroMQ.
 The fault tests (tests/integration/test_faults.py, test_standby.py, test_reregister.py)
-run over the ring too: it is the default."""
+run over the ring too (``--plan-channel shm``)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_the_ring_carries_the_plans_and_the_text_is_zmqs(model_dir, tmp_path):
 def test_a_killed_executor_is_replaced_and_the_new_one_gets_a_fresh_ring(model_dir, tmp_path):
     async def scenario() -> None:
         ipc = f"ipc://{tmp_path}/kill.sock"
-        engine = EngineLoop(SchedulerConfig(max_num_seqs=8), ipc)
+        engine = EngineLoop(SchedulerConfig(max_num_seqs=8), ipc, plan_channel="shm")
         engine.start()
         first = _executor(model_dir, ipc)
         second = None
@@ -119,7 +119,7 @@ def test_a_killed_executor_is_replaced_and_the_new_one_gets_a_fresh_ring(model_d
             second = _executor(model_dir, ipc)
             texts = await asyncio.wait_for(task, 240)
             assert all(len(t) == 24 for t in texts)
-            assert engine.num_executor_losses >= 1
+            assert engine.executor.pid == second.pid  # (its Hello may come before the loss)
             plans = engine.link.plans
             assert plans.confirmed and plans.ring.name != old_ring and plans.num_ring_plans
         finally:

@@ -46,7 +46,7 @@ def wait_for(predicate, what: str, timeout: float = READY_S):
 @pytest.fixture
 def replica(tmp_path, model_dir):
     ipc, port = f"ipc://{tmp_path}/replica.sock", free_port()
-    procs = [spawn("scheduler_svc", "--ipc", ipc, "--port", str(port)),
+    procs = [spawn("scheduler_svc", "--ipc", ipc, "--port", str(port), "--plan-channel", "shm"),
              spawn("executor_svc", "--model", str(model_dir), "--ipc", ipc, "--device", "cpu",
                    "--kv-cache-bytes", "8MiB", "--warmup-tokens", "16", "--threads", "2")]
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

@@ -65,7 +65,8 @@ def run_all(server, fault=None) -> list[list[int]]:
 def standby_server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("standby"), model_dir,
                        "--kv-cache-bytes", str(48 << 20), "--standby-executors", "1",
-                       "--max-queue-time-standard-s", "0", "--threads", "1")
+                       "--max-queue-time-standard-s", "0", "--threads", "1",
+                       "--plan-channel", "shm")
     yield srv
     assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
 
