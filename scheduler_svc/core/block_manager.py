@@ -155,9 +155,12 @@ class BlockManager:
 
     def _num_releasable(self, seq_id: int, first_query: int) -> int:
         """Blocks ``_release_behind(seq_id, first_query)`` would return to the pool."""
-        upto = (first_query - self.window) // self.block_size
+        upto = (first_query - self.window) // self.block_size  # negative early on
+        done = self._released.get(seq_id, 0)
+        if upto <= done:
+            return 0
         ref = self._pool.ref
-        return sum(ref[b] == 1 for b in self._tables[seq_id][self._released.get(seq_id, 0):upto])
+        return sum(ref[b] == 1 for b in self._tables[seq_id][done:upto])
 
     # -- growing ----------------------------------------------------------------------
 

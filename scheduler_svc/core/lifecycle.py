@@ -119,16 +119,20 @@ class Lifecycle:
         hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
         num_tokens = len(req.token_ids)
         resumed = req.num_preemptions > 0
-        # Cached-free hits leave the free pool when shared.
-        need = max(0, bm.blocks_needed(num_tokens) - len(hits)) + bm.num_unreferenced(hits)
+        computed = len(hits) * bm.block_size
+        n = min(num_tokens - computed, budget, cap)
+        # Cached-free hits leave the free pool when shared. Under a window, hits past the
+        # window's span (a long cached prefix) still leave this step's blocks to take.
+        step_blocks = -(-(computed + n) // bm.block_size) - len(hits)
+        need = max(0, bm.blocks_needed(num_tokens) - len(hits), step_blocks) + \
+            bm.num_unreferenced(hits)
         if need + reserve > bm.num_free_blocks:
             return 0, need
         self.waiting.remove(req)
         bm.share_prefix(req.seq_id, hits)
-        req.num_computed_tokens = len(hits) * bm.block_size
+        req.num_computed_tokens = computed
         if resumed and not bm.window:  # never resume partially: its whole context, or
             bm.grow(req.seq_id, num_tokens)  # keep waiting (under a window: its window's)
-        n = min(num_tokens - req.num_computed_tokens, budget, cap)
         self.make_running(req)
         self.advance(req, n, step)
         rec.new.append((req, n))

@@ -25,9 +25,11 @@ forgotten is at most the credit idling may not bank — and a stream of unique
 tenant names costs neither memory nor per-step time.
 
 Bound on waiting: a request of tier t is starving after (t + 1) × aging_s;
-from then on only starving requests that arrived before it can go ahead of
-it. With at most ``max_num_waiting`` requests queued, it waits at most
-(t + 1) × aging_s plus the time to admit the requests queued before it —
+from then on only starving requests that arrived before it, and the resumed
+requests queued before it in its own lane (3.: they keep their place; the
+lane then ranks as starving), can go ahead of it. With at most
+``max_num_waiting`` requests queued, it waits at most (t + 1) × aging_s plus
+the time to admit the requests queued before it —
 however much higher-priority traffic keeps arriving.
 """
 
@@ -152,10 +154,23 @@ class WaitingQueue:
         best, best_key = None, None
         order = self._order
         for fifo in self._fifos.values():
-            key = order(fifo[0], now)
+            head = fifo[0]
+            key = order(head, now)
+            if head.num_preemptions and key[0] and len(fifo) > 1:
+                key = min(key, self._oldest_fresh_key(fifo, now))
             if best_key is None or key < best_key:
                 best, best_key = fifo, key
         return None if best is None else self.pick(best, now, self.aging_s)
+
+    def _oldest_fresh_key(self, fifo: collections.deque[Request], now: float) -> tuple:
+        """Behind a lane's resumed requests, its oldest fresh one may be starving: the
+        lane then ranks as starving (its resumed requests still go first, keeping their
+        place, and the starving one right after them)."""
+        for req in fifo:
+            if not req.num_preemptions and req.status == RequestStatus.WAITING:
+                key = self._order(req, now)
+                return key if not key[0] else (2,)
+        return (2,)
 
     def best_tier(self) -> int:
         """The best (smallest) tier with a request waiting; call only when not empty."""

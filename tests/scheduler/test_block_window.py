@@ -160,3 +160,13 @@ def test_under_a_window_the_pool_is_no_context_limit_even_across_a_restart():
         out = step(sched)
         assert all(n <= 37 for _, n, _ in out.scheduled())
     assert req.finish_reason == FinishReason.LENGTH and req.num_output_tokens == 60
+
+
+def test_early_in_a_sequence_nothing_is_counted_as_releasable():
+    """Before a sequence's first query reaches past the window nothing can be released,
+    and can_grow must not count anything either (a negative block index once counted
+    the table's leading entries)."""
+    bm = BlockManager(3, BS, window=12, max_step_tokens=2)
+    bm.grow(1, 11, 11)  # 3 blocks: the whole pool
+    assert bm.num_free_blocks == 0
+    assert not bm.can_grow(1, 13, 0, 2)  # first query 11: nothing behind the window yet

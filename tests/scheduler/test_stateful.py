@@ -517,12 +517,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert (x.priority_tier, x.tenant) not in resumed_waiting, (
                     f"fresh {x.request_id} admitted before a preempted request of its queue")
 
-        # -- aging: once starving, only earlier-arrived starving requests go first
+        # -- aging: once starving, only earlier-arrived starving requests go first, and
+        # the resumed requests of its own queue (they keep their place at its front)
         for w in fresh_waiting:
             if id(w) not in still_waiting or not self._starving(w, now):
                 continue
             for x in admitted:
-                assert self._starving(x, now) and x.arrival_time <= w.arrival_time, (
+                own_resumed = x.num_preemptions and (x.priority_tier, x.tenant) == (
+                    w.priority_tier, w.tenant)
+                assert own_resumed or (self._starving(x, now)
+                                       and x.arrival_time <= w.arrival_time), (
                     f"{x.request_id} overtook the starving {w.request_id}")
 
         def no_capacity(w: Request) -> bool:
