@@ -35,8 +35,8 @@ import zmq.asyncio
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
+from runtime.aio import cancel_all
 from runtime.zmq_sockets import release_on_collect
-from scheduler_svc.aio import cancel_all
 from scheduler_svc.plan_channel import PlanChannel
 
 log = structlog.get_logger("scheduler.link")

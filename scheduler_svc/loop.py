@@ -31,7 +31,7 @@ import structlog
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
-from scheduler_svc.aio import cancel_all
+from runtime.aio import cancel_all
 from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.hang_check import await_answer

@@ -29,6 +29,7 @@ from gateway.text.output_stream import OutputStream
 from gateway.text.tokenizer import Tokenizer
 from gateway.validation import ValidatedRequest
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+from runtime.aio import cancel_all
 
 _log = structlog.get_logger("gateway")
 # A scheduler's overload refusals, one line a second however many (the metrics count each).
@@ -252,9 +253,7 @@ class Relay:
                 else:
                     yield item
         finally:  # the client left or one completion failed: stop the others too
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
 
     async def _one(
         self,

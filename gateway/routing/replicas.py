@@ -31,6 +31,7 @@ import structlog
 from gateway.routing.upstream import CHANNEL_OPTIONS
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
+from runtime.aio import cancel_all
 
 POLL_S = 0.5
 DNS_SCHEME = "dns:///"
@@ -177,13 +178,9 @@ class ReplicaSet:
             self._tasks.append(loop.create_task(self._discover_forever()))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         retiring = dict(self._retiring)
-        for task in retiring:
-            task.cancel()
-        await asyncio.gather(*retiring, return_exceptions=True)
+        await cancel_all(retiring)
         for replica in [*self.replicas, *retiring.values()]:
             await replica.channel.close()
 

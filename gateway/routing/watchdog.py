@@ -43,6 +43,7 @@ import structlog
 from gateway.routing.replicas import Replica
 from gateway.routing.upstream import ClientStatus
 from protos.continuum.v1 import scheduler_pb2
+from runtime.aio import cancel_all
 
 TICK_S = 0.5
 PROBE_TIMEOUT_S = 3.0
@@ -157,8 +158,7 @@ class Watchdog:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_all([self._task])
             self._task = None
 
     async def _run(self) -> None:
