@@ -121,11 +121,13 @@ class Lifecycle:
         resumed = req.num_preemptions > 0
         computed = len(hits) * bm.block_size
         n = min(num_tokens - computed, budget, cap)
-        # Cached-free hits leave the free pool when shared. Under a window, hits past the
-        # window's span (a long cached prefix) still leave this step's blocks to take.
+        # Cached-free hits leave the free pool when shared. Under a window the first grow
+        # gives back at once the hits behind its first query's window (a long cached
+        # prefix), so only the rest count, and its first step's blocks are asked for.
+        live = hits[max(0, (computed - bm.window) // bm.block_size):] if bm.window else hits
         step_blocks = -(-(computed + n) // bm.block_size) - len(hits)
-        need = max(0, bm.blocks_needed(num_tokens) - len(hits), step_blocks) + \
-            bm.num_unreferenced(hits)
+        need = max(0, bm.blocks_needed(num_tokens) - len(live), step_blocks) + \
+            bm.num_unreferenced(live)
         if need + reserve > bm.num_free_blocks:
             return 0, need
         self.waiting.remove(req)
@@ -144,7 +146,10 @@ class Lifecycle:
         """Resumes a swapped request (its whole context), as ``start`` does."""
         bm = self.block_manager
         remaining = len(req.token_ids) - req.num_computed_tokens
-        extra = bm.blocks_needed(len(req.token_ids)) - len(bm.host_table(req.seq_id))
+        # The blocks grow() takes after the swap: the table comes back with its released
+        # entries (under a window) and its swapped blocks, and nothing is released then.
+        extra = -(-len(req.token_ids) // bm.block_size) - bm.num_released(req.seq_id) - len(
+            bm.host_table(req.seq_id))
         if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
             return 0, len(bm.host_table(req.seq_id)) + max(0, extra)
         self.waiting.remove(req)

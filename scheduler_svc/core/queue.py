@@ -26,8 +26,8 @@ tenant names costs neither memory nor per-step time.
 
 Bound on waiting: a request of tier t is starving after (t + 1) × aging_s;
 from then on only starving requests that arrived before it, and the resumed
-requests queued before it in its own lane (3.: they keep their place; the
-lane then ranks as starving), can go ahead of it. With at most
+requests at the front of a lane holding it or one of those (3.: they keep
+their place; the lane then ranks as starving), can go ahead of it. With at most
 ``max_num_waiting`` requests queued, it waits at most (t + 1) × aging_s plus
 the time to admit the requests queued before it —
 however much higher-priority traffic keeps arriving.

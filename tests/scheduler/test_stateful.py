@@ -518,15 +518,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"fresh {x.request_id} admitted before a preempted request of its queue")
 
         # -- aging: once starving, only earlier-arrived starving requests go first, and
-        # the resumed requests of its own queue (they keep their place at its front)
+        # the resumed requests at the front of a queue holding one of those (or w itself):
+        # they keep their place ahead of it
         for w in fresh_waiting:
             if id(w) not in still_waiting or not self._starving(w, now):
                 continue
             for x in admitted:
-                own_resumed = x.num_preemptions and (x.priority_tier, x.tenant) == (
-                    w.priority_tier, w.tenant)
-                assert own_resumed or (self._starving(x, now)
-                                       and x.arrival_time <= w.arrival_time), (
+                lane = (x.priority_tier, x.tenant)
+                ahead_of_starving = x.num_preemptions and any(
+                    (f.priority_tier, f.tenant) == lane and self._starving(f, now)
+                    and f.arrival_time <= w.arrival_time for f in fresh_waiting)
+                assert ahead_of_starving or (self._starving(x, now)
+                                             and x.arrival_time <= w.arrival_time), (
                     f"{x.request_id} overtook the starving {w.request_id}")
 
         def no_capacity(w: Request) -> bool:
