@@ -298,8 +298,7 @@ def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
 def against_nano_vllm(num_seqs: int, steps: int, nano,
                       trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
     """Ours on the mix (85 % pool) and decode-only, and nano-vllm's decode-only step
-    (benchmarks/nano_vllm_ref.py), steps interleaved round-robin (the order rotating) so
-    all three see the same machine phases: each one's p50 in µs."""
+    (benchmarks/nano_vllm_ref.py), interleaved: each one's p50 in µs."""
     mix = Stepper(num_seqs, 0.85, trace=trace)
     decode = Stepper(num_seqs, decode_only=True, trace=trace)
     while decode.last_prefill_tokens or not decode.sched.running:
@@ -307,15 +306,9 @@ def against_nano_vllm(num_seqs: int, steps: int, nano,
     work = Workload(trace=trace)
     lens = [len(work.request().token_ids) for _ in range(num_seqs)]
     theirs = nano_vllm_ref.DecodeOnly(nano, num_seqs, lens, steps + WARMUP)
-    runs = (lambda r: mix.step(r), lambda r: decode.step(r), lambda r: theirs.step())
-    times: list[list[float]] = [[], [], []]
-    for i in range(steps + WARMUP):
-        for j in range(3):
-            k = (i + j) % 3
-            dt = runs[k](i >= WARMUP)
-            if i >= WARMUP:
-                times[k].append(dt)
-    return dict(zip(("mix", "decode", "nano"), map(statistics.median, times), strict=True))
+    p50s = nano_vllm_ref.interleaved_p50s((mix.step, decode.step, lambda _: theirs.step()),
+                                          steps, WARMUP)
+    return dict(zip(("mix", "decode", "nano"), p50s, strict=True))
 
 
 def reference_us() -> float:
@@ -333,6 +326,34 @@ def _row(n: int, kv: str, r: dict[str, float]) -> str:
 HEADER = (f"{'seqs':>5} {'kv':>11} {'running':>7} {'tok/step':>8} {'schedule':>9} "
           f"{'plan':>6} {'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} "
           f"{'exec parse':>10} {'preempt':>7} {'prefix hits':>11}")
+
+
+def _print_lockstep(rev: str, sizes: list[int], steps: dict[int, int], repeats: int,
+                    trace) -> None:
+    other = load_revision(rev)
+    print(f"lockstep: working tree vs {rev} (µs per step, p50)")
+    for n in sizes:
+        for _ in range(repeats):
+            r = lockstep(n, steps[n], 0.85, other, trace)
+            for who, label in (("theirs", rev), ("ours", "working tree")):
+                x = r[who]
+                print(f"{n:>5} {label:>14}: schedule {x['schedule']:>6.0f}  plan "
+                      f"{x['plan']:>5.0f}  serialize {x['serialize']:>4.0f}  update "
+                      f"{x['update']:>5.0f}  TOTAL {x['total']:>6.0f}")
+            print(f"{n:>5} per-step ratio working tree / {rev}: {r['ratio']:.3f}")
+
+
+def _print_against_nano(checkout: pathlib.Path, sizes: list[int], steps: dict[int, int],
+                        repeats: int, trace) -> None:
+    nano = nano_vllm_ref.load(checkout)
+    print("against nano-vllm's decode-only step, interleaved (µs per step, p50)")
+    for n in sizes:
+        for _ in range(repeats):
+            r = against_nano_vllm(n, steps[n], nano, trace)
+            print(f"{n:>5} ours mix {r['mix']:>6.0f}  ours decode-only {r['decode']:>5.0f}  "
+                  f"nano-vllm decode-only {r['nano']:>5.0f}  |  decode-only / nano "
+                  f"{r['decode'] / r['nano']:.2f} (target <= 0.5)  mix / nano decode-only "
+                  f"{r['mix'] / r['nano']:.2f} (target <= 1)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -360,29 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     steps = {n: STEPS.get(n, 200) for n in sizes}
     trace = load_trace_lengths() if args.lengths == "trace" else None
     if args.against:
-        other = load_revision(args.against)
-        print(f"lockstep: working tree vs {args.against} (µs per step, p50)")
-        for n in sizes:
-            for _ in range(args.repeats):
-                r = lockstep(n, steps[n], 0.85, other, trace)
-                for who, label in (("theirs", args.against), ("ours", "working tree")):
-                    x = r[who]
-                    print(f"{n:>5} {label:>14}: schedule {x['schedule']:>6.0f}  plan "
-                          f"{x['plan']:>5.0f}  serialize {x['serialize']:>4.0f}  update "
-                          f"{x['update']:>5.0f}  TOTAL {x['total']:>6.0f}")
-                print(f"{n:>5} per-step ratio working tree / {args.against}: "
-                      f"{r['ratio']:.3f}")
+        _print_lockstep(args.against, sizes, steps, args.repeats, trace)
         return
     if args.nano_vllm:
-        nano = nano_vllm_ref.load(pathlib.Path(args.nano_vllm))
-        print("against nano-vllm's decode-only step, interleaved (µs per step, p50)")
-        for n in sizes:
-            for _ in range(args.repeats):
-                r = against_nano_vllm(n, steps[n], nano, trace)
-                print(f"{n:>5} ours mix {r['mix']:>6.0f}  ours decode-only {r['decode']:>5.0f}  "
-                      f"nano-vllm decode-only {r['nano']:>5.0f}  |  decode-only / nano "
-                      f"{r['decode'] / r['nano']:.2f} (target <= 0.5)  mix / nano decode-only "
-                      f"{r['mix'] / r['nano']:.2f} (target <= 1)")
+        _print_against_nano(pathlib.Path(args.nano_vllm), sizes, steps, args.repeats, trace)
         return
     print(f"lengths: {args.lengths}")
     print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import statistics
 import sys
 import time
 import types
@@ -75,3 +76,17 @@ class DecodeOnly:
         seqs, is_prefill = self.sched.schedule()
         self.sched.postprocess(seqs, [7] * len(seqs), is_prefill)
         return (time.perf_counter() - t0) * 1e6
+
+
+def interleaved_p50s(runs, steps: int, warmup: int) -> list[float]:
+    """Each of ``runs`` (a step: ``run(record) -> µs``) stepped round-robin, the order
+    rotating each round so all see the same machine phases; each one's p50 after
+    ``warmup`` rounds."""
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(steps + warmup):
+        for j in range(len(runs)):
+            k = (i + j) % len(runs)
+            dt = runs[k](i >= warmup)
+            if i >= warmup:
+                times[k].append(dt)
+    return [statistics.median(t) for t in times]
