@@ -227,18 +227,20 @@ class BlockManager:
     # -- prefix cache -----------------------------------------------------------------
 
     def num_cached_prefix(self, token_ids: list[int], hashes: list[int],
+                          chunks: list[tuple] | None = None,
                           count: bool = True) -> tuple[list[int], int]:
         """Cached blocks matching the longest full-block prefix of ``token_ids``.
 
         ``hashes`` is the sequence's hash cache (chain hashes of its first full
-        blocks); it is extended as far as the lookup goes. Returns (block ids,
+        blocks), ``chunks`` their blocks' tokens; both are extended as far as the
+        lookup goes. Returns (block ids,
         the chain hash of the last). At least one token is always left to
         compute, so the step that completes the prompt samples. ``count``: the
         look-up counts in the hit statistics (``num_cache_queries``/``_hits``).
         """
         if not self.enable_prefix_caching:
             return [], 0
-        return self._pool.index.lookup(token_ids, hashes, count)
+        return self._pool.index.lookup(token_ids, hashes, chunks, count)
 
     @property
     def num_swapped(self) -> int:
@@ -262,19 +264,21 @@ class BlockManager:
         self._tables[seq_id] = list(blocks)
         self._num_registered[seq_id] = len(blocks)
 
-    def extend_hashes(self, token_ids: list[int], hashes: list[int], num_blocks: int) -> None:
+    def extend_hashes(self, token_ids: list[int], hashes: list[int], num_blocks: int,
+                      chunks: list[tuple] | None = None) -> None:
         """Extends ``hashes`` (a sequence's hash cache) to its first ``num_blocks`` full
-        blocks. The scheduler calls it as a request arrives, so admission and prefill
-        only look the hashes up."""
+        blocks, and ``chunks`` with their tokens. The scheduler calls it as a request
+        arrives, so admission and prefill only look them up."""
         if self.enable_prefix_caching:
-            self._pool.index.extend_hashes(token_ids, hashes, num_blocks)
+            self._pool.index.extend_hashes(token_ids, hashes, num_blocks, chunks)
 
     def register_full_blocks(self, seq_id: int, token_ids: list[int], hashes: list[int],
-                             num_computed: int) -> None:
+                             num_computed: int, chunks: list[tuple] | None = None) -> None:
         """Hashes and registers ``seq_id``'s blocks that ``num_computed`` tokens fill.
 
-        ``hashes`` is the sequence's hash cache: blocks hashed before (on arrival,
-        by a prefix lookup, or before a preemption) are not hashed again."""
+        ``hashes`` is the sequence's hash cache, ``chunks`` their tokens: blocks hashed
+        before (on arrival, by a prefix lookup, or before a preemption) are not hashed
+        again."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -285,7 +289,7 @@ class BlockManager:
             return
         self._num_registered[seq_id] = full
         self._pool.index.register(self._tables[seq_id], token_ids, hashes, start, full,
-                             self._released.get(seq_id, 0))
+                                  self._released.get(seq_id, 0), chunks)
 
     def forget_cached(self) -> None:
         """Empties the prefix index (the executor may not hold what it claims):

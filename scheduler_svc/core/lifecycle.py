@@ -62,6 +62,7 @@ class Lifecycle:
         if model.block_size != self._hashed_block_size:  # block hashes depend on it
             for req in self.requests.values():
                 req.block_hashes.clear()
+                req.block_chunks.clear()
             self._hashed_block_size = model.block_size
         cfg = self.config
         self.model = model
@@ -116,7 +117,7 @@ class Lifecycle:
         leaving ``reserve`` blocks free; returns (tokens scheduled, 0) or, when it does
         not fit, (0, the device blocks it needs)."""
         bm = self.block_manager
-        hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes)
+        hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes, req.block_chunks)
         num_tokens = len(req.token_ids)
         resumed = req.num_preemptions > 0
         computed = len(hits) * bm.block_size
@@ -168,7 +169,7 @@ class Lifecycle:
         new = bm.grow(req.seq_id, req.num_computed_tokens + n, n)
         req.num_computed_tokens += n
         bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                req.num_computed_tokens)
+                                req.num_computed_tokens, req.block_chunks)
         req.scheduled_step = step
         self.waiting.charge(req.tenant, n)
         return new
@@ -245,7 +246,8 @@ class Lifecycle:
         self.decode_mode.remove(req)
         if index:
             self.block_manager.register_full_blocks(
-                req.seq_id, req.token_ids, req.block_hashes, req.num_computed_tokens)
+                req.seq_id, req.token_ids, req.block_hashes, req.num_computed_tokens,
+                req.block_chunks)
         self.running_set.remove(req)
         self._unanswered.left_running(req)  # its samples there need the full checks
 

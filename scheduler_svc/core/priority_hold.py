@@ -136,5 +136,6 @@ def _blocks_needed(bm, req: Request) -> int:
     total = bm.blocks_needed(len(req.token_ids))
     if req.status == RequestStatus.SWAPPED:
         return total
-    hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes, count=False)
+    hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes, req.block_chunks,
+                                   count=False)
     return total - len(hits) + bm.num_unreferenced(hits)

@@ -107,6 +107,9 @@ class Request:
     # filled by the block manager as it needs them: each block of a request is hashed
     # once in its lifetime (admission, registration and every resume reuse them).
     block_hashes: list[int] = dataclasses.field(default_factory=list)
+    # The token tuples those hashes were computed from, in step with them: the prefix
+    # index keeps a reference to them (core/prefix_index.py).
+    block_chunks: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
     # Its priority_key as one int, set by the RunningSet (core/running.py) as it starts.
     running_key: int = dataclasses.field(default=0, init=False, repr=False)

@@ -202,7 +202,8 @@ class Scheduler:
         self.admission.refuse_overload(req, self.num_finished)
         if self.block_manager is not None:  # hash the prompt now, not in a step
             self.block_manager.extend_hashes(req.token_ids, req.block_hashes,
-                                             len(req.token_ids) // self.model.block_size)
+                                             len(req.token_ids) // self.model.block_size,
+                                             req.block_chunks)
         self.lifecycle.enqueue(req)
         self.hold.arrived(req, self.running, self.config.max_num_seqs)
 

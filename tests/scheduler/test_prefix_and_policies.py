@@ -156,3 +156,23 @@ def test_colliding_block_hashes_index_one_block_and_the_pool_stays_consistent():
     bm.assert_invariants()
     bm.free(2)
     bm.assert_invariants()
+
+
+def test_a_hit_is_a_prompt_whose_tokens_match_not_only_its_hashes():
+    """The index stores the token tuples a request's hashes were computed from (no
+    copy in a step), and a lookup still compares tokens: a crafted prompt that reuses
+    another's chain hashes but not its tokens gets no hit, while the same tokens under
+    a fresh cache (hashes computed anew, tuples of its own) hit."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(100, 108))
+    hashes: list[int] = []
+    chunks: list[tuple[int, ...]] = []
+    bm.extend_hashes(tokens, hashes, 2, chunks)
+    assert len(hashes) == len(chunks) == 2 and chunks[0] == (100, 101, 102, 103)
+    bm.grow(1, 8)
+    bm.register_full_blocks(1, tokens, hashes, 8, chunks)
+    assert bm.num_cached_prefix(tokens + [1], [], [])[0] == bm.block_table(1)
+    forged = list(range(200, 208)) + [1]
+    assert bm.num_cached_prefix(forged, list(hashes), None)[0] == []
+    bm.free(1)
+    bm.assert_invariants()
