@@ -18,13 +18,13 @@ import grpc
 from protos import tiers
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.echo import clip
+from protos.pushback import RETRY_AFTER_KEY
 from scheduler_svc.core import Event, FinishReason, QueueFull, Request
 from scheduler_svc.core.admission import CONTEXT_EXCEEDED
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.telemetry import Stream
 from scheduler_svc.validation import validate_submit
 
-RETRY_AFTER_MS_KEY = "retry-after-ms"
 # Trailer on an INTERNAL that ended a request the executor kept failing on (a
 # poison request): the request itself is the cause, so a gateway must not
 # continue it on another replica, where it would fail (or kill) again.
@@ -52,7 +52,7 @@ def _server_end(req, reason: FinishReason) -> tuple:
         return grpc.StatusCode.INTERNAL, req.error, ((REQUEST_FAILED_KEY, "poison"),)
     if req.retry_after_s > 0:
         return (grpc.StatusCode.RESOURCE_EXHAUSTED, req.error,
-                ((RETRY_AFTER_MS_KEY, str(int(req.retry_after_s * 1000))),))
+                ((RETRY_AFTER_KEY, str(int(req.retry_after_s * 1000))),))
     return grpc.StatusCode.UNAVAILABLE, req.error, ()
 
 
@@ -78,7 +78,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 recorder.rejected(request.request_id, req.tenant, req.priority_tier,
                                   req.num_prompt_tokens, str(exc))
             retry_ms = int(exc.retry_after_s * 1000)
-            context.set_trailing_metadata(((RETRY_AFTER_MS_KEY, str(retry_ms)),))
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(retry_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{exc}; retry after {exc.retry_after_s:.1f} s")
         times: list[float] = []  # when each token was sent: metrics and telemetry

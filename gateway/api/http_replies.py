@@ -14,8 +14,9 @@ import grpc
 from aiohttp import web
 
 from gateway.api.openai_api import HTTP_STATUS, error_body
-from gateway.routing.upstream import ERROR_CODE_KEY, RETRY_AFTER_KEY, ClientStatus
+from gateway.routing.upstream import ERROR_CODE_KEY, ClientStatus
 from gateway.validation import RequestError
+from protos import pushback
 
 
 def json_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
@@ -27,10 +28,11 @@ def error_response(status: ClientStatus, param: str | None = None,
                     code: str | None = None) -> web.Response:
     http_status, error_type = HTTP_STATUS.get(status.code, (500, "server_error"))
     headers = {}
+    delay_ms = pushback.delay_ms(status.trailing_metadata)
+    if delay_ms is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(delay_ms / 1000)))
     for key, value in status.trailing_metadata:
-        if key == RETRY_AFTER_KEY and value.isdigit():
-            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
-        elif key == ERROR_CODE_KEY and code is None:
+        if key == ERROR_CODE_KEY and code is None:
             code = value[:64]  # our own scheduler's word, bounded all the same
     if http_status == 429:
         code = code or "rate_limit_exceeded"

@@ -40,7 +40,7 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
      "concurrent gRPC streams per connection"),
     ("--grpc-max-concurrent-rpcs", "grpc_max_concurrent_rpcs", int,
      "concurrent gRPC calls on the gateway, all connections together, health aside "
-     "(one more gets RESOURCE_EXHAUSTED with retry-after-ms)"),
+     "(one more gets RESOURCE_EXHAUSTED with a retry pushback)"),
     ("--grpc-max-connection-idle", "grpc_max_connection_idle_s", float,
      "seconds before an idle gRPC connection is closed (0: never)"),
     ("--stream-progress-timeout", "stream_progress_timeout_s", float,

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after-ms"
+from protos import pushback
+
 # The scheduler's trailer on a request that failed by itself (a poison request):
 # continuing it on another replica would only fail, or kill, that one too.
 REQUEST_FAILED_KEY = "request-failed"
@@ -61,8 +62,9 @@ class ClientStatus:
 
 
 def _retry_after(exc: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
-    metadata = exc.trailing_metadata() or ()
-    return tuple((key, value) for key, value in metadata if key == RETRY_AFTER_KEY)
+    """The scheduler's retry hint as the client's trailers (none when it gave none)."""
+    delay = pushback.delay_ms(exc.trailing_metadata())
+    return () if delay is None else pushback.trailers(delay)
 
 
 def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:

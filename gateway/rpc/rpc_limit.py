@@ -12,11 +12,11 @@ This interceptor bounds two pools of its own instead:
 * health checks and watches, which need no key: ``MAX_HEALTH_RPCS``, so probes still
   pass while the first pool is full, and a flood of watches cannot fill the process.
 
-A call past its pool's cap ends RESOURCE_EXHAUSTED, naming the cap and its flag, with
-``retry-after-ms`` in its trailing metadata (gateway/routing/upstream.py's key, which the
-HTTP side reads too); its request bytes are not parsed. The server is also given
-grpc's own cap at the sum of both pools, a backstop for anything that reaches no
-handler. One event loop runs every handler, so the counts need no lock.
+A call past its pool's cap ends RESOURCE_EXHAUSTED, naming the cap and its flag, with the
+retry pushback trailers (protos/pushback.py: ``grpc-retry-pushback-ms``, which gRPC's own
+retry policy honours, and ``retry-after-ms``); its request bytes are not parsed. The
+server is also given grpc's own cap at the sum of both pools, a backstop for anything that
+reaches no handler. One event loop runs every handler, so the counts need no lock.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.edge.client_limits import RETRY_AFTER_MS
-from gateway.routing.upstream import RETRY_AFTER_KEY
+from protos import pushback
 
 # Probes and load balancers open a handful of health calls each.
 MAX_HEALTH_RPCS = 256
@@ -88,8 +88,8 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         await context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"the gateway is serving its limit of {self._caps[health]} concurrent {what}; "
-            f"retry in {RETRY_AFTER_MS} ms (trailing metadata {RETRY_AFTER_KEY})",
-            ((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+            f"retry in {RETRY_AFTER_MS} ms (trailing metadata {pushback.PUSHBACK_KEY})",
+            pushback.trailers(RETRY_AFTER_MS))
 
     def _enter(self, health: bool) -> bool:
         # Checked again here: calls admitted by intercept_service in the same loop turn

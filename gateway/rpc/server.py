@@ -27,7 +27,6 @@ from gateway.admit.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.config import GatewayConfig
 from gateway.edge.client_limits import RETRY_AFTER_MS, ClientLimits, grpc_peer_ip
 from gateway.routing.relay import Relay, RelayError
-from gateway.routing.upstream import RETRY_AFTER_KEY
 from gateway.rpc.rpc_limit import RpcLimit
 from gateway.validation import (
     RequestError,
@@ -35,6 +34,7 @@ from gateway.validation import (
     ValidatedRequest,
     parse_request,
 )
+from protos import pushback
 from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
 
 _log = structlog.get_logger("gateway")
@@ -49,6 +49,13 @@ def _upstream_timeout(context: grpc.aio.ServicerContext) -> float | None:
     if remaining is None or remaining > _NO_DEADLINE_S:
         return None
     return max(remaining, 0.0)
+
+
+def _trailers(code: grpc.StatusCode, metadata: pushback.Metadata = ()) -> pushback.Metadata:
+    """What a call ended with ``code`` carries: a RESOURCE_EXHAUSTED or UNAVAILABLE (overload
+    upstream or in a structured-output compile, no replica, a drain) always has the retry
+    pushback trailers, with the scheduler's delay where it named one, else RETRY_AFTER_MS."""
+    return pushback.completed(code.name, metadata, RETRY_AFTER_MS)
 
 
 def _authorization(metadata) -> str | None:
@@ -73,8 +80,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._clients.acquire(client)
         except RequestError as exc:
             self._relay.metrics.error(exc.code.name)
-            await context.abort(exc.code, exc.message,
-                                ((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),))
+            await context.abort(exc.code, exc.message, _trailers(exc.code))
         try:
             await self._generate(request, context)
         finally:
@@ -89,7 +95,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     await context.write(response)
         except RelayError as exc:
             status = exc.status
-            await context.abort(status.code, status.message, status.trailing_metadata)
+            await context.abort(status.code, status.message, _trailers(status.code,
+                                                                       status.trailing_metadata))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # a bug of ours after admission: INTERNAL, not grpc's UNKNOWN
@@ -112,7 +119,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 headers=routing_headers.metadata_getter(context.invocation_metadata()))
             return validated
         except RequestError as exc:  # admit logged and counted it
-            await context.abort(exc.code, exc.message)  # raises: ends the call
+            await context.abort(exc.code, exc.message, _trailers(exc.code))  # raises
             raise AssertionError("unreachable") from exc
         except Exception as exc:  # a bug of ours: INTERNAL with a generic message, logged
             _log.exception("unexpected error", request_id=getattr(request, "request_id", "")[:128])

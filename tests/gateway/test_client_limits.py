@@ -14,8 +14,8 @@ import pytest
 
 from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.client_limits import ClientLimits, grpc_peer_ip, parse_networks
-from gateway.routing.upstream import RETRY_AFTER_KEY
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
 from .harness import FakeScheduler, collect, fake_scheduler, gateway, generation_stub, run
 
@@ -79,7 +79,8 @@ def test_streams_past_the_per_client_cap_are_429_on_http_and_resource_exhausted_
     assert status == 429 and headers["Retry-After"] == "1"
     assert "--max-streams-per-client" in body["error"]["message"]
     assert over_grpc is not None and over_grpc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(over_grpc.trailing_metadata())[RETRY_AFTER_KEY] == "1000"
+    trailers = dict(over_grpc.trailing_metadata())
+    assert trailers[PUSHBACK_KEY] == trailers[RETRY_AFTER_KEY] == "1000"
     assert from_elsewhere[0] == 200 and [d[0] for d in done] == [200, 200] and again[0] == 200
 
 

@@ -1,6 +1,6 @@
 """The gateway's cap on concurrent gRPC calls (``--grpc-max-concurrent-rpcs``,
 gateway/rpc/rpc_limit.py) holds over all connections: the call past it ends at once
-RESOURCE_EXHAUSTED, naming the flag, with ``retry-after-ms``; health checks still pass
+RESOURCE_EXHAUSTED, naming the flag, with the retry pushback trailers; health checks still pass
 while it is full; once a call ends, its slot serves the next one."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gateway.config import ConfigError, GatewayConfig
-from gateway.routing.upstream import RETRY_AFTER_KEY
 from gateway.rpc.rpc_limit import RpcLimit
 from protos.continuum.v1 import generation_pb2
+from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
 from .harness import collect, fake_scheduler, gateway, generation_stub, run
 from .test_grpc_streams_limit import Holding
@@ -53,7 +53,8 @@ def test_the_call_past_the_cap_is_refused_with_a_retry_hint_and_slots_come_back(
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"limit of {CAP} concurrent" in error.details()
             assert "--grpc-max-concurrent-rpcs" in error.details()
-            assert (RETRY_AFTER_KEY, "1000") in tuple(error.trailing_metadata())
+            trailers = dict(error.trailing_metadata())
+            assert trailers[PUSHBACK_KEY] == trailers[RETRY_AFTER_KEY] == "1000"
             assert len(held.submitted) == CAP  # the refused call reached no scheduler
             assert 'code="RESOURCE_EXHAUSTED"' in running.metrics.render().decode()
 

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
 from .harness import (
     FakeScheduler,
@@ -141,8 +142,13 @@ def test_upstream_errors_map_to_client_statuses(tokenizer, upstream_code, client
     error = run(scenario())
     assert error.code() == client_code
     assert message in error.details()
-    if client_code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        assert ("retry-after-ms", "250") in tuple(error.trailing_metadata())
+    trailers = dict(error.trailing_metadata())
+    if client_code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the scheduler's hint, both names
+        assert trailers[PUSHBACK_KEY] == trailers[RETRY_AFTER_KEY] == "250"
+    elif client_code == grpc.StatusCode.UNAVAILABLE:  # no replica left: the gateway's own
+        assert trailers[PUSHBACK_KEY] == trailers[RETRY_AFTER_KEY] == "1000"
+    else:
+        assert PUSHBACK_KEY not in trailers and RETRY_AFTER_KEY not in trailers
 
 
 def test_health_and_reflection(tokenizer):

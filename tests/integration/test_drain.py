@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from protos.continuum.v1 import sampling_pb2
+from protos.pushback import PUSHBACK_KEY
 from tests.integration.conftest import processes_mentioning, start_server
 from tests.integration.test_serve import chat, collect
 
@@ -65,6 +66,8 @@ def test_sigterm_drains_in_flight_work_and_refuses_new(tmp_path, model_dir):
         with pytest.raises(grpc.RpcError) as refused:
             collect(srv, chat("Too late?", max_tokens=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Worth retrying (elsewhere): a positive pushback, never A6's "do not retry"
+        assert int(dict(refused.value.trailing_metadata())[PUSHBACK_KEY]) > 0
         # HTTP: still listening, but new work gets 503 with a reason.
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as http_refused:

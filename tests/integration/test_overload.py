@@ -18,6 +18,7 @@ import pytest
 
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
+from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
 from .conftest import start_server, stop_server
 
@@ -78,7 +79,9 @@ def test_full_queue_is_resource_exhausted_over_grpc(tiny_server):
     assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
     for code, metadata in results:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            assert int(metadata["retry-after-ms"]) > 0
+            # gRFC A6's trailer, which gRPC's retry policy honours, and our older alias
+            assert int(metadata[PUSHBACK_KEY]) > 0
+            assert metadata[PUSHBACK_KEY] == metadata[RETRY_AFTER_KEY]
 
 
 def test_metrics_count_what_happened(tiny_server):
