@@ -1,4 +1,9 @@
-"""``continuum generate``: stream one answer over gRPC to stdout."""
+"""``continuum generate``: stream one answer over gRPC to stdout.
+
+The channel runs the contract's service config (protos/service_config.py): a refusal
+(RESOURCE_EXHAUSTED, UNAVAILABLE) before the first token is retried by gRPC itself, after
+the server's pushback; once tokens have been printed, a failure ends the command.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import sys
 
 import grpc
 
+from protos import service_config
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 
@@ -28,7 +34,7 @@ def build_request(args: argparse.Namespace) -> gen.GenerateRequest:
 
 
 def generate(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.addr) as channel:
+    with grpc.insecure_channel(args.addr, options=service_config.channel_options()) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for resp in stub.Generate(build_request(args), timeout=args.timeout):
