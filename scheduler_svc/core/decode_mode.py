@@ -137,7 +137,6 @@ class DecodeMode:
                 if req.status is running:
                     self.enter(req, bs)
         k = len(rec.cached)
-        rec.cached_num_tokens.extend([1] * k)
         nnew = [0] * k
         if blocks:
             nnew[num_bulk - len(blocks):num_bulk] = [1] * len(blocks)
@@ -145,7 +144,12 @@ class DecodeMode:
         for i, new in grew:
             nnew[num_bulk + i] = len(new)
             rec.cached_new_block_ids.extend(new)
-        rec.cached_num_new_blocks.extend(nnew)
+        if rec.cached_num_tokens:  # (the columns are empty until now, as a rule)
+            rec.cached_num_tokens.extend([1] * k)
+            rec.cached_num_new_blocks.extend(nnew)
+        else:
+            rec.cached_num_tokens = [1] * k
+            rec.cached_num_new_blocks = nnew
         return prefills
 
     def _one_by_one(self, order: list[Request], bm: BlockManager, step: int, ahead: bool,

@@ -9,6 +9,7 @@ other answer goes through the per-sequence checks (``apply_samples``).
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable
 
@@ -18,6 +19,8 @@ from scheduler_svc.core.running import RunningSet
 from scheduler_svc.core.unanswered import Unanswered
 
 _repeat = itertools.repeat
+_append = list.append
+_consume = collections.deque(maxlen=0).extend  # runs an iterator, keeps nothing
 
 
 class ResultApplier:
@@ -45,8 +48,10 @@ class ResultApplier:
         if a:
             self.apply_samples(seq_ids[:a], token_ids[:a], events)
         if b > a:
-            self._apply_bulk(rec, token_ids[a:b], events)
-        self.apply_samples(seq_ids[b:], token_ids[b:], events)
+            self._apply_bulk(rec, token_ids if a == 0 and b == len(token_ids)
+                             else token_ids[a:b], events)
+        if b < len(seq_ids):
+            self.apply_samples(seq_ids[b:], token_ids[b:], events)
 
     def apply_samples(self, seq_ids: list[int], token_ids: list[int],
                       events: list[Event]) -> None:
@@ -100,10 +105,12 @@ class ResultApplier:
                         events: list[Event]) -> None:
         if lo >= hi:
             return
-        tokens = token_ids[lo:hi]
-        reqs = rec.cached[lo:hi]
-        for history, token in zip(rec.bulk_token_lists[lo:hi], tokens, strict=True):
-            history.append(token)
+        if lo == 0 and hi == len(token_ids) == len(rec.cached):  # the whole plan: no copies
+            tokens, reqs, histories = token_ids, rec.cached, rec.bulk_token_lists
+        else:
+            tokens, reqs = token_ids[lo:hi], rec.cached[lo:hi]
+            histories = rec.bulk_token_lists[lo:hi]
+        _consume(map(_append, histories, tokens))  # each history gets its token
         base = len(events)
         # Plain 4-tuples, not Events, here too.
         events.extend(zip(reqs, tokens, _repeat(None), _repeat(None), strict=False))
