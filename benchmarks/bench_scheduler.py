@@ -62,6 +62,7 @@ from scheduler_svc.core.config import QUEUE_TIME_FIELDS
 from sim.workload import default_trace, load_trace
 
 SYSTEM_PROMPT = list(range(1000, 1064))
+BLOCK_SIZE = 16  # the executor's default (--block-size)
 REFERENCE_US = 24.0  # docs/facts.md: protobuf, columnar, encode at 256 sequences
 
 
@@ -171,7 +172,7 @@ def load_trace_lengths() -> list[tuple[int, int]]:
 
 
 def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None,
-                   mean_context: float = 64 + 208 + 104):
+                   mean_context: float = 64 + 208 + 104, block_size: int = BLOCK_SIZE):
     api = api or current_api()
     # The bench keeps its queue full by construction: no queue-time bound may refuse
     # (fields an older revision, under --against, may not have).
@@ -182,9 +183,10 @@ def make_scheduler(num_seqs: int, kv_fraction: float = 0.85, api=None,
                               chunk_size=512, watermark=0.01, max_num_waiting=100_000,
                               **unbounded)
     sched = api.Scheduler(cfg)
-    # A fraction of what the running set would need at its mean length.
-    blocks = int(num_seqs * mean_context / 16 * kv_fraction)
-    sched.attach_executor(api.ModelInfo(16, blocks, 16384, 49152, frozenset({2})))
+    # A fraction of what the running set would need at its mean length (a sequence's
+    # last block is half full on average).
+    blocks = int(num_seqs * (mean_context / block_size + 0.5) * kv_fraction)
+    sched.attach_executor(api.ModelInfo(block_size, blocks, 16384, 49152, frozenset({2})))
     return sched
 
 
@@ -194,11 +196,12 @@ class Stepper:
     their prefills every step is ``num_seqs`` decodes and nothing else."""
 
     def __init__(self, num_seqs: int, kv_fraction: float = 0.85, api=None,
-                 decode_only: bool = False, trace: list[tuple[int, int]] | None = None) -> None:
+                 decode_only: bool = False, trace: list[tuple[int, int]] | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:
         self.api = api or current_api()
         self.work = Workload(self.api.Request, trace=trace)
         self.sched = make_scheduler(num_seqs, 3.0 if decode_only else kv_fraction, self.api,
-                                    self.work.mean_context)
+                                    self.work.mean_context, block_size)
         self.queue = 0 if decode_only else num_seqs // 4  # kept waiting: admissions happen
         if decode_only:
             for _ in range(num_seqs):
@@ -296,16 +299,18 @@ def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
 
 
 def against_nano_vllm(num_seqs: int, steps: int, nano,
-                      trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
+                      trace: list[tuple[int, int]] | None = None,
+                      block_size: int = BLOCK_SIZE) -> dict[str, float]:
     """Ours on the mix (85 % pool) and decode-only, and nano-vllm's decode-only step
-    (benchmarks/nano_vllm_ref.py), interleaved: each one's p50 in µs."""
-    mix = Stepper(num_seqs, 0.85, trace=trace)
-    decode = Stepper(num_seqs, decode_only=True, trace=trace)
+    (benchmarks/nano_vllm_ref.py), all with ``block_size``-token blocks, interleaved:
+    each one's p50 in µs."""
+    mix = Stepper(num_seqs, 0.85, trace=trace, block_size=block_size)
+    decode = Stepper(num_seqs, decode_only=True, trace=trace, block_size=block_size)
     while decode.last_prefill_tokens or not decode.sched.running:
         decode.step(record=False)
     work = Workload(trace=trace)
     lens = [len(work.request().token_ids) for _ in range(num_seqs)]
-    theirs = nano_vllm_ref.DecodeOnly(nano, num_seqs, lens, steps + WARMUP)
+    theirs = nano_vllm_ref.DecodeOnly(nano, num_seqs, lens, steps + WARMUP, block_size)
     p50s = nano_vllm_ref.interleaved_p50s((mix.step, decode.step, lambda _: theirs.step()),
                                           steps, WARMUP)
     return dict(zip(("mix", "decode", "nano"), p50s, strict=True))
@@ -344,13 +349,15 @@ def _print_lockstep(rev: str, sizes: list[int], steps: dict[int, int], repeats: 
 
 
 def _print_against_nano(checkout: pathlib.Path, sizes: list[int], steps: dict[int, int],
-                        repeats: int, trace) -> None:
+                        repeats: int, trace, block_sizes: list[int]) -> None:
     nano = nano_vllm_ref.load(checkout)
-    print("against nano-vllm's decode-only step, interleaved (µs per step, p50)")
-    for n in sizes:
+    print("against nano-vllm's decode-only step, interleaved, both with the same block "
+          "size (µs per step, p50)")
+    for bs, n in itertools.product(block_sizes, sizes):
         for _ in range(repeats):
-            r = against_nano_vllm(n, steps[n], nano, trace)
-            print(f"{n:>5} ours mix {r['mix']:>6.0f}  ours decode-only {r['decode']:>5.0f}  "
+            r = against_nano_vllm(n, steps[n], nano, trace, bs)
+            print(f"{n:>5} bs {bs:>3}  ours mix {r['mix']:>6.0f}  ours decode-only "
+                  f"{r['decode']:>5.0f}  "
                   f"nano-vllm decode-only {r['nano']:>5.0f}  |  decode-only / nano "
                   f"{r['decode'] / r['nano']:.2f} (target <= 0.5)  mix / nano decode-only "
                   f"{r['mix'] / r['nano']:.2f} (target <= 1)")
@@ -371,20 +378,27 @@ def main(argv: list[str] | None = None) -> None:
                         help="a nano-vllm checkout: also time its decode-only step beside "
                              "ours, interleaved, and print the two ratios (default: "
                              "$NANO_VLLM_DIR)")
+    parser.add_argument("--block-sizes", default=str(BLOCK_SIZE),
+                        help="with --nano-vllm: KV block sizes to compare at, both "
+                             f"schedulers alike, comma-separated (default {BLOCK_SIZE}, the "
+                             f"executor's; {nano_vllm_ref.NATIVE_BLOCK_SIZE} is nano-vllm's own)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
+        block_sizes = [int(x) for x in args.block_sizes.split(",")]
     except ValueError:
-        parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    if any(n < 1 for n in sizes) or args.repeats < 1:
-        parser.error("--sizes and --repeats must be positive")
+        parser.error(f"--sizes and --block-sizes must be comma-separated integers, got "
+                     f"{args.sizes!r} and {args.block_sizes!r}")
+    if any(n < 1 for n in sizes + block_sizes) or args.repeats < 1:
+        parser.error("--sizes, --block-sizes and --repeats must be positive")
     steps = {n: STEPS.get(n, 200) for n in sizes}
     trace = load_trace_lengths() if args.lengths == "trace" else None
     if args.against:
         _print_lockstep(args.against, sizes, steps, args.repeats, trace)
         return
     if args.nano_vllm:
-        _print_against_nano(pathlib.Path(args.nano_vllm), sizes, steps, args.repeats, trace)
+        _print_against_nano(pathlib.Path(args.nano_vllm), sizes, steps, args.repeats, trace,
+                            block_sizes)
         return
     print(f"lengths: {args.lengths}")
     print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")
