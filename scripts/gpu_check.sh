@@ -13,6 +13,9 @@
 #   5. scripts/gpu_bench.py: an 8B-shaped Llama (random bf16 weights, built on the device):
 #      decode step time at batch 1/32/128 vs the HBM roofline, graph = eager logits,
 #      prefill MFU, tokens/s at 128 in flight on the Azure trace's length mix
+#   6. the plan round trip over ZeroMQ and through the shared-memory ring at 64/256/1,024
+#      running (python -m benchmarks.bench_channel) on this host's cores: where the default
+#      transport is decided (docs/gpu.md)
 #
 # On the device tool's lent machine (no network, 64 MiB carried): first, here,
 #   .venv/bin/python scripts/gpu_bundle.py       # .gpu/: wheels, a 6-layer model, a trace sample
@@ -105,7 +108,7 @@ fi
 #    says it is meant to skip on a GPU (GPU_SKIP_TAG, scripts/gpu_check_lib.sh).
 pytest_check "bundled model on cuda (tests/executor/test_cuda.py)" 130 \
     tests/executor/test_cuda.py
-pytest_check "device flags and sizing (tests/executor/test_device.py)" 60 \
+pytest_check "device flags and sizing (tests/executor/test_device.py)" 40 \
     tests/executor/test_device.py
 
 # 5. The 8B-shaped model: its rows go into the table as they are.
@@ -122,6 +125,21 @@ fi
 while IFS='|' read -r name status figure; do
     [ -n "$name" ] && add "$name" "$status" "$figure"
 done <"$out/bench.txt"
+
+# 6. The plan channel, both transports interleaved (a measurement: FAIL only if it breaks).
+channel_args=(--sizes 64 256 1024 --steps 300)
+if [ "$DRY_RUN" = 1 ]; then channel_args=(--sizes 64 --steps 40); fi
+if timeout 20 "$PY" -m benchmarks.bench_channel "${channel_args[@]}" \
+        >"$out/channel.txt" 2>"$out/channel.err"; then
+    while read -r n zmq shm ratio zmq90 shm90 ring; do
+        add "plan round trip, $n running" PASS \
+            "p50 zmq $zmq µs, shm $shm µs (shm/zmq $ratio); p90 $zmq90 / $shm90; $ring plans in the ring"
+    done < <(grep -E '^ +[0-9]+ ' "$out/channel.txt")
+else
+    code=$?
+    tail -n 20 "$out/channel.err"
+    add "benchmarks.bench_channel" FAIL "exit status $code$([ "$code" = 124 ] && echo ", over 20 s")"
+fi
 
 echo
 echo "| check | result | figures |"

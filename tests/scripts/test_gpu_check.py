@@ -26,7 +26,8 @@ def test_the_gpu_check_dry_run_prints_one_table_of_every_check():
     assert rows["CUDA device"] == "SKIP"
     assert rows["bundled model on cuda (tests/executor/test_cuda.py)"] == "SKIP"
     for name in ("decode step, batch 1, context 64", "decode step, batch 4, context 64",
-                 "prefill 64 tokens", "serving, 4 in flight, trace length mix"):
+                 "prefill 64 tokens", "serving, 4 in flight, trace length mix",
+                 "plan round trip, 64 running"):
         assert rows[name] == "PASS", name
     assert "FAIL" not in rows.values()
 
