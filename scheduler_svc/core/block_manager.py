@@ -1,16 +1,13 @@
 """Paged KV block pool with prefix caching: the only owner of block tables.
 
-Blocks are allocated as tokens are computed (never worst case up front) and
-released the moment a sequence finishes, aborts or is preempted.
+Blocks are allocated as tokens are computed (never worst case up front) and released the
+moment a sequence finishes, aborts or is preempted.
 
-Prefix caching: a full block is keyed by a chain hash
-``hash((parent_hash, block_tokens))`` in the index (core/prefix_index.py) and
-registered (the scheduler registers
-prompt blocks as prefill computes them, decoded ones when the sequence leaves
-the running set). A new sequence whose prompt starts with the same full
-blocks shares them (ref-counted, read-only) and computes only the rest. A
-released block whose hash is registered stays cached; it is evicted
-least-recently-used only when the pool needs room.
+Prefix caching: a full block is keyed by a chain hash ``hash((parent_hash, block_tokens))``
+in the index (core/prefix_index.py); prompt blocks are registered as prefill computes them,
+decoded ones when the sequence leaves the running set. A new sequence whose prompt starts
+with the same full blocks shares them (ref-counted, read-only) and computes only the rest.
+A released registered block stays cached, evicted least-recently-used only for room.
 
 Every device block is in exactly one of three states:
 
@@ -22,15 +19,14 @@ Every device block is in exactly one of three states:
     owned         >= 1        in block tables (maybe also indexed)
     ============  ==========  =========================================
 
-Sliding windows: where every layer of the model attends to at most ``window`` trailing
-positions, a block wholly before the window of the earliest query a sequence can still
-make holds KV that no layer reads again. Growing a sequence's table releases such blocks
-(as ``free`` would: a hashed one stays cached). Their entries stay in the table as they
-were, so positions keep their indices and the executor's copy of the table (sent as
-appends) stays the same; every attention kernel reads only a row's window
-(kernels/attention.py), so those entries are never read, whoever owns the block now. A
-sequence then holds at most ``blocks_needed(any)`` blocks, which is what admission and
-the pool-size checks ask for.
+Sliding windows: where every layer attends to at most ``window`` trailing positions, a
+block wholly before the window of the earliest query a sequence can still make holds KV no
+layer reads again. Growing a sequence's table releases such blocks (as ``free`` would: a
+hashed one stays cached). Their entries stay in the table, so positions keep their indices
+and the executor's copy of the table (sent as appends) stays the same; every attention
+kernel reads only a row's window (kernels/attention.py), so those entries are never read,
+whoever owns the block now. A sequence then holds at most ``blocks_needed(any)`` blocks,
+what admission and the pool-size checks ask for.
 
 The blocks themselves are core/block_pool.py's, the host (swap) pool core/host_pool.py's;
 ``swap_out``/``swap_in`` move a sequence between the two.
