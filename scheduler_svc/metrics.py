@@ -151,7 +151,7 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
             ("vllm:e2e_request_latency_seconds", "Arrival to last token.", histograms.e2e),
             ("vllm:request_queue_time_seconds", "Arrival to first step.", histograms.queue)):
         lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *hist.lines(name, label)]
-    recorder = loop.recorder
+    recorder, plans = loop.recorder, loop.link.plans
     lines += [
         *_metric("continuum:num_requests_running_by_tier", "gauge", "Running, per tier.",
                  [(f'{label},tier="{t}"', n) for t, n in zip(tiers.NAMES, running_by_tier,
@@ -188,6 +188,11 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         *_metric("continuum:telemetry_dropped_total", "counter",
                  "Telemetry records dropped (the writer's queue was full).",
                  [(label, recorder.writer.num_dropped if recorder else 0)]),
+        *_metric("continuum:plans_sent_total", "counter",
+                 "Batch plans sent to the executor, by channel (shm: through the shared-memory "
+                 "ring; zmq: over ZeroMQ, where no ring is attached or one did not take it).",
+                 [(f'{label},channel="shm"', plans.num_ring_plans),
+                  (f'{label},channel="zmq"', plans.num_zmq_plans)]),
         *_metric("continuum:kv_events_dropped_total", "counter",
                  "KV cache events not published (the publisher's queue was full).",
                  [(label, core.kv_events.num_dropped if core.kv_events else 0)]),

@@ -19,6 +19,7 @@ import pytest
 
 from protos.continuum.v1 import sampling_pb2
 from runtime import shm_ring
+from scheduler_svc import metrics
 from scheduler_svc.core import Request, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.plan_channel import PlanChannel
@@ -91,6 +92,10 @@ def test_the_ring_carries_the_plans_and_the_text_is_zmqs(model_dir, tmp_path):
     ring_texts, engine = asyncio.run(_serve(model_dir, tmp_path, "shm"))
     plans = engine.link.plans
     assert plans.num_ring_plans > 0 and plans.num_ring_plans >= plans.num_zmq_plans
+    page = metrics.render(engine, metrics.Histograms(), "m").decode()  # what /metrics says
+    for channel, sent in (("shm", plans.num_ring_plans), ("zmq", plans.num_zmq_plans)):
+        line = f'continuum:plans_sent_total{{model_name="m",channel="{channel}"}} {sent:.1f}'
+        assert line in page.splitlines()
     zmq_texts, engine = asyncio.run(_serve(model_dir, tmp_path, "zmq"))
     assert engine.link.plans.num_ring_plans == 0 and engine.link.plans.ring is None
     assert ring_texts == zmq_texts and all(len(t) == 12 for t in ring_texts)
