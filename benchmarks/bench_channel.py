@@ -29,7 +29,7 @@ import time
 
 import zmq
 
-from benchmarks.bench_scheduler import make_scheduler
+from benchmarks.scheduler_steps import make_scheduler
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import plan_ring

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import bench_scheduler
+from benchmarks import bench_scheduler, scheduler_compare, scheduler_steps
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -35,10 +35,10 @@ def _is_git_checkout() -> bool:
 
 @pytest.mark.skipif(not _is_git_checkout(), reason="needs the git history")
 def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
-    other = bench_scheduler.load_revision("HEAD")
+    other = scheduler_compare.load_revision("HEAD")
     assert other.Scheduler.__module__.startswith("scheduler_svc_HEAD")
-    assert other.Scheduler is not bench_scheduler.current_api().Scheduler
-    r = bench_scheduler.lockstep(16, 10, 0.85, other)
+    assert other.Scheduler is not scheduler_steps.current_api().Scheduler
+    r = scheduler_compare.lockstep(16, 10, 0.85, other)
     # Both ran the mixed workload (the working tree may differ from HEAD, so their
     # plans need not be equal).
     for side in ("theirs", "ours"):
@@ -48,7 +48,7 @@ def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
 
 def test_an_unknown_revision_is_one_clear_error():
     with pytest.raises(SystemExit, match="--against no-such-rev: git archive failed"):
-        bench_scheduler.load_revision("no-such-rev")
+        scheduler_compare.load_revision("no-such-rev")
 
 
 def test_the_trace_mix_has_the_traces_lengths():
@@ -57,9 +57,9 @@ def test_the_trace_mix_has_the_traces_lengths():
     if not default_trace().exists():
         pytest.skip("the Azure trace is not under ../shared/data")
     trace = bench_scheduler.load_trace_lengths()
-    work = bench_scheduler.Workload(trace=trace)
+    work = scheduler_steps.Workload(trace=trace)
     first = [work.request() for _ in range(3)]
     for req, (prompt_len, output_len) in zip(first, trace, strict=False):
-        assert len(req.token_ids) == max(prompt_len, len(bench_scheduler.SYSTEM_PROMPT) + 1)
+        assert len(req.token_ids) == max(prompt_len, len(scheduler_steps.SYSTEM_PROMPT) + 1)
         assert req.max_tokens == output_len
     assert 1000 < work.mean_context < 1500  # prompts ~1,155 tokens, outputs ~211
