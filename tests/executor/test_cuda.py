@@ -19,6 +19,7 @@ from kernels import make_backend
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from tests.executor.harness import MiniScheduler, hf_greedy, make_runner
+from tests.executor.precision import compare, greedy_sequences
 from tests.executor.test_process import FakeScheduler, start_executor
 from tests.executor.test_runner import PROMPTS
 
@@ -57,6 +58,20 @@ def test_greedy_tokens_on_cuda_equal_transformers_and_the_cpu_executor(
         assert len(want) >= 8
         assert on_cuda[i][: len(want)] == want, PROMPTS[i]
         assert on_cuda[i][: len(want)] == on_cpu[i][: len(want)]
+
+
+def test_bf16_on_cuda_stays_within_the_stated_tolerance_of_fp32(cuda_model, model_dir, tok):
+    """What --dtype auto serves on a GPU: bf16 weights and activations, within the tolerance
+    tests/executor/precision.py states (and the CPU's bf16 meets, test_precision.py)."""
+    sequences = greedy_sequences(cuda_model, [tok.encode(t).ids for t in PROMPTS], 24)
+    bf16 = DecoderModel.load(model_dir, dtype=torch.bfloat16, device=CUDA)
+    try:
+        result = compare(cuda_model, bf16, sequences)
+    finally:
+        del bf16
+        _release_gpu_memory()
+    print(result.row())  # the check's figure
+    assert result.within_tolerance(), result.row()
 
 
 def test_swap_out_and_in_on_cuda_matches_transformers(cuda_model, hf_model, tok):
