@@ -18,6 +18,7 @@ from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.metrics import Histograms, MetricsServer, render
+from scheduler_svc.plan_channel import PlanChannel
 from tests.scheduler.factories import make_model, make_request
 
 # What the GIE endpoint picker / llm-d and inference-perf read.
@@ -31,14 +32,15 @@ PERF_NAMES = {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seco
 
 
 def _loop(tmp_path) -> types.SimpleNamespace:
-    """What render reads of an EngineLoop: its core, executor and recorder (a real loop
-    would open a ZeroMQ socket that a test must then close)."""
+    """What render reads of an EngineLoop: its core, executor, recorder and plan channel (a
+    real loop would open a ZeroMQ socket that a test must then close)."""
     core = Scheduler(SchedulerConfig(watermark=0.0))
     executor = ExecutorInfo("inc-1", "smollm2-q4", make_model(num_blocks=64, block_size=4), 1)
     core.attach_executor(executor.model)
+    link = types.SimpleNamespace(plans=PlanChannel("zmq", "ipc:///unused", None))
     return types.SimpleNamespace(core=core, executor=executor, last_executor=executor,
                                  recorder=None, num_failed_steps=0, num_resyncs=0,
-                                 num_row_failures=0)
+                                 num_row_failures=0, link=link)
 
 
 def _families(page: bytes) -> dict:
@@ -124,6 +126,10 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     assert families["continuum:row_failures"].samples[0].value == 2
     assert families["continuum:recomputed_tokens"].samples[0].value == 40
     assert families["continuum:resyncs"].samples[0].value == 0
+    loop.link.plans.num_ring_plans, loop.link.plans.num_zmq_plans = 5, 2
+    families = _families(render(loop, Histograms(), "m"))
+    sent = {s.labels["channel"]: s.value for s in families["continuum:plans_sent"].samples}
+    assert sent == {"shm": 5, "zmq": 2}
 
 
 def test_the_server_process_keeps_the_connection_and_serves_each_new_page_whole():
