@@ -1,12 +1,16 @@
-"""Child processes that never outlive their parent."""
+"""Child processes that never outlive their parent, and the port and HTTP probes serve
+runs on them."""
 
 from __future__ import annotations
 
 import ctypes
+import http.client
 import signal
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,3 +64,15 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def http_ready(url: str) -> tuple[bool, str]:
+    """(whether GET ``url`` answers 200, what it said otherwise: a 503's body, or why
+    there was no answer)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return answer.status == 200, f"HTTP {answer.status}"
+    except urllib.error.HTTPError as exc:  # 503: draining, or no healthy scheduler
+        return False, exc.read(200).decode(errors="replace")
+    except (OSError, http.client.HTTPException) as exc:
+        return False, str(exc)

@@ -1,10 +1,10 @@
 """``continuum serve``: start the executor, scheduler and gateway and keep them up.
 
-Start order: resolve the model (converting a GGUF once), then the scheduler
-(it binds the ipc channel), the executor (connects and says Hello) and the
-gateway. A dead executor is restarted (the scheduler resumes its sequences by
-recompute); a dead scheduler or gateway stops the whole server with a clear
-message. SIGINT/SIGTERM stop all three cleanly.
+Start order: resolve the model (converting a GGUF once), then the scheduler (it binds
+the ipc channel), the executor (connects and says Hello) and the gateway; "ready" once
+the gateway's readiness probe passes. A dead executor is restarted (the scheduler resumes
+its sequences by recompute); a dead scheduler or gateway stops the whole server with a
+clear message. SIGINT/SIGTERM stop all three cleanly.
 
 The crash-loop guard (continuum/restart_guard.py): more than
 ``--max-executor-restarts`` executor deaths within ``--restart-window-s`` stop the
@@ -12,23 +12,21 @@ server with a line naming both flags. A standby takeover counts like a cold rest
 the executor still died, and a loop of deaths is a crash loop whether or not a
 standby hides each one from the clients.
 
-``--standby-executors 1``: once serving, a second executor is started with
-``--standby``: loaded, warmed up, registered with the scheduler and idle. When the
-executor dies or hangs the scheduler switches to it on the next step by itself (no
-process start, no model load: a recompute is what is left); here it then takes the
-executor's role and, STANDBY_START_DELAY_S later (the takeover's recompute goes
-first on a small CPU), a new standby starts. A standby that keeps dying is given up
-(serving goes on without one); when both die, the executor is started cold as
-without a standby.
+``--standby-executors 1``: once serving, a second executor is started with ``--standby``:
+loaded, warmed up, registered with the scheduler and idle. When the executor dies or hangs
+the scheduler switches to it on the next step by itself (no process start, no model load:
+a recompute is what is left); here it then takes the executor's role and,
+STANDBY_START_DELAY_S later (the takeover's recompute goes first on a small CPU), a new
+standby starts. A standby that keeps dying is given up (serving goes on without one); when
+both die, the executor is started cold as without a standby.
 
 The internal planes (scheduler gRPC, executor Hello) need a secret: the one in
 serve's own environment (``CONTINUUM_INTERNAL_SECRET[_FILE]``) if set, else a
-fresh one per run. Children get it through their environment, never on argv
-(argv is world-readable in ``ps``); a fresh one is also kept, mode 0600, for this
-user's ``continuum config`` while serve runs (continuum/local_state.py). The
-executor's ipc socket lives in a
-private directory (mode 0700) unless ``--ipc`` names another, which must not be
-writable by others.
+fresh one per run. Children get it through their environment, never on argv (argv is
+world-readable in ``ps``); a fresh one is also kept, mode 0600, for this user's
+``continuum config`` while serve runs (continuum/local_state.py). The executor's ipc
+socket lives in a private directory (mode 0700) unless ``--ipc`` names another, which
+must not be writable by others.
 """
 
 from __future__ import annotations
@@ -47,13 +45,15 @@ import time
 import grpc
 
 from continuum import local_state, serve_argv, serve_tls
-from continuum.procs import port_is_free, spawn, stop_all
+from continuum.procs import http_ready, port_is_free, spawn, stop_all
 from continuum.restart_guard import RestartGuard
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 
 STANDBY_START_DELAY_S = 3.0
 EXECUTORS = ("executor", "standby")
+# Once the executor is ready, how long the gateway may take to see its scheduler healthy.
+READY_TIMEOUT_S = 60.0
 
 
 def standby_count(args) -> int:
@@ -181,8 +181,7 @@ class Supervisor:
     @property
     def _scheduler_connect_host(self) -> str:
         """Where the gateway and this supervisor reach the scheduler."""
-        host = self.args.scheduler_host
-        return "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+        return _connect_host(self.args.scheduler_host)
 
     def _on_signal(self, *_) -> None:
         if self._stop:  # a second Ctrl-C: stop waiting for the drain
@@ -246,13 +245,29 @@ class Supervisor:
             print("ready", flush=True)
 
     def _wait_gateway(self) -> None:
+        """Until the gateway's port answers and, where its HTTP API is plain HTTP, its
+        readiness (/health) says it sees a healthy scheduler: "ready" means a request is
+        served and a readiness probe passes, not that one still fails for a moment."""
         with serve_tls.gateway_probe(self.args) as ready:
-            while not self._stop:
-                if ready(0.5):
-                    return
-                if self.procs["gateway"].poll() is not None:
-                    raise ServeError("the gateway exited while starting "
-                                     "(see its message above)")
+            while not self._stop and not ready(0.5):
+                self._check_gateway_alive()
+        if self.args.http_port <= 0 or getattr(self.args, "tls_cert_file", None):
+            return
+        url = f"http://{_connect_host(self.args.host)}:{self.args.http_port}/health"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._stop:
+            ready, said = http_ready(url)
+            if ready:
+                return
+            self._check_gateway_alive()
+            if time.monotonic() > deadline:
+                raise ServeError(f"the gateway is up but not ready after {READY_TIMEOUT_S:.0f} "
+                                 f"s: its /health says {said}")
+            time.sleep(0.05)
+
+    def _check_gateway_alive(self) -> None:
+        if self.procs["gateway"].poll() is not None:
+            raise ServeError("the gateway exited while starting (see its message above)")
 
     def _watch(self) -> int:
         addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
@@ -327,3 +342,8 @@ class Supervisor:
                       "(hung); killing it", file=sys.stderr, flush=True)
                 proc.kill()
                 proc.wait()
+
+
+def _connect_host(host: str) -> str:
+    """Where this host reaches a server bound to ``host`` (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host

@@ -37,12 +37,14 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def _health_status(srv) -> int:
+def _health(srv) -> tuple[int, str]:
+    """The readiness probe's status code and its word ("serving", "draining", ...)."""
     try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{srv.http_port}/health",
-                                      timeout=5).status
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.http_port}/health",
+                                    timeout=5) as answer:
+            return answer.status, json.loads(answer.read())["status"]
     except urllib.error.HTTPError as exc:
-        return exc.code
+        return exc.code, json.loads(exc.read())["status"]
 
 
 def test_sigterm_drains_in_flight_work_and_refuses_new(tmp_path, model_dir):
@@ -60,9 +62,12 @@ def test_sigterm_drains_in_flight_work_and_refuses_new(tmp_path, model_dir):
         futures = [pool.submit(collect, srv, chat(f"Describe color {i}.", max_tokens=12,
                                                   ignore_eos=True)) for i in range(6)]
         _wait_for(lambda: srv.stats().num_waiting == 6, "six queued requests")
+        # Ready before the signal, so that the 503 awaited next is the drain's, not a
+        # gateway that has not seen its scheduler healthy yet.
+        assert _health(srv) == (200, "serving")
         signed_off = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: _health_status(srv) == 503, "readiness to fail")
+        _wait_for(lambda: _health(srv) == (503, "draining"), "readiness to fail")
         with pytest.raises(grpc.RpcError) as refused:
             collect(srv, chat("Too late?", max_tokens=5))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
