@@ -88,8 +88,17 @@ def test_the_config_retries_generate_on_both_refusals():
     assert method["name"] == [{"service": "continuum.v1.Generation", "method": "Generate"}]
     policy = method["retryPolicy"]
     assert set(policy["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
-    assert 1 < policy["maxAttempts"] <= 5  # gRPC caps attempts at 5
     assert dict(service_config.channel_options())["grpc.enable_retries"] == 1
+
+
+def test_a_server_that_keeps_refusing_sees_the_configs_attempts_and_no_more(scripted, capsys):
+    [method] = json.loads(service_config.text())["methodConfig"]
+    servicer, addr = scripted(Refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, "50"))
+    assert _generate(addr) == 1
+    assert "RESOURCE_EXHAUSTED" in capsys.readouterr().err
+    assert len(servicer.attempts) == method["retryPolicy"]["maxAttempts"] > 1
+    assert [previous for _, previous in servicer.attempts] == [
+        None, *map(str, range(1, len(servicer.attempts)))]  # gRPC's own retries, counted
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/grpc.md"])
