@@ -220,17 +220,20 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int) -> None:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        fd, self._path = tempfile.mkstemp(prefix="continuum-metrics-", dir=shm)
-        os.close(fd)
-        self._file = metrics_server.PageFile(self._path, create=True)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "scheduler_svc.metrics_server", "--page-file", self._path,
-             "--host", host, "--port", str(port), "--parent-pid", str(os.getpid())],
-            stdout=subprocess.PIPE, text=True)
+        fd, path = tempfile.mkstemp(prefix="continuum-metrics-", dir=shm)
+        # Unnamed at once: the child gets the descriptor, and nothing is left in /dev/shm
+        # however either process ends (a kill during start-up included).
+        os.unlink(path)
+        try:
+            self._file = metrics_server.PageFile(fd, create=True)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc.metrics_server", "--page-file",
+                 f"/dev/fd/{fd}", "--host", host, "--port", str(port),
+                 "--parent-pid", str(os.getpid())],
+                stdout=subprocess.PIPE, text=True, pass_fds=(fd,))
+        finally:
+            os.close(fd)
         first = self._proc.stdout.readline().split(" ", 2)
-        # Both sides have it mapped now (or the child is gone): the name is not needed,
-        # and nothing is left in /dev/shm however this process ends.
-        os.unlink(self._path)
         if first[0] != "listening":
             self.stop()
             raise OSError(int(first[1]) if len(first) > 1 else 0,

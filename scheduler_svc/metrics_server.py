@@ -54,12 +54,16 @@ BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
 class PageFile:
     """A shared page: one writer (the scheduler's loop), readers in the server."""
 
-    def __init__(self, path: str, create: bool = False) -> None:
-        if create:
-            with open(path, "wb") as f:
-                f.truncate(HEADER.size + CAPACITY)
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), HEADER.size + CAPACITY)
+    def __init__(self, path: str | int, create: bool = False) -> None:
+        """``path``: the file, or an open descriptor of it (the caller closes that)."""
+        fd = path if isinstance(path, int) else os.open(path, os.O_RDWR)
+        try:
+            if create:
+                os.ftruncate(fd, HEADER.size + CAPACITY)
+            self._map = mmap.mmap(fd, HEADER.size + CAPACITY)
+        finally:
+            if fd is not path:
+                os.close(fd)
         self._seq = HEADER.unpack_from(self._map, 0)[0] if not create else 0
 
     def write(self, page: bytes) -> None:

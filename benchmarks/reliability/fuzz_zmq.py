@@ -6,7 +6,9 @@ Hello with impossible fields and no valid auth tag, StepResults whose columns di
 heartbeats naming other incarnations). Executor end: the harness binds a ROUTER, starts
 a real executor against it (as tests/executor/test_process.py does), takes its Hello and
 sends random frames and SchedulerMessages (plans with out-of-range blocks, unknown
-sequences, wrong incarnations). Property for both: the process stays alive and, at the
+sequences, wrong incarnations, plan-ring offers naming rings that do not exist or paths
+outside /dev/shm, doorbells with no ring behind them); executors' heartbeats claim rings
+the scheduler never offered. Property for both: the process stays alive and, at the
 end, still does its job — the server answers a normal request with the same executor
 incarnation (a rogue Hello must not have replaced the real executor), the executor
 answers a well-formed plan.
@@ -31,6 +33,9 @@ from protos.continuum.v1 import sampling_pb2
 
 U32S = st.lists(UINT32, max_size=12)
 U64S = st.lists(UINT64, max_size=12)
+# Shared-memory names a peer may name: ours, others', paths out of /dev/shm, nonsense.
+RING_NAMES = st.sampled_from(["continuum-plan-1-00", "../etc/passwd", "/x", "", "a" * 300]) | \
+    st.text(max_size=40)
 FLOATS = st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=12)
 
 
@@ -67,7 +72,8 @@ def executor_messages(draw, incarnation: str = "") -> bytes:
     else:
         _filled(env.heartbeat, draw, {"incarnation": inc, "sent_at": st.floats(),
                                       "last_step_id": UINT64, "num_sequences": UINT32,
-                                      "detached": st.booleans()})
+                                      "detached": st.booleans(),
+                                      "plan_ring_name": RING_NAMES})  # "I read this ring"
     return env.SerializeToString()
 
 
@@ -75,9 +81,16 @@ def executor_messages(draw, incarnation: str = "") -> bytes:
 def scheduler_messages(draw, incarnation: str = "") -> bytes:
     inc = st.sampled_from([incarnation, incarnation, ""]) | st.text(max_size=20)
     env = pb.SchedulerMessage(schema_version=draw(st.sampled_from([wire.SCHEMA_VERSION, 3])))
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["heartbeat", "ring_bell", "plan", "plan"]))
+    if kind == "heartbeat":
         _filled(env.heartbeat, draw, {"incarnation": inc, "sent_at": st.floats(),
                                       "last_step_id": UINT64})
+        if draw(st.booleans()):  # a plan ring offered: a name to attach, its key
+            _filled(env.heartbeat.plan_ring, draw, {
+                "name": RING_NAMES, "generation": UINT64, "key": st.binary(max_size=40)})
+        return env.SerializeToString()
+    if kind == "ring_bell":  # "a plan is in the ring": with no ring, or an empty one
+        env.ring_bell.SetInParent()
         return env.SerializeToString()
     plan = env.plan
     _filled(plan, draw, {
