@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from executor_svc.device import decode_graphs, fit_gpu_kv_cache, resolve_device, resolve_dtype
-from executor_svc.flags import add_device_arguments, check_device_arguments, parse_bytes
+from executor_svc.flags import add_executor_arguments, check_executor_arguments
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import IncarnationFile, SchedulerLink, ServeLoop
@@ -93,67 +93,9 @@ class ExecutorConfig:
 
 def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="", help="GGUF file or HF dir; empty: bundled SmolLM2")
-    p.add_argument("--ipc", required=True, help="scheduler address, e.g. ipc:///tmp/c.sock")
-    add_device_arguments(p)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens in one step (the scheduler's limit); a GPU runs one such "
-                        "step at start to reserve its activation memory")
-    p.add_argument("--host-kv-cache-bytes", type=parse_bytes, default=0,
-                   help="host (swap) pool; 0 disables swapping")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="weights' element type (auto: bfloat16 on a GPU, float32 on the CPU)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="on a GPU, run decode steps op by op instead of replaying CUDA graphs")
-    p.add_argument("--kv-cache-dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="KV cache element type (auto: --dtype). float16 or bfloat16 with a "
-                        "float32 model halves the KV bytes per token: twice the blocks for "
-                        "the same --kv-cache-bytes and half attention's reads; logits move "
-                        "slightly (greedy outputs may differ from a float32 cache)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--cpu-nice", type=int, default=0,
-                   help="lower this process's CPU share to this nice value (0-19; its "
-                        "session's autogroup too: runtime/cpu_priority.py), so that on a "
-                        "shared host the gateway and scheduler keep the CPU they need to "
-                        "answer at once; 0 (default): unchanged")
-    p.add_argument("--model-id", default=None,
-                   help="served name (default: the model directory's name, as the gateway's)")
-    p.add_argument("--warmup-tokens", type=int, default=128,
-                   help="prefill length timed at start for the cost model")
-    p.add_argument("--attention-backend", choices=BACKEND_NAMES, default=None,
-                   help="paged attention kernel (default: numba on the CPU, in place, compiled "
-                        "once and cached; torch on a GPU)")
-    p.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks (processes); KV and thread flags are per rank")
-    p.add_argument("--tp-timeout-s", type=float, default=60.0,
-                   help="how long a rank waits in a collective before giving the group up")
-    p.add_argument("--standby", action="store_true",
-                   help="register as a warm standby: loaded and idle until the scheduler's "
-                        "executor dies or hangs, then it takes over on the next step (an "
-                        "executor with no peer in service is taken at once)")
-    p.add_argument("--incarnation-file", default=None,
-                   help="write the incarnation of each Hello to this file (removed at exit), "
-                        "so a probe can ask the scheduler whether it holds this executor in "
-                        "service or as its standby (deploy/probe.py executor "
-                        "--incarnation-file)")
-    for internal in ("--tp-rank", "--tp-init-method", "--incarnation"):  # rank 0 -> workers
-        p.add_argument(internal, type=int if internal == "--tp-rank" else str,
-                       default=0 if internal == "--tp-rank" else None, help=argparse.SUPPRESS)
+    add_executor_arguments(p, BACKEND_NAMES, ["auto", *sorted(DTYPES)])
     a = p.parse_args(argv)
-    if a.block_size < 1 or (a.threads is not None and a.threads < 1) or a.warmup_tokens < 1:
-        p.error("--block-size, --threads and --warmup-tokens must be positive")
-    if a.max_num_batched_tokens < 1:
-        p.error("--max-num-batched-tokens must be positive")
-    if not 0 <= a.cpu_nice <= cpu_priority.LOWEST:
-        p.error(f"--cpu-nice must be 0..{cpu_priority.LOWEST}, got {a.cpu_nice}")
-    check_device_arguments(p, a)
-    if a.tp_size < 1 or a.tp_timeout_s <= 0:
-        p.error("--tp-size and --tp-timeout-s must be positive")
-    if not 0 <= a.tp_rank < a.tp_size or (a.tp_rank and not (a.tp_init_method and a.incarnation)):
-        p.error("--tp-rank is set by rank 0 for its workers only")
-    if not a.ipc.startswith(("ipc://", "tcp://", "inproc://")):
-        p.error(f"--ipc must be a zmq address such as ipc:///tmp/continuum.sock, got {a.ipc!r}")
+    check_executor_arguments(p, a)
     try:
         switches = Switches.from_env(environ, weight_format=a.weight_format)
     except ValueError as exc:
