@@ -1,18 +1,17 @@
 """The OpenAI-compatible HTTP API, served by the gateway process next to gRPC.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with
-`"stream": true`), `GET /v1/models`, `POST /tokenize` and `POST /detokenize`
-(gateway/api/http_tokenize.py), `GET /health` (readiness: 503 while
-draining or with no healthy scheduler replica), `GET /live` (liveness) and
-`GET /metrics` (Prometheus). Every error is OpenAI's
-`{"error": {"message", "type", "param", "code"}}` with a matching status;
-overload is 429 with `Retry-After`, draining 503.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with `"stream":
+true`), `GET /v1/models`, `POST /tokenize` and `POST /detokenize`
+(gateway/api/http_tokenize.py), `GET /health` (readiness: 503 while draining or with no
+healthy scheduler replica), `GET /live` (liveness) and `GET /metrics` (Prometheus). Every
+error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a matching
+status; overload is 429 with `Retry-After`, draining 503.
 
-A streamed response's headers are sent only once the first token (or the
-upstream's refusal) is known, so admission failures are proper HTTP statuses;
-a failure after that arrives as an SSE `error` event followed by `[DONE]`.
-When the client disconnects, aiohttp cancels the handler and the relay's
-upstream call is cancelled with it, which frees the request's KV blocks.
+A streamed response's headers are sent only once the first token (or the upstream's
+refusal) is known, so admission failures are proper HTTP statuses; a failure after that
+arrives as an SSE `error` event followed by `[DONE]`. When the client disconnects, aiohttp
+cancels the handler and the relay's upstream call is cancelled with it, which frees the
+request's KV blocks.
 """
 
 from __future__ import annotations
