@@ -56,7 +56,8 @@ class PageFile:
 
     def __init__(self, path: str | int, create: bool = False) -> None:
         """``path``: the file, or an open descriptor of it (the caller closes that)."""
-        fd = path if isinstance(path, int) else os.open(path, os.O_RDWR)
+        fd = path if isinstance(path, int) else os.open(
+            path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, HEADER.size + CAPACITY)
