@@ -144,12 +144,8 @@ class DecodeMode:
         for i, new in grew:
             nnew[num_bulk + i] = len(new)
             rec.cached_new_block_ids.extend(new)
-        if rec.cached_num_tokens:  # (the columns are empty until now, as a rule)
-            rec.cached_num_tokens.extend([1] * k)
-            rec.cached_num_new_blocks.extend(nnew)
-        else:
-            rec.cached_num_tokens = [1] * k
-            rec.cached_num_new_blocks = nnew
+        rec.cached_num_tokens = [1] * k  # the record's first columns, as ``cached`` above
+        rec.cached_num_new_blocks = nnew
         return prefills
 
     def _one_by_one(self, order: list[Request], bm: BlockManager, step: int, ahead: bool,
