@@ -27,7 +27,7 @@ class BlockPool:
         self.ref = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.index = PrefixIndex(num_blocks, block_size, events)
+        self.index = PrefixIndex(num_blocks, block_size, events, self._unindexed)
 
     @property
     def num_free(self) -> int:
@@ -91,6 +91,13 @@ class BlockPool:
         """How many of ``blocks`` are cached-free (sharing them takes them from the pool)."""
         ref = self.ref
         return sum(1 for b in blocks if ref[b] == 0)
+
+    def _unindexed(self, blocks: list[int]) -> None:
+        """The index left ``blocks`` out after all: a cached-free one becomes free."""
+        for block in blocks:
+            if self.ref[block] == 0:
+                del self.evictable[block]
+                self.free.append(block)
 
     def forget_cached(self) -> None:
         """Empties the index: cached-free blocks become free."""

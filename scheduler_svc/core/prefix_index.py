@@ -9,27 +9,59 @@ free, cached-free or owned is the block manager's (core/block_manager.py); it as
 index to ``evict`` a cached-free block it hands out again, and ``forget`` everything
 when the executor's cache is void. Every change is recorded in ``events`` when given
 (core/kv_events.py).
+
+Indexing is lazy where nobody listens to the events: registering a sequence's blocks
+records them as one run (``_Run``), found by its first block's hash, and marks each
+block with it (``hashes[block] is run``: its content is kept as an indexed block's is,
+cached-free once released). The run's blocks enter ``by_hash`` (their hashes computed
+then, for decoded ones) only when a lookup reaches that first hash. Most runs are never
+looked up (a prompt's own tokens, an answer nobody continues) and their blocks are
+handed out again unindexed, so a step pays per block only for what is reused.
 """
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Callable
+
 from scheduler_svc.core.kv_events import KVEventLog
 
 
+class _Run:
+    """A sequence's blocks ``lo..full`` (of ``table``, holding ``token_ids``, with the
+    sequence's hash and chunk caches), registered but not yet in ``by_hash``; ``live``
+    of them still hold its content (marked with it), ``first`` its key in ``pending``."""
+
+    __slots__ = ("table", "token_ids", "hashes", "chunks", "lo", "full", "first", "live")
+
+    def __init__(self, table: list[int], token_ids: list[int], hashes: list[int],
+                 chunks: list[tuple], lo: int, full: int) -> None:
+        self.table, self.token_ids, self.hashes, self.chunks = table, token_ids, hashes, chunks
+        self.lo, self.full = lo, full
+        self.first = hashes[lo]
+        self.live = 0
+
+
 class PrefixIndex:
-    """``hashes[block]`` (None: unindexed) and ``tokens[block]`` for each device block,
-    ``by_hash`` the reverse map; ``num_queries``/``num_hits`` count prompt blocks
-    looked up and found."""
+    """``hashes[block]`` (None: unindexed; a ``_Run``: registered, indexed when looked
+    up) and ``tokens[block]`` for each device block, ``by_hash`` the reverse map of the
+    indexed ones, ``pending`` the runs by their first block's hash;
+    ``num_queries``/``num_hits`` count prompt blocks looked up and found. ``dropped``
+    is told of blocks a run leaves unindexed after all (their hash was taken by
+    another block meanwhile): the pool moves a cached-free one to its free list."""
 
     __slots__ = ("num_blocks", "block_size", "hashes", "tokens", "by_hash", "events",
-                 "num_queries", "num_hits")
+                 "num_queries", "num_hits", "pending", "dropped")
 
-    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None,
+                 dropped: Callable[[list[int]], None] | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.hashes: list[int | None] = [None] * num_blocks
+        self.hashes: list[int | _Run | None] = [None] * num_blocks
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # collision check
         self.by_hash: dict[int, int] = {}
+        self.pending: dict[int, _Run] = {}
+        self.dropped = dropped
         self.events = events
         self.num_queries = 0
         self.num_hits = 0
@@ -60,6 +92,9 @@ class PrefixIndex:
                 chunks.append(chunk)
             queries += 1
             block = by_hash.get(h)
+            if block is None and h in self.pending:  # registered lazily: index it now
+                self._index_run(self.pending.pop(h))
+                block = by_hash.get(h)
             if block is None or stored[block] != chunk:  # unseen, or a hash collision
                 break
             hits.append(block)
@@ -101,17 +136,52 @@ class PrefixIndex:
         """Indexes the blocks ``start..full`` of ``table`` (a sequence's, holding
         ``token_ids``; its first ``released`` entries are not its blocks any more), each
         unless its hash or the block is indexed already; ``hashes`` and ``chunks`` are
-        extended."""
+        extended as far as that needs. Lazily (see the module docstring) unless events
+        are recorded or the run's first hash is indexed or pending already."""
+        lo = max(start, released)
+        if lo >= full:
+            return
         if chunks is None:
             chunks = []
+        if self.events is None:
+            if len(hashes) <= lo or len(chunks) <= lo:
+                self.extend_hashes(token_ids, hashes, lo + 1, chunks)
+            first = hashes[lo]
+            if first not in self.by_hash and first not in self.pending:  # else eagerly
+                run = _Run(table, token_ids, hashes, chunks, lo, full)
+                block_hash = self.hashes
+                live = 0
+                for block in table[lo:full]:
+                    if block_hash[block] is None:
+                        block_hash[block] = run
+                        live += 1
+                if live:
+                    run.live = live
+                    self.pending[first] = run
+                return
+        self._index(table, token_ids, hashes, lo, full, chunks, None)
+
+    def _index(self, table: list[int], token_ids: list[int], hashes: list[int], lo: int,
+               full: int, chunks: list[tuple], run: _Run | None) -> None:
+        """Enters the blocks ``lo..full`` into ``by_hash`` (those still marked with
+        ``run``, when it is given; else the unindexed ones)."""
         if len(hashes) < full or len(chunks) < full:
             self.extend_hashes(token_ids, hashes, full, chunks)
         by_hash, block_hash, stored = self.by_hash, self.hashes, self.tokens
+        pending = self.pending
         indexed: list[int] | None = None if self.events is None else []
-        for i in range(max(start, released), full):
+        dropped: list[int] = []
+        for i in range(lo, full):
             h = hashes[i]
             block = table[i]
-            if h not in by_hash and block_hash[block] is None:
+            if pending and h in pending:  # registered first: it is indexed first
+                self._index_run(pending.pop(h))
+            if block_hash[block] is run:
+                if h in by_hash:  # another block holds that content: this one stays out
+                    if run is not None:
+                        block_hash[block] = None
+                        dropped.append(block)
+                    continue
                 by_hash[h] = block
                 block_hash[block] = h
                 stored[block] = chunks[i]
@@ -119,6 +189,16 @@ class PrefixIndex:
                     indexed.append(i)
         if indexed:
             self.events.stored_runs(indexed, hashes, token_ids, self.block_size)
+        if dropped and self.dropped is not None:
+            self.dropped(dropped)
+
+    def _index_run(self, run: _Run) -> None:
+        self._index(run.table, run.token_ids, run.hashes, run.lo, run.full, run.chunks, run)
+
+    def index_pending(self) -> None:
+        """Indexes every pending run (what eager indexing would hold now)."""
+        while self.pending:
+            self._index_run(self.pending.pop(next(iter(self.pending))))
 
     def evict(self, blocks: list[int]) -> None:
         """``blocks`` (cached-free) are handed out again: their entries go. Their stored
@@ -127,8 +207,14 @@ class PrefixIndex:
         by_hash, hashes = self.by_hash, self.hashes
         evicted = []
         for block in blocks:
-            evicted.append(hashes[block])
-            del by_hash[hashes[block]]
+            h = hashes[block]
+            if h.__class__ is _Run:  # a pending run's block, never in by_hash
+                h.live -= 1
+                if not h.live:  # nothing of it is left to index
+                    del self.pending[h.first]
+            else:
+                evicted.append(h)
+                del by_hash[h]
             hashes[block] = None
         if self.events is not None:
             self.events.removed(evicted)
@@ -136,16 +222,22 @@ class PrefixIndex:
     def forget(self) -> None:
         """Empties the index: no block is found by hash again."""
         self.by_hash.clear()
+        self.pending.clear()
         self.hashes = [None] * self.num_blocks
         self.tokens = [None] * self.num_blocks
         if self.events is not None:
             self.events.cleared()
 
     def indexed_blocks(self) -> dict[int, tuple[int, ...]]:
-        """Chain hash → the block's token ids."""
+        """Chain hash → the block's token ids (pending runs indexed first)."""
+        self.index_pending()
         return {h: self.tokens[block] for h, block in self.by_hash.items()}
 
     def assert_invariants(self, evictable) -> None:
         for h, block in self.by_hash.items():
             assert self.hashes[block] == h, "hash index out of date"
         assert all(self.hashes[b] is not None for b in evictable), "unhashed block cached"
+        marked = collections.Counter(h for h in self.hashes if h.__class__ is _Run)
+        assert marked == {run: run.live for run in self.pending.values()}, "runs' counts"
+        for h, run in self.pending.items():
+            assert h == run.first and h not in self.by_hash, "a pending run's hash is indexed"

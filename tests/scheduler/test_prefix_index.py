@@ -1,0 +1,91 @@
+"""The prefix index's lazy runs: registered blocks are indexed only when a lookup reaches
+them, found exactly as eagerly indexed ones are, and a run nobody looks up leaves
+nothing behind once its blocks are handed out again."""
+
+from __future__ import annotations
+
+from scheduler_svc.core import BlockManager
+from scheduler_svc.core.kv_events import KVEventLog
+
+
+def _registered(bm: BlockManager, seq_id: int, tokens: list[int]) -> list[int]:
+    """``tokens`` computed and registered for ``seq_id``; returns its hash cache."""
+    hashes: list[int] = []
+    bm.grow(seq_id, len(tokens))
+    bm.register_full_blocks(seq_id, tokens, hashes, len(tokens), [])
+    return hashes
+
+
+def test_a_registered_run_waits_unindexed_then_a_lookup_finds_all_of_it():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 112))  # three full blocks
+    hashes = _registered(bm, 1, tokens)
+    table = list(bm.block_table(1))
+    index = bm._pool.index
+    assert len(hashes) == 1  # only the run's first block was hashed, as its key
+    assert not index.by_hash and len(index.pending) == 1
+    bm.free(1)
+    assert bm.num_cached_free_blocks == 3  # kept, as indexed blocks are
+    bm.assert_invariants()
+    hits, _ = bm.num_cached_prefix(tokens + [1], [], [])
+    assert hits == table and not index.pending and len(index.by_hash) == 3
+    bm.assert_invariants()
+
+
+def test_a_continuation_is_found_through_two_runs_and_a_forged_one_is_not():
+    """A follow-up turn (prompt + answer + more) hits the prompt's run and the answer's,
+    each indexed as the lookup reaches it; the same hashes with other tokens do not."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt, answer = list(range(10, 18)), list(range(50, 58))
+    hashes: list[int] = []
+    chunks: list[tuple] = []
+    bm.extend_hashes(prompt, hashes, 2, chunks)
+    bm.grow(1, 8)
+    bm.register_full_blocks(1, prompt, hashes, 8, chunks)  # as prefill registers it
+    history = prompt + answer
+    bm.grow(1, 16)
+    bm.register_full_blocks(1, history, hashes, 16, chunks)  # as the sequence leaves
+    table = list(bm.block_table(1))
+    bm.free(1)
+    assert len(bm._pool.index.pending) == 2
+    forged = list(range(10, 18)) + [0] * 8 + [1]
+    assert bm.num_cached_prefix(forged, list(hashes[:2]), None)[0] == table[:2]
+    assert bm.num_cached_prefix(history + [9, 9, 9], [], [])[0] == table
+    bm.assert_invariants()
+
+
+def test_runs_whose_blocks_are_handed_out_again_leave_nothing_pending():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    for seq_id in range(1, 200):  # each takes the whole pool, evicting the last one's
+        _registered(bm, seq_id, [seq_id] * 32)
+        bm.assert_invariants()
+        assert len(bm._pool.index.pending) == 1
+        bm.free(seq_id)
+    assert bm.num_free_blocks == 8
+    bm.grow(999, 32)
+    assert not bm._pool.index.pending and not bm._pool.index.by_hash
+    bm.assert_invariants()
+
+
+def test_a_duplicate_of_a_pending_run_is_indexed_after_it_and_shares_nothing_wrong():
+    """Two sequences register the same content: the first one's blocks are the indexed
+    ones (as eagerly), the second's stay out and go back to the free list."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(7, 19))
+    _registered(bm, 1, tokens)
+    _registered(bm, 2, tokens)
+    first, second = list(bm.block_table(1)), list(bm.block_table(2))
+    bm.free(2)
+    bm.free(1)
+    assert bm.num_cached_prefix(tokens + [0], [], [])[0] == first
+    assert set(second) <= set(bm._pool.free)
+    bm.assert_invariants()
+
+
+def test_with_kv_events_every_block_is_indexed_and_announced_at_once():
+    events = KVEventLog()
+    bm = BlockManager(num_blocks=16, block_size=4, events=events)
+    tokens = list(range(100, 112))
+    _registered(bm, 1, tokens)
+    assert len(bm._pool.index.by_hash) == 3 and not bm._pool.index.pending
+    assert sum(len(e[1]) for e in events.take() if e[0] == "stored") == 3
