@@ -29,103 +29,38 @@ hung writer or reader raises RingError (a RuntimeError, as gloo's failures are: 
 code's existing handling then treats the group as lost) instead of wedging anyone. The
 writer unlinks the name as soon as every reader has mapped it (``unlink``): from then on a
 SIGKILL of any rank leaks nothing; a writer that dies before that is swept by the next
-writer (names carry the pid).
+writer (names carry the pid). The mapping itself is runtime/shm_map.py's.
 """
+
 
 from __future__ import annotations
 
-import mmap
 import os
-import platform
-import threading
 import time
 import uuid
 
 import numpy as np
 import zmq
 
-_MAGIC = 0x434F4E5452494E47  # "CONTRING"
-_SHM_DIR = "/dev/shm"
-_PREFIX = "continuum-plan-"
-_LINE = 8  # int64 words per reader line (64 bytes)
-_SLOT_HEADER = 24  # seq, total, chunk: int64 each
+from runtime.shm_map import (
+    LINE,
+    MAGIC,
+    PREFIX,
+    SHM_DIR,
+    SLOT_HEADER,
+    Ring,
+    RingError,
+    alive,
+    available,
+    fence,
+    ring_size,
+    sweep_stale,
+)
+
+__all__ = ["RingError", "RingReader", "RingWriter", "available", "fence"]
+
 _SPIN_S = 200e-6  # spin (yielding the core) this long before sleeping on the doorbell
 _POLL_MS = 20  # a sleeping wait rechecks the ring and the peers' pids this often
-
-
-def fence() -> None:
-    """A full memory barrier (a locked instruction: an uncontended lock's acquire). Between a
-    store and a load of two different words it keeps x86-64 from reordering them, so a
-    reader that says it sleeps and a writer that publishes cannot both miss the other."""
-    with _FENCE:
-        pass
-
-
-_FENCE = threading.Lock()
-
-
-class RingError(RuntimeError):
-    """The ring cannot deliver: a peer died or hung past the timeout, or it was closed."""
-
-
-def available() -> str | None:
-    """None if this machine can host a ring, else why not (the caller keeps gloo)."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"{platform.machine()} is not x86-64 (the ring relies on its store order)"
-    if not os.path.isdir(_SHM_DIR) or not os.access(_SHM_DIR, os.W_OK):
-        return f"{_SHM_DIR} is not a writable directory"
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's: alive
-        return True
-    return True
-
-
-def _sweep_stale() -> None:
-    """Removes rings whose writer pid is gone (it died before every reader mapped them)."""
-    for name in os.listdir(_SHM_DIR):
-        if not name.startswith(_PREFIX):
-            continue
-        pid = name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            try:
-                os.unlink(os.path.join(_SHM_DIR, name))
-            except OSError:
-                pass
-
-
-class _Ring:
-    """The mapping and its views, shared by both ends."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self._map = mmap.mmap(fd, size)
-        os.close(fd)
-        self.words = np.frombuffer(self._map, dtype=np.int64)
-        self.bytes = memoryview(self._map)
-        self.num_readers, self.num_slots, self.slot_bytes = (int(v) for v in self.words[1:4])
-        self._slots = 64 + _LINE * self.num_readers  # word where the slots start
-        self.chunk_bytes = self.slot_bytes - _SLOT_HEADER
-
-    def slot_word(self, m: int) -> int:
-        return self._slots + ((m - 1) % self.num_slots) * (self.slot_bytes // 8)
-
-    def close(self) -> None:
-        view, self.words, self.bytes = self.bytes, None, None  # views go before the map
-        try:
-            view.release()
-            self._map.close()
-        except BufferError:  # a caller still holds a view; the map goes with the process
-            pass
-
-
-def _size(num_readers: int, num_slots: int, slot_bytes: int) -> int:
-    return 8 * (64 + _LINE * num_readers) + num_slots * slot_bytes
 
 
 class RingWriter:
@@ -134,19 +69,19 @@ class RingWriter:
 
     def __init__(self, num_readers: int, doorbell_dir: str | None, num_slots: int = 16,
                  slot_bytes: int = 64 << 10) -> None:
-        if num_readers < 1 or num_slots < 2 or slot_bytes % 8 or slot_bytes <= _SLOT_HEADER:
+        if num_readers < 1 or num_slots < 2 or slot_bytes % 8 or slot_bytes <= SLOT_HEADER:
             raise ValueError("a ring needs >= 1 reader, >= 2 slots, 8-byte-aligned slots")
-        _sweep_stale()
-        self.name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._path = os.path.join(_SHM_DIR, self.name)
-        size = _size(num_readers, num_slots, slot_bytes)
+        sweep_stale()
+        self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._path = os.path.join(SHM_DIR, self.name)
+        size = ring_size(num_readers, num_slots, slot_bytes)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
             os.pwrite(fd, np.array([num_readers, num_slots, slot_bytes, os.getpid()],
                                    dtype=np.int64).tobytes(), 8)
-            os.pwrite(fd, np.array([_MAGIC], dtype=np.int64).tobytes(), 0)  # last
-            self.ring = _Ring(fd, size)
+            os.pwrite(fd, np.array([MAGIC], dtype=np.int64).tobytes(), 0)  # last
+            self.ring = Ring(fd, size)
         except BaseException:
             os.unlink(self._path)
             raise
@@ -178,7 +113,7 @@ class RingWriter:
             self._wait_for_room(m, timeout_s)
             chunk = min(r.chunk_bytes, total - offset)
             w = r.slot_word(m)
-            r.bytes[8 * w + _SLOT_HEADER : 8 * w + _SLOT_HEADER + chunk] = view[offset:
+            r.bytes[8 * w + SLOT_HEADER : 8 * w + SLOT_HEADER + chunk] = view[offset:
                                                                                  offset + chunk]
             r.words[w + 1 : w + 3] = (total, chunk)
             r.words[w] = m  # last: publishes the chunk
@@ -199,10 +134,10 @@ class RingWriter:
         Nothing is visible to the readers until ``publish``."""
         r = self.ring
         m = self._next
-        acks = r.words[64 + 1 : 64 + _LINE * r.num_readers : _LINE]
+        acks = r.words[64 + 1 : 64 + LINE * r.num_readers : LINE]
         if int(acks.min()) < m - r.num_slots:
             return None
-        start = 8 * r.slot_word(m) + _SLOT_HEADER
+        start = 8 * r.slot_word(m) + SLOT_HEADER
         return r.bytes[start : start + r.chunk_bytes]
 
     def publish(self, length: int) -> int:
@@ -220,7 +155,7 @@ class RingWriter:
         """Whether reader ``index`` said it sleeps (after a ``publish``: fenced, so a
         reader that goes to sleep concurrently either sees the message or is seen)."""
         fence()
-        return bool(self.ring.words[64 + _LINE * index + 2])
+        return bool(self.ring.words[64 + LINE * index + 2])
 
     def _ring_bell(self) -> None:
         if self._bell is None:
@@ -232,7 +167,7 @@ class RingWriter:
 
     def _wait_for_room(self, m: int, timeout_s: float) -> None:
         r = self.ring
-        acks = r.words[64 + 1 : 64 + _LINE * r.num_readers : _LINE]
+        acks = r.words[64 + 1 : 64 + LINE * r.num_readers : LINE]
         if int(acks.min()) >= m - r.num_slots:
             return
         deadline, pause = time.monotonic() + timeout_s, 20e-6
@@ -241,8 +176,8 @@ class RingWriter:
                 raise RingError(f"a tensor-parallel rank read nothing for {timeout_s:g} s "
                                 "(hung): the plan ring is full")
             for i in range(r.num_readers):
-                pid = int(r.words[64 + _LINE * i])
-                if acks[i] < m - r.num_slots and pid and not _alive(pid):
+                pid = int(r.words[64 + LINE * i])
+                if acks[i] < m - r.num_slots and pid and not alive(pid):
                     raise RingError(f"tensor-parallel rank {i + 1} (pid {pid}) is gone")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
@@ -268,25 +203,25 @@ class RingReader:
     ``doorbell`` empty: none (only ``peek``/``consume`` then, no waiting ``recv``)."""
 
     def __init__(self, name: str, doorbell: str, index: int) -> None:
-        if not name.startswith(_PREFIX) or "/" in name:
+        if not name.startswith(PREFIX) or "/" in name:
             raise ValueError(f"not a plan ring: {name!r}")
-        path = os.path.join(_SHM_DIR, name)
+        path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
         if size < 8 * 64:
             os.close(fd)
             raise ValueError(f"ring {name!r} is not ready")
-        self.ring = _Ring(fd, size)
+        self.ring = Ring(fd, size)
         r = self.ring
-        if int(r.words[0]) != _MAGIC or not 0 <= index < r.num_readers:
+        if int(r.words[0]) != MAGIC or not 0 <= index < r.num_readers:
             r.close()
             raise ValueError(f"ring {name!r} is not ready or has no reader {index}")
-        if size != _size(r.num_readers, r.num_slots, r.slot_bytes):
+        if size != ring_size(r.num_readers, r.num_slots, r.slot_bytes):
             r.close()
             raise ValueError(f"ring {name!r} has the wrong size")
         self.index = index
         self.writer_pid = int(r.words[4])
-        self._line = 64 + _LINE * index
+        self._line = 64 + LINE * index
         r.words[self._line] = os.getpid()
         self._next = int(r.words[self._line + 1]) + 1
         self._bell = None
@@ -310,7 +245,7 @@ class RingReader:
         if int(r.words[w]) != m:
             return None
         length = min(int(r.words[w + 2]), r.chunk_bytes)
-        start = 8 * w + _SLOT_HEADER
+        start = 8 * w + SLOT_HEADER
         return r.bytes[start : start + max(length, 0)]
 
     def consume(self) -> None:
@@ -345,7 +280,7 @@ class RingReader:
         if int(r.words[w]) != m:
             self._wait(w, m, deadline)
         total, chunk = (int(v) for v in r.words[w + 1 : w + 3])
-        start = 8 * w + _SLOT_HEADER
+        start = 8 * w + SLOT_HEADER
         data = r.bytes[start : start + chunk].tobytes()
         r.words[self._line + 1] = m  # after the copy: the writer may now reuse the slot
         self._next = m + 1
@@ -368,7 +303,7 @@ class RingReader:
             now = time.monotonic()
             if now > deadline:
                 raise RingError("no command from rank 0 within the timeout (hung)")
-            if not _alive(self.writer_pid):
+            if not alive(self.writer_pid):
                 raise RingError(f"rank 0 (pid {self.writer_pid}) is gone")
             self._bell.poll(min(_POLL_MS, max(1, int((deadline - now) * 1e3))))
 
