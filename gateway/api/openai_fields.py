@@ -61,22 +61,23 @@ def bounded(body: dict, bound: checks.Bound):
     return value
 
 
-def boolean(body: dict, name: str, default: bool = False) -> bool:
+def _of_type(body: dict, name: str, default: Any, kind: type, what: str) -> Any:
+    """``body[name]`` if it is a ``kind`` (``default`` when absent or null), else a 400
+    that says ``name`` must be ``what``."""
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise bad(f"{name} must be true or false, got {type(value).__name__}", name)
+    if not isinstance(value, kind):
+        raise bad(f"{name} must be {what}, got {type(value).__name__}", name)
     return value
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    return _of_type(body, name, default, bool, "true or false")
 
 
 def string(body: dict, name: str, default: str = "") -> str:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad(f"{name} must be a string, got {type(value).__name__}", name)
-    return value
+    return _of_type(body, name, default, str, "a string")
 
 
 def stop_strings(body: dict) -> list[str]:
