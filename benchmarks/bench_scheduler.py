@@ -7,8 +7,10 @@ prefill chunks, finishes and admissions. Two KV pool sizes: 85 % of what the
 running set needs at its mean length (admission keeps the running set full and no
 decode has to preempt: the step the targets are about), and 65 % (the "tight"
 rows: the pool, not max_num_seqs, limits the running set, and decodes preempt).
-Per step it times schedule(), build_plan_message() (core output → protobuf),
-serializing the plan frame, and update() (applying the result); the executor side
+Per step it times schedule(), the plan frame's encoding (PlanBuilder.frame: core output
+→ wire bytes; "serialize" is 0 since it writes them itself, and protobuf's
+SerializeToString for a revision whose builder has no ``frame``), and update()
+(applying the result); the executor side
 (parsing the frame) is timed separately. "preempt" counts the timed steps only.
 The "decode-only" row is the floor of the same path: N sequences that only decode
 (no admission, finish or prefill), i.e. what the columnar per-decode work costs.

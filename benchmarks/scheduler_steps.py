@@ -27,15 +27,29 @@ WARMUP = 50
 
 def scheduler_api(core, plan) -> types.SimpleNamespace:
     """What the benchmark uses of a scheduler package (its ``core`` and ``plan``
-    modules): one plan builder's ``prepare`` and ``message`` where ``plan`` has a
-    PlanBuilder (it owns the prompts' wire form), else its module functions
-    (revisions before ``plan.prepare`` lack that one)."""
+    modules): one plan builder's ``prepare`` and ``frame`` (its bytes: the "serialize"
+    phase is then empty) or ``message`` where ``plan`` has a PlanBuilder (it owns the
+    prompts' wire form), else its module functions (revisions before ``plan.prepare``
+    lack that one)."""
     builder = plan.PlanBuilder() if hasattr(plan, "PlanBuilder") else None
+    if builder is not None and hasattr(builder, "frame"):  # it writes the bytes itself
+        build, serialize = builder.frame, _same
+    else:
+        build = plan.build_plan_message if builder is None else builder.message
+        serialize = _serialized
     return types.SimpleNamespace(
         Request=core.Request, Scheduler=core.Scheduler, SchedulerConfig=core.SchedulerConfig,
         ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
-        build_plan_message=plan.build_plan_message if builder is None else builder.message,
+        build_plan_message=build, serialize=serialize,
         prepare=getattr(plan, "prepare", None) if builder is None else builder.prepare)
+
+
+def _same(frame: bytes) -> bytes:
+    return frame
+
+
+def _serialized(message) -> bytes:
+    return message.SerializeToString()
 
 
 def current_api() -> types.SimpleNamespace:
@@ -136,7 +150,7 @@ class Stepper:
         t1 = time.perf_counter()
         plan = self.api.build_plan_message(out, "inc", sched.block_manager)
         t2 = time.perf_counter()
-        frame = plan.SerializeToString()
+        frame = self.api.serialize(plan)
         t3 = time.perf_counter()
         wire.decode_from_scheduler(frame)
         t4 = time.perf_counter()

@@ -124,12 +124,11 @@ class ExecutorLink:
         if self._on_fatal is not None:
             self._on_fatal(f"{task.get_name()} died: {exc!r}")
 
-    def send_plan(self, msg: pb.SchedulerMessage) -> bool:
-        """Sends a plan frame (plan.build_plan_message) to the current peer, through its
-        ring or over ZeroMQ; False if it is unreachable."""
+    def send_plan(self, frame: bytes) -> bool:
+        """Sends a plan frame (PlanBuilder.frame) to the current peer, through its ring
+        or over ZeroMQ; False if it is unreachable."""
         if self.peer is None:
             return False
-        frame = msg.SerializeToString()
         in_ring = self.plans.write(frame)
         if in_ring is None:
             return self._send(frame)

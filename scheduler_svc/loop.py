@@ -393,9 +393,9 @@ class EngineLoop:
             self._dispatch(self.core.take_events())
             if out.is_empty:
                 return
-            msg = self._plans.message(out, self.executor.incarnation, self.core.block_manager)
+            frame = self._plans.frame(out, self.executor.incarnation, self.core.block_manager)
             item = self._inflight.add(out)
-            if not self.link.send_plan(msg):
+            if not self.link.send_plan(frame):
                 item.sent = False
                 item.answer.set_result(None)  # unreachable: lost, like a dead executor
                 return

@@ -12,10 +12,10 @@ from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.link import ExecutorLink
 
 
-def _plan() -> pb.SchedulerMessage:
+def _plan() -> bytes:
     msg = pb.SchedulerMessage(schema_version=wire.SCHEMA_VERSION)
     msg.plan.incarnation, msg.plan.step_id = "inc", 1
-    return msg
+    return msg.SerializeToString()
 
 
 def test_send_to_unknown_peer_fails(tmp_path) -> None:
