@@ -16,7 +16,10 @@ block with it (``hashes[block] is run``: its content is kept as an indexed block
 cached-free once released). The run's blocks enter ``by_hash`` (their hashes computed
 then, for decoded ones) only when a lookup reaches that first hash. Most runs are never
 looked up (a prompt's own tokens, an answer nobody continues) and their blocks are
-handed out again unindexed, so a step pays per block only for what is reused.
+handed out again unindexed, so a step pays per block only for what is reused. A run
+whose first hash is not computed yet (an answer's blocks, registered as its sequence
+leaves) is found instead by the hash before it (``following``): a lookup that reaches
+that hash and misses the next indexes it, and nothing is hashed until then.
 """
 
 from __future__ import annotations
@@ -30,28 +33,30 @@ from scheduler_svc.core.kv_events import KVEventLog
 class _Run:
     """A sequence's blocks ``lo..full`` (of ``table``, holding ``token_ids``, with the
     sequence's hash and chunk caches), registered but not yet in ``by_hash``; ``live``
-    of them still hold its content (marked with it), ``first`` its key in ``pending``."""
+    of them still hold its content (marked with it). ``key``: its first block's hash (in
+    ``pending``) or, ``after`` set, the hash of the block before it (in ``following``)."""
 
-    __slots__ = ("table", "token_ids", "hashes", "chunks", "lo", "full", "first", "live")
+    __slots__ = ("table", "token_ids", "hashes", "chunks", "lo", "full", "key", "after",
+                 "live")
 
     def __init__(self, table: list[int], token_ids: list[int], hashes: list[int],
-                 chunks: list[tuple], lo: int, full: int) -> None:
+                 chunks: list[tuple], lo: int, full: int, after: bool) -> None:
         self.table, self.token_ids, self.hashes, self.chunks = table, token_ids, hashes, chunks
-        self.lo, self.full = lo, full
-        self.first = hashes[lo]
+        self.lo, self.full, self.after = lo, full, after
+        self.key = hashes[lo - 1] if after else hashes[lo]
         self.live = 0
 
 
 class PrefixIndex:
     """``hashes[block]`` (None: unindexed; a ``_Run``: registered, indexed when looked
     up) and ``tokens[block]`` for each device block, ``by_hash`` the reverse map of the
-    indexed ones, ``pending`` the runs by their first block's hash;
-    ``num_queries``/``num_hits`` count prompt blocks looked up and found. ``dropped``
+    indexed ones, ``pending`` the runs by their first block's hash and ``following``
+    those by the hash before their first block; ``num_queries``/``num_hits`` count prompt blocks looked up and found. ``dropped``
     is told of blocks a run leaves unindexed after all (their hash was taken by
     another block meanwhile): the pool moves a cached-free one to its free list."""
 
     __slots__ = ("num_blocks", "block_size", "hashes", "tokens", "by_hash", "events",
-                 "num_queries", "num_hits", "pending", "dropped")
+                 "num_queries", "num_hits", "pending", "following", "dropped")
 
     def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None,
                  dropped: Callable[[list[int]], None] | None = None) -> None:
@@ -61,6 +66,7 @@ class PrefixIndex:
         self.tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # collision check
         self.by_hash: dict[int, int] = {}
         self.pending: dict[int, _Run] = {}
+        self.following: dict[int, _Run] = {}
         self.dropped = dropped
         self.events = events
         self.num_queries = 0
@@ -92,8 +98,8 @@ class PrefixIndex:
                 chunks.append(chunk)
             queries += 1
             block = by_hash.get(h)
-            if block is None and h in self.pending:  # registered lazily: index it now
-                self._index_run(self.pending.pop(h))
+            if block is None and (h in self.pending or parent in self.following):
+                self._index_runs_at(h, parent)  # registered lazily: index it now
                 block = by_hash.get(h)
             if block is None or stored[block] != chunk:  # unseen, or a hash collision
                 break
@@ -144,11 +150,14 @@ class PrefixIndex:
         if chunks is None:
             chunks = []
         if self.events is None:
-            if len(hashes) <= lo or len(chunks) <= lo:
+            after = len(hashes) <= lo or len(chunks) <= lo
+            if after and (lo == 0 or len(hashes) < lo):  # no hash to find it by yet
                 self.extend_hashes(token_ids, hashes, lo + 1, chunks)
-            first = hashes[lo]
-            if first not in self.by_hash and first not in self.pending:  # else eagerly
-                run = _Run(table, token_ids, hashes, chunks, lo, full)
+                after = False
+            key = hashes[lo - 1] if after else hashes[lo]
+            if (key not in self.following if after  # else eagerly
+                    else key not in self.by_hash and key not in self.pending):
+                run = _Run(table, token_ids, hashes, chunks, lo, full, after)
                 block_hash = self.hashes
                 live = 0
                 for block in table[lo:full]:
@@ -157,7 +166,7 @@ class PrefixIndex:
                         live += 1
                 if live:
                     run.live = live
-                    self.pending[first] = run
+                    (self.following if after else self.pending)[key] = run
                 return
         self._index(table, token_ids, hashes, lo, full, chunks, None)
 
@@ -168,14 +177,15 @@ class PrefixIndex:
         if len(hashes) < full or len(chunks) < full:
             self.extend_hashes(token_ids, hashes, full, chunks)
         by_hash, block_hash, stored = self.by_hash, self.hashes, self.tokens
-        pending = self.pending
+        pending, following = self.pending, self.following
         indexed: list[int] | None = None if self.events is None else []
         dropped: list[int] = []
         for i in range(lo, full):
             h = hashes[i]
             block = table[i]
-            if pending and h in pending:  # registered first: it is indexed first
-                self._index_run(pending.pop(h))
+            if (pending and h in pending) or (following and i and hashes[i - 1] in following):
+                self._index_runs_at(h, hashes[i - 1] if i else 0)  # registered first:
+                # it is indexed first
             if block_hash[block] is run:
                 if h in by_hash:  # another block holds that content: this one stays out
                     if run is not None:
@@ -195,10 +205,20 @@ class PrefixIndex:
     def _index_run(self, run: _Run) -> None:
         self._index(run.table, run.token_ids, run.hashes, run.lo, run.full, run.chunks, run)
 
+    def _index_runs_at(self, h: int, parent: int) -> None:
+        """Indexes the pending run whose first hash is ``h`` and the one after ``parent``."""
+        run = self.pending.pop(h, None)
+        if run is not None:
+            self._index_run(run)
+        run = self.following.pop(parent, None)
+        if run is not None:
+            self._index_run(run)
+
     def index_pending(self) -> None:
         """Indexes every pending run (what eager indexing would hold now)."""
-        while self.pending:
-            self._index_run(self.pending.pop(next(iter(self.pending))))
+        for runs in (self.pending, self.following):
+            while runs:
+                self._index_run(runs.pop(next(iter(runs))))
 
     def evict(self, blocks: list[int]) -> None:
         """``blocks`` (cached-free) are handed out again: their entries go. Their stored
@@ -211,7 +231,7 @@ class PrefixIndex:
             if h.__class__ is _Run:  # a pending run's block, never in by_hash
                 h.live -= 1
                 if not h.live:  # nothing of it is left to index
-                    del self.pending[h.first]
+                    del (self.following if h.after else self.pending)[h.key]
             else:
                 evicted.append(h)
                 del by_hash[h]
@@ -223,6 +243,7 @@ class PrefixIndex:
         """Empties the index: no block is found by hash again."""
         self.by_hash.clear()
         self.pending.clear()
+        self.following.clear()
         self.hashes = [None] * self.num_blocks
         self.tokens = [None] * self.num_blocks
         if self.events is not None:
@@ -238,6 +259,10 @@ class PrefixIndex:
             assert self.hashes[block] == h, "hash index out of date"
         assert all(self.hashes[b] is not None for b in evictable), "unhashed block cached"
         marked = collections.Counter(h for h in self.hashes if h.__class__ is _Run)
-        assert marked == {run: run.live for run in self.pending.values()}, "runs' counts"
+        runs = [*self.pending.values(), *self.following.values()]
+        assert marked == {run: run.live for run in runs}, "runs' counts"
         for h, run in self.pending.items():
-            assert h == run.first and h not in self.by_hash, "a pending run's hash is indexed"
+            assert h == run.key == run.hashes[run.lo] and not run.after, "a run's key"
+            assert h not in self.by_hash, "a pending run's hash is indexed"
+        for h, run in self.following.items():
+            assert run.after and h == run.key == run.hashes[run.lo - 1], "a run's key"

@@ -47,7 +47,9 @@ def test_a_continuation_is_found_through_two_runs_and_a_forged_one_is_not():
     bm.register_full_blocks(1, history, hashes, 16, chunks)  # as the sequence leaves
     table = list(bm.block_table(1))
     bm.free(1)
-    assert len(bm._pool.index.pending) == 2
+    index = bm._pool.index
+    # The answer's first hash is not computed: its run is found by the prompt's last.
+    assert len(index.pending) == 1 and len(index.following) == 1 and len(hashes) == 2
     forged = list(range(10, 18)) + [0] * 8 + [1]
     assert bm.num_cached_prefix(forged, list(hashes[:2]), None)[0] == table[:2]
     assert bm.num_cached_prefix(history + [9, 9, 9], [], [])[0] == table
@@ -89,3 +91,31 @@ def test_with_kv_events_every_block_is_indexed_and_announced_at_once():
     _registered(bm, 1, tokens)
     assert len(bm._pool.index.by_hash) == 3 and not bm._pool.index.pending
     assert sum(len(e[1]) for e in events.take() if e[0] == "stored") == 3
+
+
+def test_two_answers_after_one_prompt_are_each_found_by_their_own_tokens():
+    """Answers registered as their sequences leave wait, unhashed, behind the prompt's
+    last hash; a second answer behind the same hash is indexed at once, the first before
+    it. A lookup finds each by its own tokens, and an answer nobody wrote by neither."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    prompt = list(range(10, 18))
+    tables = {}
+    for seq_id, answer in ((1, [50] * 8), (2, [60] * 8)):
+        hashes: list[int] = []
+        chunks: list[tuple] = []
+        bm.extend_hashes(prompt, hashes, 2, chunks)  # hashed on arrival
+        hits, _ = bm.num_cached_prefix(prompt + [1], list(hashes), list(chunks))
+        bm.share_prefix(seq_id, hits)
+        bm.grow(seq_id, 16)
+        bm.register_full_blocks(seq_id, prompt, hashes, 8, chunks)
+        bm.register_full_blocks(seq_id, prompt + answer, hashes, 16, chunks)
+        tables[seq_id] = list(bm.block_table(seq_id))
+        bm.free(seq_id)
+        bm.assert_invariants()
+        index = bm._pool.index
+        assert len(index.following) == (1 if seq_id == 1 else 0)
+    assert tables[1][:2] == tables[2][:2] and len(index.by_hash) == 6
+    for seq_id, answer in ((2, [60] * 8), (1, [50] * 8)):
+        assert bm.num_cached_prefix(prompt + answer + [1], [], [])[0] == tables[seq_id]
+        bm.assert_invariants()
+    assert bm.num_cached_prefix(prompt + [70] * 8 + [1], [], [])[0] == tables[1][:2]

@@ -28,6 +28,7 @@ blocked the queue forever).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import hypothesis.strategies as st
@@ -745,7 +746,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", 150)), stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerStateful = SchedulerMachine.TestCase
