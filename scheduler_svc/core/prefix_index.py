@@ -51,9 +51,10 @@ class PrefixIndex:
     """``hashes[block]`` (None: unindexed; a ``_Run``: registered, indexed when looked
     up) and ``tokens[block]`` for each device block, ``by_hash`` the reverse map of the
     indexed ones, ``pending`` the runs by their first block's hash and ``following``
-    those by the hash before their first block; ``num_queries``/``num_hits`` count prompt blocks looked up and found. ``dropped``
-    is told of blocks a run leaves unindexed after all (their hash was taken by
-    another block meanwhile): the pool moves a cached-free one to its free list."""
+    those by the hash before their first block; ``num_queries``/``num_hits`` count
+    prompt blocks looked up and found. ``dropped`` is told of blocks a run leaves
+    unindexed after all (their hash was taken by another block meanwhile): the pool
+    moves a cached-free one to its free list."""
 
     __slots__ = ("num_blocks", "block_size", "hashes", "tokens", "by_hash", "events",
                  "num_queries", "num_hits", "pending", "following", "dropped")

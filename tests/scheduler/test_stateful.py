@@ -746,7 +746,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", 150)), stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", 150)), stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSchedulerStateful = SchedulerMachine.TestCase
