@@ -123,6 +123,7 @@ class ServeLoop:
         self.plans: plan_ring.PlanRingReader | None = None  # the scheduler's plan ring
         self._offered = ""  # the ring last offered: attached (or tried) once
         self._spin = False  # a plan was just handled: the next one is likely close
+        self._spin_s = plan_ring.spin_budget()  # how long that spin may last here
 
     def run(self) -> None:
         try:
@@ -137,6 +138,10 @@ class ServeLoop:
             frame = self.link.recv(self.poll_ms)
             if self.plans is not None:
                 self.plans.awake()
+                if frame == wire.RING_BELL:  # a plan waits in the ring: read it at once
+                    self._answered = True
+                    self._drain_ring()
+                    continue
             if frame == CONNECTED:
                 self._send_hello("connected")
             elif frame == JUNK:
@@ -154,7 +159,7 @@ class ServeLoop:
     def _serve_ring(self) -> bool:
         """Runs the ring's next plan if one comes within the spin; False: wait on ZeroMQ."""
         try:
-            payload = self.plans.wait(plan_ring.SPIN_S if self._spin else 0.0,
+            payload = self.plans.wait(self._spin_s if self._spin else 0.0,
                                       self.link.pending)
         except plan_ring.FrameError as exc:
             self._drop(str(exc))

@@ -26,6 +26,11 @@ def encode_to_executor(kind: str, msg) -> bytes:
     return env.SerializeToString()
 
 
+# The doorbell for a plan written into the shared-memory ring (runtime/plan_ring.py): one
+# fixed frame, so the executor knows it without decoding it.
+RING_BELL = encode_to_executor("ring_bell", pb.RingBell())
+
+
 def encode_to_scheduler(kind: str, msg) -> bytes:
     """Wraps ``msg`` (a Hello, StepResult or Heartbeat) as an ExecutorMessage."""
     env = pb.ExecutorMessage(schema_version=SCHEMA_VERSION)

@@ -242,21 +242,22 @@ class RingReader:
         until ``consume``: the writer may reuse the slot from then on."""
         r, m = self.ring, self._next
         w = r.slot_word(m)
-        if int(r.words[w]) != m:
+        word = r.word
+        if word[w] != m:
             return None
-        length = min(int(r.words[w + 2]), r.chunk_bytes)
+        length = min(word[w + 2], r.chunk_bytes)
         start = 8 * w + SLOT_HEADER
         return r.bytes[start : start + max(length, 0)]
 
     def consume(self) -> None:
         """Done with the message ``peek`` returned: its slot is the writer's again."""
-        self.ring.words[self._line + 1] = self._next
+        self.ring.word[self._line + 1] = self._next
         self._next += 1
 
     def set_sleeping(self, sleeping: bool) -> None:
         """Says whether this reader now waits on its caller's channel rather than spinning
         on the ring. Fenced: call ``peek`` once more after saying so, before sleeping."""
-        self.ring.words[self._line + 2] = int(sleeping)
+        self.ring.word[self._line + 2] = int(sleeping)
         fence()
 
     def recv(self, timeout_s: float) -> bytes:

@@ -48,7 +48,7 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_REMEMBERED_PEERS = 1024
 # How far a Hello's signing time may be from ours (replays older than this are refused).
 HELLO_MAX_SKEW_S = 60.0
-_BELL = wire.encode_to_executor("ring_bell", pb.RingBell())
+_BELL = wire.RING_BELL
 
 
 class ExecutorLink:

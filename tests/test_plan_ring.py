@@ -188,3 +188,9 @@ def test_an_offer_that_cannot_be_attached_raises():
     with pytest.raises(ValueError):  # the opt-out without a key in the offer
         PlanRingReader("continuum-plan-1-gone", 1, b"", None, "i")
     assert plan_ring.SPIN_S > 0
+
+
+def test_a_reader_spins_only_where_a_core_is_left_for_it():
+    assert plan_ring.spin_budget(2) == 0.0
+    assert plan_ring.spin_budget(plan_ring.MIN_CPUS_TO_SPIN) == plan_ring.SPIN_S
+    assert plan_ring.spin_budget() in (0.0, plan_ring.SPIN_S)
