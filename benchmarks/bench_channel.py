@@ -8,8 +8,9 @@ and sends it back; the scheduler decodes it and applies it (update). Two transpo
 the plan, each with its own echo process, alternating in blocks of ``--block`` plans so
 both see the same machine phases: ``zmq`` (the plan over ZeroMQ) and ``shm`` (the plan
 written into the shared-memory ring by the scheduler's own PlanChannel, read in place by
-the executor's own PlanRingReader, spinning after each plan as executor_svc/link.py does,
-a RingBell over ZeroMQ when it sleeps). The result comes back over ZeroMQ in both. Prints
+the executor's own PlanRingReader, spinning after each plan as executor_svc/link.py does
+where the host has a core to spare (plan_ring.spin_budget), a RingBell over ZeroMQ when it
+sleeps). The result comes back over ZeroMQ in both. Prints
 the median round trip in microseconds (and p90).
 
 Fan-out (``--fanout``, benchmarks/bench_fanout.py): rank 0 hands real serialized plans to
@@ -37,8 +38,6 @@ from scheduler_svc.core import Request
 from scheduler_svc.plan import build_plan
 from scheduler_svc.plan_channel import PlanChannel
 
-_BELL = wire.encode_to_executor("ring_bell", pb.RingBell())
-
 
 def echo_executor(address: str) -> None:
     """Answers each plan with one token per sequence. A heartbeat offering a ring attaches
@@ -47,15 +46,18 @@ def echo_executor(address: str) -> None:
     sock.connect(address)
     sock.send(b"ready")
     ring: plan_ring.PlanRingReader | None = None
-    spin = False
+    spin, spin_s = False, plan_ring.spin_budget()
     while True:
         frame = None
         if ring is not None:
-            frame = ring.wait(plan_ring.SPIN_S if spin else 0.0, lambda: bool(sock.poll(0)))
+            frame = ring.wait(spin_s if spin else 0.0, lambda: bool(sock.poll(0)))
         if frame is None:
             frame = sock.recv()
             if ring is not None:
                 ring.awake()
+                if frame == wire.RING_BELL:  # the plan is in the ring
+                    spin = False
+                    continue
         if frame == b"stop":
             return
         kind, msg = wire.decode_from_scheduler(frame)
@@ -109,7 +111,7 @@ class Executor:
         if in_ring is None:
             self.sock.send_multipart([self.peer, frame])
         elif in_ring:
-            self.sock.send_multipart([self.peer, _BELL])
+            self.sock.send_multipart([self.peer, wire.RING_BELL])
 
     def close(self) -> None:
         self.sock.send_multipart([self.peer, b"stop"])

@@ -68,7 +68,7 @@ class ExecutorLink:
         on_lost: Callable[[], None],
         secret: bytes | None = None,
         on_fatal: Callable[[str], None] | None = None,
-        plan_channel: str = "zmq",
+        plan_channel: str = "auto",
     ) -> None:
         self.address = address
         self.plans = PlanChannel(plan_channel, address, secret)

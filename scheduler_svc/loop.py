@@ -67,7 +67,7 @@ class EngineLoop:
     """
 
     def __init__(self, config: SchedulerConfig, ipc_address: str,
-                 secret: bytes | None | object = _FROM_ENV, plan_channel: str = "zmq") -> None:
+                 secret: bytes | None | object = _FROM_ENV, plan_channel: str = "auto") -> None:
         """``secret``: what an executor's Hello must be signed with; by default the
         deployment's (internal_auth.load_secret: raises SecretError when none is set).
         ``plan_channel``: "shm" (a shared-memory ring where possible) or "zmq"

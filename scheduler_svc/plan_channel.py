@@ -1,11 +1,12 @@
 """Which way each plan goes to the current executor: its shared-memory ring or ZeroMQ.
 
-``--plan-channel shm`` (opt-in: ZeroMQ is the default, docs/gpu.md says why) gives every
+``--plan-channel shm`` (and ``auto``, the default, on a host of 4 CPUs or more: with fewer
+the ring's reader has no core to spin on and the ring is no faster, docs/gpu.md) gives every
 executor incarnation that becomes the peer a fresh ring (runtime/plan_ring.py), offered in
-the scheduler's heartbeats to it. Plans go
-over ZeroMQ until the executor's heartbeat names the ring (it attached: the same host and
-/dev/shm), then through the ring, each one the ring cannot take at once (larger than a
-slot, or the slot it would reuse still unread: the reader is gone or hung) over ZeroMQ.
+the scheduler's heartbeats to it. Plans go over ZeroMQ until the executor's heartbeat names
+the ring (it attached: the same host and /dev/shm), then through the ring, each one the
+ring cannot take at once (larger than a slot, or the slot it would reuse still unread: the
+reader is gone or hung) over ZeroMQ.
 Without shared memory (``--plan-channel zmq``, a ``tcp://`` channel, not x86-64, no
 writable /dev/shm) there is no ring and everything is as before.
 
@@ -14,23 +15,34 @@ Nothing here ever waits: a ring write either fits now or the plan takes ZeroMQ.
 
 from __future__ import annotations
 
+import os
+
 import structlog
 
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import shm_ring
-from runtime.plan_ring import PlanRingWriter
+from runtime.plan_ring import MIN_CPUS_TO_SPIN, PlanRingWriter
 from scheduler_svc.plan_channel_flags import CHANNELS
 
 log = structlog.get_logger("scheduler.plan_channel")
 
 
-def ring_unavailable(channel: str, address: str) -> str | None:
-    """Why plans cannot use shared memory with this configuration, or None."""
+def ring_unavailable(channel: str, address: str, num_cpus: int | None = None) -> str | None:
+    """Why plans cannot (or, for ``auto``, should not) use shared memory with this
+    configuration and ``num_cpus`` (default: this process's), or None."""
     if channel == "zmq":
         return "--plan-channel zmq"
     if not address.startswith("ipc://"):
         return f"the executor channel {address} is not ipc:// (another host, maybe)"
-    return shm_ring.available()
+    why = shm_ring.available()
+    if why is None and channel == "auto":
+        if num_cpus is None:
+            num_cpus = len(os.sched_getaffinity(0))
+        if num_cpus < MIN_CPUS_TO_SPIN:
+            why = (f"--plan-channel auto on {num_cpus} CPUs: the ring's reader has no core "
+                   "to spin on, and ZeroMQ is then as fast (--plan-channel shm forces the "
+                   "ring)")
+    return why
 
 
 class PlanChannel:

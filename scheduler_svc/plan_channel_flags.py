@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import argparse
 
-CHANNELS = ("shm", "zmq")
+CHANNELS = ("auto", "shm", "zmq")
 
 
 def add_flag(p: argparse.ArgumentParser) -> None:
     """How plans reach the executor (scheduler_svc/plan_channel.py)."""
-    # zmq by default: on the 2-core machine measured (docs/gpu.md) the ring's spinning
-    # reader and its per-frame HMAC cost more than ZeroMQ's hop.
-    p.add_argument("--plan-channel", choices=CHANNELS, default="zmq",
-                   help="zmq (default): plans over ZeroMQ. shm: each plan through a "
-                        "shared-memory ring the executor reads in place, ZeroMQ as the "
-                        "doorbell and for what the ring cannot take; where there is no "
-                        "shared memory (a tcp:// channel, not x86-64, no writable /dev/shm) "
-                        "plans stay on ZeroMQ")
+    p.add_argument("--plan-channel", choices=CHANNELS, default="auto",
+                   help="shm: each plan through a shared-memory ring the executor reads "
+                        "in place, ZeroMQ as the doorbell and for what the ring cannot "
+                        "take; where there is no shared memory (a tcp:// channel, not "
+                        "x86-64, no writable /dev/shm) plans stay on ZeroMQ. auto "
+                        "(default): shm on a host with a core to spare for the ring's "
+                        "reader (4 CPUs or more), else zmq (docs/gpu.md: with fewer, the "
+                        "ring is no faster). zmq: plans over ZeroMQ")
 
 
 def argv(a: argparse.Namespace) -> list[str]:

@@ -312,6 +312,18 @@ def test_gpu_pods_get_a_gpu_per_rank_shared_memory_and_the_taint_tolerated():
     assert executor["image"].endswith("-cuda")
 
 
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_scheduler_and_every_executor_share_one_dev_shm_for_the_plan_ring(name):
+    objects = overlay(name)
+    pod = _pod(objects, "StatefulSet")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {c["name"]: [m["name"] for m in c.get("volumeMounts", [])
+                          if m["mountPath"] == "/dev/shm"]
+              for c in pod["containers"] if c["name"] != "gateway"}
+    assert len(mounts) >= 2 and all(m == ["dshm"] for m in mounts.values()), mounts
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+
+
 def test_cpu_pods_fit_the_bundled_model_and_ask_for_no_gpu():
     objects = overlay("cpu")
     executor = pod_container(objects, "executor_svc")
