@@ -40,7 +40,7 @@ def scheduler_api(core, plan) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         Request=core.Request, Scheduler=core.Scheduler, SchedulerConfig=core.SchedulerConfig,
         ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
-        build_plan_message=build, serialize=serialize,
+        encode_plan=build, serialize=serialize,
         prepare=getattr(plan, "prepare", None) if builder is None else builder.prepare)
 
 
@@ -148,7 +148,7 @@ class Stepper:
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        plan = self.api.build_plan_message(out, "inc", sched.block_manager)
+        plan = self.api.encode_plan(out, "inc", sched.block_manager)
         t2 = time.perf_counter()
         frame = self.api.serialize(plan)
         t3 = time.perf_counter()

@@ -48,7 +48,6 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_REMEMBERED_PEERS = 1024
 # How far a Hello's signing time may be from ours (replays older than this are refused).
 HELLO_MAX_SKEW_S = 60.0
-_BELL = wire.RING_BELL
 
 
 class ExecutorLink:
@@ -132,7 +131,7 @@ class ExecutorLink:
         in_ring = self.plans.write(frame)
         if in_ring is None:
             return self._send(frame)
-        return not in_ring or self._send(_BELL)
+        return not in_ring or self._send(wire.RING_BELL)
 
     def send_heartbeat(self, incarnation: str, last_step_id: int,
                        to: bytes | None = None) -> bool:

@@ -70,8 +70,8 @@ class EngineLoop:
                  secret: bytes | None | object = _FROM_ENV, plan_channel: str = "auto") -> None:
         """``secret``: what an executor's Hello must be signed with; by default the
         deployment's (internal_auth.load_secret: raises SecretError when none is set).
-        ``plan_channel``: "shm" (a shared-memory ring where possible) or "zmq"
-        (scheduler_svc/plan_channel.py)."""
+        ``plan_channel``: "auto" (the ring on a host with a core to spare for its reader),
+        "shm" (a shared-memory ring where possible) or "zmq" (scheduler_svc/plan_channel.py)."""
         if secret is _FROM_ENV:
             secret = internal_auth.load_secret()
         self.core = Scheduler(config)

@@ -39,10 +39,17 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
+def _tag(message, name: str) -> bytes:
+    """The key of ``message``'s field ``name`` as a length-delimited one (a message or a
+    packed column), read from the proto's own field number."""
+    return _varint(message.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
+
+
 _PLAN_IN_ENVELOPE = (pb.SchedulerMessage(schema_version=wire.SCHEMA_VERSION)
-                     .SerializeToString() + b"\x12")  # field 2 (plan), length-delimited
-_NEW_SEQS = b"\x1a"  # BatchPlan field 3 (new_seqs), a message
-_COLUMN_TAGS = {"cached_num_scheduled_tokens": b"\x2a", "cached_num_new_blocks": b"\x32"}
+                     .SerializeToString() + _tag(pb.SchedulerMessage, "plan"))
+_NEW_SEQS = _tag(pb.BatchPlan, "new_seqs")
+_COLUMN_TAGS = {name: _tag(pb.BatchPlan, name)
+                for name in ("cached_num_scheduled_tokens", "cached_num_new_blocks")}
 
 
 def _small_column(name: str, values: list[int]) -> bytes:
@@ -53,10 +60,10 @@ def _small_column(name: str, values: list[int]) -> bytes:
     if not values:
         return b""
     try:
-        packed = bytes(values)
-    except ValueError:
-        packed = b"\x80"  # not ASCII: the general way below
-    if packed.isascii():
+        packed: bytes | None = bytes(values)
+    except ValueError:  # a count over 255
+        packed = None
+    if packed is not None and packed.isascii():
         return _field(_COLUMN_TAGS[name], packed)
     column = pb.BatchPlan()
     getattr(column, name).extend(values)

@@ -151,10 +151,9 @@ class PrefixIndex:
         if chunks is None:
             chunks = []
         if self.events is None:
-            after = len(hashes) <= lo or len(chunks) <= lo
-            if after and (lo == 0 or len(hashes) < lo):  # no hash to find it by yet
+            after = lo > 0 and len(hashes) == lo  # an answer's: found by the hash before it
+            if not after and len(hashes) <= lo:
                 self.extend_hashes(token_ids, hashes, lo + 1, chunks)
-                after = False
             key = hashes[lo - 1] if after else hashes[lo]
             if (key not in self.following if after  # else eagerly
                     else key not in self.by_hash and key not in self.pending):
@@ -181,12 +180,13 @@ class PrefixIndex:
         pending, following = self.pending, self.following
         indexed: list[int] | None = None if self.events is None else []
         dropped: list[int] = []
+        parent = hashes[lo - 1] if lo else 0
         for i in range(lo, full):
             h = hashes[i]
             block = table[i]
-            if (pending and h in pending) or (following and i and hashes[i - 1] in following):
-                self._index_runs_at(h, hashes[i - 1] if i else 0)  # registered first:
-                # it is indexed first
+            if (pending and h in pending) or (following and parent in following):
+                self._index_runs_at(h, parent)  # registered first: it is indexed first
+            parent = h
             if block_hash[block] is run:
                 if h in by_hash:  # another block holds that content: this one stays out
                     if run is not None:
