@@ -51,6 +51,7 @@ class NoBlock(enum.Enum):
 
 
 NEEDS_GROW = NoBlock.NEEDS_GROW
+_consume = collections.deque(maxlen=0).extend  # runs an iterator, keeps nothing
 
 
 class BlockManager:
@@ -191,6 +192,14 @@ class BlockManager:
         block = self._pool.take_one()
         self._tables[seq_id].append(block)
         return block
+
+    def append_each(self, seq_ids: list[int]) -> list[int]:
+        """Appends one block to each of ``seq_ids``' tables (decodes crossing into a new
+        block, holding none for it yet), in one take from the pool; returns them in
+        order. Needs as many free blocks and no window (``try_append_block`` else)."""
+        new = self._pool.take(len(seq_ids))
+        _consume(map(list.append, map(self._tables.__getitem__, seq_ids), new))
+        return new
 
     def try_append_block(self, seq_id: int, num_tokens: int) -> int | NoBlock | None:
         """The hot case of ``grow`` for a decode: the block id appended so ``seq_id``

@@ -23,6 +23,7 @@ preemption — happens in explicit mode, one sequence at a time.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from collections.abc import Callable
@@ -37,6 +38,8 @@ _DUE_START, _DUE_LEAVE = 0, 1
 # The smallest block size decode mode is used for (below it every step is a boundary).
 MIN_BLOCK_SIZE = 2
 _seq_id = operator.attrgetter("seq_id")
+_token_ids = operator.attrgetter("token_ids")
+_consume = collections.deque(maxlen=0).extend  # runs an iterator, keeps nothing
 _order_key = operator.attrgetter("running_key")  # the RunningSet's priority order
 
 
@@ -102,16 +105,20 @@ class DecodeMode:
         can hold ``n`` positions (False: it lost its turn)."""
         explicit = self.explicit
         due = self.take_due()
-        if due or len(explicit) > 1:  # blocks go in priority order
-            order = sorted(itertools.chain(explicit, due), key=_order_key)
-        else:
-            order = list(explicit)
         removed_before = self._num_removed
+        leave_after: list[Request] = []  # decode this step, then leave decode mode
+        if due and not bm.window and len(due) + len(explicit) <= bm.num_free_blocks:
+            # No one can run short of a block: the starts need no order, nor one by one.
+            starts, blocks = due, self._start_all(due, bm, leave_after)
+            order = sorted(explicit, key=_order_key) if len(explicit) > 1 else list(explicit)
+        else:
+            starts, blocks = [], []  # bulk sequences whose token starts a block, theirs
+            if due or len(explicit) > 1:  # blocks go in priority order
+                order = sorted(itertools.chain(explicit, due), key=_order_key)
+            else:
+                order = list(explicit)
         prefills: list[Request] = []
         decodes: list[Request] = []
-        starts: list[Request] = []  # bulk sequences whose token starts a new block
-        blocks: list[int] = []  # those blocks
-        leave_after: list[Request] = []  # decode this step, then leave decode mode
         grew = self._one_by_one(order, bm, step, ahead, make_room, prefills, decodes,
                                 starts, blocks, leave_after)
         # Everything in decode mode decodes now (the clock advance below).
@@ -147,6 +154,37 @@ class DecodeMode:
         rec.cached_num_tokens = [1] * k  # the record's first columns, as ``cached`` above
         rec.cached_num_new_blocks = nnew
         return prefills
+
+    def _start_all(self, starts: list[Request], bm: BlockManager,
+                   leave_after: list[Request]) -> list[int]:
+        """The calendar's block starts, when the pool holds a block for each: their
+        blocks in one take, each moved to the bulk's tail, its next event planned (the
+        next start, ``bs`` epochs on, for all but those near their length limit).
+        Returns the blocks, in ``starts``' order."""
+        seq_ids = list(map(_seq_id, starts))
+        blocks = bm.append_each(seq_ids)
+        ids, tokens = self.ids, self.tokens
+        _consume(map(ids.__delitem__, starts))  # to the end of the order
+        _consume(map(tokens.__delitem__, starts))
+        ids.update(zip(starts, seq_ids, strict=True))
+        tokens.update(zip(starts, map(_token_ids, starts), strict=True))
+        bs, epoch = bm.block_size, self.clock.epoch
+        far: list[Request] = []  # what _plan(req, c + 1, epoch + 1) makes a start at
+        for req in starts:  # epoch + bs, as its block's remaining bs - 1 tokens fill
+            c = req.computed_base + epoch
+            if req.length_limit - c > bs + 2:
+                far.append(req)
+            elif not self._plan(req, c + 1, epoch + 1, bs):
+                leave_after.append(req)
+        if far:
+            at = epoch + bs
+            self._event.update(dict.fromkeys(far, at << 1 | _DUE_START))
+            due = self._due.get(at)
+            if due is None:
+                self._due[at] = far
+            else:
+                due.extend(far)
+        return blocks
 
     def _one_by_one(self, order: list[Request], bm: BlockManager, step: int, ahead: bool,
                     make_room: Callable[[Request, int], bool], prefills: list[Request],
@@ -251,7 +289,9 @@ class DecodeMode:
             due.append(req)
         return True
 
-    def assert_invariants(self, running: list[Request]) -> None:
+    def assert_invariants(self, running: list[Request], bm: BlockManager | None = None) -> None:
+        """With ``bm``: a sequence in decode mode holds just the blocks its computed
+        positions fill (a block start's append is then its one new block)."""
         clock = self.clock
         assert self.ids.keys() == self.tokens.keys()
         assert not (self.ids.keys() & self.explicit.keys())
@@ -263,5 +303,8 @@ class DecodeMode:
             epoch = self._event[req] >> 1
             assert epoch >= clock.epoch, "its event is past"
             assert req in self._due.get(epoch, ()), "no event planned"
+            if bm is not None and not bm.window:
+                held = len(bm.block_table(req.seq_id))
+                assert held == -(-req.num_computed_tokens // bm.block_size), "blocks held"
         for req in self.explicit:
             assert req.decode_clock is None

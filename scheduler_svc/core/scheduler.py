@@ -326,7 +326,7 @@ class Scheduler:
             assert sum(n for _, n, _ in out.scheduled()) == out.num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         self.running_set.assert_invariants()
-        self.decode_mode.assert_invariants(self.running)
+        self.decode_mode.assert_invariants(self.running, bm)
         ahead = 1 if self.unanswered.records else 0  # a decode of a pending sample
         for req in self.running:
             assert req.status == RequestStatus.RUNNING

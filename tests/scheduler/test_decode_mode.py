@@ -49,12 +49,15 @@ def run(decode_mode: bool, monkeypatch, num_blocks: int, **config):
         while sched.has_work():
             out = sched.schedule()
             sched.assert_invariants(out)
-            ids = [r.request_id for r in out.cached]
-            # What each sequence gets: tokens and the new block ids in plan order.
+            # What each sequence gets: tokens and new blocks (which ids the pool hands
+            # out first is its choice; they must be the tail of the sequence's table).
             offset, per_seq = 0, {}
-            for rid, n, k in zip(ids, out.cached_num_tokens, out.cached_num_new_blocks,
-                                 strict=True):
-                per_seq[rid] = (n, tuple(out.cached_new_block_ids[offset:offset + k]))
+            for req, n, k in zip(out.cached, out.cached_num_tokens,
+                                 out.cached_num_new_blocks, strict=True):
+                new = out.cached_new_block_ids[offset:offset + k]
+                table = sched.block_manager.block_table(req.seq_id)
+                assert not k or table[len(table) - k:] == new, req.request_id
+                per_seq[req.request_id] = (n, k)
                 offset += k
             per_seq.update({r.request_id: (n, "new") for r, n in out.new})
             plans.append((per_seq, sorted(names[s] for s in out.finished_seq_ids)))
@@ -70,7 +73,7 @@ def run(decode_mode: bool, monkeypatch, num_blocks: int, **config):
 
 def test_decode_mode_makes_the_plans_one_by_one_scheduling_makes(monkeypatch):
     """Enough blocks for everyone: every step gives every sequence the same tokens and
-    the same new blocks with decode mode as without (only the order differs)."""
+    as many new blocks with decode mode as without (only the order differs)."""
     config = dict(max_num_seqs=16, max_num_batched_tokens=64, chunk_size=16)
     plans, outputs, bulk = run(True, monkeypatch, 400, **config)
     ref_plans, ref_outputs, ref_bulk = run(False, monkeypatch, 400, **config)
