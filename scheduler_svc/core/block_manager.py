@@ -51,7 +51,6 @@ class NoBlock(enum.Enum):
 
 
 NEEDS_GROW = NoBlock.NEEDS_GROW
-_consume = collections.deque(maxlen=0).extend  # runs an iterator, keeps nothing
 
 
 class BlockManager:
@@ -198,7 +197,9 @@ class BlockManager:
         block, holding none for it yet), in one take from the pool; returns them in
         order. Needs as many free blocks and no window (``try_append_block`` else)."""
         new = self._pool.take(len(seq_ids))
-        _consume(map(list.append, map(self._tables.__getitem__, seq_ids), new))
+        tables = self._tables
+        for seq_id, block in zip(seq_ids, new, strict=True):
+            tables[seq_id].append(block)
         return new
 
     def try_append_block(self, seq_id: int, num_tokens: int) -> int | NoBlock | None:

@@ -137,11 +137,9 @@ class DecodeMode:
         for req in leave_after:
             if req.decode_clock is clock:
                 self.leave(req)
-        bs = bm.block_size
-        if bs >= MIN_BLOCK_SIZE:
-            running = RequestStatus.RUNNING
+        if (bs := bm.block_size) >= MIN_BLOCK_SIZE:
             for req in decodes:
-                if req.status is running:
+                if req.status is RequestStatus.RUNNING:
                     self.enter(req, bs)
         k = len(rec.cached)
         nnew = [0] * k
