@@ -115,7 +115,7 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         running_by_tier[min(req.priority_tier, last)] += 1
     for req in core.waiting:
         waiting_by_tier[min(req.priority_tier, last)] += 1
-    usage = (1.0 - bm.num_free_blocks / bm.num_blocks) if bm and bm.num_blocks else 0.0
+    usage = bm.usage if bm else 0.0
     block_size = bm.block_size if bm else 0
     lines = [
         *_metric("vllm:num_requests_running", "gauge", "Requests running on the executor.",

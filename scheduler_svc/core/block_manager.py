@@ -19,17 +19,10 @@ Every device block is in exactly one of three states:
     owned         >= 1        in block tables (maybe also indexed)
     ============  ==========  =========================================
 
-Sliding windows: where every layer attends to at most ``window`` trailing positions, a
-block wholly before the window of the earliest query a sequence can still make holds KV no
-layer reads again. Growing a sequence's table releases such blocks (as ``free`` would: a
-hashed one stays cached). Their entries stay in the table, so positions keep their indices
-and the executor's copy of the table (sent as appends) stays the same; every attention
-kernel reads only a row's window (kernels/attention.py), so those entries are never read,
-whoever owns the block now. A sequence then holds at most ``blocks_needed(any)`` blocks,
-what admission and the pool-size checks ask for.
-
-The blocks themselves are core/block_pool.py's, the host (swap) pool core/host_pool.py's;
-``swap_out``/``swap_in`` move a sequence between the two.
+Under a sliding window (core/kv_window.py) growing a table releases the blocks no layer
+reads again; their entries stay in the table (``num_released``). The blocks themselves are
+core/block_pool.py's, the host (swap) pool core/host_pool.py's; ``swap_out``/``swap_in``
+move a sequence between the two.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import enum
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.host_pool import HostPool
 from scheduler_svc.core.kv_events import KVEventLog
+from scheduler_svc.core.kv_window import KVWindow
 
 
 class NoBlock(enum.Enum):
@@ -80,17 +74,10 @@ class BlockManager:
         self._host = HostPool(num_host_blocks)
         self.events = events
         # window: every layer's widest sliding window in tokens (0: some layer sees the
-        # whole context, nothing is released). max_step_tokens: the most tokens one step
-        # computes for a sequence, which bounds a sequence's blocks under a window.
-        # step_cap: the scheduler computes no more than that for one sequence in a step,
-        # so that its span fits the pool (0: no cap). Where even one token's does not, a
-        # sequence is bounded by the pool as without a window.
+        # whole context, nothing is released); max_step_tokens: see KVWindow.
         self.window = window
-        self.step_cap = 0
-        if window:
-            fits = (num_blocks - 1) * block_size - window  # largest step whose span fits
-            self.step_cap = max(1, min(max_step_tokens, fits) if max_step_tokens else fits)
-        self._max_live = -(-(window + self.step_cap) // block_size) + 1 if window else 0
+        self._window = KVWindow(window, num_blocks, block_size, max_step_tokens) \
+            if window else None
         self._released: dict[int, int] = {}  # seq → leading table entries it no longer owns
 
     # -- accounting ------------------------------------------------------------------
@@ -124,10 +111,17 @@ class BlockManager:
         """Fraction of device blocks owned by sequences."""
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
+    @property
+    def step_cap(self) -> int:
+        """The most tokens the scheduler may compute for one sequence in a step (0: no
+        cap; KVWindow.step_cap)."""
+        return self._window.step_cap if self._window else 0
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` positions holds at most at once."""
         need = -(-num_tokens // self.block_size)
-        return need if not self._max_live or need < self._max_live else self._max_live
+        window = self._window
+        return need if window is None or need < window.max_live else window.max_live
 
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables.get(seq_id, [])
@@ -151,7 +145,7 @@ class BlockManager:
 
     def _num_releasable(self, seq_id: int, first_query: int) -> int:
         """Blocks ``_release_behind(seq_id, first_query)`` would return to the pool."""
-        upto = (first_query - self.window) // self.block_size  # negative early on
+        upto = self._window.behind(first_query)
         done = self._released.get(seq_id, 0)
         if upto <= done:
             return 0
@@ -185,13 +179,6 @@ class BlockManager:
             table.extend(new)
         return new
 
-    def append_block(self, seq_id: int) -> int:
-        """Appends one block to ``seq_id``'s table (a decode crossing into a new
-        block: the hot case of ``grow``); needs ``num_free_blocks > 0``."""
-        block = self._pool.take_one()
-        self._tables[seq_id].append(block)
-        return block
-
     def append_each(self, seq_ids: list[int]) -> list[int]:
         """Appends one block to each of ``seq_ids``' tables (decodes crossing into a new
         block, holding none for it yet), in one take from the pool; returns them in
@@ -217,13 +204,15 @@ class BlockManager:
         pool = self._pool
         if not (pool.free or pool.evictable):
             return NEEDS_GROW
-        return self.append_block(seq_id)
+        block = pool.take_one()
+        table.append(block)
+        return block
 
     def _release_behind(self, seq_id: int, first_query: int) -> None:
         """Releases ``seq_id``'s blocks wholly before the window of a query at
         ``first_query``, the earliest position this or any later step computes (one
         position more is kept than the window reads)."""
-        upto = (first_query - self.window) // self.block_size
+        upto = self._window.behind(first_query)
         done = self._released.get(seq_id, 0)
         if upto <= done:
             return
@@ -235,15 +224,12 @@ class BlockManager:
     def num_cached_prefix(self, token_ids: list[int], hashes: list[int],
                           chunks: list[tuple] | None = None,
                           count: bool = True) -> tuple[list[int], int]:
-        """Cached blocks matching the longest full-block prefix of ``token_ids``.
-
-        ``hashes`` is the sequence's hash cache (chain hashes of its first full
-        blocks), ``chunks`` their blocks' tokens; both are extended as far as the
-        lookup goes. Returns (block ids,
-        the chain hash of the last). At least one token is always left to
-        compute, so the step that completes the prompt samples. ``count``: the
-        look-up counts in the hit statistics (``num_cache_queries``/``_hits``).
-        """
+        """Cached blocks matching the longest full-block prefix of ``token_ids``, and the
+        chain hash of the last. ``hashes`` is the sequence's hash cache (chain hashes of
+        its first full blocks), ``chunks`` their blocks' tokens; both are extended as far
+        as the lookup goes. At least one token is always left to compute, so the step
+        that completes the prompt samples. ``count``: the look-up counts in the hit
+        statistics (``num_cache_queries``/``_hits``)."""
         if not self.enable_prefix_caching:
             return [], 0
         return self._pool.index.lookup(token_ids, hashes, chunks, count)
