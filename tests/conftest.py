@@ -92,16 +92,45 @@ def gemma_gguf() -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def gemma_reference(gemma_gguf):
-    """transformers' tokenizer and fp32 model, both read from the Gemma GGUF itself
-    (loaded once: dequantizing it takes transformers tens of seconds)."""
+    """transformers' tokenizer and fp32 model, both read from the Gemma GGUF itself.
+    Dequantizing it takes transformers about a minute, so what it read is kept beside the
+    GGUF once per machine (keyed by the file and the transformers version) and read back
+    in seconds: still transformers' own reading, never our converter's."""
     transformers = pytest.importorskip("transformers")
     import torch
 
-    kw = {"gguf_file": gemma_gguf.name}
-    tok = transformers.AutoTokenizer.from_pretrained(gemma_gguf.parent, **kw)
+    stat = gemma_gguf.stat()
+    kept = gemma_gguf.parent / (f"reference-{stat.st_size}-{stat.st_mtime_ns}"
+                                f"-transformers-{transformers.__version__}")
+    if not (kept / "config.json").is_file():
+        _keep_gemma_reference(transformers, torch, gemma_gguf, kept)
+    tok = transformers.AutoTokenizer.from_pretrained(kept)
+    model = transformers.AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def _keep_gemma_reference(transformers, torch, gguf: pathlib.Path, kept: pathlib.Path):
+    """transformers' reading of ``gguf`` written as a plain checkpoint at ``kept``
+    (renamed into place whole, so an interrupted run leaves nothing half-written)."""
+    import json
+    import shutil
+
+    import safetensors.torch
+
+    kw = {"gguf_file": gguf.name}
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kw)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma_gguf.parent, dtype=torch.float32, **kw).eval()
-    return tok, model
+        gguf.parent, dtype=torch.float32, **kw)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".reference-", dir=gguf.parent))
+    safetensors.torch.save_model(model, str(staging / "model.safetensors"))
+    tok.save_pretrained(staging)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights kept are the dequantized fp32
+    (staging / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    try:
+        staging.rename(kept)
+    except OSError:  # another run kept it first
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # -- test tiers ---------------------------------------------------------------------------
