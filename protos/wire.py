@@ -101,13 +101,23 @@ def hello_problem(hello: pb.Hello) -> str | None:
     return None
 
 
-def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
+def result_columns(result: pb.StepResult) -> tuple[list[int], list[int]]:
+    """A StepResult's seq ids and tokens as lists. Read them once: each read of a
+    repeated field builds its ints again (a 256-row column costs as much to read as
+    the list it gives costs to check)."""
+    return result.seq_ids[:], result.token_ids[:]
+
+
+def result_problem(result: pb.StepResult, vocab_size: int,
+                   columns: tuple[list[int], list[int]] | None = None) -> str | None:
     """Why a StepResult's columns cannot be applied (lengths that disagree, a sequence
     twice, token ids outside the vocabulary), or None. Unknown seq ids are the
-    scheduler's to ignore (a sequence aborted while the step ran)."""
-    n = len(result.seq_ids)
-    if len(result.token_ids) != n:
-        return f"{n} seq_ids but {len(result.token_ids)} token_ids"
+    scheduler's to ignore (a sequence aborted while the step ran). ``columns``: its
+    ``result_columns``, when the caller has read them already."""
+    seq_ids, token_ids = columns if columns is not None else result_columns(result)
+    n = len(seq_ids)
+    if len(token_ids) != n:
+        return f"{n} seq_ids but {len(token_ids)} token_ids"
     if result.logprobs and len(result.logprobs) != n:
         return f"{n} seq_ids but {len(result.logprobs)} logprobs"
     if result.top_n:
@@ -119,14 +129,14 @@ def result_problem(result: pb.StepResult, vocab_size: int) -> str | None:
                     f"{len(result.top_logprobs)} top logprobs came")
     elif result.top_token_ids or result.top_logprobs:
         return "top alternatives without top_n"
-    if len(set(result.seq_ids)) != n:  # one sample per sequence and step
+    if len(set(seq_ids)) != n:  # one sample per sequence and step
         return "a seq id appears twice"
-    if n and max(result.token_ids) >= vocab_size:
-        return f"token id {max(result.token_ids)} is outside the vocabulary ({vocab_size})"
+    if n and max(token_ids) >= vocab_size:
+        return f"token id {max(token_ids)} is outside the vocabulary ({vocab_size})"
     if result.top_token_ids and max(result.top_token_ids) >= vocab_size:
         return "a top token id is outside the vocabulary"
     if result.row_failures:
         failed = [f.seq_id for f in result.row_failures]
-        if len(set(failed)) != len(failed) or not set(failed) <= set(result.seq_ids):
+        if len(set(failed)) != len(failed) or not set(failed) <= set(seq_ids):
             return "a row failure names a sequence twice or one that did not sample"
     return None

@@ -23,6 +23,9 @@ class InFlight:
     answer: asyncio.Future[pb.StepResult | None]
     sent_at: float  # time.monotonic()
     sent: bool = True  # False: the send failed, the executor never saw it
+    # The answer's seq ids and tokens as lists (protos/wire.py result_columns), read
+    # once when it was checked.
+    columns: tuple[list[int], list[int]] | None = None
 
 
 class InFlightPlans:
@@ -46,10 +49,12 @@ class InFlightPlans:
     def pop_oldest(self) -> InFlight:
         return self._plans.popleft()
 
-    def answer(self, result: pb.StepResult) -> None:
+    def answer(self, result: pb.StepResult,
+               columns: tuple[list[int], list[int]] | None = None) -> None:
         for item in self._plans:
             if item.out.step_id == result.step_id:
                 if not item.answer.done():
+                    item.columns = columns
                     item.answer.set_result(result)
                 return
 

@@ -215,7 +215,8 @@ class EngineLoop:
     def _on_result(self, result: pb.StepResult) -> None:
         if self.executor is None or result.incarnation != self.executor.incarnation:
             return  # a stale incarnation's answer
-        problem = wire.result_problem(result, self.executor.model.vocab_size)
+        columns = wire.result_columns(result)
+        problem = wire.result_problem(result, self.executor.model.vocab_size, columns)
         if problem is not None:  # dropped; its step is refused instead (resync)
             self.link.num_dropped_frames += 1
             log.error("dropped a malformed step result", step_id=result.step_id,
@@ -224,7 +225,8 @@ class EngineLoop:
                 incarnation=result.incarnation, step_id=result.step_id,
                 error_code=pb.STEP_ERROR_CODE_MALFORMED_RESULT,
                 error_message=f"the executor's result was malformed: {problem}")
-        self._inflight.answer(result)
+            columns = None
+        self._inflight.answer(result, columns)
 
     def _on_lost(self) -> None:
         """The link saw the executor's connection go."""
@@ -340,7 +342,8 @@ class EngineLoop:
         self.executor_idle_ms.append(result.idle_ms)
         if result.row_failures:  # ended before their placeholder samples could apply
             self._rows_failed(result)
-        events = self.core.update(out, result.seq_ids, result.token_ids)
+        seq_ids, token_ids = item.columns or (result.seq_ids, result.token_ids)
+        events = self.core.update(out, seq_ids, token_ids)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         if self.recorder is not None:
             self.recorder.step(out, now - item.sent_at, self.core)

@@ -30,8 +30,12 @@ def result(**fields) -> pb.StepResult:
     ({"logprobs": [-0.1, -0.2], "top_n": [1, 0], "top_token_ids": [4000],
       "top_logprobs": [-0.5]}, "vocabulary"),
 ])
-def test_result_problem(fields, expect):
-    problem = wire.result_problem(result(**fields), vocab_size=1000)
+@pytest.mark.parametrize("read_first", [False, True], ids=["fields", "columns read first"])
+def test_result_problem(fields, expect, read_first):
+    # The loop reads the columns once and hands them in: the verdict is the same.
+    message = result(**fields)
+    columns = wire.result_columns(message) if read_first else None
+    problem = wire.result_problem(message, vocab_size=1000, columns=columns)
     assert (problem is None) if expect is None else expect in problem
 
 
