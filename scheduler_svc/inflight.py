@@ -24,8 +24,8 @@ class InFlight:
     sent_at: float  # time.monotonic()
     sent: bool = True  # False: the send failed, the executor never saw it
     # The answer's seq ids and tokens as lists (protos/wire.py result_columns), read
-    # once when it was checked.
-    columns: tuple[list[int], list[int]] | None = None
+    # once when it was checked; set with the answer.
+    columns: tuple[list[int], list[int]] = ([], [])
 
 
 class InFlightPlans:
@@ -49,8 +49,7 @@ class InFlightPlans:
     def pop_oldest(self) -> InFlight:
         return self._plans.popleft()
 
-    def answer(self, result: pb.StepResult,
-               columns: tuple[list[int], list[int]] | None = None) -> None:
+    def answer(self, result: pb.StepResult, columns: tuple[list[int], list[int]]) -> None:
         for item in self._plans:
             if item.out.step_id == result.step_id:
                 if not item.answer.done():

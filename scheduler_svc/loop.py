@@ -225,7 +225,7 @@ class EngineLoop:
                 incarnation=result.incarnation, step_id=result.step_id,
                 error_code=pb.STEP_ERROR_CODE_MALFORMED_RESULT,
                 error_message=f"the executor's result was malformed: {problem}")
-            columns = None
+            columns = ([], [])  # the refusal's: it applies no sample
         self._inflight.answer(result, columns)
 
     def _on_lost(self) -> None:
@@ -342,8 +342,7 @@ class EngineLoop:
         self.executor_idle_ms.append(result.idle_ms)
         if result.row_failures:  # ended before their placeholder samples could apply
             self._rows_failed(result)
-        seq_ids, token_ids = item.columns or (result.seq_ids, result.token_ids)
-        events = self.core.update(out, seq_ids, token_ids)
+        events = self.core.update(out, *item.columns)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         if self.recorder is not None:
             self.recorder.step(out, now - item.sent_at, self.core)

@@ -16,9 +16,11 @@ job that runs out its time."""
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,9 +114,6 @@ def gemma_reference(gemma_gguf):
 def _keep_gemma_reference(transformers, torch, gguf: pathlib.Path, kept: pathlib.Path):
     """transformers' reading of ``gguf`` written as a plain checkpoint at ``kept``
     (renamed into place whole, so an interrupted run leaves nothing half-written)."""
-    import json
-    import shutil
-
     import safetensors.torch
 
     kw = {"gguf_file": gguf.name}

@@ -59,8 +59,11 @@ log = logging.getLogger("scheduler.core")
 
 
 def _as_list(column: Sequence[int]) -> list[int]:
-    """``column`` as a list: a slice of a protobuf repeated field is one (built in C, a
-    third faster than ``list()``); anything else whose slice is not is converted."""
+    """``column`` as a list: a list as it is (the loop's, read once out of the result);
+    a slice of a protobuf repeated field is one (built in C, a third faster than
+    ``list()``); anything else whose slice is not is converted."""
+    if column.__class__ is list:
+        return column
     copy = column[:]
     return copy if copy.__class__ is list else list(copy)
 
