@@ -5,13 +5,11 @@ they call ``submit``/``abort`` (which only queue work and wake the loop) and
 read their request's event queue. Everything runs on one asyncio event loop,
 so there are no locks.
 
-Faults: a step the executor fails (it raised, missed its deadline, or was lost
-while running it) is blamed on the requests in it (Scheduler.step_failed: one
-that keeps failing is ended alone with ERROR, the rest recompute); a plan it
-refuses for another reason is resynchronized, and blamed too only after
-MAX_CONSECUTIVE_REFUSALS in a row. A step is late by the deadline its planned
-work and the executor's measured step times give (scheduler_svc/step_deadline.py),
-and hung if its process is not working then (scheduler_svc/hang_check.py).
+Faults: a step the executor fails or refuses, and a row that fails inside a step,
+are blamed and resynchronized by scheduler_svc/step_faults.py. A step is late by the
+deadline its planned work and the executor's measured step times give
+(scheduler_svc/step_deadline.py), and hung if its process is not working then
+(scheduler_svc/hang_check.py).
 A lost executor is replaced at once by the link's warm standby when one is
 registered (the same recompute as after a restart, minus the process start and the
 model load). A task the loop depends on that dies resolves ``fatal``: the process
@@ -41,6 +39,7 @@ from scheduler_svc.logprobs import with_logprobs
 from scheduler_svc.metrics import Histograms
 from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.step_deadline import StepDeadlines
+from scheduler_svc.step_faults import StepFaults
 from scheduler_svc.telemetry import Recorder
 
 log = structlog.get_logger("scheduler.loop")
@@ -51,10 +50,6 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 5.0
 # Tests shorten the heartbeat timeout with this (seconds).
 ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
-# Refusals in a row (other than a failed forward) after which the refused plan's
-# requests are blamed as for a failed step: a plan the scheduler keeps getting
-# wrong for them must not resynchronize forever.
-MAX_CONSECUTIVE_REFUSALS = 3
 _FROM_ENV = object()
 
 
@@ -82,11 +77,7 @@ class EngineLoop:
                                          or HEARTBEAT_TIMEOUT_S)
         # Resolved (with the reason) when a task the loop depends on died.
         self.fatal: asyncio.Future[str] | None = None
-        self._consecutive_refusals = 0
-        self.num_failed_steps = 0
-        self.num_resyncs = 0  # refused or failed plans: every running sequence recomputed
-        self.num_row_failures = 0  # requests ended alone by StepResult.row_failures
-        self.num_executor_dropped_sequences = 0  # as the executor counted them
+        self.faults = StepFaults(self.core, self._dispatch)  # blame, resync, counters
         self.executor: ExecutorInfo | None = None
         # The last executor that registered: its pool is the replica's KV configuration
         # for /metrics while a replacement loads (scheduler_svc/metrics.py).
@@ -316,7 +307,7 @@ class EngineLoop:
             # It ran the step and hung or died in it; but a standby lost before it answered
             # anything may have been dead already (killed with the executor): not blamed.
             if item.sent and not self._untried_standby:
-                self._fail_step(item.out, why)
+                self.faults.failed(item.out, why)
             self._inflight.void_all()
             if self._pending_hello is None:
                 self._detach()
@@ -324,9 +315,10 @@ class EngineLoop:
         self._inflight.pop_oldest()
         self._untried_standby = False
         if result.error_code:
-            self._refused(item.out, result)
+            self.faults.refused(item.out, result)
+            self._inflight.void_all()  # built on what the executor refused
             return True
-        self._consecutive_refusals = 0
+        self.faults.stood()
         out = item.out
         now = time.monotonic()  # it started when sent or when the last one ended:
         elapsed = now - max(item.sent_at, self._last_answer_at)
@@ -341,50 +333,12 @@ class EngineLoop:
                 self.num_stalled_prefill_tokens += out.num_prefill_tokens
         self.executor_idle_ms.append(result.idle_ms)
         if result.row_failures:  # ended before their placeholder samples could apply
-            self._rows_failed(result)
+            self.faults.rows_failed(result)
         events = self.core.update(out, *item.columns)
         self._dispatch(with_logprobs(events, result) if result.logprobs else events)
         if self.recorder is not None:
             self.recorder.step(out, now - item.sent_at, self.core)
         return True
-
-    def _rows_failed(self, result: pb.StepResult) -> None:
-        """Sequences whose own row failed in a step that stood: each request ends alone
-        (StepResult.row_failures); every other sequence's sample applies as usual."""
-        events = []
-        for failure in result.row_failures:
-            ev = self.core.row_failed(
-                failure.seq_id, f"the request failed while sampling its next token "
-                f"({failure.stage}): {failure.message}", failure.invalid_input)
-            if ev is not None:
-                self.num_row_failures += 1
-                log.warning("request ended: its own row failed", request_id=ev[0].request_id,
-                            stage=failure.stage, why=failure.message)
-                events.append(ev)
-        self._dispatch(events)
-
-    def _refused(self, out, result: pb.StepResult) -> None:
-        """A failed forward blames the plan's requests at once; other refusals are the
-        plan's fault, so only MAX_CONSECUTIVE_REFUSALS in a row do. Then resync."""
-        log.error("executor refused plan; resynchronizing", code=result.error_code,
-                  message=result.error_message)
-        self.num_resyncs += 1
-        self.num_executor_dropped_sequences += result.num_dropped_sequences
-        self._consecutive_refusals += 1
-        if result.error_code == pb.STEP_ERROR_CODE_INTERNAL or \
-                self._consecutive_refusals >= MAX_CONSECUTIVE_REFUSALS:
-            self._consecutive_refusals = 0
-            self._fail_step(out, result.error_message or "the step failed")
-        self._inflight.void_all()  # built on what the executor refused
-        self.core.resync()
-
-    def _fail_step(self, out, why: str) -> None:
-        self.num_failed_steps += 1
-        events = self.core.step_failed(out, why)
-        for req, _, _, _ in events:
-            log.error("request ended: it failed too many steps", request_id=req.request_id,
-                      why=why)
-        self._dispatch(events)
 
     def _send_plans(self) -> None:
         # While a suspect awaits its step of its own, nothing else may be in flight.

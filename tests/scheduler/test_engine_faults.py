@@ -151,7 +151,7 @@ def test_a_poison_request_is_ended_alone_and_the_others_finish(tmp_path, code):
                 assert ev_req.token_ids[ev_req.num_prompt_tokens:] == [
                     100 + ev_req.seq_id + p for p in range(ev_req.num_prompt_tokens,
                                                            ev_req.num_tokens)]
-            assert loop.num_failed_steps >= 2 and not loop.fatal.done()
+            assert loop.faults.num_failed_steps >= 2 and not loop.fatal.done()
         finally:
             peer.close()
             await loop.stop()

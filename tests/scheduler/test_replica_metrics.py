@@ -39,8 +39,8 @@ def _loop(tmp_path) -> types.SimpleNamespace:
     core.attach_executor(executor.model)
     link = types.SimpleNamespace(plans=PlanChannel("zmq", "ipc:///unused", None))
     return types.SimpleNamespace(core=core, executor=executor, last_executor=executor,
-                                 recorder=None, num_failed_steps=0, num_resyncs=0,
-                                 num_row_failures=0, link=link)
+                                 recorder=None, link=link, faults=types.SimpleNamespace(
+                                     num_failed_steps=0, num_resyncs=0, num_row_failures=0))
 
 
 def _families(page: bytes) -> dict:
@@ -121,7 +121,7 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     loop.core.kv_events.num_dropped = 3
     families = _families(render(loop, Histograms(), "m"))
     assert families["continuum:kv_events_dropped"].samples[0].value == 3
-    loop.num_row_failures, loop.core.lifecycle.num_recomputed_tokens = 2, 40
+    loop.faults.num_row_failures, loop.core.lifecycle.num_recomputed_tokens = 2, 40
     families = _families(render(loop, Histograms(), "m"))
     assert families["continuum:row_failures"].samples[0].value == 2
     assert families["continuum:recomputed_tokens"].samples[0].value == 40
