@@ -52,18 +52,18 @@ async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
             assert (channel == "shm") == loop.link.plans.confirmed, "the plan channel"
             figures = []
             for r in range(repeats):
-                loop.executor_idle_ms.clear()
-                steps = loop.num_steps
+                loop.steps.executor_idle_ms.clear()
+                steps = loop.steps.num_steps
                 started = time.perf_counter()
                 tokens = await generate(loop, streams, max_tokens, f"run{r}")
                 wall = time.perf_counter() - started
-                idle = list(loop.executor_idle_ms)[1:]  # the first waited for the clients
+                idle = list(loop.steps.executor_idle_ms)[1:]  # the first waited for the clients
                 figures.append({
-                    "steps": loop.num_steps - steps,
+                    "steps": loop.steps.num_steps - steps,
                     "idle_p50_ms": statistics.median(idle),
                     "idle_mean_ms": statistics.mean(idle),
                     "idle_p90_ms": sorted(idle)[int(0.9 * len(idle))],
-                    "step_ms": wall * 1e3 / (loop.num_steps - steps),
+                    "step_ms": wall * 1e3 / (loop.steps.num_steps - steps),
                     "tokens_per_s": tokens / wall,
                 })
             return {k: statistics.median(f[k] for f in figures) for k in figures[0]}

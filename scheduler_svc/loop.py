@@ -19,7 +19,6 @@ must report NOT_SERVING and exit non-zero.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import os
 import time
@@ -40,6 +39,7 @@ from scheduler_svc.metrics import Histograms
 from scheduler_svc.plan import PlanBuilder
 from scheduler_svc.step_deadline import StepDeadlines
 from scheduler_svc.step_faults import StepFaults
+from scheduler_svc.step_stats import StepStats
 from scheduler_svc.telemetry import Recorder
 
 log = structlog.get_logger("scheduler.loop")
@@ -82,21 +82,14 @@ class EngineLoop:
         # The last executor that registered: its pool is the replica's KV configuration
         # for /metrics while a replacement loads (scheduler_svc/metrics.py).
         self.last_executor: ExecutorInfo | None = None
-        self.num_steps = 0
-        # For the policy comparison: decode steps, and those that also carried prefill.
-        self.num_decode_steps = 0
-        self.num_stalled_decode_steps = 0
-        self.num_stalled_prefill_tokens = 0
+        self.steps = StepStats()  # answered steps: counts and times
         self._streams: dict[str, asyncio.Queue[Event]] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
         self._inflight = InFlightPlans()
         self._plans = PlanBuilder()  # owns each request's prompt in wire form
-        self._last_answer_at = 0.0
         self.deadlines = StepDeadlines()
-        # The executor's idle time before each plan (StepResult.idle_ms), for benchmarks.
-        self.executor_idle_ms: collections.deque[float] = collections.deque(maxlen=100_000)
         self._stepping = False
         self.draining = False  # set on SIGTERM: Submit is refused
         self.num_executor_losses = 0
@@ -241,7 +234,7 @@ class EngineLoop:
             if time.monotonic() - self.link.last_seen > self.heartbeat_timeout_s:
                 log.error("executor stopped answering heartbeats", incarnation=ex.incarnation)
                 self._lose_executor()
-            elif not self.link.send_heartbeat(ex.incarnation, self.num_steps):
+            elif not self.link.send_heartbeat(ex.incarnation, self.steps.num_steps):
                 self._lose_executor()
 
     def _probe_standby(self) -> None:
@@ -320,18 +313,9 @@ class EngineLoop:
             return True
         self.faults.stood()
         out = item.out
-        now = time.monotonic()  # it started when sent or when the last one ended:
-        elapsed = now - max(item.sent_at, self._last_answer_at)
+        now, elapsed = self.steps.answered(out, item.sent_at, result.idle_ms)
         self.deadlines.observe(elapsed, out.num_batched_tokens)
         self.core.observe_step(out, elapsed)  # the SLO-aware budget's step-time fit
-        self._last_answer_at = now
-        self.num_steps += 1
-        if out.num_batched_tokens > out.num_prefill_tokens:  # some sequence decoded
-            self.num_decode_steps += 1
-            if out.num_prefill_tokens:  # ...and waited for prompt work in the same step
-                self.num_stalled_decode_steps += 1
-                self.num_stalled_prefill_tokens += out.num_prefill_tokens
-        self.executor_idle_ms.append(result.idle_ms)
         if result.row_failures:  # ended before their placeholder samples could apply
             self.faults.rows_failed(result)
         events = self.core.update(out, *item.columns)

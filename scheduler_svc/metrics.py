@@ -105,19 +105,19 @@ class Histograms:
 
 def render(loop, histograms: Histograms, model_name: str) -> bytes:
     """The whole page, from the loop's state at this moment (call on the loop)."""
-    core, ex = loop.core, loop.executor
-    bm = core.block_manager
-    known = ex or loop.last_executor  # the pool a restarting executor comes back with
+    known = loop.executor or loop.last_executor  # the pool a restarting executor returns with
     label = f'model_name="{_escape(model_name or (known.model_id if known else ""))}"'
-    running_by_tier, waiting_by_tier = [0] * tiers.NUM_TIERS, [0] * tiers.NUM_TIERS
-    last = tiers.NUM_TIERS - 1
-    for req in core.running:
-        running_by_tier[min(req.priority_tier, last)] += 1
-    for req in core.waiting:
-        waiting_by_tier[min(req.priority_tier, last)] += 1
+    lines = [*_vllm_lines(loop.core, known, histograms, label),
+             *_histogram_lines(histograms, label), *_continuum_lines(loop, label)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _vllm_lines(core, known, histograms: Histograms, label: str) -> list[str]:
+    """The families vLLM's own names, as gateways and load tools read them."""
+    bm = core.block_manager
     usage = bm.usage if bm else 0.0
     block_size = bm.block_size if bm else 0
-    lines = [
+    return [
         *_metric("vllm:num_requests_running", "gauge", "Requests running on the executor.",
                  [(label, len(core.running))]),
         *_metric("vllm:num_requests_waiting", "gauge", "Requests waiting to start.",
@@ -144,6 +144,10 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         *_metric("vllm:request_success_total", "counter", "Requests ended, by reason.",
                  [(f'{label},finished_reason="{k}"', v) for k, v in histograms.success.items()]),
     ]
+
+
+def _histogram_lines(histograms: Histograms, label: str) -> list[str]:
+    lines = []
     for name, text, hist in (
             ("vllm:time_to_first_token_seconds", "Time to first token.", histograms.ttft),
             ("vllm:inter_token_latency_seconds", "Gaps between tokens.", histograms.itl),
@@ -151,8 +155,19 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
             ("vllm:e2e_request_latency_seconds", "Arrival to last token.", histograms.e2e),
             ("vllm:request_queue_time_seconds", "Arrival to first step.", histograms.queue)):
         lines += [f"# HELP {name} {text}", f"# TYPE {name} histogram", *hist.lines(name, label)]
-    recorder, plans = loop.recorder, loop.link.plans
-    lines += [
+    return lines
+
+
+def _continuum_lines(loop, label: str) -> list[str]:
+    """Continuum's own families: tiers, preemption causes, faults, channels, drops."""
+    core, recorder, plans = loop.core, loop.recorder, loop.link.plans
+    running_by_tier, waiting_by_tier = [0] * tiers.NUM_TIERS, [0] * tiers.NUM_TIERS
+    last = tiers.NUM_TIERS - 1
+    for req in core.running:
+        running_by_tier[min(req.priority_tier, last)] += 1
+    for req in core.waiting:
+        waiting_by_tier[min(req.priority_tier, last)] += 1
+    return [
         *_metric("continuum:num_requests_running_by_tier", "gauge", "Running, per tier.",
                  [(f'{label},tier="{t}"', n) for t, n in zip(tiers.NAMES, running_by_tier,
                                                              strict=True)]),
@@ -199,7 +214,6 @@ def render(loop, histograms: Histograms, model_name: str) -> bytes:
         *_metric("continuum:metrics_published_timestamp_seconds", "gauge",
                  "When this page was rendered (Unix time).", [(label, time.time())]),
     ]
-    return ("\n".join(lines) + "\n").encode()
 
 
 def _metric(name: str, kind: str, text: str, samples) -> list[str]:

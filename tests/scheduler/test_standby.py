@@ -107,7 +107,7 @@ def test_a_hung_executor_is_called_by_the_measured_deadline_and_replaced(tmp_pat
             loop = r.loop
             queues = _submit(loop)
             hang = asyncio.create_task(_serve_then(r.active, 12, "hang"))
-            await until(lambda: hang.done() or loop.num_steps >= 12)
+            await until(lambda: hang.done() or loop.steps.num_steps >= 12)
             assert loop.deadlines.warm  # 12 fast steps: the floor applies, not the cold one
             stalled_at = time.monotonic()
             served = asyncio.create_task(r.standby.next_plan(timeout=60))
