@@ -26,12 +26,19 @@ def _template(req: Request) -> pb.NewSequence:
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:  # a tag or a short length: one byte
+        return _ONE_BYTE[value]
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_ONE_BYTE = [bytes((v,)) for v in range(0x80)]
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -133,7 +140,8 @@ class PlanBuilder:
             extra = len(req.token_ids) - num_tokens  # generated before a resume
             if extra:
                 seq.token_ids.extend(req.token_ids[-extra:])
-            parts.append(_field(_NEW_SEQS, template + seq.SerializeToString()))
+            rest = seq.SerializeToString()  # the entry is the template's fields, then these
+            parts += (_NEW_SEQS, _varint(len(template) + len(rest)), template, rest)
         body = b"".join(parts)
         return _PLAN_IN_ENVELOPE + _varint(len(body)) + body
 

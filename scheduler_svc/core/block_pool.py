@@ -9,6 +9,7 @@ blocks (``take``, ``take_one``), gives them back (``release``) and shares indexe
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable
 
 from scheduler_svc.core.kv_events import KVEventLog
@@ -26,7 +27,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
-        self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # In LRU order: a dict keeps insertion order, and costs less per block than an
+        # OrderedDict (the oldest are read with islice, never popitem(last=False)).
+        self.evictable: dict[int, None] = {}
         self.index = PrefixIndex(num_blocks, block_size, events, self._unindexed)
 
     @property
@@ -39,7 +42,8 @@ class BlockPool:
         if self.free:
             block = self.free.pop()
         else:
-            block = self.evictable.popitem(last=False)[0]
+            block = next(iter(self.evictable))
+            del self.evictable[block]
             self.index.evict([block])
         self.ref[block] = 1
         return block
@@ -56,8 +60,10 @@ class BlockPool:
         else:
             new = free[::-1]
             free.clear()
-            popitem = self.evictable.popitem
-            evicted = [popitem(last=False)[0] for _ in range(n - len(new))]
+            evictable = self.evictable
+            evicted = list(itertools.islice(evictable, n - len(new)))
+            for block in evicted:
+                del evictable[block]
             self.index.evict(evicted)
             new += evicted
         ref = self.ref

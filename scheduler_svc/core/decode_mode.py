@@ -23,7 +23,6 @@ preemption — happens in explicit mode, one sequence at a time.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 from collections.abc import Callable
@@ -38,8 +37,6 @@ _DUE_START, _DUE_LEAVE = 0, 1
 # The smallest block size decode mode is used for (below it every step is a boundary).
 MIN_BLOCK_SIZE = 2
 _seq_id = operator.attrgetter("seq_id")
-_token_ids = operator.attrgetter("token_ids")
-_consume = collections.deque(maxlen=0).extend  # runs an iterator, keeps nothing
 _order_key = operator.attrgetter("running_key")  # the RunningSet's priority order
 
 
@@ -162,10 +159,11 @@ class DecodeMode:
         seq_ids = list(map(_seq_id, starts))
         blocks = bm.append_each(seq_ids)
         ids, tokens = self.ids, self.tokens
-        _consume(map(ids.__delitem__, starts))  # to the end of the order
-        _consume(map(tokens.__delitem__, starts))
-        ids.update(zip(starts, seq_ids, strict=True))
-        tokens.update(zip(starts, map(_token_ids, starts), strict=True))
+        for req, seq_id in zip(starts, seq_ids, strict=True):  # to the end of the order
+            del ids[req]
+            ids[req] = seq_id
+            del tokens[req]
+            tokens[req] = req.token_ids
         bs, epoch = bm.block_size, self.clock.epoch
         far: list[Request] = []  # what _plan(req, c + 1, epoch + 1) makes a start at
         for req in starts:  # epoch + bs, as its block's remaining bs - 1 tokens fill
