@@ -16,7 +16,7 @@ from scheduler_svc.core.admission import Admission
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, StepRecord
 from scheduler_svc.core.priority_hold import PriorityHold
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.request import SWAPPED, FinishReason, Request
 
 
 class Admitter:
@@ -64,7 +64,7 @@ class Admitter:
             # With nothing running the watermark protects no decode: a resumed context
             # that outgrew the pool minus the watermark comes back once the pool drains.
             keep = reserve if running else 0
-            if req.status == RequestStatus.SWAPPED:
+            if req.status == SWAPPED:
                 n, need = lc.swap_in(req, rec, budget, cap, keep, step)
             else:
                 n, need = lc.start(req, rec, budget, cap, keep, step)

@@ -25,7 +25,7 @@ from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, StepRecord
 from scheduler_svc.core.policy import Policy
 from scheduler_svc.core.priority_hold import PriorityHold
-from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.request import RUNNING, Request
 from scheduler_svc.core.step_cost import StepCost
 from scheduler_svc.core.unanswered import Unanswered
 
@@ -101,7 +101,7 @@ class BatchPlanner:
         for req in prefills:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RUNNING:
                 continue
             n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
             if n <= 0 or not make_room(req, req.num_computed_tokens + n):

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from scheduler_svc.core.block_manager import NEEDS_GROW, BlockManager
 from scheduler_svc.core.plan import StepRecord
-from scheduler_svc.core.request import DecodeClock, Request, RequestStatus
+from scheduler_svc.core.request import RUNNING, DecodeClock, Request
 
 # Calendar events (the low bit of an event's code, ``epoch << 1 | kind``): the
 # sequence's token at that epoch starts a block, or it leaves.
@@ -136,7 +136,7 @@ class DecodeMode:
                 self.leave(req)
         if (bs := bm.block_size) >= MIN_BLOCK_SIZE:
             for req in decodes:
-                if req.status is RequestStatus.RUNNING:
+                if req.status is RUNNING:
                     self.enter(req, bs)
         k = len(rec.cached)
         nnew = [0] * k
@@ -194,7 +194,6 @@ class DecodeMode:
         clock = self.clock
         epoch = clock.epoch
         ids, tokens = self.ids, self.tokens
-        running = RequestStatus.RUNNING
         append = decodes.append
         grew: list[tuple[int, list[int]]] = []
         for req in order:
@@ -212,7 +211,7 @@ class DecodeMode:
                         leave_after.append(req)
                     continue
                 self.leave(req)  # it may have to preempt: one by one
-            if req.status is not running:
+            if req.status is not RUNNING:
                 continue  # preempted earlier in this loop
             computed = req.computed_base
             pending = len(req.token_ids) - computed

@@ -20,7 +20,7 @@ from scheduler_svc.core.decode_mode import DecodeMode
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.plan import Event, ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.request import FINISHED, RUNNING, FinishReason, Request, RequestStatus
 from scheduler_svc.core.running import RunningSet
 from scheduler_svc.core.unanswered import Unanswered
 
@@ -107,7 +107,7 @@ class Lifecycle:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
             req.prepare(model.eos_token_ids, model.max_model_len)
-        req.status = RequestStatus.RUNNING
+        req.status = RUNNING
         self.running_set.add(req)
         self.decode_mode.add(req)
 
@@ -262,10 +262,10 @@ class Lifecycle:
     def finish(self, req: Request, reason: FinishReason) -> None:
         """``req`` (out of the running set or the queue) ends with ``reason``."""
         if self.block_manager is not None:
-            if req.status == RequestStatus.RUNNING:
+            if req.status == RUNNING:
                 self.to_drop.append(req.seq_id)
             self.block_manager.free(req.seq_id)
-        req.status = RequestStatus.FINISHED
+        req.status = FINISHED
         req.finish_reason = reason
         if reason <= FinishReason.LENGTH:
             self.on_served(req)

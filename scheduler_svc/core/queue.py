@@ -39,7 +39,7 @@ import collections
 import collections.abc
 from collections.abc import Callable
 
-from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.request import WAITING, Request
 
 
 class WaitingQueue:
@@ -103,7 +103,7 @@ class WaitingQueue:
                 continue
             for req in fifo:
                 if req.num_preemptions or req.num_resumed_output_tokens or \
-                        req.status != RequestStatus.WAITING:
+                        req.status != WAITING:
                     continue
                 if now - max(req.arrival_time, since) <= limit:
                     break
@@ -167,7 +167,7 @@ class WaitingQueue:
         lane then ranks as starving (its resumed requests still go first, keeping their
         place, and the starving one right after them)."""
         for req in fifo:
-            if not req.num_preemptions and req.status == RequestStatus.WAITING:
+            if not req.num_preemptions and req.status == WAITING:
                 key = self._order(req, now)
                 return key if not key[0] else (2,)
         return (2,)
@@ -192,7 +192,7 @@ class WaitingQueue:
             return (0, arrival)
         effective = tier - int(waited // self.aging_s)
         floor = 1 if tier else 0  # aging stops at standard: see the module docstring
-        fresh = req.num_preemptions == 0 and req.status == RequestStatus.WAITING
+        fresh = req.num_preemptions == 0 and req.status == WAITING
         return (1, effective if effective > floor else floor, fresh,
                 self.served.get(req.tenant, 0.0), arrival)
 
