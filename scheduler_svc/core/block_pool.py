@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.prefix_index import PrefixIndex
 
+_PLAIN_DICT_BLOCKS = 8192  # the largest pool whose LRU is a plain dict (see __init__)
+
 
 class BlockPool:
     """``ref[block]``: its owners (read it; only these methods change it). A block with
@@ -27,9 +29,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
-        # In LRU order: a dict keeps insertion order, and costs less per block than an
-        # OrderedDict (the oldest are read with islice, never popitem(last=False)).
-        self.evictable: dict[int, None] = {}
+        # In LRU order, the oldest read with islice and deleted. A dict keeps insertion
+        # order at less per block than an OrderedDict, but read oldest first it walks every
+        # slot its evictions emptied until it resizes, so only a small pool uses one (a
+        # 48-block churn: 4.3 µs against 5.3 at 800 cached-free blocks, 5.8 against 5.5
+        # at 5,000, 36 against 6.2 at 50,000).
+        self.evictable: dict[int, None] = (
+            {} if num_blocks <= _PLAIN_DICT_BLOCKS else collections.OrderedDict())
         self.index = PrefixIndex(num_blocks, block_size, events, self._unindexed)
 
     @property

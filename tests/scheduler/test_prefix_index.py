@@ -4,6 +4,8 @@ nothing behind once its blocks are handed out again."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.core import BlockManager
 from scheduler_svc.core.kv_events import KVEventLog
 
@@ -119,3 +121,19 @@ def test_two_answers_after_one_prompt_are_each_found_by_their_own_tokens():
         assert bm.num_cached_prefix(prompt + answer + [1], [], [])[0] == tables[seq_id]
         bm.assert_invariants()
     assert bm.num_cached_prefix(prompt + [70] * 8 + [1], [], [])[0] == tables[1][:2]
+
+
+@pytest.mark.parametrize("num_blocks", [16, 9000])  # a plain dict's LRU, an OrderedDict's
+def test_cached_free_blocks_are_handed_out_again_least_recently_released_first(num_blocks):
+    bm = BlockManager(num_blocks=num_blocks, block_size=4)
+    tables = {}
+    for seq_id in (1, 2, 3):
+        _registered(bm, seq_id, [seq_id] * 8)  # two full blocks each, registered
+        tables[seq_id] = list(bm.block_table(seq_id))
+    for seq_id in (2, 1, 3):
+        bm.free(seq_id)  # each table's last block first
+    bm.grow(100, (num_blocks - 6) * 4)  # every free block: what is left is cached-free
+    assert bm.num_cached_free_blocks == 6
+    taken = [bm.grow(seq_id, 8) for seq_id in (101, 102, 103)]
+    assert taken == [tables[2][::-1], tables[1][::-1], tables[3][::-1]]
+    bm.assert_invariants()
