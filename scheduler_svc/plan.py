@@ -26,7 +26,8 @@ def _template(req: Request) -> pb.NewSequence:
 
 
 def _varint(value: int) -> bytes:
-    if value < 0x80:  # a tag or a short length: one byte
+    """``value`` (a tag or a length: never negative) as a protobuf varint."""
+    if 0 <= value < 0x80:  # a tag or a short length: one byte
         return _ONE_BYTE[value]
     if value < 0x4000:
         return bytes((value & 0x7F | 0x80, value >> 7))

@@ -12,7 +12,7 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import BlockManager, CostModel, Request, SchedulerOutput
-from scheduler_svc.plan import PlanBuilder, _small_column
+from scheduler_svc.plan import PlanBuilder, _small_column, _varint
 from tests.scheduler.factories import fake_execute, make_scheduler
 
 
@@ -89,3 +89,11 @@ def test_a_small_count_column_is_protobufs_own_encoding(values):
     plan = pb.BatchPlan(cached_num_new_blocks=values)
     assert pb.BatchPlan.FromString(_small_column("cached_num_new_blocks", values)) == plan
     assert _small_column("cached_num_new_blocks", []) == b""
+
+
+@pytest.mark.parametrize("value", [1, 127, 128, 300, 16383, 16384, 2**21, 2**32 + 5, 2**63])
+def test_a_varint_is_protobufs_own_encoding(value):
+    """One byte, two (the looked-up and the computed forms) and the general loop."""
+    encoded = pb.BatchPlan(step_id=value).SerializeToString()  # the field's key, the varint
+    assert _varint(value) == encoded[1:]
+    assert _varint(0) == b"\x00"
