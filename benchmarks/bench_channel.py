@@ -31,7 +31,7 @@ import time
 import zmq
 
 from benchmarks.scheduler_steps import make_scheduler
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import plan_ring
 from scheduler_svc.core import Request
@@ -68,9 +68,10 @@ def echo_executor(address: str) -> None:
             sock.send(wire.encode_to_scheduler("heartbeat", pb.Heartbeat(
                 incarnation="inc", plan_ring_name=offer.name)))
         elif kind == "plan":
-            ids = list(msg.cached_seq_ids) + [s.seq_id for s in msg.new_seqs]
+            ids = [s.seq_id for s in msg.new_seqs] + list(msg.cached_seq_ids)
             result = pb.StepResult(incarnation=msg.incarnation, step_id=msg.step_id,
-                                   seq_ids=ids, token_ids=[7] * len(ids))
+                                   packed_seq_ids=seq_columns.pack(ids),
+                                   token_ids=[7] * len(ids))  # as executor_svc answers
             sock.send(wire.encode_to_scheduler("result", result))
 
 
@@ -129,7 +130,7 @@ def measure(executor: Executor, sched, steps: int) -> list[float]:
             "plan", build_plan(out, "inc", sched.block_manager)))
         _, frame = executor.sock.recv_multipart()
         _, result = wire.decode_from_executor(frame)
-        sched.update(out, result.seq_ids, result.token_ids)
+        sched.update(out, *wire.result_columns(result))
         times.append(time.perf_counter() - t0)
     return times
 

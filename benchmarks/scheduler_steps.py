@@ -14,7 +14,7 @@ import types
 
 import scheduler_svc.core
 import scheduler_svc.plan
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Request
 from scheduler_svc.core.config import QUEUE_TIME_FIELDS
@@ -37,11 +37,29 @@ def scheduler_api(core, plan) -> types.SimpleNamespace:
     else:
         build = plan.build_plan_message if builder is None else builder.message
         serialize = _serialized
+    # Its answers as the executor of its revision sends them: seq ids packed where the
+    # core checks them as bytes (StepRecord.sampler_bytes), else the plain column.
+    record = getattr(getattr(core, "plan", None), "StepRecord", None)
+    packed = "sampler_bytes" in getattr(record, "__slots__", ())
     return types.SimpleNamespace(
         Request=core.Request, Scheduler=core.Scheduler, SchedulerConfig=core.SchedulerConfig,
         ModelInfo=core.ModelInfo, QueueFull=core.QueueFull,
         encode_plan=build, serialize=serialize,
-        prepare=getattr(plan, "prepare", None) if builder is None else builder.prepare)
+        prepare=getattr(plan, "prepare", None) if builder is None else builder.prepare,
+        result=_packed_result if packed else _plain_result,
+        columns=wire.result_columns if packed else _plain_columns)
+
+
+def _packed_result(seq_ids: list[int], token_ids: list[int]) -> pb.StepResult:
+    return pb.StepResult(packed_seq_ids=seq_columns.pack(seq_ids), token_ids=token_ids)
+
+
+def _plain_result(seq_ids: list[int], token_ids: list[int]) -> pb.StepResult:
+    return pb.StepResult(seq_ids=seq_ids, token_ids=token_ids)
+
+
+def _plain_columns(result: pb.StepResult):
+    return result.seq_ids, result.token_ids  # the revision's update reads them itself
 
 
 def _same(frame: bytes) -> bytes:
@@ -155,9 +173,9 @@ class Stepper:
         wire.decode_from_scheduler(frame)
         t4 = time.perf_counter()
         done = [r for r, _, _ in out.scheduled() if r.num_computed_tokens == len(r.token_ids)]
-        result = pb.StepResult(seq_ids=[r.seq_id for r in done], token_ids=[7] * len(done))
+        result = self.api.result([r.seq_id for r in done], [7] * len(done))
         t5 = time.perf_counter()
-        sched.update(out, result.seq_ids, result.token_ids)
+        sched.update(out, *self.api.columns(result))  # as the loop reads them, timed
         t6 = time.perf_counter()
         self.last_prefill_tokens = out.num_prefill_tokens
         if record:

@@ -220,7 +220,7 @@ class ServeLoop:
             self.link.send("result", result)
             self._result_sent_at = time.perf_counter()
             self._spin = True
-            log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.seq_ids),
+            log.debug("step %d: %d sampled, %.1f ms", msg.step_id, len(result.token_ids),
                       result.step_ms)
         elif kind == "heartbeat":
             if msg.detached:

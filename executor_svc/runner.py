@@ -34,6 +34,7 @@ from executor_svc.sampler import (
     random_seed,
 )
 from kernels.attention import AttentionBackend
+from protos import seq_columns
 from protos.continuum.v1 import executor_pb2 as pb
 
 log = logging.getLogger("executor.runner")
@@ -213,7 +214,7 @@ def _new_state(new: pb.NewSequence) -> SequenceState:
 
 
 def _fill_result(result: pb.StepResult, seq_ids: list[int], out: SampleOutput) -> None:
-    result.seq_ids.extend(seq_ids)
+    result.packed_seq_ids = seq_columns.pack(seq_ids)  # checked as bytes by the scheduler
     result.token_ids.extend(out.token_ids)
     if out.logprobs:  # only when some sequence asked
         result.logprobs.extend(out.logprobs)

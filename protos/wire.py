@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
+from protos import seq_columns
 from protos.continuum.v1 import executor_pb2 as pb
 
-SCHEMA_VERSION = 1
+# 2: a StepResult's ids may come packed (packed_seq_ids); a scheduler of version 1 would
+# read such an answer as having no samples.
+SCHEMA_VERSION = 2
 
 
 class WireError(ValueError):
@@ -101,21 +104,44 @@ def hello_problem(hello: pb.Hello) -> str | None:
     return None
 
 
-def result_columns(result: pb.StepResult) -> tuple[list[int], list[int]]:
-    """A StepResult's seq ids and tokens as lists. Read them once: each read of a
-    repeated field builds its ints again (a 256-row column costs as much to read as
-    the list it gives costs to check)."""
-    return result.seq_ids[:], result.token_ids[:]
+def result_columns(result: pb.StepResult) -> tuple[bytes | list[int], list[int]]:
+    """A StepResult's seq ids, its ``packed_seq_ids`` as they came (protos/seq_columns.py)
+    or else ``seq_ids`` as a list, and its tokens as a list. Read them once: each read of
+    a repeated field builds its ints again (a 256-row column costs as much to read as the
+    list it gives costs to check)."""
+    packed = result.packed_seq_ids
+    return (packed if packed else result.seq_ids[:]), result.token_ids[:]
+
+
+def seq_id_list(seq_ids: bytes | list[int]) -> list[int]:
+    """``result_columns``' seq ids as a list."""
+    return seq_columns.unpack(seq_ids) if seq_ids.__class__ is bytes else seq_ids
+
+
+def result_seq_ids(result: pb.StepResult) -> list[int]:
+    """The ids of the sequences that sampled, from whichever field holds them."""
+    return seq_id_list(result_columns(result)[0])
 
 
 def result_problem(result: pb.StepResult, vocab_size: int,
-                   columns: tuple[list[int], list[int]] | None = None) -> str | None:
+                   columns: tuple[bytes | list[int], list[int]] | None = None,
+                   expected: bytes | None = None) -> str | None:
     """Why a StepResult's columns cannot be applied (lengths that disagree, a sequence
     twice, token ids outside the vocabulary), or None. Unknown seq ids are the
     scheduler's to ignore (a sequence aborted while the step ran). ``columns``: its
-    ``result_columns``, when the caller has read them already."""
+    ``result_columns``, when the caller has read them already; ``expected``: the packed
+    ids the scheduler planned to sample (Scheduler.expected_samplers), which name each
+    sequence once, so packed ids equal to them are not read for duplicates."""
     seq_ids, token_ids = columns if columns is not None else result_columns(result)
-    n = len(seq_ids)
+    if seq_ids.__class__ is bytes:
+        if result.seq_ids:
+            return "both seq_ids and packed_seq_ids are set"
+        if len(seq_ids) % seq_columns.ID_BYTES:
+            return (f"packed_seq_ids holds {len(seq_ids)} bytes, not "
+                    f"{seq_columns.ID_BYTES} a sequence")
+        n = len(seq_ids) // seq_columns.ID_BYTES
+    else:
+        n = len(seq_ids)
     if len(token_ids) != n:
         return f"{n} seq_ids but {len(token_ids)} token_ids"
     if result.logprobs and len(result.logprobs) != n:
@@ -129,14 +155,14 @@ def result_problem(result: pb.StepResult, vocab_size: int,
                     f"{len(result.top_logprobs)} top logprobs came")
     elif result.top_token_ids or result.top_logprobs:
         return "top alternatives without top_n"
-    if len(set(seq_ids)) != n:  # one sample per sequence and step
-        return "a seq id appears twice"
+    if seq_ids != expected and len(set(seq_id_list(seq_ids))) != n:
+        return "a seq id appears twice"  # one sample per sequence and step
     if n and max(token_ids) >= vocab_size:
         return f"token id {max(token_ids)} is outside the vocabulary ({vocab_size})"
     if result.top_token_ids and max(result.top_token_ids) >= vocab_size:
         return "a top token id is outside the vocabulary"
     if result.row_failures:
         failed = [f.seq_id for f in result.row_failures]
-        if len(set(failed)) != len(failed) or not set(failed) <= set(seq_ids):
+        if len(set(failed)) != len(failed) or not set(failed) <= set(seq_id_list(seq_ids)):
             return "a row failure names a sequence twice or one that did not sample"
     return None

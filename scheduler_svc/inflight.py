@@ -23,9 +23,9 @@ class InFlight:
     answer: asyncio.Future[pb.StepResult | None]
     sent_at: float  # time.monotonic()
     sent: bool = True  # False: the send failed, the executor never saw it
-    # The answer's seq ids and tokens as lists (protos/wire.py result_columns), read
-    # once when it was checked; set with the answer.
-    columns: tuple[list[int], list[int]] = ([], [])
+    # The answer's seq ids (packed bytes or a list) and tokens (protos/wire.py
+    # result_columns), read once when it was checked; set with the answer.
+    columns: tuple[bytes | list[int], list[int]] = ([], [])
 
 
 class InFlightPlans:
@@ -49,7 +49,8 @@ class InFlightPlans:
     def pop_oldest(self) -> InFlight:
         return self._plans.popleft()
 
-    def answer(self, result: pb.StepResult, columns: tuple[list[int], list[int]]) -> None:
+    def answer(self, result: pb.StepResult,
+               columns: tuple[bytes | list[int], list[int]]) -> None:
         for item in self._plans:
             if item.out.step_id == result.step_id:
                 if not item.answer.done():

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 
+from protos import wire
 from protos.continuum.v1 import executor_pb2, sampling_pb2
 from scheduler_svc.core import Event
 
 
 def with_logprobs(events: list[Event], result: executor_pb2.StepResult) -> list[Event]:
-    index = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+    index = {seq_id: i for i, seq_id in enumerate(wire.result_seq_ids(result))}
     starts, total = [], 0
     for n in result.top_n:  # top alternatives are flattened, top_n[i] per sequence
         starts.append(total)

@@ -200,7 +200,8 @@ class EngineLoop:
         if self.executor is None or result.incarnation != self.executor.incarnation:
             return  # a stale incarnation's answer
         columns = wire.result_columns(result)
-        problem = wire.result_problem(result, self.executor.model.vocab_size, columns)
+        problem = wire.result_problem(result, self.executor.model.vocab_size, columns,
+                                      self.core.expected_samplers(result.step_id))
         if problem is not None:  # dropped; its step is refused instead (resync)
             self.link.num_dropped_frames += 1
             log.error("dropped a malformed step result", step_id=result.step_id,

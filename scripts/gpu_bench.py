@@ -47,6 +47,7 @@ from executor_svc.runner import Runner, synchronize  # noqa: E402
 from executor_svc.sampler import SamplingConfig  # noqa: E402
 from kernels import make_backend  # noqa: E402
 from kernels.native import NativeOptions  # noqa: E402
+from protos import wire  # noqa: E402
 from protos.continuum.v1 import executor_pb2 as pb  # noqa: E402
 from protos.continuum.v1 import sampling_pb2  # noqa: E402
 
@@ -201,7 +202,7 @@ class _Serving:
         result = self.runner.execute(plan)
         if result.error_code:
             raise RuntimeError(f"step {self.step_id}: {result.error_message}")
-        for seq_id in result.seq_ids:
+        for seq_id in wire.result_seq_ids(result):
             s = self.active[seq_id]
             s["done"] += 1
             self.generated += 1

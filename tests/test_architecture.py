@@ -9,7 +9,8 @@ whom"):
 * no service (gateway, scheduler_svc, executor_svc) imports another: they meet only at
   the wire contracts in ``protos/``;
 * ``scheduler_svc/core`` imports the standard library, itself and the standard-library-only
-  contract modules ``CORE_CONTRACTS`` (``protos/tiers.py``, ``protos/limits.py``), nothing
+  contract modules ``CORE_CONTRACTS`` (``protos/tiers.py``, ``protos/limits.py``,
+  ``protos/seq_columns.py``), nothing
   else (it runs in the simulator unchanged; tests/scheduler/test_core.py checks the same at
   run time);
 * ``kernels/`` is imported only by the executor (and benchmarks); ``protos/`` and
@@ -48,8 +49,9 @@ FIRST_PARTY = (*PACKAGES, "tests")
 SERVICES = ("gateway", "scheduler_svc", "executor_svc")
 CORE = "scheduler_svc.core"
 # protos/ modules the core may import: contracts it shares with the wire (the tiers, the
-# request limits), themselves standard library only, so the core stays pure Python.
-CORE_CONTRACTS = ("protos.tiers", "protos.limits")
+# request limits, the packed seq-id column), themselves standard library only, so the core
+# stays pure Python.
+CORE_CONTRACTS = ("protos.tiers", "protos.limits", "protos.seq_columns")
 DOC = ROOT / "docs" / "architecture.md"
 
 # What each package may import from the first-party packages (itself always). benchmarks

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from protos import seq_columns
 from scheduler_svc.core.preemption import CostModel
 from scheduler_svc.core.request import FinishReason, Request
 
@@ -97,7 +98,8 @@ class StepRecord:
     __slots__ = ("step_id", "new", "cached", "cached_seq_ids", "cached_num_tokens",
                  "cached_num_new_blocks", "cached_new_block_ids", "cached_prefills",
                  "swap_in", "num_batched_tokens", "num_prefill_tokens", "num_bulk",
-                 "bulk_token_lists", "sampler_ids", "num_new_samplers", "removed",
+                 "bulk_token_lists", "sampler_ids", "sampler_bytes", "num_new_samplers",
+                 "removed",
                  "isolated", "plan")
 
     def __init__(self, step_id: int) -> None:
@@ -119,6 +121,7 @@ class StepRecord:
         # The seq ids the executor's answer lists, in order, if every sample comes back;
         # the first ``num_new_samplers`` are new sequences, then the bulk decodes.
         self.sampler_ids: list[int] = []
+        self.sampler_bytes = b""  # the same, packed (protos/seq_columns.py)
         self.num_new_samplers = 0
         # Sequences that left the running set while it was unanswered (their samples
         # need the per-sequence checks).
@@ -157,3 +160,5 @@ class StepRecord:
         ids += [r.seq_id for r in self.cached_prefills
                 if r.num_computed_tokens >= len(r.token_ids)]
         self.sampler_ids = ids
+        self.sampler_bytes = seq_columns.pack(ids)  # an answer's packed ids are checked
+        # against these bytes: the ids' int objects are read here, while still cached

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from protos import seq_columns
 from scheduler_svc.core.admission import Admission, QueueFull
 from scheduler_svc.core.batch import BatchPlanner, step_cap
 from scheduler_svc.core.block_manager import BlockManager
@@ -275,17 +276,23 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, seq_ids: Sequence[int],
+    def update(self, out: SchedulerOutput, seq_ids: bytes | Sequence[int],
                token_ids: Sequence[int]) -> list[Event]:
-        """Folds one step's sampled tokens in; returns what clients must hear."""
+        """Folds one step's sampled tokens in; returns what clients must hear. ``seq_ids``
+        may come packed (StepResult.packed_seq_ids): equal to the planned samplers' bytes,
+        no id is read."""
         events, self._events = self._events, []
         rec = self.unanswered.answered(out)  # None for a voided plan
         if rec is not None and rec.isolated is not None:  # its step of its own succeeded
             self.isolation.solo_step_done(rec.isolated)
-        # Plain lists first: iterating protobuf repeated fields costs twice as much.
-        seq_ids, token_ids = _as_list(seq_ids), _as_list(token_ids)
+        if seq_ids.__class__ is bytes:
+            seq_ids = (rec.sampler_ids if rec is not None and seq_ids == rec.sampler_bytes
+                       else seq_columns.unpack(seq_ids))
+        else:  # plain lists first: iterating protobuf repeated fields costs twice as much
+            seq_ids = _as_list(seq_ids)
+        token_ids = _as_list(token_ids)
         results = self.results
-        if rec is not None and seq_ids == rec.sampler_ids:
+        if rec is not None and (seq_ids is rec.sampler_ids or seq_ids == rec.sampler_ids):
             results.apply_columnar(rec, seq_ids, token_ids, events)
         else:
             # A sample is missing or unasked for: decode mode assumes each of its
@@ -296,6 +303,11 @@ class Scheduler:
         if self.unanswered.awaiting:
             results.apply_awaiting(out.step_id, seq_ids, token_ids, events)
         return events
+
+    def expected_samplers(self, step_id: int) -> bytes | None:
+        """The packed ids of the sequences unanswered step ``step_id`` is to sample, for
+        checking its answer (protos/wire.py result_problem); None if it is not one."""
+        return self.unanswered.expected(step_id)
 
     def observe_step(self, out: SchedulerOutput, elapsed_s: float) -> None:
         """One answered step's measured time: the SLO-aware budget's fit learns from it."""

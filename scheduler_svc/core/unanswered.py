@@ -42,6 +42,14 @@ class Unanswered:
             records.popleft()
         return rec
 
+    def expected(self, step_id: int) -> bytes | None:
+        """The packed ids of the sequences step ``step_id`` is to sample (StepRecord
+        .sampler_bytes), or None when it is not unanswered."""
+        for rec in self.records:
+            if rec.step_id == step_id:
+                return rec.sampler_bytes
+        return None
+
     def drop_lists(self) -> list[int]:
         """The drop lists of every unanswered plan (a refused plan's must be sent again)."""
         return [seq_id for rec in self.records for seq_id in rec.plan.finished_seq_ids]

@@ -18,6 +18,7 @@ from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner
 from kernels import make_backend
 from kernels.attention import AttentionBackend
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
@@ -149,7 +150,7 @@ class MiniScheduler:
     def step(self) -> pb.StepResult:
         result = self.runner.execute(self.build_plan())
         assert result.error_code == 0, result.error_message
-        for seq_id, token in zip(result.seq_ids, result.token_ids, strict=True):
+        for seq_id, token in zip(wire.result_seq_ids(result), result.token_ids, strict=True):
             seq = self.seqs[seq_id]
             assert seq.computed == len(seq.tokens), "sampled before its tokens were computed"
             seq.tokens.append(token)

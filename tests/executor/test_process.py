@@ -78,7 +78,7 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     scheduler.send("plan", plan)
     kind, result = scheduler.recv()
     assert kind == "result" and result.error_code == 0
-    assert (result.step_id, list(result.seq_ids), len(result.token_ids)) == (1, [3], 1)
+    assert (result.step_id, wire.result_seq_ids(result), len(result.token_ids)) == (1, [3], 1)
 
     scheduler.sock.send_multipart([scheduler.peer, b"\x00garbage"])  # logged and dropped
     scheduler.sock.send_multipart([scheduler.peer, b"x", b"y", b"z"])  # 3 frames: dropped
@@ -86,7 +86,7 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
                           cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0])
     scheduler.send("plan", decode)
     kind, result = scheduler.recv()
-    assert kind == "result" and list(result.seq_ids) == [3] and result.forward_ms > 0
+    assert kind == "result" and wire.result_seq_ids(result) == [3] and result.forward_ms > 0
 
     scheduler.send("heartbeat", pb.Heartbeat(incarnation=hello.incarnation))
     kind, beat = scheduler.recv()

@@ -18,6 +18,7 @@ import pytest
 
 from executor_svc.faults import ROW_STAGES, FaultInjector
 from executor_svc.guided import Guides
+from protos import wire
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import ModelInfo, Request, Scheduler, SchedulerConfig
 from scheduler_svc.core.request import FinishReason
@@ -94,7 +95,7 @@ def _serve(model, model_dir, stage: str | None, stop: frozenset[int] = frozenset
         out, result = in_flight.popleft()
         events = [core.row_failed(f.seq_id, f"{f.stage}: {f.message}", f.invalid_input)
                   for f in result.row_failures]
-        events += core.update(out, result.seq_ids, result.token_ids)
+        events += core.update(out, *wire.result_columns(result))
         core.assert_invariants()
         for ev in filter(None, events):
             req, token, reason, _ = ev

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from tests.executor.harness import INCARNATION, MiniScheduler, hf_greedy, make_runner
@@ -185,7 +186,7 @@ def test_bad_plans_are_refused_and_state_survives(model, tok, hf_model):
         held = {k: (v.num_computed, v.num_tokens) for k, v in sched.runner.seqs.items()}
         result = sched.runner.execute(plan)
         assert result.error_code == code, name
-        assert result.error_message and not result.seq_ids, name
+        assert result.error_message and not wire.result_seq_ids(result), name
         after = {k: (v.num_computed, v.num_tokens) for k, v in sched.runner.seqs.items()}
         assert after == held, name
         sched.step()  # and the executor still works

@@ -13,6 +13,7 @@ import pytest
 
 from executor_svc.tp_shard import split_heads
 from kernels import make_backend
+from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from tests.executor.harness import MiniScheduler, make_runner
@@ -129,7 +130,7 @@ def _drive(runner) -> tuple[dict, dict]:
         if step == 5:
             mini.swap_in(3)
         result = mini.step()
-        for i, seq_id in enumerate(result.seq_ids):
+        for i, seq_id in enumerate(wire.result_seq_ids(result)):
             if seq_id == 2:
                 logprobs[2].append(result.logprobs[i])
     assert all(seq.done for seq in mini.seqs.values())

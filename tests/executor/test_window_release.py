@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from executor_svc.models.decoder import DecoderModel
 from kernels import make_backend
+from protos import wire
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import ModelInfo, Request, Scheduler, SchedulerConfig
 from scheduler_svc.plan import build_plan
@@ -84,7 +85,7 @@ def _serve(model, prompts, kv_window: int, backend: str | None, poison: float):
         if not in_flight:
             break
         out, result = in_flight.popleft()
-        for ev in filter(None, core.update(out, result.seq_ids, result.token_ids)):
+        for ev in filter(None, core.update(out, *wire.result_columns(result))):
             if ev[1] is not None:
                 tokens[ev[0].request_id].append(ev[1])
         core.assert_invariants()

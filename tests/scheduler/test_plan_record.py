@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from protos import seq_columns
 from protos.continuum.v1 import executor_pb2, sampling_pb2
 from scheduler_svc.core import NEEDS_GROW, BlockManager, Event, FinishReason, Request
 from scheduler_svc.logprobs import with_logprobs
@@ -92,3 +93,37 @@ def test_the_prompts_wire_form_lives_with_the_plan_builder():
     assert plans.num_prepared == 3
     plans.prepare(make_request())  # the 4th arrival sweeps: finished requests' entries go
     assert plans.num_prepared == 1
+
+
+def _history(sched) -> dict[str, list[int]]:
+    return {r.request_id: list(r.token_ids) for r in sched.running}
+
+
+def test_packed_answers_apply_as_plain_ones_whatever_their_order():
+    """The executor's packed ids (protos/seq_columns.py): in plan order they are checked as
+    bytes and applied column-wise; in another order they are read and applied one by one.
+    Either way every sequence gets its own token, as with the plain column."""
+    scheds = [make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4,
+                             max_num_batched_tokens=32, chunk_size=8) for _ in range(3)]
+    for sched in scheds:
+        for i in range(4):
+            sched.add_request(make_request(request_id=f"r{i}", prompt_len=6 + i,
+                                           max_tokens=20))
+    for n in range(14):
+        events = []
+        for k, sched in enumerate(scheds):
+            out = sched.schedule()
+            seq_ids, tokens = fake_execute(out)
+            if k == 1:  # packed, in plan order
+                answer = (seq_columns.pack(seq_ids), tokens)
+            elif k == 2:  # packed, reversed
+                answer = (seq_columns.pack(seq_ids[::-1]), tokens[::-1])
+            else:
+                answer = (seq_ids, tokens)
+            events.append(sorted((ev[0].request_id, ev[1]) for ev in sched.update(out, *answer)))
+            sched.assert_invariants()
+        assert events[0] == events[1] == events[2], n
+        assert _history(scheds[0]) == _history(scheds[1]) == _history(scheds[2])
+    plain, in_order, reversed_ = scheds
+    assert in_order.num_update_fallbacks == plain.num_update_fallbacks == 0
+    assert reversed_.num_update_fallbacks > 0  # read and applied one by one

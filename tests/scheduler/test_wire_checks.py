@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
 from tests.scheduler.fake_peer import SECRET, make_hello
@@ -37,6 +37,30 @@ def test_result_problem(fields, expect, read_first):
     columns = wire.result_columns(message) if read_first else None
     problem = wire.result_problem(message, vocab_size=1000, columns=columns)
     assert (problem is None) if expect is None else expect in problem
+
+
+def packed(*seq_ids: int, **fields) -> pb.StepResult:
+    """A result as the executor sends it: its seq ids packed."""
+    return pb.StepResult(**{"packed_seq_ids": seq_columns.pack(seq_ids), "token_ids": [5, 6],
+                            **fields})
+
+
+@pytest.mark.parametrize("message, expected, expect", [
+    (packed(1, 2), None, None),
+    (packed(1, 2), seq_columns.pack([1, 2]), None),  # as planned: read for nothing else
+    (packed(2, 1), seq_columns.pack([1, 2]), None),  # another order: checked, applied apart
+    (packed(1, 1), None, "twice"),
+    (packed(1, 1), seq_columns.pack([1, 2]), "twice"),
+    (packed(1), None, "token_ids"),
+    (packed(1, 2, seq_ids=[1, 2]), None, "both"),
+    (pb.StepResult(packed_seq_ids=b"\x01" * 12, token_ids=[5]), None, "not 8"),
+    (packed(1, 2, row_failures=[pb.RowFailure(seq_id=3)]), None, "did not sample"),
+])
+def test_a_packed_result_is_checked_as_a_plain_one(message, expected, expect):
+    problem = wire.result_problem(message, 1000, wire.result_columns(message), expected)
+    assert (problem is None) if expect is None else expect in problem
+    if expect is None:
+        assert wire.result_seq_ids(message) == seq_columns.unpack(message.packed_seq_ids)
 
 
 @pytest.mark.parametrize("fields, expect", [
