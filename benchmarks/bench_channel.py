@@ -68,7 +68,7 @@ def echo_executor(address: str) -> None:
             sock.send(wire.encode_to_scheduler("heartbeat", pb.Heartbeat(
                 incarnation="inc", plan_ring_name=offer.name)))
         elif kind == "plan":
-            ids = [s.seq_id for s in msg.new_seqs] + list(msg.cached_seq_ids)
+            ids = [s.seq_id for s in msg.new_seqs] + wire.plan_cached_seq_ids(msg)
             result = pb.StepResult(incarnation=msg.incarnation, step_id=msg.step_id,
                                    packed_seq_ids=seq_columns.pack(ids),
                                    token_ids=[7] * len(ids))  # as executor_svc answers

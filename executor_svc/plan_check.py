@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 
 
@@ -47,24 +48,40 @@ class HeldSequence(Protocol):
     def num_blocks(self) -> int: ...
 
 
-def check_plan(plan: pb.BatchPlan, limits: PlanLimits, held: Mapping[int, HeldSequence]) -> None:
-    """Raises PlanError for the first problem found; returns None for an executable plan."""
+def check_plan(plan: pb.BatchPlan, limits: PlanLimits,
+               held: Mapping[int, HeldSequence]) -> list[int]:
+    """Raises PlanError for the first problem found; returns an executable plan's cached
+    seq ids (from whichever field holds them, read once)."""
     if plan.incarnation != limits.incarnation:
         _fail(pb.STEP_ERROR_CODE_STALE_INCARNATION,
               f"plan for incarnation {plan.incarnation!r}, this executor is "
               f"{limits.incarnation!r}")
-    _check_lengths(plan)
+    cached = _cached_ids(plan)
+    _check_lengths(plan, cached)
     _check_new(plan, limits)
-    _check_cached(plan, limits, held)
+    _check_cached(plan, cached, limits, held)
     _check_copies(plan, limits)
+    return cached
 
 
 def _fail(code: int, message: str) -> None:
     raise PlanError(code, message)
 
 
-def _check_lengths(plan: pb.BatchPlan) -> None:
-    n = len(plan.cached_seq_ids)
+def _cached_ids(plan: pb.BatchPlan) -> list[int]:
+    packed = plan.packed_cached_seq_ids
+    if packed and plan.cached_seq_ids:
+        _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN,
+              "both cached_seq_ids and packed_cached_seq_ids are set")
+    if len(packed) % seq_columns.ID_BYTES:
+        _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN,
+              f"packed_cached_seq_ids holds {len(packed)} bytes, not "
+              f"{seq_columns.ID_BYTES} a sequence")
+    return wire.plan_cached_seq_ids(plan)
+
+
+def _check_lengths(plan: pb.BatchPlan, cached: list[int]) -> None:
+    n = len(cached)
     if not (len(plan.cached_num_scheduled_tokens) == len(plan.cached_num_new_blocks) == n):
         _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN, "cached_* arrays differ in length")
     if sum(plan.cached_num_new_blocks) != len(plan.cached_new_block_ids):
@@ -76,7 +93,7 @@ def _check_lengths(plan: pb.BatchPlan) -> None:
     for name, src, dst in pairs:
         if len(src) != len(dst):
             _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN, f"{name} src/dst differ in length")
-    ids = [s.seq_id for s in plan.new_seqs] + list(plan.cached_seq_ids)
+    ids = [s.seq_id for s in plan.new_seqs] + cached
     if len(set(ids)) != len(ids):
         _fail(pb.STEP_ERROR_CODE_MALFORMED_PLAN, "a seq_id appears twice in one plan")
 
@@ -112,10 +129,11 @@ def _check_new(plan: pb.BatchPlan, limits: PlanLimits) -> None:
                   f"{where}: {len(seq.block_ids)} blocks cannot hold {end} tokens")
 
 
-def _check_cached(plan: pb.BatchPlan, limits: PlanLimits, held: Mapping[int, HeldSequence]):
+def _check_cached(plan: pb.BatchPlan, cached: list[int], limits: PlanLimits,
+                  held: Mapping[int, HeldSequence]):
     finished = set(plan.finished_seq_ids)
     _check_blocks(plan.cached_new_block_ids, limits.num_blocks, "cached seq")
-    for seq_id, n, new_blocks in zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens,
+    for seq_id, n, new_blocks in zip(cached, plan.cached_num_scheduled_tokens,
                                      plan.cached_num_new_blocks, strict=True):
         state = held.get(seq_id)
         if state is None or seq_id in finished:

@@ -81,13 +81,13 @@ class Runner:
         start = time.perf_counter()
         result = pb.StepResult(incarnation=plan.incarnation, step_id=plan.step_id)
         try:
-            check_plan(plan, self.limits, self.seqs)
+            cached = check_plan(plan, self.limits, self.seqs)
         except PlanError as exc:
             log.warning("plan %d refused: %s", plan.step_id, exc)
             result.error_code, result.error_message = exc.code, str(exc)
             return result
         self.last_step_id = plan.step_id
-        scheduled = self._apply(plan)
+        scheduled = self._apply(plan, cached)
         try:
             self._copy_blocks(plan)
             self.faults.check(plan)
@@ -105,8 +105,10 @@ class Runner:
         result.step_ms = (time.perf_counter() - start) * 1e3
         return result
 
-    def _apply(self, plan: pb.BatchPlan) -> list[tuple[SequenceState, int]]:
-        """Mutates state to the plan; returns (sequence, tokens to compute) with n >= 1."""
+    def _apply(self, plan: pb.BatchPlan,
+               cached: list[int]) -> list[tuple[SequenceState, int]]:
+        """Mutates state to the plan (``cached``: its cached seq ids, as check_plan read
+        them); returns (sequence, tokens to compute) with n >= 1."""
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)  # idempotent: a repeat or unknown id is fine
         scheduled = []
@@ -118,7 +120,7 @@ class Runner:
             self.seqs[new.seq_id] = seq
             scheduled.append((seq, new.num_scheduled_tokens))
         offset = 0
-        for seq_id, n, num_new in zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens,
+        for seq_id, n, num_new in zip(cached, plan.cached_num_scheduled_tokens,
                                       plan.cached_num_new_blocks, strict=True):
             seq = self.seqs[seq_id]
             seq.block_table.extend(plan.cached_new_block_ids[offset : offset + num_new])

@@ -13,8 +13,8 @@ from google.protobuf.message import DecodeError
 from protos import seq_columns
 from protos.continuum.v1 import executor_pb2 as pb
 
-# 2: a StepResult's ids may come packed (packed_seq_ids); a scheduler of version 1 would
-# read such an answer as having no samples.
+# 2: a StepResult's ids and a BatchPlan's cached ids may come packed (packed_seq_ids,
+# packed_cached_seq_ids); a peer of version 1 would read them as empty.
 SCHEMA_VERSION = 2
 
 
@@ -102,6 +102,13 @@ def hello_problem(hello: pb.Hello) -> str | None:
     if any(t >= hello.vocab_size for t in hello.eos_token_ids):
         return "an eos token id is outside the vocabulary"
     return None
+
+
+def plan_cached_seq_ids(plan: pb.BatchPlan) -> list[int]:
+    """A plan's cached seq ids, from whichever field holds them (check the packed one's
+    length first: executor_svc/plan_check.py)."""
+    packed = plan.packed_cached_seq_ids
+    return seq_columns.unpack(packed) if packed else list(plan.cached_seq_ids)
 
 
 def result_columns(result: pb.StepResult) -> tuple[bytes | list[int], list[int]]:

@@ -56,6 +56,7 @@ def _tag(message, name: str) -> bytes:
 _PLAN_IN_ENVELOPE = (pb.SchedulerMessage(schema_version=wire.SCHEMA_VERSION)
                      .SerializeToString() + _tag(pb.SchedulerMessage, "plan"))
 _NEW_SEQS = _tag(pb.BatchPlan, "new_seqs")
+_PACKED_CACHED = _tag(pb.BatchPlan, "packed_cached_seq_ids")
 _COLUMN_TAGS = {name: _tag(pb.BatchPlan, name)
                 for name in ("cached_num_scheduled_tokens", "cached_num_new_blocks")}
 
@@ -120,7 +121,6 @@ class PlanBuilder:
         plan = pb.BatchPlan(incarnation=incarnation, step_id=out.step_id)
         if out.finished_seq_ids:
             plan.finished_seq_ids.extend(out.finished_seq_ids)
-        plan.cached_seq_ids.extend(out.cached_seq_ids)
         if out.cached_new_block_ids:
             plan.cached_new_block_ids.extend(out.cached_new_block_ids)
         if out.swap_out:
@@ -128,6 +128,7 @@ class PlanBuilder:
         if out.swap_in:
             plan.swap_in_src[:], plan.swap_in_dst[:] = zip(*out.swap_in, strict=True)
         parts = [plan.SerializeToString(),
+                 _field(_PACKED_CACHED, out.packed_cached_seq_ids) if out.cached else b"",
                  _small_column("cached_num_scheduled_tokens", out.cached_num_tokens),
                  _small_column("cached_num_new_blocks", out.cached_num_new_blocks)]
         templates = self._templates

@@ -27,12 +27,15 @@ from hypothesis import strategies as st
 
 from benchmarks.reliability import procs
 from benchmarks.reliability.fuzz_common import PHASES, UINT32, UINT64, Tally, run_property
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
 U32S = st.lists(UINT32, max_size=12)
 U64S = st.lists(UINT64, max_size=12)
+# Packed seq ids (protos/seq_columns.py): whole ones, or bytes with a ragged tail; either
+# may come beside the plain column.
+PACKED = U64S.map(seq_columns.pack) | st.binary(max_size=40)
 # Shared-memory names a peer may name: ours, others', paths out of /dev/shm, nonsense.
 RING_NAMES = st.sampled_from(["continuum-plan-1-00", "../etc/passwd", "/x", "", "a" * 300]) | \
     st.text(max_size=40)
@@ -68,7 +71,7 @@ def executor_messages(draw, incarnation: str = "") -> bytes:
             "incarnation": inc, "step_id": UINT64, "seq_ids": U64S, "token_ids": U32S,
             "logprobs": FLOATS, "top_n": U32S, "top_token_ids": U32S,
             "top_logprobs": FLOATS, "error_code": st.integers(0, 9),
-            "forward_ms": st.floats(), "step_ms": st.floats()})
+            "forward_ms": st.floats(), "step_ms": st.floats(), "packed_seq_ids": PACKED})
     else:
         _filled(env.heartbeat, draw, {"incarnation": inc, "sent_at": st.floats(),
                                       "last_step_id": UINT64, "num_sequences": UINT32,
@@ -98,7 +101,8 @@ def scheduler_messages(draw, incarnation: str = "") -> bytes:
         "cached_num_scheduled_tokens": U32S, "cached_num_new_blocks": U32S,
         "cached_new_block_ids": U32S, "finished_seq_ids": U64S, "swap_out_src": U32S,
         "swap_out_dst": U32S, "swap_in_src": U32S, "swap_in_dst": U32S, "copy_src": U32S,
-        "copy_dst": U32S})
+        "copy_dst": U32S,
+        "packed_cached_seq_ids": PACKED})
     for _ in range(draw(st.integers(0, 3))):
         seq = plan.new_seqs.add()
         _filled(seq, draw, {"seq_id": UINT64, "token_ids": st.lists(st.integers(0, 2**32 - 1),

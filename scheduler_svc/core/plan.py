@@ -75,6 +75,8 @@ class SchedulerOutput(NamedTuple):
     num_batched_tokens: int
     num_prefill_tokens: int
     num_bulk: int
+    # ``cached_seq_ids`` packed (protos/seq_columns.py), as the plan carries them.
+    packed_cached_seq_ids: bytes = b""
 
     @property
     def is_empty(self) -> bool:
@@ -146,7 +148,7 @@ class StepRecord:
             self.step_id, self.new, self.cached, self.cached_seq_ids,
             self.cached_num_tokens, self.cached_num_new_blocks, self.cached_new_block_ids,
             finished_seq_ids, swap_out, self.swap_in, self.num_batched_tokens,
-            self.num_prefill_tokens, self.num_bulk))
+            self.num_prefill_tokens, self.num_bulk, seq_columns.pack(self.cached_seq_ids)))
         return self.plan
 
     def list_samplers(self) -> None:
@@ -156,9 +158,13 @@ class StepRecord:
         self.num_new_samplers = len(ids)
         cached_ids = self.cached_seq_ids
         num_decodes = len(cached_ids) - len(self.cached_prefills)
-        ids += cached_ids[:num_decodes]
-        ids += [r.seq_id for r in self.cached_prefills
+        done = [r.seq_id for r in self.cached_prefills
                 if r.num_computed_tokens >= len(r.token_ids)]
+        # An answer's packed ids are checked against these bytes; the decodes' part is the
+        # plan's own packed column (its ints were read once, at freeze, while cached).
+        decodes = self.plan.packed_cached_seq_ids[:num_decodes * seq_columns.ID_BYTES]
+        self.sampler_bytes = (seq_columns.pack(ids) + decodes + seq_columns.pack(done)
+                              if ids or done else decodes)
+        ids += cached_ids[:num_decodes]
+        ids += done
         self.sampler_ids = ids
-        self.sampler_bytes = seq_columns.pack(ids)  # an answer's packed ids are checked
-        # against these bytes: the ids' int objects are read here, while still cached

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from tests.executor.harness import INCARNATION, MiniScheduler, hf_greedy, make_runner
@@ -174,6 +174,15 @@ BAD_PLANS = {
     "over-scheduled-cached": (_plan(cached_seq_ids=[1], cached_num_scheduled_tokens=[5],
                                     cached_num_new_blocks=[0]), pb.STEP_ERROR_CODE_MALFORMED_PLAN),
     "no-host-pool": (_plan(swap_in_src=[0], swap_in_dst=[0]), pb.STEP_ERROR_CODE_BAD_BLOCK),
+    "packed-unknown-seq": (_plan(packed_cached_seq_ids=seq_columns.pack([999]),
+                                 cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0]),
+                           pb.STEP_ERROR_CODE_UNKNOWN_SEQUENCE),
+    "packed-ragged": (_plan(packed_cached_seq_ids=seq_columns.pack([1])[:7],
+                            cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0]),
+                      pb.STEP_ERROR_CODE_MALFORMED_PLAN),
+    "packed-and-plain": (_plan(packed_cached_seq_ids=seq_columns.pack([1]), cached_seq_ids=[1],
+                               cached_num_scheduled_tokens=[1], cached_num_new_blocks=[0]),
+                         pb.STEP_ERROR_CODE_MALFORMED_PLAN),
 }
 
 

@@ -76,7 +76,8 @@ class FakePeer:
         """What a healthy executor would answer (token = 100 + seq_id + position); like
         the real one it refuses, changing nothing, a plan naming a sequence it lacks."""
         held = self.seqs.keys() - set(plan.finished_seq_ids)
-        if not set(plan.cached_seq_ids) <= held:
+        cached = wire.plan_cached_seq_ids(plan)
+        if not set(cached) <= held:
             return pb.StepResult(incarnation=plan.incarnation, step_id=plan.step_id,
                                  error_code=pb.STEP_ERROR_CODE_UNKNOWN_SEQUENCE)
         for seq_id in plan.finished_seq_ids:
@@ -84,7 +85,7 @@ class FakePeer:
         work = [(n.seq_id, n.num_scheduled_tokens) for n in plan.new_seqs]
         for n in plan.new_seqs:
             self.seqs[n.seq_id] = [len(n.token_ids), n.num_computed_tokens]
-        work += zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens, strict=True)
+        work += zip(cached, plan.cached_num_scheduled_tokens, strict=True)
         result = pb.StepResult(incarnation=plan.incarnation, step_id=plan.step_id)
         for seq_id, n in work:
             state = self.seqs[seq_id]

@@ -43,8 +43,8 @@ class FakeExecutor:
     def execute(self, frame: bytes) -> tuple[list[int], list[int]] | None:
         _, plan = wire.decode_from_scheduler(frame)
         finished = set(plan.finished_seq_ids)
-        for seq_id, n in zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens,
-                             strict=True):
+        cached = wire.plan_cached_seq_ids(plan)
+        for seq_id, n in zip(cached, plan.cached_num_scheduled_tokens, strict=True):
             state = self.seqs.get(seq_id)
             if seq_id in finished or state is None or state[1] + n > len(state[0]):
                 return None  # refused, like executor_svc/plan_check.py
@@ -54,7 +54,7 @@ class FakeExecutor:
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = [list(new.token_ids), new.num_computed_tokens]
             work.append((new.seq_id, new.num_scheduled_tokens))
-        work += zip(plan.cached_seq_ids, plan.cached_num_scheduled_tokens, strict=True)
+        work += zip(cached, plan.cached_num_scheduled_tokens, strict=True)
         seq_ids, tokens = [], []
         for seq_id, n in work:
             state = self.seqs[seq_id]

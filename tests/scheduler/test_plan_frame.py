@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from protos import wire
+from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import BlockManager, CostModel, Request, SchedulerOutput
@@ -22,7 +22,7 @@ def _reference(out: SchedulerOutput, incarnation: str, bm: BlockManager) -> pb.S
     plan = env.plan
     plan.incarnation, plan.step_id = incarnation, out.step_id
     plan.finished_seq_ids.extend(out.finished_seq_ids)
-    plan.cached_seq_ids.extend(out.cached_seq_ids)
+    plan.packed_cached_seq_ids = seq_columns.pack(out.cached_seq_ids)
     plan.cached_num_scheduled_tokens.extend(out.cached_num_tokens)
     plan.cached_num_new_blocks.extend(out.cached_num_new_blocks)
     plan.cached_new_block_ids.extend(out.cached_new_block_ids)
