@@ -1,10 +1,13 @@
-"""Seq-id columns as bytes: ``StepResult.packed_seq_ids`` (protos/continuum/v1/executor.proto).
+"""Seq-id columns as bytes (protos/continuum/v1/executor.proto): a plan's running
+sequences (``BatchPlan.packed_cached_seq_ids``) and an answer's sampled ones
+(``StepResult.packed_seq_ids``).
 
-Each id is 8 little-endian bytes. The executor packs the ids of the sequences that
-sampled; the scheduler packs the ids it expects as it plans the step
-(scheduler_svc/core/plan.py) and checks an answer by comparing the two byte strings,
-without reading an id (at 256 running sequences that check and the ids' conversion cost
-~12 µs a step as lists of ints). Standard library only: the scheduler's core imports it.
+Each id is 8 little-endian bytes. The scheduler's core packs a plan's column once, as it
+freezes the plan (scheduler_svc/core/plan.py), and the ids it expects back from the same
+bytes; the executor unpacks the plan's in one call and packs the ids that sampled; the
+scheduler checks an answer by comparing the two byte strings, without reading an id (at
+256 running sequences that check and the ids' conversion cost ~12 µs a step as lists of
+ints). Standard library only: the scheduler's core imports it.
 """
 
 from __future__ import annotations

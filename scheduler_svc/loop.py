@@ -204,8 +204,7 @@ class EngineLoop:
                                       self.core.expected_samplers(result.step_id))
         if problem is not None:  # dropped; its step is refused instead (resync)
             self.link.num_dropped_frames += 1
-            log.error("dropped a malformed step result", step_id=result.step_id,
-                      error=problem)
+            log.error("dropped a malformed step result", step_id=result.step_id, error=problem)
             result = pb.StepResult(
                 incarnation=result.incarnation, step_id=result.step_id,
                 error_code=pb.STEP_ERROR_CODE_MALFORMED_RESULT,

@@ -101,8 +101,7 @@ class StepRecord:
                  "cached_num_new_blocks", "cached_new_block_ids", "cached_prefills",
                  "swap_in", "num_batched_tokens", "num_prefill_tokens", "num_bulk",
                  "bulk_token_lists", "sampler_ids", "sampler_bytes", "num_new_samplers",
-                 "removed",
-                 "isolated", "plan")
+                 "removed", "isolated", "plan")
 
     def __init__(self, step_id: int) -> None:
         self.step_id = step_id

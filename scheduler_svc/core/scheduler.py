@@ -278,14 +278,13 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, seq_ids: bytes | Sequence[int],
                token_ids: Sequence[int]) -> list[Event]:
-        """Folds one step's sampled tokens in; returns what clients must hear. ``seq_ids``
-        may come packed (StepResult.packed_seq_ids): equal to the planned samplers' bytes,
-        no id is read."""
+        """Folds one step's sampled tokens in (``seq_ids`` plain or packed, as
+        protos/wire.py result_columns reads them); returns what clients must hear."""
         events, self._events = self._events, []
         rec = self.unanswered.answered(out)  # None for a voided plan
         if rec is not None and rec.isolated is not None:  # its step of its own succeeded
             self.isolation.solo_step_done(rec.isolated)
-        if seq_ids.__class__ is bytes:
+        if seq_ids.__class__ is bytes:  # packed: as planned, no id is read
             seq_ids = (rec.sampler_ids if rec is not None and seq_ids == rec.sampler_bytes
                        else seq_columns.unpack(seq_ids))
         else:  # plain lists first: iterating protobuf repeated fields costs twice as much
@@ -305,8 +304,7 @@ class Scheduler:
         return events
 
     def expected_samplers(self, step_id: int) -> bytes | None:
-        """The packed ids of the sequences unanswered step ``step_id`` is to sample, for
-        checking its answer (protos/wire.py result_problem); None if it is not one."""
+        """The packed ids unanswered step ``step_id`` is to sample (None: not one)."""
         return self.unanswered.expected(step_id)
 
     def observe_step(self, out: SchedulerOutput, elapsed_s: float) -> None:
