@@ -2,8 +2,11 @@
 
 Every replica's Stats are polled in the background; a request goes to the
 healthy replica with the least load (queue first, then KV usage, then running
-sequences). A replica whose Stats fail, that has no executor, or that is
-draining is skipped while any other will do.
+sequences). The queue counts, beside the replica's own, the requests this gateway
+sent it since its last poll was sent: a burst inside one poll gap spreads over the
+replicas instead of all going to the one the last poll found idlest. A replica
+whose Stats fail, that has no executor, or that is draining is skipped while any
+other will do.
 
 Each replica's channel carries the per-deployment internal secret
 (``runtime/internal_auth.py``) on every call, Submit, Abort and Stats alike,
@@ -95,6 +98,11 @@ async def resolve(host: str, port: int) -> list[str]:
     return sorted(found)
 
 
+def _estimate(replica: Replica) -> tuple[float, float, float]:
+    waiting, usage, running = replica.load
+    return waiting + replica.routed, usage, running
+
+
 def auth_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor] | None:
     """Interceptors that send ``secret`` on every unary and server-streaming call.
 
@@ -110,6 +118,7 @@ class Replica:
     stub: scheduler_pb2_grpc.SchedulerStub
     healthy: bool = True  # optimistic until the first poll says otherwise
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    routed: int = 0  # picked since the last poll was sent: not yet in ``load``
     stats: scheduler_pb2.StatsResponse | None = None  # the latest successful poll
 
 
@@ -185,10 +194,14 @@ class ReplicaSet:
             await replica.channel.close()
 
     def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
-        """The least-loaded healthy replica not in ``exclude`` (else any left)."""
+        """The least-loaded healthy replica not in ``exclude`` (else any left), which
+        is counted as having one more request queued until its next poll answers."""
         left = [r for r in self.replicas if r.address not in exclude]
         healthy = [r for r in left if r.healthy]
-        return min(healthy or left, key=lambda r: r.load, default=None)
+        chosen = min(healthy or left, key=_estimate, default=None)
+        if chosen is not None:
+            chosen.routed += 1
+        return chosen
 
     async def _poll_forever(self) -> None:
         while True:
@@ -232,6 +245,7 @@ class ReplicaSet:
             task.add_done_callback(lambda done: self._retiring.pop(done, None))
 
     async def _poll(self, replica: Replica) -> None:
+        routed = replica.routed  # what this poll's answer already counts
         try:
             stats = await replica.stub.Stats(scheduler_pb2.StatsRequest(), timeout=POLL_S * 2)
         except grpc.aio.AioRpcError:
@@ -242,6 +256,7 @@ class ReplicaSet:
             usage = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks \
                 else 0.0
             replica.load = (float(stats.num_waiting), usage, float(stats.num_running))
+            replica.routed = max(0, replica.routed - routed)
         if healthy != replica.healthy:
             _log.info("replica health changed", address=replica.address, healthy=healthy)
         replica.healthy = healthy

@@ -192,3 +192,44 @@ def test_a_gateway_follows_its_replica_set_through_dns(tokenizer, monkeypatch):
             assert (len(first.submitted), len(second.submitted)) == (1, 2)
 
     run(scenario())
+
+
+class Queued(FakeScheduler):
+    """Healthy and idle but for ``waiting`` requests in its queue."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__()
+        self.waiting = waiting
+
+    async def Stats(self, request, context):
+        stats = await super().Stats(request, context)
+        stats.num_waiting = self.waiting
+        return stats
+
+
+def test_a_burst_inside_one_poll_gap_spreads_over_the_replicas(monkeypatch):
+    """Picks between two polls count as queued on the replica picked: a burst of six
+    to an idle and a twice-queued replica goes 4 and 2, not 6 and 0, and once the
+    next poll has answered, the picks it counts are no longer added twice."""
+    monkeypatch.setattr(replicas_module, "POLL_S", 0.05)
+
+    async def scenario():
+        async with fake_scheduler(Queued(0)) as idle, fake_scheduler(Queued(2)) as busy:
+            replica_set = ReplicaSet([busy, idle], secret=None)
+            replica_set.start()
+            try:
+                while any(r.stats is None for r in replica_set.replicas):
+                    await asyncio.sleep(0.01)
+                picked = [replica_set.pick().address for _ in range(6)]
+                assert picked.count(idle) == 4 and picked.count(busy) == 2, picked
+                assert picked[:2] == [idle, idle]  # the queued one only once it is level
+                for _ in range(200):  # the next poll's answer counts those picks
+                    await asyncio.sleep(0.01)
+                    if all(r.routed == 0 for r in replica_set.replicas):
+                        break
+                assert [r.routed for r in replica_set.replicas] == [0, 0]
+                assert replica_set.pick().address == idle
+            finally:
+                await replica_set.close()
+
+    run(scenario())
