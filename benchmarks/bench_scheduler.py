@@ -14,6 +14,9 @@ SerializeToString for a revision whose builder has no ``frame``), and update()
 (parsing the frame) is timed separately. "preempt" counts the timed steps only.
 The "decode-only" row is the floor of the same path: N sequences that only decode
 (no admission, finish or prefill), i.e. what the columnar per-decode work costs.
+Garbage is collected between steps, as the scheduler process does it
+(scheduler_svc/gc_pacing.py); ``--gc auto`` leaves the interpreter's automatic collection
+on, which lands inside steps: compare the mean, p99 and max columns.
 
 This machine's speed drifts by up to 2x between consecutive runs of the same code, so
 each row also times a reference the way docs/facts.md's figure was taken (best of repeated
@@ -42,6 +45,7 @@ import timeit
 from benchmarks import nano_vllm_ref, scheduler_compare
 from benchmarks.scheduler_steps import (
     BLOCK_SIZE,
+    PACER,
     WARMUP,
     Stepper,
 )
@@ -99,11 +103,13 @@ def _row(n: int, kv: str, r: dict[str, float]) -> str:
     return (f"{n:>5} {kv:>11} {r['running']:>7} {r['tokens_per_step']:>8.0f} "
             f"{r['schedule']:>9.0f} {r['plan']:>6.0f} {r['serialize']:>9.0f} "
             f"{r['update']:>7.0f} {r['total']:>9.0f} {r['mean_total']:>6.0f} "
+            f"{r['p99']:>5.0f} {r['max']:>6.0f} "
             f"{r['executor_parse']:>10.0f} {r['preemptions']:>7} {r['hit_rate']:>10.0%}")
 
 
 HEADER = (f"{'seqs':>5} {'kv':>11} {'running':>7} {'tok/step':>8} {'schedule':>9} "
-          f"{'plan':>6} {'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} "
+          f"{'plan':>6} {'serialize':>9} {'update':>7} {'TOTAL p50':>9} {'mean':>6} {'p99':>5} "
+          f"{'max':>6} "
           f"{'exec parse':>10} {'preempt':>7} {'prefix hits':>11}")
 
 
@@ -126,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --nano-vllm: KV block sizes to compare at, both "
                              f"schedulers alike, comma-separated (default {BLOCK_SIZE}, the "
                              f"executor's; {nano_vllm_ref.NATIVE_BLOCK_SIZE} is nano-vllm's own)")
+    parser.add_argument("--gc", choices=("paced", "auto"), default="paced",
+                        help="garbage collection: paced between steps, as the scheduler "
+                             "process runs it (scheduler_svc/gc_pacing.py), or the "
+                             "interpreter's automatic collection inside them")
     args = parser.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(n < 1 for n in sizes + block_sizes) or args.repeats < 1:
         parser.error("--sizes, --block-sizes and --repeats must be positive")
     steps = {n: STEPS.get(n, 200) for n in sizes}
+    if args.gc == "paced":
+        PACER.take_over()
     trace = load_trace_lengths() if args.lengths == "trace" else None
     if args.against:
         scheduler_compare.print_lockstep(args.against, sizes, steps, args.repeats, trace)

@@ -18,11 +18,15 @@ from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Request
 from scheduler_svc.core.config import QUEUE_TIME_FIELDS
+from scheduler_svc.gc_pacing import GcPacer
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 BLOCK_SIZE = 16  # the executor's default (--block-size)
 PHASES = ("schedule", "plan", "serialize", "update", "executor_parse")
 WARMUP = 50
+# Garbage collection as the scheduler process runs it once PACER takes over (bench_scheduler
+# does, unless --gc auto): between steps, where the serving loop awaits the executor.
+PACER = GcPacer()
 
 
 def scheduler_api(core, plan) -> types.SimpleNamespace:
@@ -145,6 +149,7 @@ class Stepper:
             for _ in range(num_seqs):
                 self._arrive(self.work.request(max_tokens=100_000))
         self.timings: dict[str, list[float]] = {k: [] for k in PHASES}
+        self.totals: list[float] = []  # each recorded step's schedule..update, µs
         self.tokens = 0
         self.preempts_at_start = 0
         self.last_prefill_tokens = 0
@@ -178,14 +183,17 @@ class Stepper:
         sched.update(out, *self.api.columns(result))  # as the loop reads them, timed
         t6 = time.perf_counter()
         self.last_prefill_tokens = out.num_prefill_tokens
+        total = (t3 - t0 + t6 - t5) * 1e6
+        PACER.collect_if_due()  # where the serving loop collects: the executor computes
         if record:
+            self.totals.append(total)
             if not self.timings["schedule"]:
                 self.preempts_at_start = sched.num_preemptions
             for key, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t6 - t5, t4 - t3),
                                strict=True):
                 self.timings[key].append(dt * 1e6)
             self.tokens += out.num_batched_tokens
-        return (t3 - t0 + t6 - t5) * 1e6
+        return total
 
     def summary(self) -> dict[str, float]:
         timings, sched = self.timings, self.sched
@@ -193,8 +201,10 @@ class Stepper:
         steps = len(timings["schedule"])
         med = {k: statistics.median(v) for k, v in timings.items()}
         med["total"] = med["schedule"] + med["plan"] + med["serialize"] + med["update"]
-        med["mean_total"] = sum(statistics.mean(timings[k])
-                                for k in ("schedule", "plan", "serialize", "update"))
+        med["mean_total"] = statistics.mean(self.totals)
+        med["p99"] = (statistics.quantiles(self.totals, n=100)[98] if len(self.totals) > 1
+                      else self.totals[0])
+        med["max"] = max(self.totals)
         med["running"] = len(sched.running)
         med["tokens_per_step"] = self.tokens / steps
         med["preemptions"] = sched.num_preemptions - self.preempts_at_start

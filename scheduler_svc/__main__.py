@@ -189,8 +189,9 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     except RuntimeError:
         fail(f"port {args.port} on {args.host} is already in use; pass --port")
     await server.start()
+    frozen = loop.gc.take_over()  # start-up is done: collect off the step path (gc_pacing.py)
     log.info("scheduler listening", address=f"{args.host}:{args.port}", ipc=args.ipc,
-             tls=args.server_tls is not None)
+             tls=args.server_tls is not None, gc_frozen_objects=frozen)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -31,6 +31,7 @@ from runtime import internal_auth
 from runtime.aio import cancel_all
 from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
 from scheduler_svc.executors import ExecutorInfo
+from scheduler_svc.gc_pacing import GcPacer
 from scheduler_svc.hang_check import await_answer
 from scheduler_svc.inflight import InFlightPlans
 from scheduler_svc.link import ExecutorLink
@@ -99,6 +100,7 @@ class EngineLoop:
         self._tasks: list[asyncio.Task] = []
         self.recorder: Recorder | None = None  # telemetry (scheduler_svc/telemetry.py)
         self.histograms = Histograms()  # the replica's /metrics (scheduler_svc/metrics.py)
+        self.gc = GcPacer()  # collections off the step path once the entry point takes over
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -227,6 +229,7 @@ class EngineLoop:
         """While idle, probe the executor: a hung one stops answering."""
         while True:
             await asyncio.sleep(HEARTBEAT_S)
+            self.gc.collect_if_due()  # the step loop is suspended: idle, or awaiting an answer
             self._probe_standby()
             ex = self.executor
             if ex is None or self._stepping:
@@ -287,6 +290,7 @@ class EngineLoop:
         if not len(self._inflight):
             return False
         item = self._inflight.oldest()
+        self.gc.collect_if_due(waiting=not item.answer.done())  # the executor computes
         self._stepping = True
         try:
             result, why = await await_answer(item.answer, self.deadlines,

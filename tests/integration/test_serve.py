@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import subprocess
 import sys
 import time
@@ -72,6 +73,13 @@ def test_eight_concurrent_requests_complete_and_free_every_block(server):
     assert stats.num_free_blocks == stats.num_total_blocks
     # The real executor answers in plan order, so every answer took the columnar path.
     assert stats.num_columnar_updates > 0 and stats.num_update_fallbacks == 0
+
+
+def test_the_scheduler_collects_garbage_off_the_step_path(server):
+    """Its entry point froze what start-up allocated and took collection over
+    (scheduler_svc/gc_pacing.py): the listening line says how much it froze."""
+    events = [json.loads(line) for line in server.stderr_lines if '"scheduler listening"' in line]
+    assert len(events) == 1 and events[0]["gc_frozen_objects"] > 1000, events
 
 
 def test_client_cancel_aborts_upstream_and_frees_blocks(server):

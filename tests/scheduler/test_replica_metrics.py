@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.executors import ExecutorInfo
+from scheduler_svc.gc_pacing import GcPacer
 from scheduler_svc.metrics import Histograms, MetricsServer, render
 from scheduler_svc.plan_channel import PlanChannel
 from tests.scheduler.factories import make_model, make_request
@@ -38,9 +39,9 @@ def _loop(tmp_path) -> types.SimpleNamespace:
     executor = ExecutorInfo("inc-1", "smollm2-q4", make_model(num_blocks=64, block_size=4), 1)
     core.attach_executor(executor.model)
     link = types.SimpleNamespace(plans=PlanChannel("zmq", "ipc:///unused", None))
+    faults = types.SimpleNamespace(num_failed_steps=0, num_resyncs=0, num_row_failures=0)
     return types.SimpleNamespace(core=core, executor=executor, last_executor=executor,
-                                 recorder=None, link=link, faults=types.SimpleNamespace(
-                                     num_failed_steps=0, num_resyncs=0, num_row_failures=0))
+                                 recorder=None, link=link, gc=GcPacer(), faults=faults)
 
 
 def _families(page: bytes) -> dict:
@@ -130,6 +131,12 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     families = _families(render(loop, Histograms(), "m"))
     sent = {s.labels["channel"]: s.value for s in families["continuum:plans_sent"].samples}
     assert sent == {"shm": 5, "zmq": 2}
+    loop.gc.collections, loop.gc.seconds = [7, 1, 0], 0.25
+    families = _families(render(loop, Histograms(), "m"))
+    by_generation = {s.labels["generation"]: s.value
+                     for s in families["continuum:gc_collections"].samples}
+    assert by_generation == {"0": 7, "1": 1, "2": 0}
+    assert families["continuum:gc_seconds"].samples[0].value == 0.25
 
 
 def test_the_server_process_keeps_the_connection_and_serves_each_new_page_whole():
