@@ -19,7 +19,9 @@ looked up (a prompt's own tokens, an answer nobody continues) and their blocks a
 handed out again unindexed, so a step pays per block only for what is reused. A run
 whose first hash is not computed yet (an answer's blocks, registered as its sequence
 leaves) is found instead by the hash before it (``following``): a lookup that reaches
-that hash and misses the next indexes it, and nothing is hashed until then.
+that hash and misses the next indexes it, and nothing is hashed until then. Where the
+run before it is the same sequence's and still lazy (its prompt's, nobody looked it up),
+that run grows to the answer's blocks instead: one run per sequence, one key.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ class _Run:
         self.lo, self.full, self.after = lo, full, after
         self.key = hashes[lo - 1] if after else hashes[lo]
         self.live = 0
+
+
+def _mark(block_hash: list, blocks: list[int], run: _Run) -> int:
+    """Marks those of ``blocks`` that hold nothing indexed with ``run``; how many."""
+    live = 0
+    for block in blocks:
+        if block_hash[block] is None:
+            block_hash[block] = run
+            live += 1
+    return live
 
 
 class PrefixIndex:
@@ -154,16 +166,19 @@ class PrefixIndex:
             after = lo > 0 and len(hashes) == lo  # an answer's: found by the hash before it
             if not after and len(hashes) <= lo:
                 self.extend_hashes(token_ids, hashes, lo + 1, chunks)
+            block_hash = self.hashes
+            if after:  # the run before it, still lazy, of this sequence: it grows instead
+                run = block_hash[table[lo - 1]]
+                if (run.__class__ is _Run and run.full == lo and run.table is table
+                        and run.token_ids is token_ids):
+                    run.live += _mark(block_hash, table[lo:full], run)
+                    run.full = full
+                    return
             key = hashes[lo - 1] if after else hashes[lo]
             if (key not in self.following if after  # else eagerly
                     else key not in self.by_hash and key not in self.pending):
                 run = _Run(table, token_ids, hashes, chunks, lo, full, after)
-                block_hash = self.hashes
-                live = 0
-                for block in table[lo:full]:
-                    if block_hash[block] is None:
-                        block_hash[block] = run
-                        live += 1
+                live = _mark(block_hash, table[lo:full], run)
                 if live:
                     run.live = live
                     (self.following if after else self.pending)[key] = run

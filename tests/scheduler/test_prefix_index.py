@@ -58,6 +58,47 @@ def test_a_continuation_is_found_through_two_runs_and_a_forged_one_is_not():
     bm.assert_invariants()
 
 
+def test_an_answer_grows_its_prompts_run_and_a_follow_up_finds_both():
+    """As a real sequence does it (one token list that grows): the answer's blocks join
+    the prompt's run while it is still lazy, one run instead of two; a follow-up turn
+    finds prompt and answer, a forged answer only the prompt, and once the answer's last
+    blocks are handed out again the rest is still found."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens, hashes, chunks = list(range(10, 18)), [], []
+    bm.extend_hashes(tokens, hashes, 2, chunks)
+    bm.grow(1, 8)
+    bm.register_full_blocks(1, tokens, hashes, 8, chunks)  # as prefill registers it
+    tokens += range(50, 58)  # the answer, appended to the same list
+    bm.grow(1, 16)
+    bm.register_full_blocks(1, tokens, hashes, 16, chunks)  # as the sequence leaves
+    index = bm._pool.index
+    assert len(index.pending) == 1 and not index.following and len(hashes) == 2
+    table = list(bm.block_table(1))
+    bm.free(1)
+    bm.assert_invariants()
+    forged = tokens[:8] + [0] * 8 + [1]
+    assert bm.num_cached_prefix(forged, [], [], count=False)[0] == table[:2]
+    assert bm.num_cached_prefix(tokens + [9], [], [])[0] == table
+    bm.assert_invariants()
+    # Again, lazily, and then the pool hands out the answer's two blocks (the LRU's oldest:
+    # a table is released tail first): the prompt's are still found.
+    bm = BlockManager(num_blocks=6, block_size=4)
+    tokens, hashes, chunks = list(range(10, 18)), [], []
+    bm.extend_hashes(tokens, hashes, 2, chunks)
+    bm.grow(1, 8)
+    bm.register_full_blocks(1, tokens, hashes, 8, chunks)
+    tokens += range(50, 58)
+    bm.grow(1, 16)
+    bm.register_full_blocks(1, tokens, hashes, 16, chunks)
+    table = list(bm.block_table(1))
+    bm.free(1)
+    bm.grow(2, 16)  # two free blocks, then the answer's two cached-free ones
+    assert set(table[2:]) <= set(bm.block_table(2))
+    bm.assert_invariants()
+    assert bm.num_cached_prefix(tokens + [9], [], [])[0] == table[:2]
+    bm.assert_invariants()
+
+
 def test_runs_whose_blocks_are_handed_out_again_leave_nothing_pending():
     bm = BlockManager(num_blocks=8, block_size=4)
     for seq_id in range(1, 200):  # each takes the whole pool, evicting the last one's
