@@ -32,9 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler_svc.core.lifecycle import Lifecycle
-from scheduler_svc.core.request import Request, RequestStatus
-
-_QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
+from scheduler_svc.core.request import SWAPPED, WAITING, Request
 
 
 class PriorityHold:
@@ -80,13 +78,15 @@ class PriorityHold:
             return 0
         self.wants_room = False  # the next admission that finds no room sets it again
         waiting, running = lc.waiting, lc.running_set.order
+        head, need = self.blocked, self.blocked_need
+        # The slots were short, or an arrival (no request left without blocks)?
+        slots_short = head is None or (head.status is not WAITING and head.status is not SWAPPED)
+        if slots_short and len(running) < max_num_seqs:
+            return 0  # a slot came free since: admission tries (and records a KV need)
         if not running or not waiting or waiting.best_tier() >= running[-1].priority_tier:
             return 0
         now = lc.clock()
-        head, need = self.blocked, self.blocked_need
-        if head is None or head.status not in _QUEUED:  # the slots were short, or an arrival
-            if len(running) < max_num_seqs:
-                return 0  # a slot came free since: admission tries (and records a KV need)
+        if slots_short:
             head, need = waiting.peek(now), None
         if head.priority_tier >= running[-1].priority_tier:
             return 0  # the head is a starving request of a worse tier: it waits its turn
@@ -134,7 +134,7 @@ def _blocks_needed(bm, req: Request) -> int:
     """Device blocks ``req`` takes to start (as ``Lifecycle.start``/``swap_in`` count);
     a look-up that does not count in the prefix cache's hit statistics."""
     total = bm.blocks_needed(len(req.token_ids))
-    if req.status == RequestStatus.SWAPPED:
+    if req.status is SWAPPED:
         return total
     hits, _ = bm.num_cached_prefix(req.token_ids, req.block_hashes, req.block_chunks,
                                    count=False)
