@@ -1,0 +1,145 @@
+"""What streaming a step's tokens to the gateway costs the scheduler's event loop.
+
+Each step, the scheduler loop hands one event per running request to that request's
+``Submit`` stream (``EngineLoop._dispatch``: an ``asyncio.Queue`` per stream); each stream's
+coroutine then wakes and writes one ``TokenEvent`` through grpc.aio. That runs on the
+loop's thread, between a step's update and the next plan, so it is part of the loop's
+cycle: a device step shorter than the cycle waits on it.
+
+This benchmark times that part alone, with the scheduler's own messages and queues and
+a real gRPC client in another process (as the gateway is): N server-streaming calls on
+loopback, then per step one event into each stream's queue, and the time until every
+stream's coroutine has written its message (the loop runs them in one turn). It also
+times the queues and wake-ups without gRPC, to say which part costs.
+
+    .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import statistics
+import time
+
+import grpc
+
+from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def _drain(port: int, streams: int, ready) -> None:
+    """The gateway's side: ``streams`` Submit calls, each read to its end."""
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+            async def one(i: int) -> None:
+                async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id=str(i))):
+                    pass
+
+            calls = [asyncio.create_task(one(i)) for i in range(streams)]
+            ready.set()
+            await asyncio.gather(*calls)
+
+    asyncio.run(run())
+
+
+class _Streams(scheduler_pb2_grpc.SchedulerServicer):
+    """Submit as the scheduler's servicer streams it: a queue per call, one TokenEvent
+    per event, the call's end on None."""
+
+    def __init__(self) -> None:
+        self.queues: list[asyncio.Queue] = []
+        self.written = 0
+
+    async def Submit(self, request, context):  # noqa: N802
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues.append(queue)
+        while (token := await queue.get()) is not None:
+            yield scheduler_pb2.TokenEvent(token_ids=[token])
+            self.written += 1
+
+
+async def _one_turn(queues: list[asyncio.Queue], step: int) -> float:
+    """One step's events into every queue, then the loop turn that runs the streams' coroutines,
+    in ms."""
+    started = time.perf_counter()
+    for queue in queues:
+        queue.put_nowait(step)
+    await asyncio.sleep(0)
+    return (time.perf_counter() - started) * 1e3
+
+
+async def grpc_fanout(streams: int, steps: int) -> list[float]:
+    servicer = _Streams()
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    spawn = multiprocessing.get_context("spawn")  # not fork: this process runs gRPC
+    ready = spawn.Event()
+    client = spawn.Process(target=_drain, args=(port, streams, ready))
+    client.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(servicer.queues) < streams:
+            if time.monotonic() > deadline or not client.is_alive():
+                raise RuntimeError(f"the client opened {len(servicer.queues)} of {streams}")
+            await asyncio.sleep(0.01)
+        times = []
+        for step in range(steps):
+            times.append(await _one_turn(servicer.queues, step))
+            deadline = time.monotonic() + 60
+            while servicer.written < (step + 1) * streams:  # every write done: next step
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"step {step}: {servicer.written} events written")
+                await asyncio.sleep(0)
+        for queue in servicer.queues:
+            queue.put_nowait(None)
+        deadline = time.monotonic() + 60
+        while client.is_alive() and time.monotonic() < deadline:  # its calls end
+            await asyncio.sleep(0.05)
+    finally:
+        await server.stop(0)
+        client.join(10)
+    return times
+
+
+async def queues_only(streams: int, steps: int) -> list[float]:
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(streams)]
+
+    async def consume(queue: asyncio.Queue) -> None:
+        while await queue.get() is not None:
+            pass
+
+    tasks = [asyncio.create_task(consume(q)) for q in queues]
+    await asyncio.sleep(0)
+    times = [await _one_turn(queues, step) for step in range(steps)]
+    for queue in queues:
+        queue.put_nowait(None)
+    await asyncio.gather(*tasks)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_stream_fanout",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args(argv)
+    if min(args.streams) < 1 or args.steps < 2:
+        parser.error("--streams must be positive and --steps at least 2")
+    print(f"{'streams':>7} {'gRPC p50 ms':>11} {'p90':>6} {'µs/stream':>9} "
+          f"{'queues only p50 ms':>18}")
+    for n in args.streams:
+        fan = asyncio.run(grpc_fanout(n, args.steps))
+        bare = asyncio.run(queues_only(n, args.steps))
+        p50 = statistics.median(fan)
+        print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} "
+              f"{p50 * 1e3 / n:>9.1f} {statistics.median(bare):>18.2f}")
+
+
+if __name__ == "__main__":
+    main()

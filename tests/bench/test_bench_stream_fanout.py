@@ -1,0 +1,31 @@
+"""The stream fan-out benchmark streams what it says through real gRPC: every stream's
+coroutine writes one TokenEvent per step, read by a client in another process (a
+multiprocessing spawn), and its arguments are checked (figures are for the benchmark to
+print)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks import bench_stream_fanout
+
+
+def test_each_step_reaches_every_stream_through_grpc_and_through_the_queues_alone():
+    fan = asyncio.run(bench_stream_fanout.grpc_fanout(8, 5))
+    bare = asyncio.run(bench_stream_fanout.queues_only(8, 5))
+    assert len(fan) == len(bare) == 5 and min(fan) > 0 and min(bare) > 0
+
+
+def test_the_table_has_a_row_per_size(capsys):
+    bench_stream_fanout.main(["--streams", "2", "4", "--steps", "3"])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[0] == "streams" and [r.split()[0] for r in rows[1:]] == ["2", "4"]
+
+
+@pytest.mark.parametrize("argv", [["--streams", "0"], ["--steps", "1"]])
+def test_bad_arguments_are_one_clear_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_stream_fanout.main(argv)
+    assert exc.value.code == 2 and "--streams must be positive" in capsys.readouterr().err
