@@ -53,6 +53,7 @@ from kernels import BACKEND_NAMES, backend_for, make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import cpu_priority, internal_auth
+from runtime.gc_freeze import freeze_start_up
 
 log = logging.getLogger("executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -284,6 +285,8 @@ def _serve(config: ExecutorConfig, path, incarnation: str, stop: _Stop, device: 
         def should_stop() -> bool:  # ServeLoop calls this every poll: the idle keepalive
             front.keepalive()
             return stop.requested
+    log.info("start-up heap frozen: %d objects that garbage collection skips from now on",
+             freeze_start_up())
     stop.serving = True
     marker = IncarnationFile(config.incarnation_file) if config.incarnation_file else None
     try:
@@ -315,6 +318,7 @@ def _worker_main(config: ExecutorConfig) -> int:
     except (ModelError, ValueError) as exc:
         print(f"error: rank {config.tp_rank}: {exc}", file=sys.stderr)
         return 2
+    freeze_start_up()  # the model's modules and tensors: never traversed again
     code = serve_worker(runner, runner.model.tp)
     if code == 0:
         runner.model.tp.close()

@@ -24,6 +24,7 @@ from gateway.edge import edge_flags
 from gateway.log_setup import configure_logging
 from gateway.text.tokenizer import ModelFilesError, Tokenizer
 from protos import tiers
+from runtime.gc_freeze import freeze_start_up
 from runtime.internal_auth import SecretError, load_secret
 from runtime.tls import LOOPBACK, TlsError
 
@@ -115,6 +116,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> N
         # Installed before binding, so a signal during startup still drains cleanly.
         loop.add_signal_handler(signum, stop.set)
     gateway = await start_gateway(config, tokenizer, keys)
+    frozen = freeze_start_up()  # tokenizer, templates, imports: never traversed again
     log = structlog.get_logger("gateway")
     log.info(
         "gateway serving",
@@ -127,6 +129,7 @@ async def serve(config: GatewayConfig, tokenizer: Tokenizer, keys: ApiKeys) -> N
         model=config.model_name,
         scheduler=config.scheduler_address,
         max_model_len=tokenizer.info.max_model_len,
+        gc_frozen_objects=frozen,
     )
     if config.server_tls is None and config.host not in LOOPBACK:
         log.warning("plaintext off loopback: API keys and prompts cross the network in "

@@ -28,6 +28,8 @@ from __future__ import annotations
 import gc
 import time
 
+from runtime.gc_freeze import freeze_start_up
+
 # With every answer back before the loop looks, collect on the step path after all once
 # this many thresholds of allocations are pending.
 OVERDUE = 20
@@ -51,12 +53,11 @@ class GcPacer:
         """Freezes what is alive now and turns automatic collection off (the process's
         entry point calls it once start-up is done); returns how many objects it froze."""
         self._thresholds = gc.get_threshold()
-        gc.collect()
-        gc.freeze()
+        frozen = freeze_start_up()
         self._old_after_full = len(gc.get_objects(2))
         gc.disable()
         self.active = True
-        return gc.get_freeze_count()
+        return frozen
 
     def give_back(self) -> None:
         """Automatic collection again (what ``take_over`` froze stays frozen)."""

@@ -75,11 +75,20 @@ def test_eight_concurrent_requests_complete_and_free_every_block(server):
     assert stats.num_columnar_updates > 0 and stats.num_update_fallbacks == 0
 
 
-def test_the_scheduler_collects_garbage_off_the_step_path(server):
-    """Its entry point froze what start-up allocated and took collection over
-    (scheduler_svc/gc_pacing.py): the listening line says how much it froze."""
-    events = [json.loads(line) for line in server.stderr_lines if '"scheduler listening"' in line]
-    assert len(events) == 1 and events[0]["gc_frozen_objects"] > 1000, events
+def test_every_process_freezes_its_start_up_heap_and_the_scheduler_paces_collection(server):
+    """Each process froze what start-up allocated once ready (runtime/gc_freeze.py), and
+    the scheduler took collection off its step path (scheduler_svc/gc_pacing.py): their
+    start-up lines say how much each froze; the executor's holds the model."""
+    frozen = {}
+    for line in server.stderr_lines:
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event["event"] in ("scheduler listening", "gateway serving"):
+                frozen[event["event"].split()[0]] = event["gc_frozen_objects"]
+        elif "start-up heap frozen:" in line:
+            frozen["executor"] = int(line.split("start-up heap frozen:")[1].split()[0])
+    assert frozen.keys() == {"scheduler", "gateway", "executor"}, frozen
+    assert min(frozen.values()) > 1000 and frozen["executor"] > 100_000, frozen
 
 
 def test_client_cancel_aborts_upstream_and_frees_blocks(server):
