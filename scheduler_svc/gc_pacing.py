@@ -38,23 +38,26 @@ FULL_GROWTH = 0.25
 
 
 class GcPacer:
-    """Counts what it collected: ``collections[generation]`` and ``seconds``."""
+    """Counts what it collected: ``collections[generation]`` and ``seconds``. Like CPython,
+    it counts the objects that survived into the old generation since its last full
+    collection (``_pending``: the young generations' sizes before a collection of 1, less
+    what it found unreachable) against the old generation's size then (``_old``)."""
 
-    __slots__ = ("active", "collections", "seconds", "_thresholds", "_old_after_full")
+    __slots__ = ("active", "collections", "seconds", "_thresholds", "_old", "_pending")
 
     def __init__(self) -> None:
         self.active = False
         self.collections = [0, 0, 0]
         self.seconds = 0.0
         self._thresholds = gc.get_threshold()
-        self._old_after_full = 0
+        self._old = self._pending = 0
 
     def take_over(self) -> int:
         """Freezes what is alive now and turns automatic collection off (the process's
         entry point calls it once start-up is done); returns how many objects it froze."""
         self._thresholds = gc.get_threshold()
         frozen = freeze_start_up()
-        self._old_after_full = len(gc.get_objects(2))
+        self._old, self._pending = len(gc.get_objects(2)), 0
         gc.disable()
         self.active = True
         return frozen
@@ -76,15 +79,14 @@ class GcPacer:
             return None
         generation = 0
         if count1 >= t1:
-            generation = 1
-            if count2 >= t2 and count2 % t2 == 0:  # the growth is counted (O(n)) that often
-                old = len(gc.get_objects(2))
-                if old - self._old_after_full > FULL_GROWTH * self._old_after_full:
-                    generation = 2
+            generation = 2 if count2 >= t2 and self._pending > FULL_GROWTH * self._old else 1
+        young = len(gc.get_objects(0)) + len(gc.get_objects(1)) if generation == 1 else 0
         start = time.perf_counter()
-        gc.collect(generation)
+        found = gc.collect(generation)
         self.seconds += time.perf_counter() - start
         self.collections[generation] += 1
-        if generation == 2:
-            self._old_after_full = len(gc.get_objects(2))
+        if generation == 1:  # what it did not find unreachable is old now
+            self._pending += max(0, young - found)
+        elif generation == 2:
+            self._old, self._pending = len(gc.get_objects(2)), 0
         return generation

@@ -91,16 +91,15 @@ def test_older_generations_follow_cpythons_counts(pacer):
     assert seen[:t1] == [0] * t1 and seen[t1] == 1, seen[:t1 + 1]
     assert 2 in seen, "a full collection once the old generation grew"
     assert pacer.collections[2] >= 1 and pacer.collections[1] >= t2 - 1
-    # Only garbage now (cycles, freed by the collections): the old generation does not
-    # grow, so the counts reach threshold2 again and again without a full collection.
-    keep.clear()  # what it added since its last full collection is gone again
-    full, ones = pacer.collections[2], pacer.collections[1]
-    for _ in range(t1 * t2 * 2):
+    # Only garbage now (cycles, freed by the collections): nothing survives into the old
+    # generation. A full collection the first half's last survivors are owed may come
+    # once; after it, the counts pass threshold2 again and again without another.
+    keep.clear()
+    seen = []
+    for _ in range(t1 * t2 * 3):
         for _ in range(t0 // 2 + 1):
             cycle()
-        assert pacer.collect_if_due() in (0, 1)
-    # More than threshold2 of them: the count passed a multiple of it, where the growth
-    # is checked.
-    assert pacer.collections[1] - ones > t2
-
-    assert pacer.collections[2] == full
+        seen.append(pacer.collect_if_due())
+    assert seen.count(2) <= 1 and None not in seen
+    after = seen[seen.index(2) + 1:] if 2 in seen else seen
+    assert after.count(1) > t2, after  # threshold2 passed, no full collection
