@@ -10,9 +10,12 @@ This benchmark times that part alone, with the scheduler's own messages and queu
 a real gRPC client in another process (as the gateway is): N server-streaming calls on
 loopback, then per step one event into each stream's queue, and the time until every
 stream's coroutine has written its message (the loop runs them in one turn). It also
-times the queues and wake-ups without gRPC, to say which part costs.
+times the queues and wake-ups without gRPC, to say which part costs. ``--behind K`` puts
+K events into each queue per step instead, as when the streams fell K steps behind: the
+servicer sends what a stream owes in one message (``servicer.take_ready``).
 
     .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
+        [--behind 1]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.servicer import take_ready
 
 
 def _drain(port: int, streams: int, ready) -> None:
@@ -52,27 +56,36 @@ class _Streams(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(self) -> None:
         self.queues: list[asyncio.Queue] = []
-        self.written = 0
+        self.written = 0  # tokens
+        self.messages = 0
 
     async def Submit(self, request, context):  # noqa: N802
         queue: asyncio.Queue = asyncio.Queue()
         self.queues.append(queue)
-        while (token := await queue.get()) is not None:
-            yield scheduler_pb2.TokenEvent(token_ids=[token])
-            self.written += 1
+        while True:
+            batch = take_ready(queue, await queue.get())  # events: (req, token, end, lp)
+            tokens = [token for _, token, _, _ in batch if token is not None]
+            if tokens:
+                yield scheduler_pb2.TokenEvent(token_ids=tokens)
+                self.written += len(tokens)
+                self.messages += 1
+            if batch[-1][2] is not None:
+                return
 
 
-async def _one_turn(queues: list[asyncio.Queue], step: int) -> float:
-    """One step's events into every queue, then the loop turn that runs the streams' coroutines,
-    in ms."""
+async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1) -> float:
+    """One step's events (``behind`` of them) into every queue, then the loop turn that runs
+    the streams' coroutines, in ms."""
     started = time.perf_counter()
     for queue in queues:
-        queue.put_nowait(step)
+        for _ in range(behind):
+            queue.put_nowait((None, step, None, None))
     await asyncio.sleep(0)
     return (time.perf_counter() - started) * 1e3
 
 
-async def grpc_fanout(streams: int, steps: int) -> list[float]:
+async def grpc_fanout(streams: int, steps: int, behind: int = 1) -> tuple[list[float], int]:
+    """Each step's time, and the messages written in all."""
     servicer = _Streams()
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -90,21 +103,21 @@ async def grpc_fanout(streams: int, steps: int) -> list[float]:
             await asyncio.sleep(0.01)
         times = []
         for step in range(steps):
-            times.append(await _one_turn(servicer.queues, step))
+            times.append(await _one_turn(servicer.queues, step, behind))
             deadline = time.monotonic() + 60
-            while servicer.written < (step + 1) * streams:  # every write done: next step
+            while servicer.written < (step + 1) * streams * behind:  # every write done
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: {servicer.written} events written")
                 await asyncio.sleep(0)
         for queue in servicer.queues:
-            queue.put_nowait(None)
+            queue.put_nowait((None, None, "end", None))
         deadline = time.monotonic() + 60
         while client.is_alive() and time.monotonic() < deadline:  # its calls end
             await asyncio.sleep(0.05)
     finally:
         await server.stop(0)
         client.join(10)
-    return times
+    return times, servicer.messages
 
 
 async def queues_only(streams: int, steps: int) -> list[float]:
@@ -128,17 +141,20 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--behind", type=int, default=1,
+                        help="events per stream per step (streams that fell behind)")
     args = parser.parse_args(argv)
-    if min(args.streams) < 1 or args.steps < 2:
-        parser.error("--streams must be positive and --steps at least 2")
+    if min(args.streams) < 1 or args.steps < 2 or args.behind < 1:
+        parser.error("--streams and --behind must be positive and --steps at least 2")
     print(f"{'streams':>7} {'gRPC p50 ms':>11} {'p90':>6} {'µs/stream':>9} "
-          f"{'queues only p50 ms':>18}")
+          f"{'messages/step':>13} {'queues only p50 ms':>18}")
     for n in args.streams:
-        fan = asyncio.run(grpc_fanout(n, args.steps))
+        fan, messages = asyncio.run(grpc_fanout(n, args.steps, args.behind))
         bare = asyncio.run(queues_only(n, args.steps))
         p50 = statistics.median(fan)
         print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} "
-              f"{p50 * 1e3 / n:>9.1f} {statistics.median(bare):>18.2f}")
+              f"{p50 * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
+              f"{statistics.median(bare):>18.2f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ request nor learn (from ALREADY_EXISTS) that an id is in use.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -86,14 +87,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             first = True
             while not finished:
-                ev = await queue.get()
-                _, token, reason, _ = ev
+                batch = take_ready(queue, await queue.get())
+                reason = batch[-1][2]
                 finished = reason is not None
-                if token is not None:
-                    times.append(time.monotonic())
+                now = time.monotonic()
+                times.extend(now for ev in batch if ev[1] is not None)
                 if finished and req.error:  # ended by the server: a status says why
+                    if len(batch) > 1:  # the tokens before the end reach the client
+                        yield _to_event(batch[:-1], first)
                     await context.abort(*_server_end(req, reason))
-                yield _to_event(ev, first)
+                yield _to_event(batch, first)
                 first = False
         finally:
             if not finished:
@@ -143,16 +146,29 @@ def _to_request(r: scheduler_pb2.SubmitRequest) -> Request:
     )
 
 
-def _to_event(ev: Event, first: bool) -> scheduler_pb2.TokenEvent:
-    req, token, reason, logprob = ev
+def take_ready(queue: asyncio.Queue[Event], ev: Event) -> list[Event]:
+    """``ev`` and the events queued behind it, up to the stream's end: a stream whose
+    writes fell behind the steps (a loop busy streaming to many) sends what it owes in
+    one message instead of one per token."""
+    batch = [ev]
+    while ev[2] is None and not queue.empty():
+        ev = queue.get_nowait()
+        batch.append(ev)
+    return batch
+
+
+def _to_event(batch: list[Event], first: bool) -> scheduler_pb2.TokenEvent:
+    """One message for ``batch`` (one stream's events, in order; only the last may end it)."""
+    req, reason = batch[0][0], batch[-1][2]
     out = scheduler_pb2.TokenEvent(
-        token_ids=() if token is None else (token,),
+        token_ids=[token for _, token, _, _ in batch if token is not None],
         finish_reason=int(reason or 0),
         num_prompt_tokens=req.num_prompt_tokens,
         num_generated_tokens=req.num_output_tokens,
     )
-    if logprob is not None:  # the loop attached this token's logprobs
-        out.logprobs.append(logprob)
+    for _, token, _, logprob in batch:
+        if token is not None and logprob is not None:  # the loop attached its logprobs
+            out.logprobs.append(logprob)
     if first and req.first_scheduled_time is not None:
         out.queue_time_s = req.first_scheduled_time - req.arrival_time
     return out

@@ -13,9 +13,15 @@ from benchmarks import bench_stream_fanout
 
 
 def test_each_step_reaches_every_stream_through_grpc_and_through_the_queues_alone():
-    fan = asyncio.run(bench_stream_fanout.grpc_fanout(8, 5))
+    fan, messages = asyncio.run(bench_stream_fanout.grpc_fanout(8, 5))
     bare = asyncio.run(bench_stream_fanout.queues_only(8, 5))
     assert len(fan) == len(bare) == 5 and min(fan) > 0 and min(bare) > 0
+    assert messages == 8 * 5  # a message per stream per step
+
+
+def test_streams_that_fell_behind_send_what_they_owe_in_one_message():
+    fan, messages = asyncio.run(bench_stream_fanout.grpc_fanout(8, 5, behind=3))
+    assert len(fan) == 5 and messages == 8 * 5  # 3 tokens each, still one message
 
 
 def test_the_table_has_a_row_per_size(capsys):
@@ -24,8 +30,9 @@ def test_the_table_has_a_row_per_size(capsys):
     assert rows[0].split()[0] == "streams" and [r.split()[0] for r in rows[1:]] == ["2", "4"]
 
 
-@pytest.mark.parametrize("argv", [["--streams", "0"], ["--steps", "1"]])
+@pytest.mark.parametrize("argv", [["--streams", "0"], ["--steps", "1"], ["--behind", "0"]])
 def test_bad_arguments_are_one_clear_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_stream_fanout.main(argv)
-    assert exc.value.code == 2 and "--streams must be positive" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert exc.value.code == 2 and "--streams and --behind must be positive" in error
