@@ -32,7 +32,7 @@ from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import take_ready
 
 
-def _drain(port: int, streams: int, ready) -> None:
+def _drain(port: int, streams: int) -> None:
     """The gateway's side: ``streams`` Submit calls, each read to its end."""
 
     async def run() -> None:
@@ -43,16 +43,15 @@ def _drain(port: int, streams: int, ready) -> None:
                 async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id=str(i))):
                     pass
 
-            calls = [asyncio.create_task(one(i)) for i in range(streams)]
-            ready.set()
-            await asyncio.gather(*calls)
+            await asyncio.gather(*(one(i) for i in range(streams)))
 
     asyncio.run(run())
 
 
 class _Streams(scheduler_pb2_grpc.SchedulerServicer):
-    """Submit as the scheduler's servicer streams it: a queue per call, one TokenEvent
-    per event, the call's end on None."""
+    """Submit as the scheduler's servicer streams it: a queue of events per call, what is
+    queued sent in one TokenEvent (``take_ready``), the call's end on an event with a
+    reason."""
 
     def __init__(self) -> None:
         self.queues: list[asyncio.Queue] = []
@@ -91,9 +90,8 @@ async def grpc_fanout(streams: int, steps: int, behind: int = 1) -> tuple[list[f
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    spawn = multiprocessing.get_context("spawn")  # not fork: this process runs gRPC
-    ready = spawn.Event()
-    client = spawn.Process(target=_drain, args=(port, streams, ready))
+    # Spawned, not forked: this process runs gRPC.
+    client = multiprocessing.get_context("spawn").Process(target=_drain, args=(port, streams))
     client.start()
     try:
         deadline = time.monotonic() + 60

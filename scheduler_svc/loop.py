@@ -181,14 +181,9 @@ class EngineLoop:
     # -- executor messages -------------------------------------------------------
 
     def _on_hello(self, identity: bytes, hello: pb.Hello) -> None:
-        log.info(
-            "executor registered",
-            incarnation=hello.incarnation,
-            model=hello.model_id,
-            blocks=hello.num_device_blocks,
-            block_size=hello.block_size,
-            prefill_tokens_per_s=round(hello.prefill_tokens_per_s),
-        )
+        log.info("executor registered", incarnation=hello.incarnation, model=hello.model_id,
+                 blocks=hello.num_device_blocks, block_size=hello.block_size,
+                 prefill_tokens_per_s=round(hello.prefill_tokens_per_s))
         self._pending_hello = hello
         self._untried_standby = False
         if self.recorder is not None:

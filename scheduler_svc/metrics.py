@@ -211,13 +211,20 @@ def _continuum_lines(loop, label: str) -> list[str]:
         *_metric("continuum:kv_events_dropped_total", "counter",
                  "KV cache events not published (the publisher's queue was full).",
                  [(label, core.kv_events.num_dropped if core.kv_events else 0)]),
-        *_metric("continuum:gc_collections_total", "counter",
-                 "Garbage collections run off the step path, by generation (gc_pacing.py).",
-                 [(f'{label},generation="{g}"', n) for g, n in enumerate(loop.gc.collections)]),
-        *_metric("continuum:gc_seconds_total", "counter",
-                 "Time those collections took.", [(label, loop.gc.seconds)]),
+        *_gc_lines(loop.gc, label),
         *_metric("continuum:metrics_published_timestamp_seconds", "gauge",
                  "When this page was rendered (Unix time).", [(label, time.time())]),
+    ]
+
+
+def _gc_lines(gc, label: str) -> list[str]:
+    """The scheduler's paced garbage collections (scheduler_svc/gc_pacing.py)."""
+    return [
+        *_metric("continuum:gc_collections_total", "counter",
+                 "Garbage collections run off the step path, by generation (gc_pacing.py).",
+                 [(f'{label},generation="{g}"', n) for g, n in enumerate(gc.collections)]),
+        *_metric("continuum:gc_seconds_total", "counter",
+                 "Time those collections took.", [(label, gc.seconds)]),
     ]
 
 

@@ -278,8 +278,7 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, seq_ids: bytes | Sequence[int],
                token_ids: Sequence[int]) -> list[Event]:
-        """Folds one step's sampled tokens in (``seq_ids`` plain or packed, as
-        protos/wire.py result_columns reads them); returns what clients must hear."""
+        """Folds one step's sampled tokens in (ids packed or plain); returns what clients hear."""
         events, self._events = self._events, []
         rec = self.unanswered.answered(out)  # None for a voided plan
         if rec is not None and rec.isolated is not None:  # its step of its own succeeded
