@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from scheduler_svc.core.request import Request
 
@@ -36,8 +36,38 @@ def victim_key(req: Request) -> tuple[int, bool, int]:
     """Larger is preempted first: lower tier, then a sequence whose client has seen no
     token yet (preempting it costs only time to first token, while preempting a decode
     stalls a stream mid-answer), then the most recently admitted."""
-    silent = req.num_output_tokens == 0 and req.num_resumed_output_tokens == 0
-    return (req.priority_tier, silent, req.admit_seq)
+    return (req.priority_tier, _silent(req), req.admit_seq)
+
+
+def _silent(req: Request) -> bool:
+    return req.num_output_tokens == 0 and req.num_resumed_output_tokens == 0
+
+
+def in_victim_order(running: list[Request], lo: int,
+                    key: Callable[[Request], tuple] = victim_key) -> Iterator[Request]:
+    """``running[lo:]`` (in priority order: tier, then admission), largest ``key`` first.
+    For the default key, lazily: the worst tier's silent sequences, latest admitted
+    first, then the rest of that tier likewise, then the next tier; a caller that
+    stops after a victim or two reads no key of the others (sorting them all costs
+    ~50 µs at 256 running)."""
+    if key is not victim_key:
+        yield from sorted(running[lo:], key=key, reverse=True)
+        return
+    hi = len(running)
+    while hi > lo:
+        tier = running[hi - 1].priority_tier
+        start = hi - 1
+        while start > lo and running[start - 1].priority_tier == tier:
+            start -= 1
+        heard: list[Request] = []  # the tier's sequences whose client has seen a token
+        for i in range(hi - 1, start - 1, -1):
+            req = running[i]
+            if _silent(req):
+                yield req
+            else:
+                heard.append(req)
+        yield from heard
+        hi = start
 
 
 def pick_victim(running: list[Request], needy: Request, step: int,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scheduler_svc.core import preemption
 from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.request import SWAPPED, WAITING, Request
 
@@ -119,7 +120,7 @@ def _victims(lc: Lifecycle, head: Request, now: float, short_slots: int, short_b
     head_key = waiting.order_key(head, now)
     victims: list[Request] = []
     freed = 0
-    for req in sorted(running[i:], key=victim_key, reverse=True):
+    for req in preemption.in_victim_order(running, i, victim_key):
         if req.protected or waiting.order_key(req, now, resumed=True) <= head_key:
             continue
         victims.append(req)

@@ -4,7 +4,9 @@ block free for every running decode's next one."""
 
 from __future__ import annotations
 
-from scheduler_svc.core.preemption import pick_victim
+import random
+
+from scheduler_svc.core.preemption import in_victim_order, pick_victim, victim_key
 from tests.scheduler.factories import make_request, make_scheduler, run_to_completion, step
 
 
@@ -51,6 +53,28 @@ def test_the_tier_still_comes_first():
     assert pick_victim([std_stream, continuation], std_stream, 0) is continuation
     be_stream = running("be-stream", 2, 0, outputs=1)
     assert pick_victim([std_prompt, be_stream], std_prompt, 0) is be_stream
+
+
+def test_the_lazy_victim_order_is_the_sorted_one():
+    """Priority hold walks the running set in victim order without sorting it: for any
+    running set in priority order and any start, the order read is the key's."""
+    rng = random.Random(7)
+    for trial in range(300):
+        reqs = []
+        for admit_seq in range(rng.randrange(0, 24)):
+            req = make_request(8, 4, request_id=f"r{trial}-{admit_seq}",
+                               priority_tier=rng.randrange(3),
+                               num_resumed_output_tokens=rng.choice((0, 0, 0, 2)))
+            req.token_ids += [7] * rng.choice((0, 0, 3))
+            req.admit_seq = admit_seq
+            reqs.append(req)
+        reqs.sort(key=lambda r: (r.priority_tier, r.admit_seq))
+        lo = rng.randrange(len(reqs) + 1)
+        expected = sorted(reqs[lo:], key=victim_key, reverse=True)
+        assert list(in_victim_order(reqs, lo)) == expected
+        # Any other key is sorted by.
+        assert list(in_victim_order(reqs, lo, key=lambda r: -r.admit_seq)) == sorted(
+            reqs[lo:], key=lambda r: r.admit_seq)
 
 
 def test_admission_keeps_a_block_for_each_running_decode():
