@@ -10,8 +10,9 @@ Their seq ids and token lists are kept as two dicts in one order (``ids``,
 A calendar keyed by clock epoch names the few that need a look at a step: their token
 starts a block (``take_due`` returns them; the scheduler appends the block and calls
 ``block_start``), or their sample could be their last (``take_due`` makes them leave).
-Everything else about a running sequence — its first decode, a prefill chunk, a
-preemption — happens in explicit mode, one sequence at a time.
+Everything else about a running sequence — a prefill chunk, a preemption — happens in
+explicit mode, one sequence at a time; one whose prompt's last chunk is computed in a
+step the clock ticked for joins at once (``prefilled``), so its first decode rides too.
 
     ===========  ==================  =====================================
     mode         in                  num_computed_tokens
@@ -235,8 +236,9 @@ class DecodeMode:
         return grew
 
     def enter(self, req: Request, bs: int) -> None:
-        """After the clock advanced: ``req`` (explicit, just given a decode) rides the
-        clock from now on, unless its next sample could already be its last."""
+        """After the clock advanced: ``req`` (explicit, just given a decode or its
+        prompt's end) rides the clock from now on, unless its next sample could already
+        be its last."""
         clock = self.clock
         c = req.computed_base
         if not self._plan(req, c, clock.epoch, bs):
@@ -246,6 +248,13 @@ class DecodeMode:
         del self.explicit[req]
         self.ids[req] = req.seq_id
         self.tokens[req] = req.token_ids
+
+    def prefilled(self, req: Request, bs: int, step: int) -> None:
+        """``req`` (explicit) computes the last of its prompt in step ``step``: its first
+        decode rides the clock, when the clock ticked for that step (an isolated
+        suspect's step of its own does not tick it)."""
+        if self.clock.step == step and bs >= MIN_BLOCK_SIZE:
+            self.enter(req, bs)
 
     def leave(self, req: Request) -> None:
         clock = req.decode_clock

@@ -167,11 +167,13 @@ class Lifecycle:
         its full ones enter the prefix cache, its tenant is charged. Returns new blocks."""
         bm = self.block_manager
         new = bm.grow(req.seq_id, req.num_computed_tokens + n, n)
-        req.num_computed_tokens += n
+        computed = req.num_computed_tokens = req.num_computed_tokens + n
         bm.register_full_blocks(req.seq_id, req.token_ids, req.block_hashes,
-                                req.num_computed_tokens, req.block_chunks)
+                                computed, req.block_chunks)
         req.scheduled_step = step
         self.waiting.charge(req.tenant, n)
+        if computed == len(req.token_ids):
+            self.decode_mode.prefilled(req, bm.block_size, step)
         return new
 
     def make_room(self, req: Request, num_tokens: int, step: int,
