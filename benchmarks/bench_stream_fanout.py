@@ -12,10 +12,12 @@ loopback, then per step one event into each stream's queue, and the time until e
 stream's coroutine has written its message (the loop runs them in one turn). It also
 times the queues and wake-ups without gRPC, to say which part costs. ``--behind K`` puts
 K events into each queue per step instead, as when the streams fell K steps behind: the
-servicer sends what a stream owes in one message (``servicer.take_ready``).
+servicer sends what a stream owes in one message (``servicer.take_ready``). ``--interval N``
+streams as ``--stream-interval N`` does: a message waits for N tokens (the first and the
+end go at once; ``servicer.next_batch``).
 
     .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
-        [--behind 1]
+        [--behind 1] [--interval 1]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.servicer import take_ready
+from scheduler_svc.servicer import next_batch
 
 
 def _drain(port: int, streams: int) -> None:
@@ -53,23 +55,33 @@ class _Streams(scheduler_pb2_grpc.SchedulerServicer):
     queued sent in one TokenEvent (``take_ready``), the call's end on an event with a
     reason."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: int = 1) -> None:
+        self.interval = interval
         self.queues: list[asyncio.Queue] = []
         self.written = 0  # tokens
         self.messages = 0
+        self.writing = 0  # streams between taking their events and their write's end
 
     async def Submit(self, request, context):  # noqa: N802
         queue: asyncio.Queue = asyncio.Queue()
         self.queues.append(queue)
-        while True:
-            batch = take_ready(queue, await queue.get())  # events: (req, token, end, lp)
+        first = True
+        while True:  # events: (req, token, end, lp)
+            batch = await next_batch(queue, self.interval, first)
+            first = False
             tokens = [token for _, token, _, _ in batch if token is not None]
             if tokens:
+                self.writing += 1
                 yield scheduler_pb2.TokenEvent(token_ids=tokens)
+                self.writing -= 1
                 self.written += len(tokens)
                 self.messages += 1
             if batch[-1][2] is not None:
                 return
+
+    def settled(self) -> bool:
+        """Every stream took its events and wrote what it sends (or holds them back)."""
+        return not self.writing and all(queue.empty() for queue in self.queues)
 
 
 async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1) -> float:
@@ -83,9 +95,10 @@ async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1) -> 
     return (time.perf_counter() - started) * 1e3
 
 
-async def grpc_fanout(streams: int, steps: int, behind: int = 1) -> tuple[list[float], int]:
+async def grpc_fanout(streams: int, steps: int, behind: int = 1,
+                      interval: int = 1) -> tuple[list[float], int]:
     """Each step's time, and the messages written in all."""
-    servicer = _Streams()
+    servicer = _Streams(interval)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -103,7 +116,7 @@ async def grpc_fanout(streams: int, steps: int, behind: int = 1) -> tuple[list[f
         for step in range(steps):
             times.append(await _one_turn(servicer.queues, step, behind))
             deadline = time.monotonic() + 60
-            while servicer.written < (step + 1) * streams * behind:  # every write done
+            while not servicer.settled():  # every write done
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: {servicer.written} events written")
                 await asyncio.sleep(0)
@@ -141,17 +154,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--behind", type=int, default=1,
                         help="events per stream per step (streams that fell behind)")
+    parser.add_argument("--interval", type=int, default=1,
+                        help="tokens a message waits for (the scheduler's --stream-interval)")
     args = parser.parse_args(argv)
-    if min(args.streams) < 1 or args.steps < 2 or args.behind < 1:
-        parser.error("--streams and --behind must be positive and --steps at least 2")
-    print(f"{'streams':>7} {'gRPC p50 ms':>11} {'p90':>6} {'µs/stream':>9} "
+    if min(args.streams) < 1 or args.steps < 2 or args.behind < 1 or args.interval < 1:
+        parser.error("--streams, --behind and --interval must be positive and --steps at "
+                     "least 2")
+    print(f"{'streams':>7} {'gRPC p50 ms':>11} {'p90':>6} {'mean':>6} {'µs/stream':>9} "
           f"{'messages/step':>13} {'queues only p50 ms':>18}")
     for n in args.streams:
-        fan, messages = asyncio.run(grpc_fanout(n, args.steps, args.behind))
+        fan, messages = asyncio.run(grpc_fanout(n, args.steps, args.behind, args.interval))
         bare = asyncio.run(queues_only(n, args.steps))
         p50 = statistics.median(fan)
-        print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} "
-              f"{p50 * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
+        mean = statistics.fmean(fan)
+        print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
+              f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
               f"{statistics.median(bare):>18.2f}")
 
 

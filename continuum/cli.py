@@ -70,6 +70,16 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
     """serve's flags that the supervisor passes on to the scheduler."""
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -92,6 +102,10 @@ def _scheduler_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-failures", type=int, default=None,
                    help="failed steps after which a request (a poison request) ends with an "
                         "error, the last one run alone (default: the scheduler's, 2)")
+    p.add_argument("--stream-interval", type=_positive_int, default=None,
+                   help="tokens a stream gathers before it sends them (its first token and "
+                        "its end go at once): fewer gRPC messages, so less scheduler time a "
+                        "step with many streams, for burstier text (default 1: each token)")
     p.add_argument("--telemetry-dsn", default=None,
                    help="telemetry store: a SQLite path or postgresql://... (default: "
                         "$XDG_STATE_HOME/continuum/telemetry.sqlite; 'off' records nothing); "

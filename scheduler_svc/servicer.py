@@ -87,7 +87,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             first = True
             while not finished:
-                batch = take_ready(queue, await queue.get())
+                batch = await next_batch(queue, self.loop.core.config.stream_interval, first)
                 reason = batch[-1][2]
                 finished = reason is not None
                 now = time.monotonic()
@@ -154,6 +154,17 @@ def take_ready(queue: asyncio.Queue[Event], ev: Event) -> list[Event]:
     while ev[2] is None and not queue.empty():
         ev = queue.get_nowait()
         batch.append(ev)
+    return batch
+
+
+async def next_batch(queue: asyncio.Queue[Event], interval: int, first: bool) -> list[Event]:
+    """A stream's next message: what is ready (``take_ready``), then, unless it is the
+    stream's first (time to first token is never held back), more until it holds
+    ``interval`` events or the stream's end (SchedulerConfig.stream_interval)."""
+    batch = take_ready(queue, await queue.get())
+    if not first:
+        while batch[-1][2] is None and len(batch) < interval:
+            batch += take_ready(queue, await queue.get())
     return batch
 
 

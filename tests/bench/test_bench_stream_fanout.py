@@ -24,15 +24,22 @@ def test_streams_that_fell_behind_send_what_they_owe_in_one_message():
     assert len(fan) == 5 and messages == 8 * 5  # 3 tokens each, still one message
 
 
+def test_a_stream_interval_sends_the_first_token_then_messages_of_that_many():
+    fan, messages = asyncio.run(bench_stream_fanout.grpc_fanout(8, 8, interval=4))
+    # tokens 0..7 of each stream: [0], [1, 2, 3, 4], then [5, 6, 7] with the end
+    assert len(fan) == 8 and messages == 8 * 3
+
+
 def test_the_table_has_a_row_per_size(capsys):
     bench_stream_fanout.main(["--streams", "2", "4", "--steps", "3"])
     rows = capsys.readouterr().out.splitlines()
     assert rows[0].split()[0] == "streams" and [r.split()[0] for r in rows[1:]] == ["2", "4"]
 
 
-@pytest.mark.parametrize("argv", [["--streams", "0"], ["--steps", "1"], ["--behind", "0"]])
+@pytest.mark.parametrize("argv", [["--streams", "0"], ["--steps", "1"], ["--behind", "0"],
+                                  ["--interval", "0"]])
 def test_bad_arguments_are_one_clear_error(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_stream_fanout.main(argv)
     error = capsys.readouterr().err
-    assert exc.value.code == 2 and "--streams and --behind must be positive" in error
+    assert exc.value.code == 2 and "--streams, --behind and --interval must be positive" in error

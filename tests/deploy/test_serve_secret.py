@@ -75,9 +75,9 @@ def test_an_ipc_directory_others_may_write_is_refused(tmp_path, mode, ok):
     check_ipc_dir(f"ipc://{directory}/missing/executor.sock")  # the scheduler creates it
 
 
-def test_serve_hands_the_poison_and_queue_time_limits_to_the_scheduler():
+def test_serve_hands_the_poison_queue_time_and_stream_limits_to_the_scheduler():
     argv = ["serve", "--port", "1", "--http-port", "2", "--max-step-failures", "3",
-            "--max-queue-time-premium-s", "0"]
+            "--max-queue-time-premium-s", "0", "--stream-interval", "4"]
     args, _ = build_parser()[0].parse_known_args(argv)
     sup = Supervisor(args)
     try:
@@ -85,10 +85,12 @@ def test_serve_hands_the_poison_and_queue_time_limits_to_the_scheduler():
         scheduler = sup._argv("scheduler")
         assert scheduler[scheduler.index("--max-step-failures") + 1] == "3"
         assert scheduler[scheduler.index("--max-queue-time-premium-s") + 1] == "0.0"
+        assert scheduler[scheduler.index("--stream-interval") + 1] == "4"
         plain, _ = build_parser()[0].parse_known_args(argv[:5])
         default = Supervisor(plain)
         shutil.rmtree(default.workdir)
         assert "--max-step-failures" not in default._argv("scheduler")
+        assert "--stream-interval" not in default._argv("scheduler")
     finally:
         shutil.rmtree(sup.workdir)
 
@@ -124,3 +126,11 @@ def test_a_limit_that_is_not_a_positive_time_is_one_clear_error(tmp_path, flag):
 
     with pytest.raises(ConfigError, match=f"{flag} must be > 0 seconds"):
         parse_args(["--model-dir", str(tmp_path), "--scheduler", "127.0.0.1:1", flag, "0"])
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four"])
+def test_a_stream_interval_that_is_not_a_positive_integer_is_a_usage_error(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser()[0].parse_known_args(["serve", "--stream-interval", value])
+    assert exc.value.code == 2
+    assert "--stream-interval: must be a positive integer" in capsys.readouterr().err
