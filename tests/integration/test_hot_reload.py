@@ -4,7 +4,8 @@ Serve starts with ``--config-file`` (max_num_seqs 4, passed through to the sched
 ``continuum config set max_num_seqs=1`` then makes two concurrent requests run one
 after the other: the second's first token comes after the first's last, and Stats never
 shows two running. A block-table snapshot taken while one streams holds its blocks, and
-the telemetry store holds the same rows.
+the telemetry store holds the same rows. ``stream_interval=4``, set live, streams the same
+greedy tokens in messages of four.
 """
 
 from __future__ import annotations
@@ -123,3 +124,31 @@ def test_block_table_snapshot_of_a_streaming_request(served, capsys):
         time.sleep(0.2)
     assert [(r.request_id, r.block_ids, r.is_swapped) for r in rows] == [
         (table.request_id, tuple(table.block_ids), False)]
+
+
+def greedy_responses(server, question: str) -> list[list[int]]:
+    """The token ids of each Generate response of one greedy answer."""
+    with grpc.insecure_channel(server.addr) as ch:
+        return [list(r.token_ids) for r in server.generation_stub(ch).Generate(
+            chat(question, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=300)
+            if r.token_ids]
+
+
+def test_a_live_stream_interval_sends_the_same_tokens_in_fewer_messages(served, capsys):
+    question = "Name three rivers."
+    each = greedy_responses(served, question)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["config", "set", "stream_interval=4", "--reason", "fewer messages",
+                  "--scheduler", f"127.0.0.1:{served.scheduler_port}"])
+    assert done.value.code == 0
+    try:
+        gathered = greedy_responses(served, question)
+    finally:
+        with pytest.raises(SystemExit):
+            cli.main(["config", "set", "stream_interval=1", "--scheduler",
+                      f"127.0.0.1:{served.scheduler_port}"])
+        capsys.readouterr()
+    assert [t for r in gathered for t in r] == [t for r in each for t in r]  # greedy: same
+    assert len(gathered[0]) < 4  # the first token is not held back for three more
+    assert all(len(r) >= 4 for r in gathered[1:-1])
+    assert len(gathered) <= 2 + (MAX_TOKENS - 1) // 4 < len(each)
