@@ -52,8 +52,8 @@ def _drain(port: int, streams: int) -> None:
 
 class _Streams(scheduler_pb2_grpc.SchedulerServicer):
     """Submit as the scheduler's servicer streams it: a queue of events per call, what is
-    queued sent in one TokenEvent (``take_ready``), the call's end on an event with a
-    reason."""
+    queued sent in one TokenEvent, held for ``interval`` tokens after the first
+    (``next_batch``), the call's end on an event with a reason."""
 
     def __init__(self, interval: int = 1) -> None:
         self.interval = interval

@@ -47,7 +47,7 @@ def scheduler_argv(a: argparse.Namespace, ipc: str) -> list[str]:
             *(["--max-step-failures", str(a.max_step_failures)]
               if a.max_step_failures is not None else []),
             *(["--stream-interval", str(a.stream_interval)]
-              if getattr(a, "stream_interval", None) is not None else []),
+              if a.stream_interval is not None else []),
             *queue_time_flags(a), *telemetry_flags(a),
             *(["--config-file", os.path.abspath(a.config_file)]
               if getattr(a, "config_file", None) else []),
