@@ -12,9 +12,9 @@ loopback, then per step one event into each stream's queue, and the time until e
 stream's coroutine has written its message (the loop runs them in one turn). It also
 times the queues and wake-ups without gRPC, to say which part costs. ``--behind K`` puts
 K events into each queue per step instead, as when the streams fell K steps behind: the
-servicer sends what a stream owes in one message (``servicer.take_ready``). ``--interval N``
+servicer sends what a stream owes in one message (``streams.take_ready``). ``--interval N``
 streams as ``--stream-interval N`` does: a message waits for N tokens (the first and the
-end go at once; ``servicer.next_batch``).
+end go at once; ``streams.next_batch``).
 
     .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
         [--behind 1] [--interval 1]
@@ -31,7 +31,7 @@ import time
 import grpc
 
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.servicer import next_batch
+from scheduler_svc.streams import next_batch
 
 
 def _drain(port: int, streams: int) -> None:

@@ -36,7 +36,7 @@ from protos.continuum.v1 import scheduler_pb2_grpc
 from scheduler_svc import config_file
 from scheduler_svc.core import ConfigError, RequestStatus, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
-from scheduler_svc.servicer import KEY_SEPARATOR
+from scheduler_svc.streams import KEY_SEPARATOR
 from telemetry import BlockTableSnapshot, ConfigRecord
 
 MAX_AUTHOR_CHARS = 64

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import os
 import time
+from typing import Protocol
 
 import structlog
 
@@ -54,6 +55,14 @@ ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
 _FROM_ENV = object()
 
 
+class EventSink(Protocol):
+    """Where a request's events go as steps produce them: a Submit call's queue, or a
+    SubmitMany call's stream (scheduler_svc/submit_many.py). Called on the loop; must
+    not block."""
+
+    def put_nowait(self, ev: Event) -> None: ...
+
+
 class EngineLoop:
     """Drives schedule → plan → executor → update.
 
@@ -84,7 +93,7 @@ class EngineLoop:
         # for /metrics while a replacement loads (scheduler_svc/metrics.py).
         self.last_executor: ExecutorInfo | None = None
         self.steps = StepStats()  # answered steps: counts and times
-        self._streams: dict[str, asyncio.Queue[Event]] = {}
+        self._streams: dict[str, EventSink] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
@@ -132,12 +141,13 @@ class EngineLoop:
 
     # -- commands from RPC handlers ----------------------------------------------
 
-    def submit(self, req: Request) -> asyncio.Queue[Event]:
-        """Queues ``req``; raises QueueFull when a queue cap is reached."""
+    def submit(self, req: Request, sink: EventSink | None = None) -> EventSink:
+        """Queues ``req``; raises QueueFull when a queue cap is reached. Its events go
+        to ``sink`` (by default a new asyncio.Queue), which is returned."""
         req.seq_id = next(self._seq_ids)
         self.core.add_request(req)
         self._plans.prepare(req)  # now, not in the step that admits it
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue = asyncio.Queue() if sink is None else sink
         self._streams[req.request_id] = queue
         self._wake.set()
         return queue

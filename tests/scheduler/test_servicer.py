@@ -49,11 +49,14 @@ def test_every_method_needs_the_secret(scheduler, metadata):
         "Abort": lambda: stub.Abort(scheduler_pb2.AbortRequest(request_id="r1"), timeout=5,
                                     metadata=metadata),
         "Submit": lambda: stub.Submit(submit_request(), timeout=5, metadata=metadata),
+        "SubmitMany": lambda: stub.SubmitMany(
+            iter([scheduler_pb2.SubmitManyRequest(stream_id=1, submit=submit_request())]),
+            timeout=5, metadata=metadata),
     }
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as caught:
             result = call()
-            if name == "Submit":
+            if name.startswith("Submit"):
                 next(result)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         assert internal_auth.METADATA_KEY in caught.value.details()
@@ -69,6 +72,7 @@ def test_health_is_open_and_the_secret_opens_stats(scheduler):
     stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
     stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
     assert not stats.executor_ready
+    assert stats.submit_many  # a gateway may multiplex its requests on one call
 
 
 @pytest.mark.parametrize("secret", [TEST_SECRET.encode(), None], ids=["secret", "none"])
@@ -181,18 +185,18 @@ def test_how_a_request_the_server_ended_is_told_to_its_client():
     turns into 429 + Retry-After; poison: INTERNAL, marked not to retry elsewhere;
     drained: UNAVAILABLE, so the gateway continues it on another replica."""
     from scheduler_svc.core import FinishReason
-    from scheduler_svc.servicer import _server_end
+    from scheduler_svc.streams import server_end
     from tests.scheduler.factories import make_request
 
     shed = make_request(request_id="shed")
     shed.error, shed.retry_after_s = "the server is overloaded: ...", 5.0
-    code, message, trailer = _server_end(shed, FinishReason.ABORT)
+    code, message, trailer = server_end(shed, FinishReason.ABORT)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in message
     assert dict(trailer) == {"retry-after-ms": "5000"}
     poison = make_request(request_id="poison")
     poison.error = "the executor failed"
-    code, _, trailer = _server_end(poison, FinishReason.ERROR)
+    code, _, trailer = server_end(poison, FinishReason.ERROR)
     assert code == grpc.StatusCode.INTERNAL and dict(trailer) == {"request-failed": "poison"}
     drained = make_request(request_id="drained")
     drained.error = "shutting down"
-    assert _server_end(drained, FinishReason.ABORT)[0] == grpc.StatusCode.UNAVAILABLE
+    assert server_end(drained, FinishReason.ABORT)[0] == grpc.StatusCode.UNAVAILABLE

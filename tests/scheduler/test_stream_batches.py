@@ -1,5 +1,5 @@
 """A Submit stream that fell behind the steps sends what it owes in one TokenEvent
-(scheduler_svc/servicer.py ``take_ready``): every token once, in order, its logprobs
+(scheduler_svc/streams.py ``take_ready``): every token once, in order, its logprobs
 beside it, the end last; one event queued is one message, as before. With a stream
 interval (``next_batch``) a message waits for that many tokens, except the first and the
 end; through a real gRPC server the client gets every token, in fewer messages."""
@@ -14,7 +14,8 @@ import pytest
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.core import ConfigError, FinishReason, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
-from scheduler_svc.servicer import SchedulerServicer, _to_event, next_batch, take_ready
+from scheduler_svc.servicer import SchedulerServicer
+from scheduler_svc.streams import next_batch, take_ready, to_event
 from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
 
@@ -35,7 +36,7 @@ def test_one_event_queued_is_one_message_of_one_token():
     req.token_ids.append(7)
     first = (req, 7, None, None)
     assert take_ready(_queue(), first) == [first]
-    event = _to_event([first], False)
+    event = to_event([first], False)
     assert list(event.token_ids) == [7] and event.finish_reason == 0
     assert event.num_generated_tokens == req.num_output_tokens == 1
 
@@ -48,7 +49,7 @@ def test_events_behind_it_join_it_up_to_the_end_and_nothing_after():
     queue = _queue(events[1], end, ("after the end",))
     batch = take_ready(queue, events[0])
     assert batch == [*events, end] and queue.qsize() == 1  # never past the stream's end
-    event = _to_event(batch, False)
+    event = to_event(batch, False)
     assert list(event.token_ids) == [5, 6, 7]
     assert [lp.token_id for lp in event.logprobs] == [5, 6, 7]  # beside their tokens
     assert event.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
@@ -59,7 +60,7 @@ def test_an_end_without_a_token_ends_the_message_of_the_tokens_before_it():
     req = make_request()
     req.token_ids.append(9)
     batch = take_ready(_queue((req, None, FinishReason.ABORT, None)), (req, 9, None, None))
-    event = _to_event(batch, False)
+    event = to_event(batch, False)
     assert list(event.token_ids) == [9] and not event.logprobs
     assert event.finish_reason == sampling_pb2.FINISH_REASON_ABORT
 

@@ -1,0 +1,287 @@
+"""SubmitMany (scheduler_svc/submit_many.py) through a real gRPC server on loopback, the
+engine loop stepped by a fake executor on a real ipc socket: each stream gets what its
+own Submit call would (the executor's tokens in order, its end), many streams' messages
+share a response, and one stream's trouble (refused, malformed, cancelled) stays its own;
+the call's end aborts what is open on it. Drawn messages (the fuzzer's strategies) never
+break the call or another stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks.reliability import proto_strategies
+from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.core import SchedulerConfig
+from scheduler_svc.loop import EngineLoop
+from scheduler_svc.servicer import SchedulerServicer
+from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+
+STOP = sampling_pb2.FINISH_REASON_STOP
+LENGTH = sampling_pb2.FINISH_REASON_LENGTH
+
+
+def submit(request_id: str, max_tokens: int = 5, prompt=(5, 6, 7), **fields):
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens,
+        sampling=sampling_pb2.SamplingParams(temperature=0.0), **fields)
+
+
+def opening(stream_id: int, request: scheduler_pb2.SubmitRequest):
+    return scheduler_pb2.SubmitManyRequest(stream_id=stream_id, submit=request)
+
+
+def cancelling(stream_id: int):
+    return scheduler_pb2.SubmitManyRequest(stream_id=stream_id, cancel=True)
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path, executor: bool = True, **config):
+    """(loop, stub): the servicer on a real port, the loop stepped by a FakePeer."""
+    address = f"ipc://{tmp_path}/s.sock"
+    loop = EngineLoop(SchedulerConfig(watermark=0.0, **config), address, secret=SECRET)
+    loop.start()
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    peer = FakePeer(address)
+    serving = None
+    try:
+        if executor:
+            await peer.say_hello(make_hello())
+            serving = asyncio.create_task(peer.serve())
+            for _ in range(500):
+                if loop.executor is not None:
+                    break
+                await asyncio.sleep(0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield loop, scheduler_pb2_grpc.SchedulerStub(channel)
+    finally:
+        while serving is not None and not serving.done():
+            # Again until it ends: Python 3.11's wait_for (in FakePeer.recv) can swallow
+            # a cancellation that arrives as its receive completes.
+            serving.cancel()
+            await asyncio.wait([serving], timeout=0.1)
+        if serving is not None and not serving.cancelled():
+            serving.exception()  # retrieved: a fake executor's end is not the test's
+        peer.close()
+        await server.stop(0)
+        await loop.stop()
+
+
+class Streams:
+    """What one SubmitMany call delivered, per stream id: token lists of each message,
+    the finish reason, the error; and how many responses carried more than one stream."""
+
+    def __init__(self, reused_ids: bool = False) -> None:
+        self.reused_ids = reused_ids  # a message after a stream's end opens a new one
+        self.messages: dict[int, list[list[int]]] = {}
+        self.finish: dict[int, int] = {}
+        self.errors: dict[int, scheduler_pb2.StreamError] = {}
+        self.num_responses = 0
+        self.num_shared = 0
+
+    def add(self, response: scheduler_pb2.SubmitManyResponse) -> None:
+        self.num_responses += 1
+        self.num_shared += len({e.stream_id for e in response.events}) > 1
+        for e in response.events:
+            if self.reused_ids:
+                if e.stream_id in self.finish or e.stream_id in self.errors:
+                    for ends in (self.messages, self.finish, self.errors):
+                        ends.pop(e.stream_id, None)
+            else:
+                assert e.stream_id not in self.finish and e.stream_id not in self.errors, \
+                    f"stream {e.stream_id} got a message after its end"
+            if e.HasField("error"):
+                self.errors[e.stream_id] = e.error
+                continue
+            self.messages.setdefault(e.stream_id, []).append(list(e.event.token_ids))
+            if e.event.finish_reason:
+                self.finish[e.stream_id] = e.event.finish_reason
+
+    def tokens(self, stream_id: int) -> list[int]:
+        return [t for m in self.messages.get(stream_id, []) for t in m]
+
+    def ended(self, ids) -> bool:
+        return all(i in self.finish or i in self.errors for i in ids)
+
+
+async def _collect(call, streams: Streams, until, timeout_s: float = 20.0) -> None:
+    async def read() -> None:
+        async for response in call:
+            streams.add(response)
+            if until(streams):
+                return
+        raise AssertionError(f"the call ended first: {await call.code()}")
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"not ended in {timeout_s} s: finished {streams.finish}, "
+                             f"errors {sorted(streams.errors)}, "
+                             f"tokens { {i: len(m) for i, m in streams.messages.items()} }"
+                             ) from None
+
+
+def _executor_tokens(tokens: list[int], prompt_len: int, n: int) -> bool:
+    """The fake executor's answer: 100 + seq id + position, from the prompt's end."""
+    if len(tokens) != n:
+        return False
+    seq_id = tokens[0] - 100 - prompt_len
+    return tokens == [100 + seq_id + p for p in range(prompt_len, prompt_len + n)]
+
+
+def test_many_streams_on_one_call_each_get_their_tokens_and_share_responses(tmp_path):
+    async def go():
+        async with served(tmp_path) as (loop, stub):
+            call = stub.SubmitMany(timeout=30)
+            ids = list(range(1, 9))
+            for i in ids:
+                await call.write(opening(i, submit(f"r{i}", max_tokens=6 + i)))
+            streams = Streams()
+            await _collect(call, streams, lambda s: s.ended(ids))
+            call.cancel()
+            for i in ids:
+                assert streams.finish[i] == LENGTH, i
+                assert _executor_tokens(streams.tokens(i), 3, 6 + i), streams.tokens(i)
+            assert streams.num_shared > 0  # a step's messages for several in one write
+            assert not loop.core.requests
+
+    asyncio.run(go())
+
+
+def test_refused_and_malformed_streams_end_alone_and_the_others_finish(tmp_path):
+    async def go():
+        async with served(tmp_path) as (loop, stub):
+            call = stub.SubmitMany(timeout=30)
+            await call.write(opening(1, submit("good", max_tokens=40)))
+            await call.write(opening(2, submit("bad", max_tokens=0)))  # INVALID_ARGUMENT
+            await call.write(opening(3, submit("good")))  # its id is in flight
+            await call.write(scheduler_pb2.SubmitManyRequest(stream_id=4))  # no action
+            await call.write(opening(5, submit("long", max_tokens=10_000)))  # past the model
+            await call.write(opening(6, submit("other", max_tokens=4)))
+            await call.write(opening(6, submit("again", max_tokens=4)))  # id 6 is open
+            await call.write(cancelling(99))  # nothing open: nothing happens
+            streams = Streams()
+            await _collect(call, streams, lambda s: s.ended([1, 2, 3, 4, 5, 6]))
+            call.cancel()
+            code = {i: grpc.StatusCode.INVALID_ARGUMENT.value[0] for i in (2, 4, 5, 6)}
+            code[3] = grpc.StatusCode.ALREADY_EXISTS.value[0]
+            assert {i: e.code for i, e in streams.errors.items()} == code
+            assert "max_tokens" in streams.errors[2].message
+            assert "already open" in streams.errors[6].message
+            assert streams.errors[5].trailers["error-code"] == "context_length_exceeded"
+            assert streams.finish[1] == LENGTH and _executor_tokens(streams.tokens(1), 3, 40)
+            for _ in range(100):  # the open stream 6 was aborted with its bad twin
+                if not loop.core.requests:
+                    break
+                await asyncio.sleep(0.01)
+            assert not loop.core.requests
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_stream_is_aborted_and_the_calls_end_aborts_the_rest(tmp_path):
+    async def go():
+        async with served(tmp_path, executor=False) as (loop, stub):  # nothing runs
+            call = stub.SubmitMany(timeout=30)
+            for i in (1, 2, 3):
+                await call.write(opening(i, submit(f"r{i}")))
+            for _ in range(200):
+                if len(loop.core.requests) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(loop.core.requests) == 3
+            await call.write(cancelling(2))
+            for _ in range(200):
+                if len(loop.core.requests) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(k.split("\x1f")[1] for k in loop.core.requests) == ["r1", "r3"]
+            assert not loop.is_known("default\x1fr2")
+            call.cancel()  # the gateway went away
+            for _ in range(200):
+                if not loop.core.requests:
+                    break
+                await asyncio.sleep(0.01)
+            assert not loop.core.requests
+
+    asyncio.run(go())
+
+
+def test_a_full_queue_and_a_drain_end_streams_with_submits_statuses(tmp_path):
+    async def go():
+        async with served(tmp_path, executor=False, max_num_waiting=1) as (loop, stub):
+            call = stub.SubmitMany(timeout=30)
+            await call.write(opening(1, submit("waits")))
+            await call.write(opening(2, submit("refused")))
+            streams = Streams()
+            await _collect(call, streams, lambda s: 2 in s.errors)
+            error = streams.errors[2]
+            assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert int(error.trailers["retry-after-ms"]) > 0
+            loop.abort_all("the scheduler is draining; retry elsewhere")
+            await _collect(call, streams, lambda s: 1 in s.errors)
+            assert streams.errors[1].code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "draining" in streams.errors[1].message
+            await call.done_writing()  # done sending, nothing open: the call ends OK
+            async for _ in call:
+                raise AssertionError("nothing more was due")
+            assert await call.code() == grpc.StatusCode.OK
+
+    asyncio.run(go())
+
+
+def test_a_stream_interval_gathers_each_streams_tokens(tmp_path):
+    async def go():
+        async with served(tmp_path, stream_interval=4) as (loop, stub):
+            call = stub.SubmitMany(timeout=30)
+            for i in (1, 2):
+                await call.write(opening(i, submit(f"r{i}", max_tokens=13)))
+            streams = Streams()
+            await _collect(call, streams, lambda s: s.ended([1, 2]))
+            call.cancel()
+            for i in (1, 2):
+                messages = streams.messages[i]
+                assert _executor_tokens(streams.tokens(i), 3, 13)
+                assert len(messages[0]) >= 1 and all(len(m) >= 4 for m in messages[1:-1])
+                assert len(messages) <= 2 + (13 - 1) // 4
+
+    asyncio.run(go())
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(drawn=st.lists(proto_strategies.messages(scheduler_pb2.SubmitManyRequest.DESCRIPTOR),
+                      min_size=1, max_size=12))
+def test_drawn_messages_never_break_the_call_or_another_stream(tmp_path_factory, drawn):
+    """Whatever the drawn messages ask (any ids, actions, fields), the call stays up and a
+    good stream beside them (an id none of them can take) gets all its tokens."""
+    tmp_path = tmp_path_factory.mktemp("many")
+    good = 2**64 - 1
+    for message in drawn:
+        if message.stream_id == good:
+            message.stream_id = 0
+        if message.HasField("submit"):  # bounded work for the fake executor
+            message.submit.max_tokens = min(message.submit.max_tokens, 8)
+            del message.submit.prompt_token_ids[64:]
+
+    async def go():
+        async with served(tmp_path) as (loop, stub):
+            call = stub.SubmitMany(timeout=30)
+            await call.write(opening(good, submit("guard", max_tokens=12)))
+            for message in drawn:
+                await call.write(message)
+            streams = Streams(reused_ids=True)
+            await _collect(call, streams, lambda s: s.ended([good]))
+            assert good in streams.finish, streams.errors.get(good)
+            assert _executor_tokens(streams.tokens(good), 3, 12)
+            assert call.done() is False  # the call itself is still up
+            call.cancel()
+
+    asyncio.run(go())
