@@ -14,10 +14,12 @@ times the queues and wake-ups without gRPC, to say which part costs. ``--behind 
 K events into each queue per step instead, as when the streams fell K steps behind: the
 servicer sends what a stream owes in one message (``streams.take_ready``). ``--interval N``
 streams as ``--stream-interval N`` does: a message waits for N tokens (the first and the
-end go at once; ``streams.next_batch``).
+end go at once; ``streams.next_batch``). ``--many`` times SubmitMany as well, the
+scheduler's own code (scheduler_svc/submit_many.py): the same streams on one call, each
+step's events put into their sinks and written in one response.
 
     .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
-        [--behind 1] [--interval 1]
+        [--behind 1] [--interval 1] [--many]
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import asyncio
 import multiprocessing
 import statistics
 import time
+import types
 
 import grpc
 
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc import submit_many
 from scheduler_svc.streams import next_batch
 
 
@@ -46,6 +50,19 @@ def _drain(port: int, streams: int) -> None:
                     pass
 
             await asyncio.gather(*(one(i) for i in range(streams)))
+
+    asyncio.run(run())
+
+
+def _drain_many(port: int, streams: int) -> None:
+    """The gateway's side of SubmitMany: one call, read to its end."""
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = scheduler_pb2_grpc.SchedulerStub(channel).SubmitMany()
+            await call.done_writing()  # the streams are opened on the server's side
+            async for _ in call:
+                pass
 
     asyncio.run(run())
 
@@ -84,13 +101,14 @@ class _Streams(scheduler_pb2_grpc.SchedulerServicer):
         return not self.writing and all(queue.empty() for queue in self.queues)
 
 
-async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1) -> float:
+async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1,
+                    req=None) -> float:
     """One step's events (``behind`` of them) into every queue, then the loop turn that runs
     the streams' coroutines, in ms."""
     started = time.perf_counter()
     for queue in queues:
         for _ in range(behind):
-            queue.put_nowait((None, step, None, None))
+            queue.put_nowait((req, step, None, None))
     await asyncio.sleep(0)
     return (time.perf_counter() - started) * 1e3
 
@@ -131,6 +149,70 @@ async def grpc_fanout(streams: int, steps: int, behind: int = 1,
     return times, servicer.messages
 
 
+class _Many(scheduler_pb2_grpc.SchedulerServicer):
+    """SubmitMany's own code on a stand-in loop: ``streams`` streams opened on the call
+    (``ManyCall.opened``, as a Submit of each would), each step's events into their
+    sinks, what ``ManyCall.take`` gathers written in one response."""
+
+    def __init__(self, streams: int, interval: int) -> None:
+        config = types.SimpleNamespace(stream_interval=interval)
+        self.loop = types.SimpleNamespace(core=types.SimpleNamespace(config=config),
+                                          abort=lambda key: False, recorder=None,
+                                          histograms=types.SimpleNamespace(
+                                              request_ended=lambda *a: None))
+        self.call = submit_many.ManyCall(self.loop)
+        req = self.req = types.SimpleNamespace(
+            request_id="r", num_prompt_tokens=8, num_output_tokens=1,
+            first_scheduled_time=None, arrival_time=0.0, error="")
+        self.sinks = [self.call.opened(i, req) for i in range(streams)]
+        self.started = asyncio.Event()
+        self.writing = False
+        self.messages = 0  # stream messages, as Submit's count them
+
+    async def SubmitMany(self, request_iterator, context):  # noqa: N802
+        self.started.set()
+        async for response in submit_many.respond(self.call, request_iterator):
+            self.writing = True
+            yield response
+            self.writing = False
+            self.messages += len(response.events)
+
+    def settled(self) -> bool:
+        return not self.writing and not self.call.ready
+
+
+async def many_fanout(streams: int, steps: int, behind: int = 1,
+                      interval: int = 1) -> tuple[list[float], int]:
+    """``grpc_fanout`` for SubmitMany: each step's time, and the stream messages in all."""
+    servicer = _Many(streams, interval)
+    server = grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = multiprocessing.get_context("spawn").Process(target=_drain_many,
+                                                          args=(port, streams))
+    client.start()
+    try:
+        await asyncio.wait_for(servicer.started.wait(), 60)
+        times = []
+        for step in range(steps):
+            times.append(await _one_turn(servicer.sinks, step, behind, servicer.req))
+            deadline = time.monotonic() + 60
+            while not servicer.settled():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"step {step}: not written")
+                await asyncio.sleep(0)
+        for sink in servicer.sinks:
+            sink.put_nowait((servicer.req, None, 1, None))
+        deadline = time.monotonic() + 60
+        while client.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await server.stop(0)
+        client.join(10)
+    return times, servicer.messages
+
+
 async def queues_only(streams: int, steps: int) -> list[float]:
     queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(streams)]
 
@@ -156,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="events per stream per step (streams that fell behind)")
     parser.add_argument("--interval", type=int, default=1,
                         help="tokens a message waits for (the scheduler's --stream-interval)")
+    parser.add_argument("--many", action="store_true",
+                        help="also time the same streams on one SubmitMany call")
     args = parser.parse_args(argv)
     if min(args.streams) < 1 or args.steps < 2 or args.behind < 1 or args.interval < 1:
         parser.error("--streams, --behind and --interval must be positive and --steps at "
@@ -170,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
               f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
               f"{statistics.median(bare):>18.2f}")
+        if args.many:
+            fan, messages = asyncio.run(many_fanout(n, args.steps, args.behind, args.interval))
+            mean = statistics.fmean(fan)
+            print(f"{'':>7} {statistics.median(fan):>11.2f} "
+                  f"{statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
+                  f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f}   (SubmitMany)")
 
 
 if __name__ == "__main__":

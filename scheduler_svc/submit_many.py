@@ -56,7 +56,7 @@ class _Sink:
 
     __slots__ = ("_call", "_stream")
 
-    def __init__(self, call: _Call, stream: _Stream) -> None:
+    def __init__(self, call: ManyCall, stream: _Stream) -> None:
         self._call, self._stream = call, stream
 
     def put_nowait(self, ev: Event) -> None:
@@ -70,7 +70,7 @@ class _Sink:
             call.wake.set()
 
 
-class _Call:
+class ManyCall:
     """One SubmitMany call's streams and what is due to go out on it."""
 
     def __init__(self, loop: EngineLoop) -> None:
@@ -101,13 +101,17 @@ class _Call:
             self.fail(stream_id, refused)
             return
         req = to_request(submit)
-        stream = _Stream(stream_id, req)
+        sink = self.opened(stream_id, req)
         try:
-            self.loop.submit(req, _Sink(self, stream))
+            self.loop.submit(req, sink)
         except QueueFull as exc:
+            del self.open[stream_id]
             self.fail(stream_id, queue_full(self.loop, submit, req, exc))
-            return
-        self.open[stream_id] = stream
+
+    def opened(self, stream_id: int, req: Request) -> _Sink:
+        """Opens stream ``stream_id`` for ``req``; returns where its events go."""
+        stream = self.open[stream_id] = _Stream(stream_id, req)
+        return _Sink(self, stream)
 
     def cancel(self, stream_id: int) -> None:
         """Aborts the stream, if open: nothing more is sent for it."""
@@ -179,7 +183,7 @@ class _Call:
             self.wake.set()
 
 
-async def _read(call: _Call, request_iterator) -> None:
+async def _read(call: ManyCall, request_iterator) -> None:
     try:
         async for message in request_iterator:
             call.receive(message)
@@ -190,7 +194,14 @@ async def _read(call: _Call, request_iterator) -> None:
 
 async def serve(loop: EngineLoop, request_iterator, context):
     """The responses of one SubmitMany call (see the module docstring)."""
-    call = _Call(loop)
+    async for response in respond(ManyCall(loop), request_iterator):
+        yield response
+
+
+async def respond(call: ManyCall, request_iterator):
+    """``call``'s responses while ``request_iterator`` feeds it, until the gateway is
+    done sending and every stream has ended; then, or if the call breaks, whatever is
+    still open is aborted."""
     reader = asyncio.create_task(_read(call, request_iterator))
     try:
         while not call.done:
