@@ -33,38 +33,42 @@ import types
 
 import grpc
 
+from gateway.routing.mux import Mux
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import submit_many
 from scheduler_svc.streams import next_batch
 
 
-def _drain(port: int, streams: int) -> None:
-    """The gateway's side: ``streams`` Submit calls, each read to its end."""
+async def _read_to_end(call, cpu: list[float]) -> None:
+    """Reads ``call`` (a Submit call or a gateway ManyStream) as the relay does, to its
+    EOF; ``cpu`` gets the process's CPU time at its first message."""
+    first = True
+    while await call.read() is not grpc.aio.EOF:
+        if first:
+            first = False
+            cpu.append(time.process_time())
 
-    async def run() -> None:
+
+def _drain(port: int, streams: int, many: bool, out) -> None:
+    """The gateway's side: ``streams`` Submit calls (``many``: streams of the gateway's
+    SubmitMany multiplexer, gateway/routing/mux.py), each read to its end; puts the
+    process's CPU seconds from the first message to the end on ``out``."""
+
+    async def run() -> float:
+        cpu: list[float] = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            mux = Mux(stub) if many else None
+            calls = [mux.submit(scheduler_pb2.SubmitRequest(request_id=str(i)), None) if many
+                     else stub.Submit(scheduler_pb2.SubmitRequest(request_id=str(i)))
+                     for i in range(streams)]
+            await asyncio.gather(*(_read_to_end(call, cpu) for call in calls))
+            used = time.process_time() - min(cpu)
+            if mux is not None:
+                await mux.close()
+        return used
 
-            async def one(i: int) -> None:
-                async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id=str(i))):
-                    pass
-
-            await asyncio.gather(*(one(i) for i in range(streams)))
-
-    asyncio.run(run())
-
-
-def _drain_many(port: int, streams: int) -> None:
-    """The gateway's side of SubmitMany: one call, read to its end."""
-
-    async def run() -> None:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = scheduler_pb2_grpc.SchedulerStub(channel).SubmitMany()
-            await call.done_writing()  # the streams are opened on the server's side
-            async for _ in call:
-                pass
-
-    asyncio.run(run())
+    out.put(asyncio.run(run()))
 
 
 class _Streams(scheduler_pb2_grpc.SchedulerServicer):
@@ -113,17 +117,25 @@ async def _one_turn(queues: list[asyncio.Queue], step: int, behind: int = 1,
     return (time.perf_counter() - started) * 1e3
 
 
+def _client(port: int, streams: int, many: bool):
+    """The gateway's process (spawned, not forked: this process runs gRPC) and where it
+    puts its CPU time."""
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    client = context.Process(target=_drain, args=(port, streams, many, out))
+    client.start()
+    return client, out
+
+
 async def grpc_fanout(streams: int, steps: int, behind: int = 1,
-                      interval: int = 1) -> tuple[list[float], int]:
-    """Each step's time, and the messages written in all."""
+                      interval: int = 1) -> tuple[list[float], int, float]:
+    """Each step's time, the messages written in all, the gateway's CPU seconds."""
     servicer = _Streams(interval)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    # Spawned, not forked: this process runs gRPC.
-    client = multiprocessing.get_context("spawn").Process(target=_drain, args=(port, streams))
-    client.start()
+    client, out = _client(port, streams, many=False)
     try:
         deadline = time.monotonic() + 60
         while len(servicer.queues) < streams:
@@ -146,7 +158,7 @@ async def grpc_fanout(streams: int, steps: int, behind: int = 1,
     finally:
         await server.stop(0)
         client.join(10)
-    return times, servicer.messages
+    return times, servicer.messages, out.get(timeout=10)
 
 
 class _Many(scheduler_pb2_grpc.SchedulerServicer):
@@ -164,14 +176,14 @@ class _Many(scheduler_pb2_grpc.SchedulerServicer):
         req = self.req = types.SimpleNamespace(
             request_id="r", num_prompt_tokens=8, num_output_tokens=1,
             first_scheduled_time=None, arrival_time=0.0, error="")
-        self.sinks = [self.call.opened(i, req) for i in range(streams)]
+        self.sinks = [self.call.opened(i, req) for i in range(1, streams + 1)]
         self.started = asyncio.Event()
         self.writing = False
         self.messages = 0  # stream messages, as Submit's count them
 
     async def SubmitMany(self, request_iterator, context):  # noqa: N802
         self.started.set()
-        async for response in submit_many.respond(self.call, request_iterator):
+        async for response in submit_many.respond(self.call, _opened_here(request_iterator)):
             self.writing = True
             yield response
             self.writing = False
@@ -181,17 +193,25 @@ class _Many(scheduler_pb2_grpc.SchedulerServicer):
         return not self.writing and not self.call.ready
 
 
+async def _opened_here(request_iterator):
+    """The gateway's messages, read and dropped: the streams they open (ids 1..N, as the
+    multiplexer numbers them) are the ones ``_Many`` opened already."""
+    async for _ in request_iterator:
+        pass
+    return
+    yield
+
+
 async def many_fanout(streams: int, steps: int, behind: int = 1,
-                      interval: int = 1) -> tuple[list[float], int]:
-    """``grpc_fanout`` for SubmitMany: each step's time, and the stream messages in all."""
+                      interval: int = 1) -> tuple[list[float], int, float]:
+    """``grpc_fanout`` for SubmitMany: each step's time, the stream messages in all, the
+    gateway's CPU seconds."""
     servicer = _Many(streams, interval)
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client = multiprocessing.get_context("spawn").Process(target=_drain_many,
-                                                          args=(port, streams))
-    client.start()
+    client, out = _client(port, streams, many=True)
     try:
         await asyncio.wait_for(servicer.started.wait(), 60)
         times = []
@@ -210,7 +230,7 @@ async def many_fanout(streams: int, steps: int, behind: int = 1,
     finally:
         await server.stop(0)
         client.join(10)
-    return times, servicer.messages
+    return times, servicer.messages, out.get(timeout=10)
 
 
 async def queues_only(streams: int, steps: int) -> list[float]:
@@ -245,21 +265,24 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--streams, --behind and --interval must be positive and --steps at "
                      "least 2")
     print(f"{'streams':>7} {'gRPC p50 ms':>11} {'p90':>6} {'mean':>6} {'µs/stream':>9} "
-          f"{'messages/step':>13} {'queues only p50 ms':>18}")
+          f"{'messages/step':>13} {'gateway CPU ms/step':>19} {'queues only p50 ms':>18}")
     for n in args.streams:
-        fan, messages = asyncio.run(grpc_fanout(n, args.steps, args.behind, args.interval))
+        fan, messages, cpu = asyncio.run(grpc_fanout(n, args.steps, args.behind,
+                                                     args.interval))
         bare = asyncio.run(queues_only(n, args.steps))
         p50 = statistics.median(fan)
         mean = statistics.fmean(fan)
         print(f"{n:>7} {p50:>11.2f} {statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
               f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
-              f"{statistics.median(bare):>18.2f}")
+              f"{cpu * 1e3 / args.steps:>19.2f} {statistics.median(bare):>18.2f}")
         if args.many:
-            fan, messages = asyncio.run(many_fanout(n, args.steps, args.behind, args.interval))
+            fan, messages, cpu = asyncio.run(many_fanout(n, args.steps, args.behind,
+                                                         args.interval))
             mean = statistics.fmean(fan)
             print(f"{'':>7} {statistics.median(fan):>11.2f} "
                   f"{statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
-                  f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f}   (SubmitMany)")
+                  f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
+                  f"{cpu * 1e3 / args.steps:>19.2f}   (SubmitMany)")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ class GatewayConfig:
     # definitions become the control tokens themselves, as before escaping existed:
     # only for deployments whose every client may write roles (docs/security.md).
     allow_special_tokens_in_content: bool = False
+    # Requests to a replica that serves SubmitMany share one call to it
+    # (gateway/routing/mux.py); True: a Submit call each, as before SubmitMany.
+    one_call_per_request: bool = False
     # TLS on the gRPC and HTTP ports (one certificate serves both; PEM files, re-read
     # when they change: runtime/tls.py); None: plaintext. A client CA makes it mutual:
     # every client, on both ports, must present a certificate signed by it.

@@ -60,6 +60,10 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
      "let special-token strings in chat messages and tools (e.g. <|im_start|>) be the "
      "control tokens themselves instead of text: for deployments that trust every "
      "client with roles (docs/security.md)"),
+    ("--one-call-per-request", "one_call_per_request",
+     "send each request to its scheduler replica on a Submit call of its own instead of "
+     "sharing one SubmitMany call per replica (for a proxy between them that limits "
+     "how long a call may last; docs/grpc.md)"),
 )
 
 # (flag and its aliases, GatewayConfig field, help): PEM files; TLS is off unless given.

@@ -287,7 +287,7 @@ class Relay:
                 response.index = index
                 yield response
                 break
-            call = replica.stub.Submit(submit, timeout=time_remaining())
+            call = replica.submit(submit, time_remaining())
             leg.replica, leg.call, leg.stalled = replica, call, False
             leg.heard_at = time.monotonic()
             try:

@@ -40,6 +40,7 @@ import time
 import grpc
 import structlog
 
+from gateway.routing.mux import ManyStream
 from gateway.routing.replicas import Replica
 from gateway.routing.upstream import ClientStatus
 from protos.continuum.v1 import scheduler_pb2
@@ -81,7 +82,7 @@ class Completion:
     """One completion's upstream leg, as the relay updates it."""
 
     replica: Replica | None = None
-    call: grpc.aio.Call | None = None
+    call: grpc.aio.Call | ManyStream | None = None  # a Submit call, or a SubmitMany stream
     heard_at: float = 0.0  # monotonic time of the last event (or of the Submit)
     parked: bool = False  # handed a response to its consumer, not resumed yet
     stalled: bool = False  # the watchdog cancelled the call: the replica stalled

@@ -27,7 +27,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     """Streams `events` (one per `delay_s`), or fails with `error` after them.
 
     Records what was submitted, the timeout it was given and whether the
-    gateway cancelled the call.
+    gateway cancelled the call. With `many` it also serves SubmitMany (and says so in
+    Stats): each stream runs what a Submit call would, its abort a StreamError.
     """
 
     events: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
@@ -37,6 +38,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     time_remaining: list[float | None] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     completed: asyncio.Event = field(default_factory=asyncio.Event)
+    many: bool = False
+    num_many_calls: int = 0
 
     async def Submit(self, request, context):
         self.submitted.append(request)
@@ -53,10 +56,58 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.cancelled.set()
             raise
 
+    async def SubmitMany(self, request_iterator, context):
+        self.num_many_calls += 1
+        out: asyncio.Queue = asyncio.Queue()
+        streams: dict[int, asyncio.Task] = {}
+
+        async def one(stream_id: int, request) -> None:
+            try:
+                async for event in self.Submit(request, _StreamContext()):
+                    out.put_nowait(scheduler_pb2.StreamEvent(stream_id=stream_id, event=event))
+                    await asyncio.sleep(0)  # a fake that never awaits must not hog the loop
+            except _Aborted as end:
+                code, details, trailing = end.args
+                out.put_nowait(scheduler_pb2.StreamEvent(stream_id=stream_id, error=(
+                    scheduler_pb2.StreamError(code=code.value[0], message=details,
+                                              trailers=dict(trailing)))))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("action") == "submit":
+                    streams[message.stream_id] = asyncio.create_task(
+                        one(message.stream_id, message.submit))
+                elif message.stream_id in streams:
+                    streams.pop(message.stream_id).cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield scheduler_pb2.SubmitManyResponse(events=[await out.get()])
+        finally:
+            reader.cancel()
+            for task in streams.values():
+                task.cancel()
+
     async def Stats(self, request, context):
         # Healthy with an idle pool, so the gateway routes here and /health says serving.
         return scheduler_pb2.StatsResponse(executor_ready=True, num_total_blocks=64,
-                                           num_free_blocks=64, num_running_by_tier=[0, 1, 0])
+                                           num_free_blocks=64, num_running_by_tier=[0, 1, 0],
+                                           submit_many=self.many)
+
+
+class _Aborted(Exception):
+    """A SubmitMany stream's ``context.abort``: (code, details, trailing metadata)."""
+
+
+class _StreamContext:
+    """What FakeScheduler.Submit uses of a call's context, for a SubmitMany stream."""
+
+    def time_remaining(self) -> None:
+        return None  # a stream's deadline is the gateway's to keep
+
+    async def abort(self, code, details, trailing=()):
+        raise _Aborted(code, details, trailing)
 
 
 @contextlib.asynccontextmanager
@@ -100,6 +151,16 @@ async def collect(call) -> list:
 
 @contextlib.asynccontextmanager
 async def gateway_with_fake(tokenizer, scheduler: FakeScheduler):
-    """A gateway in front of `scheduler`; yields (running gateway, channel to it)."""
+    """A gateway in front of `scheduler`; yields (running gateway, channel to it). One
+    that serves SubmitMany is first polled, so the gateway multiplexes from the start."""
     async with fake_scheduler(scheduler) as address, gateway(tokenizer, address) as pair:
+        if scheduler.many:
+            await polled(pair[0])
         yield pair
+
+
+async def polled(running) -> None:
+    """Returns once every replica of the gateway has answered a Stats poll."""
+    for replica in running.replicas.replicas:
+        while replica.stats is None:
+            await asyncio.sleep(0.01)

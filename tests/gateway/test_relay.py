@@ -20,10 +20,13 @@ from .harness import (
     gateway,
     gateway_with_fake,
     generation_stub,
+    polled,
     run,
 )
 
 GenerateRequest = generation_pb2.GenerateRequest
+# Each upstream: a Submit call per request, or streams on a SubmitMany call.
+UPSTREAMS = pytest.mark.parametrize("many", [False, True], ids=["submit", "submit-many"])
 
 
 def _events(tokenizer, text, finish=sampling_pb2.FINISH_REASON_LENGTH):
@@ -41,8 +44,9 @@ async def _generate(tokenizer, scheduler, request, timeout=10, wait_for_cancel=F
                 await asyncio.wait_for(scheduler.cancelled.wait(), 5)
 
 
-def test_submit_carries_the_resolved_request(tokenizer):
-    scheduler = FakeScheduler(events=_events(tokenizer, "Paris."))
+@UPSTREAMS
+def test_submit_carries_the_resolved_request(tokenizer, many):
+    scheduler = FakeScheduler(events=_events(tokenizer, "Paris."), many=many)
     request = GenerateRequest(
         prompt="The capital of France is",
         max_tokens=0,
@@ -57,6 +61,7 @@ def test_submit_carries_the_resolved_request(tokenizer):
     assert submitted.sampling.HasField("temperature") and submitted.sampling.seed == 7
     assert len(submitted.request_id) == 32  # uuid4 hex
     assert {r.request_id for r in responses} == {submitted.request_id}
+    assert scheduler.num_many_calls == many  # multiplexed where the scheduler offers it
     assert "".join(r.text for r in responses) == "Paris."
     assert responses[-1].usage.prompt_tokens == len(submitted.prompt_token_ids)
 
@@ -81,11 +86,12 @@ def test_no_client_deadline_means_none_upstream(tokenizer):
     assert scheduler.time_remaining == [None]
 
 
-def test_stop_string_ends_stream_and_cancels_upstream(tokenizer):
+@UPSTREAMS
+def test_stop_string_ends_stream_and_cancels_upstream(tokenizer, many):
     # Plenty after the stop string, so upstream cannot finish before the cancel lands
     # however slow the machine.
     text = "Paris is nice. Question: " + "more text " * 100
-    scheduler = FakeScheduler(events=_events(tokenizer, text), delay_s=0.05)
+    scheduler = FakeScheduler(events=_events(tokenizer, text), delay_s=0.05, many=many)
     request = GenerateRequest(prompt="hi", stop=["Question:"])
     responses = run(_generate(tokenizer, scheduler, request, wait_for_cancel=True))
     assert "".join(r.text for r in responses) == "Paris is nice. "
@@ -93,8 +99,10 @@ def test_stop_string_ends_stream_and_cancels_upstream(tokenizer):
     assert not scheduler.completed.is_set()
 
 
-def test_client_cancel_cancels_upstream(tokenizer):
-    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5)
+@UPSTREAMS
+def test_client_cancel_cancels_upstream(tokenizer, many):
+    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5,
+                              many=many)
 
     async def scenario():
         async with gateway_with_fake(tokenizer, scheduler) as (_, channel):
@@ -106,8 +114,10 @@ def test_client_cancel_cancels_upstream(tokenizer):
     run(scenario())
 
 
-def test_client_deadline_cancels_upstream(tokenizer):
-    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5)
+@UPSTREAMS
+def test_client_deadline_cancels_upstream(tokenizer, many):
+    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5,
+                              many=many)
 
     async def scenario():
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -127,11 +137,13 @@ def test_client_deadline_cancels_upstream(tokenizer):
         (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, "failed the request"),
     ],
 )
-def test_upstream_errors_map_to_client_statuses(tokenizer, upstream_code, client_code, message):
+@UPSTREAMS
+def test_upstream_errors_map_to_client_statuses(tokenizer, upstream_code, client_code, message,
+                                                many):
     trailing = (("retry-after-ms", "250"),)
     scheduler = FakeScheduler(
         events=[scheduler_pb2.TokenEvent(token_ids=[42])],
-        error=(upstream_code, "queue full", trailing),
+        error=(upstream_code, "queue full", trailing), many=many,
     )
 
     async def scenario():
@@ -201,19 +213,22 @@ def test_shutdown_lets_in_flight_calls_finish_and_refuses_new_ones(tokenizer):
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@UPSTREAMS
 @pytest.mark.parametrize("marked", [True, False])
-def test_a_poison_request_is_not_continued_on_another_replica(tokenizer, marked):
+def test_a_poison_request_is_not_continued_on_another_replica(tokenizer, marked, many):
     """INTERNAL with the scheduler's request-failed trailer ends the request: another
     replica would only fail (or lose its executor) on it too. Without the trailer an
     INTERNAL is the replica's failure and the request continues on the other one."""
     trailer = (("request-failed", "poison"),) if marked else ()
     failing = FakeScheduler(events=[scheduler_pb2.TokenEvent(token_ids=[42])],
-                            error=(grpc.StatusCode.INTERNAL, "the executor failed", trailer))
-    other = FakeScheduler(events=_events(tokenizer, " there"))
+                            error=(grpc.StatusCode.INTERNAL, "the executor failed", trailer),
+                            many=many)
+    other = FakeScheduler(events=_events(tokenizer, " there"), many=many)
 
     async def scenario():
         async with fake_scheduler(failing) as a, fake_scheduler(other) as b, \
                 gateway(tokenizer, f"{a},{b}") as (running, channel):
+            await polled(running)
             for replica in running.replicas.replicas:  # route to `failing` first
                 replica.load = (0.0, 0.0, 0.0) if replica.address == a else (1.0, 0.0, 0.0)
             call = generation_stub(channel).Generate(GenerateRequest(prompt="hi"), timeout=10)

@@ -18,7 +18,15 @@ import pytest
 from gateway.routing import watchdog
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 
-from .harness import FakeScheduler, collect, fake_scheduler, gateway, generation_stub, run
+from .harness import (
+    FakeScheduler,
+    collect,
+    fake_scheduler,
+    gateway,
+    generation_stub,
+    polled,
+    run,
+)
 
 GenerateRequest = generation_pb2.GenerateRequest
 TEXT = "one two three four five six seven eight"
@@ -94,18 +102,26 @@ class Endless(FakeScheduler):
             raise
 
 
+# Each upstream: a Submit call per request, or streams on a SubmitMany call.
+UPSTREAMS = pytest.mark.parametrize("many", [False, True], ids=["submit", "submit-many"])
+
+
 def _text(responses):
     return "".join(r.text for r in responses)
 
 
-def test_a_stalled_replica_s_stream_continues_on_another(tokenizer):
+@UPSTREAMS
+def test_a_stalled_replica_s_stream_continues_on_another(tokenizer, many):
     events = _events(tokenizer)
-    stalled = Freezing(events=events[:3])
-    healthy = FakeScheduler(events=events[3:])
+    stalled = Freezing(events=events[:3], many=many)
+    healthy = FakeScheduler(events=events[3:], many=many)
 
     async def scenario():
         async with fake_scheduler(stalled) as a, fake_scheduler(healthy) as b, \
-                gateway(tokenizer, f"{a},{b}") as (_, channel):
+                gateway(tokenizer, f"{a},{b}") as (running, channel):
+            await polled(running)
+            for replica in running.replicas.replicas:  # route to `stalled` first
+                replica.load = (0.0, 0.0, 0.0) if replica.address == a else (1.0, 0.0, 0.0)
             call = generation_stub(channel).Generate(GenerateRequest(prompt="hi"), timeout=20)
             return await collect(call)
 
@@ -118,11 +134,13 @@ def test_a_stalled_replica_s_stream_continues_on_another(tokenizer):
     assert stalled.cancelled.is_set()  # the stalled call was given up, not left open
 
 
-def test_a_stalled_only_replica_ends_the_stream_unavailable(tokenizer):
-    stalled = Freezing(events=_events(tokenizer)[:2])
+@UPSTREAMS
+def test_a_stalled_only_replica_ends_the_stream_unavailable(tokenizer, many):
+    stalled = Freezing(events=_events(tokenizer)[:2], many=many)
 
     async def scenario():
-        async with fake_scheduler(stalled) as a, gateway(tokenizer, a) as (_, channel):
+        async with fake_scheduler(stalled) as a, gateway(tokenizer, a) as (running, channel):
+            await polled(running)
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await collect(generation_stub(channel).Generate(GenerateRequest(prompt="hi"),
                                                                 timeout=20))
@@ -147,15 +165,17 @@ def test_a_slow_replica_that_answers_keeps_its_streams(tokenizer):
     assert len(slow.submitted) == 1  # waited through the pause: no failover, no error
 
 
-def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer):
+@UPSTREAMS
+def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer, many):
     """A raw socket with a tiny receive buffer asks for a long SSE stream and never
     reads: once the server's buffers are full its write blocks, and the watchdog
     cancels the request; a normal request is served meanwhile."""
-    endless = Endless(token_id=tokenizer.encode(" word")[0])
+    endless = Endless(token_id=tokenizer.encode(" word")[0], many=many)
 
     async def scenario():
         async with fake_scheduler(endless) as a, \
                 gateway(tokenizer, a, http_port=0) as (running, channel):
+            await polled(running)
             reader = socket.socket()
             reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             reader.connect(("127.0.0.1", running.http_port))
@@ -178,14 +198,16 @@ def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer):
         in metrics
 
 
-def test_drain_past_its_grace_period_ends_streams_with_an_error(tokenizer):
+@UPSTREAMS
+def test_drain_past_its_grace_period_ends_streams_with_an_error(tokenizer, many):
     """Streams still running when the grace period is over get UNAVAILABLE (gRPC) or an
     SSE `error` event then `[DONE]`, not a cut connection."""
-    endless = FakeScheduler(events=_events(tokenizer, "word " * 500), delay_s=0.05)
+    endless = FakeScheduler(events=_events(tokenizer, "word " * 500), delay_s=0.05, many=many)
 
     async def scenario():
         async with fake_scheduler(endless) as a, \
                 gateway(tokenizer, a, http_port=0) as (running, channel):
+            await polled(running)
             call = generation_stub(channel).Generate(GenerateRequest(prompt="hi"), timeout=20)
             await call.read()
             async with aiohttp.ClientSession() as session:

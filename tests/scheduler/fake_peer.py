@@ -12,14 +12,19 @@ import contextlib
 import time
 import uuid
 
+import grpc
 import zmq
 import zmq.asyncio
 
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
+from protos.continuum.v1 import scheduler_pb2_grpc
 from runtime import internal_auth
 from runtime.zmq_sockets import release_on_collect
+from scheduler_svc.core import SchedulerConfig
 from scheduler_svc.link import ExecutorLink
+from scheduler_svc.loop import EngineLoop
+from scheduler_svc.servicer import SchedulerServicer
 
 SECRET = b"fake-peer-test-secret-0123456789"
 VOCAB = 1000
@@ -126,3 +131,49 @@ async def linked_peers(address: str, *identities: bytes | None):
         for peer in peers:
             peer.close()
         await link.close()
+
+
+async def settled(condition, timeout_s: float = 2.0) -> bool:
+    """Polls ``condition`` every 10 ms until it holds (True) or ``timeout_s`` passes
+    (False): the test asserts what it waited for."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path, executor: bool = True, interceptors=(), **config):
+    """(loop, stub, address, server): a real engine loop (``config``) behind the Scheduler
+    servicer on a real loopback port (``address``; ``interceptors``: the server's), the
+    loop stepped by a FakePeer (``executor``: False, none attached: nothing runs)."""
+    address = f"ipc://{tmp_path}/s.sock"
+    loop = EngineLoop(SchedulerConfig(watermark=0.0, **config), address, secret=SECRET)
+    loop.start()
+    server = grpc.aio.server(interceptors=list(interceptors))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    peer = FakePeer(address)
+    serving = None
+    try:
+        if executor:
+            await peer.say_hello(make_hello())
+            serving = asyncio.create_task(peer.serve())
+            await settled(lambda: loop.executor is not None, 5.0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield (loop, scheduler_pb2_grpc.SchedulerStub(channel), f"127.0.0.1:{port}",
+                   server)
+    finally:
+        while serving is not None and not serving.done():
+            # Again until it ends: Python 3.11's wait_for (in FakePeer.recv) can swallow
+            # a cancellation that arrives as its receive completes.
+            serving.cancel()
+            await asyncio.wait([serving], timeout=0.1)
+        if serving is not None and not serving.cancelled():
+            serving.exception()  # retrieved: a fake executor's end is not the test's
+        peer.close()
+        await server.stop(0)
+        await loop.stop()

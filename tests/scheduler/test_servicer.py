@@ -78,13 +78,15 @@ def test_health_is_open_and_the_secret_opens_stats(scheduler):
 @pytest.mark.parametrize("secret", [TEST_SECRET.encode(), None], ids=["secret", "none"])
 def test_the_gateways_replica_channels_carry_the_secret(scheduler_address, secret):
     """Stats (unary) and Submit (streaming) on ``replica.stub`` need no metadata of
-    their own: the channel adds it."""
+    their own: the channel adds it; the replica's SubmitMany call carries it itself."""
     async def calls():
         replicas = ReplicaSet([scheduler_address], secret=secret)
-        stub = replicas.replicas[0].stub
+        replica = replicas.replicas[0]
+        stub = replica.stub
         codes = []
         for call in (lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5),
-                     lambda: stub.Submit(submit_request(max_tokens=0), timeout=5).read()):
+                     lambda: stub.Submit(submit_request(max_tokens=0), timeout=5).read(),
+                     lambda: replica.mux.submit(submit_request(max_tokens=0), 5).read()):
             try:
                 await call()
                 codes.append(grpc.StatusCode.OK)
@@ -95,9 +97,9 @@ def test_the_gateways_replica_channels_carry_the_secret(scheduler_address, secre
 
     codes = asyncio.run(asyncio.wait_for(calls(), 30))
     if secret is None:
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
-    else:  # past auth: Stats answers, the Submit is judged on its merits
-        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3
+    else:  # past auth: Stats answers, the Submits are judged on their merits
+        assert codes == [grpc.StatusCode.OK] + [grpc.StatusCode.INVALID_ARGUMENT] * 2
 
 
 def stats(stub) -> scheduler_pb2.StatsResponse:

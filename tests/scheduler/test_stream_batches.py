@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
-from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 from scheduler_svc.core import ConfigError, FinishReason, SchedulerConfig
-from scheduler_svc.loop import EngineLoop
-from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.streams import next_batch, take_ready, to_event
 from tests.scheduler.factories import make_request
-from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+from tests.scheduler.fake_peer import served
 
 
 def _queue(*events) -> asyncio.Queue:
@@ -103,31 +100,11 @@ def test_a_grpc_client_gets_every_token_in_messages_of_the_interval(tmp_path, in
     by a fake executor on a real ipc socket: the tokens are the executor's, in order;
     after the first message, every one but the last holds at least ``interval``."""
     async def go():
-        address = f"ipc://{tmp_path}/s.sock"
-        loop = EngineLoop(SchedulerConfig(watermark=0.0, stream_interval=interval), address,
-                          secret=SECRET)
-        loop.start()
-        server = grpc.aio.server()
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        peer = FakePeer(address)
-        serving = None
-        try:
-            await peer.say_hello(make_hello())
-            serving = asyncio.create_task(peer.serve())
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = scheduler_pb2_grpc.SchedulerStub(channel).Submit(
-                    scheduler_pb2.SubmitRequest(
-                        request_id="r", prompt_token_ids=[5, 6, 7], max_tokens=11,
-                        sampling=sampling_pb2.SamplingParams(temperature=0.0)), timeout=20)
-                messages = [list(event.token_ids) async for event in call]
-        finally:
-            if serving is not None:
-                serving.cancel()
-            peer.close()
-            await server.stop(0)
-            await loop.stop()
+        async with served(tmp_path, stream_interval=interval) as (_, stub, *_):
+            call = stub.Submit(scheduler_pb2.SubmitRequest(
+                request_id="r", prompt_token_ids=[5, 6, 7], max_tokens=11,
+                sampling=sampling_pb2.SamplingParams(temperature=0.0)), timeout=20)
+            messages = [list(event.token_ids) async for event in call]
         tokens = [t for m in messages for t in m]
         seq_id = tokens[0] - 100 - 3  # the fake executor's tokens: 100 + seq id + position
         assert tokens == [100 + seq_id + p for p in range(3, 14)]

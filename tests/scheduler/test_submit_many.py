@@ -8,18 +8,14 @@ break the call or another stream."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.reliability import proto_strategies
-from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc.core import SchedulerConfig
-from scheduler_svc.loop import EngineLoop
-from scheduler_svc.servicer import SchedulerServicer
-from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
+from protos.continuum.v1 import sampling_pb2, scheduler_pb2
+from tests.scheduler.fake_peer import served, settled
 
 STOP = sampling_pb2.FINISH_REASON_STOP
 LENGTH = sampling_pb2.FINISH_REASON_LENGTH
@@ -37,41 +33,6 @@ def opening(stream_id: int, request: scheduler_pb2.SubmitRequest):
 
 def cancelling(stream_id: int):
     return scheduler_pb2.SubmitManyRequest(stream_id=stream_id, cancel=True)
-
-
-@contextlib.asynccontextmanager
-async def served(tmp_path, executor: bool = True, **config):
-    """(loop, stub): the servicer on a real port, the loop stepped by a FakePeer."""
-    address = f"ipc://{tmp_path}/s.sock"
-    loop = EngineLoop(SchedulerConfig(watermark=0.0, **config), address, secret=SECRET)
-    loop.start()
-    server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    peer = FakePeer(address)
-    serving = None
-    try:
-        if executor:
-            await peer.say_hello(make_hello())
-            serving = asyncio.create_task(peer.serve())
-            for _ in range(500):
-                if loop.executor is not None:
-                    break
-                await asyncio.sleep(0.01)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            yield loop, scheduler_pb2_grpc.SchedulerStub(channel)
-    finally:
-        while serving is not None and not serving.done():
-            # Again until it ends: Python 3.11's wait_for (in FakePeer.recv) can swallow
-            # a cancellation that arrives as its receive completes.
-            serving.cancel()
-            await asyncio.wait([serving], timeout=0.1)
-        if serving is not None and not serving.cancelled():
-            serving.exception()  # retrieved: a fake executor's end is not the test's
-        peer.close()
-        await server.stop(0)
-        await loop.stop()
 
 
 class Streams:
@@ -138,7 +99,7 @@ def _executor_tokens(tokens: list[int], prompt_len: int, n: int) -> bool:
 
 def test_many_streams_on_one_call_each_get_their_tokens_and_share_responses(tmp_path):
     async def go():
-        async with served(tmp_path) as (loop, stub):
+        async with served(tmp_path) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
             ids = list(range(1, 9))
             for i in ids:
@@ -157,7 +118,7 @@ def test_many_streams_on_one_call_each_get_their_tokens_and_share_responses(tmp_
 
 def test_refused_and_malformed_streams_end_alone_and_the_others_finish(tmp_path):
     async def go():
-        async with served(tmp_path) as (loop, stub):
+        async with served(tmp_path) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
             await call.write(opening(1, submit("good", max_tokens=40)))
             await call.write(opening(2, submit("bad", max_tokens=0)))  # INVALID_ARGUMENT
@@ -177,46 +138,32 @@ def test_refused_and_malformed_streams_end_alone_and_the_others_finish(tmp_path)
             assert "already open" in streams.errors[6].message
             assert streams.errors[5].trailers["error-code"] == "context_length_exceeded"
             assert streams.finish[1] == LENGTH and _executor_tokens(streams.tokens(1), 3, 40)
-            for _ in range(100):  # the open stream 6 was aborted with its bad twin
-                if not loop.core.requests:
-                    break
-                await asyncio.sleep(0.01)
-            assert not loop.core.requests
+            # The open stream 6 was aborted with its bad twin.
+            assert await settled(lambda: not loop.core.requests, 1)
 
     asyncio.run(go())
 
 
 def test_a_cancelled_stream_is_aborted_and_the_calls_end_aborts_the_rest(tmp_path):
     async def go():
-        async with served(tmp_path, executor=False) as (loop, stub):  # nothing runs
+        async with served(tmp_path, executor=False) as (loop, stub, *_):  # nothing runs
             call = stub.SubmitMany(timeout=30)
             for i in (1, 2, 3):
                 await call.write(opening(i, submit(f"r{i}")))
-            for _ in range(200):
-                if len(loop.core.requests) == 3:
-                    break
-                await asyncio.sleep(0.01)
-            assert len(loop.core.requests) == 3
+            assert await settled(lambda: len(loop.core.requests) == 3)
             await call.write(cancelling(2))
-            for _ in range(200):
-                if len(loop.core.requests) == 2:
-                    break
-                await asyncio.sleep(0.01)
+            await settled(lambda: len(loop.core.requests) == 2)
             assert sorted(k.split("\x1f")[1] for k in loop.core.requests) == ["r1", "r3"]
             assert not loop.is_known("default\x1fr2")
             call.cancel()  # the gateway went away
-            for _ in range(200):
-                if not loop.core.requests:
-                    break
-                await asyncio.sleep(0.01)
-            assert not loop.core.requests
+            assert await settled(lambda: not loop.core.requests)
 
     asyncio.run(go())
 
 
 def test_a_full_queue_and_a_drain_end_streams_with_submits_statuses(tmp_path):
     async def go():
-        async with served(tmp_path, executor=False, max_num_waiting=1) as (loop, stub):
+        async with served(tmp_path, executor=False, max_num_waiting=1) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
             await call.write(opening(1, submit("waits")))
             await call.write(opening(2, submit("refused")))
@@ -239,7 +186,7 @@ def test_a_full_queue_and_a_drain_end_streams_with_submits_statuses(tmp_path):
 
 def test_a_stream_interval_gathers_each_streams_tokens(tmp_path):
     async def go():
-        async with served(tmp_path, stream_interval=4) as (loop, stub):
+        async with served(tmp_path, stream_interval=4) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
             for i in (1, 2):
                 await call.write(opening(i, submit(f"r{i}", max_tokens=13)))
@@ -272,7 +219,7 @@ def test_drawn_messages_never_break_the_call_or_another_stream(tmp_path_factory,
             del message.submit.prompt_token_ids[64:]
 
     async def go():
-        async with served(tmp_path) as (loop, stub):
+        async with served(tmp_path) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
             await call.write(opening(good, submit("guard", max_tokens=12)))
             for message in drawn:

@@ -1,0 +1,246 @@
+"""This gateway's requests to one replica on one SubmitMany call (a multiplexed Submit).
+
+A Submit call per request costs the scheduler's event loop a wake-up and a gRPC write
+per message, per request: at 256 streams that is more than the scheduling step itself
+(docs/benchmarks.md §4). SubmitMany carries every stream of this gateway to the replica
+on one call, each step's messages for all of them in one write.
+
+To the relay a stream is what a Submit call is (``ManyStream``): ``read()`` returns the
+stream's TokenEvents, then ``grpc.aio.EOF`` if it ended without a finish; a stream the
+scheduler ended, refused or failed raises ``grpc.aio.AioRpcError`` with the status (and
+trailers) its Submit call would have ended with; ``cancel()`` aborts it upstream and has
+a pending ``read()`` raise CancelledError, as cancelling a call does; a timeout ends it
+with DEADLINE_EXCEEDED. One call (``_Link``) is opened lazily and replaced after it
+breaks: the streams open on a broken call end with its status (UNAVAILABLE when the
+scheduler went away), so the relay continues them elsewhere, as after a failed Submit.
+
+The call carries the internal secret in its own metadata (the channel's interceptors
+cover unary and server-streaming calls; an intercepted bidi call would turn writes into
+a request iterator). A retiring replica's call is half-closed once its last stream ends,
+so the channel's graceful close need not wait for its grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+
+import grpc
+import structlog
+
+from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from runtime.aio import cancel_all
+
+_log = structlog.get_logger("gateway.mux")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_NO_METADATA = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str,
+              trailers: grpc.aio.Metadata = _NO_METADATA) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, _NO_METADATA, trailers, details)
+
+
+def _stream_error(error: scheduler_pb2.StreamError) -> grpc.aio.AioRpcError:
+    """A StreamError as the AioRpcError its Submit call would have raised."""
+    code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    if code is grpc.StatusCode.OK:
+        code = grpc.StatusCode.UNKNOWN
+    return rpc_error(code, error.message, grpc.aio.Metadata(*sorted(error.trailers.items())))
+
+
+class ManyStream:
+    """One request on a SubmitMany call, used as its Submit call would be."""
+
+    __slots__ = ("_link", "_id", "_items", "_waiter", "_timer", "done")
+
+    def __init__(self, link: _Link, stream_id: int, timeout: float | None) -> None:
+        self._link, self._id = link, stream_id
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self.done = False  # its end is in ``_items``: nothing more comes, or is sent
+        self._timer = None if timeout is None else asyncio.get_running_loop().call_later(
+            max(0.0, timeout), self._expire)
+
+    async def read(self):
+        """Its next TokenEvent, or grpc.aio.EOF; raises its end's error."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items[0]
+        if isinstance(item, BaseException):
+            raise item  # kept: every later read raises it again, as a call's would
+        if item is grpc.aio.EOF:
+            return item
+        self._items.popleft()
+        return item
+
+    def cancel(self) -> bool:
+        """Aborts it upstream (idempotent); a pending read raises CancelledError."""
+        if self.done:
+            return False
+        self._end(asyncio.CancelledError())
+        self._link.send(scheduler_pb2.SubmitManyRequest(stream_id=self._id, cancel=True))
+        return True
+
+    def _expire(self) -> None:
+        if not self.done:
+            self._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._link.send(scheduler_pb2.SubmitManyRequest(stream_id=self._id, cancel=True))
+
+    def put(self, event: scheduler_pb2.TokenEvent) -> None:
+        """A message of the stream (the call's reader): its last has a finish reason."""
+        if self.done:
+            return
+        self._items.append(event)
+        if event.finish_reason:
+            self._end(grpc.aio.EOF)  # read after the finish, as after a call's end
+        else:
+            self._wake()
+
+    def _end(self, item) -> None:
+        self.done = True
+        self._items.append(item)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._link.ended(self._id)
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self._end(error)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Link:
+    """One SubmitMany call and the streams open on it."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata, on_idle) -> None:
+        self.call = stub.SubmitMany(metadata=metadata)
+        self.streams: dict[int, ManyStream] = {}
+        self.broken = False
+        self.closing = False  # retiring: half-close once no stream is open
+        self._on_idle = on_idle
+        self._outbox: collections.deque[scheduler_pb2.SubmitManyRequest] = collections.deque()
+        self._more = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
+
+    def open(self, submit: scheduler_pb2.SubmitRequest, timeout: float | None) -> ManyStream:
+        stream_id = next(self._ids)
+        stream = self.streams[stream_id] = ManyStream(self, stream_id, timeout)
+        self.send(scheduler_pb2.SubmitManyRequest(stream_id=stream_id, submit=submit))
+        return stream
+
+    def send(self, message: scheduler_pb2.SubmitManyRequest) -> None:
+        if not self.broken:
+            self._outbox.append(message)
+            self._more.set()
+
+    def ended(self, stream_id: int) -> None:
+        self.streams.pop(stream_id, None)
+        if self.closing and not self.streams:
+            self._more.set()  # the writer half-closes
+
+    async def _write(self) -> None:
+        outbox, call = self._outbox, self.call
+        try:
+            while True:
+                await self._more.wait()
+                self._more.clear()
+                while outbox:
+                    await call.write(outbox.popleft())
+                if self.closing and not self.streams:
+                    await call.done_writing()
+                    return
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the call broke: the reader sees why and ends its streams
+
+    async def _read(self) -> None:
+        call = self.call
+        status: object  # what each stream still open ends with
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    status = grpc.aio.EOF  # the scheduler ended the call: every stream early
+                    break
+                for item in response.events:
+                    stream = self.streams.get(item.stream_id)
+                    if stream is None:
+                        continue  # cancelled here, or ended by its deadline
+                    if item.HasField("error"):
+                        stream.fail(_stream_error(item.error))
+                    else:
+                        stream.put(item.event)
+        except grpc.aio.AioRpcError as exc:
+            status = exc
+            if self.streams:
+                _log.warning("SubmitMany call broke", code=exc.code().name,
+                             details=exc.details(), streams=len(self.streams))
+        except asyncio.CancelledError:
+            status = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the call")
+            raise
+        except Exception as exc:  # a message this gateway cannot apply: the call is lost
+            _log.exception("SubmitMany call failed here", streams=len(self.streams))
+            status = rpc_error(grpc.StatusCode.UNKNOWN, f"the gateway's SubmitMany call "
+                                                        f"failed: {exc!r}")
+            call.cancel()
+        finally:
+            self.broken = True
+            self._tasks[0].cancel()  # the writer: nothing more goes out on this call
+            for stream in list(self.streams.values()):
+                stream.fail(status)
+            self._on_idle(self)
+
+    async def close(self) -> None:
+        self.broken = True
+        self.call.cancel()
+        await cancel_all(self._tasks)
+
+
+class Mux:
+    """A replica's SubmitMany call, opened when a request needs it."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata=()) -> None:
+        self._stub = stub
+        self._metadata = grpc.aio.Metadata(*metadata)
+        self._link: _Link | None = None
+        self.retiring = False
+
+    @property
+    def num_open(self) -> int:
+        return len(self._link.streams) if self._link is not None else 0
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest, timeout: float | None) -> ManyStream:
+        """Opens a stream for ``submit`` (on the current call, or a new one)."""
+        link = self._link
+        if link is None or link.broken:
+            link = self._link = _Link(self._stub, self._metadata, self._gone)
+            link.closing = self.retiring
+        return link.open(submit, timeout)
+
+    def _gone(self, link: _Link) -> None:
+        if self._link is link:
+            self._link = None
+
+    def retire(self) -> None:
+        """The replica left: its call half-closes once its streams have ended."""
+        self.retiring = True
+        link = self._link
+        if link is not None:
+            link.closing = True
+            link.ended(0)
+
+    async def close(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            await link.close()
