@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import os
 import time
-from typing import Protocol
 
 import structlog
 
@@ -30,7 +29,8 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
 from runtime.aio import cancel_all
-from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
+from scheduler_svc.core import Request, Scheduler, SchedulerConfig
+from scheduler_svc.dispatch import EventSink, Streams
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.gc_pacing import GcPacer
 from scheduler_svc.hang_check import await_answer
@@ -53,14 +53,6 @@ HEARTBEAT_TIMEOUT_S = 5.0
 # Tests shorten the heartbeat timeout with this (seconds).
 ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
 _FROM_ENV = object()
-
-
-class EventSink(Protocol):
-    """Where a request's events go as steps produce them: a Submit call's queue, or a
-    SubmitMany call's stream (scheduler_svc/submit_many.py). Called on the loop; must
-    not block."""
-
-    def put_nowait(self, ev: Event) -> None: ...
 
 
 class EngineLoop:
@@ -87,13 +79,14 @@ class EngineLoop:
                                          or HEARTBEAT_TIMEOUT_S)
         # Resolved (with the reason) when a task the loop depends on died.
         self.fatal: asyncio.Future[str] | None = None
+        self.streams = Streams()  # each request's call's stream
+        self._dispatch = self.streams.dispatch
         self.faults = StepFaults(self.core, self._dispatch)  # blame, resync, counters
         self.executor: ExecutorInfo | None = None
         # The last executor that registered: its pool is the replica's KV configuration
         # for /metrics while a replacement loads (scheduler_svc/metrics.py).
         self.last_executor: ExecutorInfo | None = None
         self.steps = StepStats()  # answered steps: counts and times
-        self._streams: dict[str, EventSink] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._pending_hello: pb.Hello | None = None
@@ -148,7 +141,7 @@ class EngineLoop:
         self.core.add_request(req)
         self._plans.prepare(req)  # now, not in the step that admits it
         queue = asyncio.Queue() if sink is None else sink
-        self._streams[req.request_id] = queue
+        self.streams.add(req.request_id, queue)
         self._wake.set()
         return queue
 
@@ -186,7 +179,7 @@ class EngineLoop:
         return self.link.num_dropped_frames
 
     def is_known(self, request_id: str) -> bool:
-        return request_id in self._streams
+        return request_id in self.streams
 
     # -- executor messages -------------------------------------------------------
 
@@ -361,14 +354,3 @@ class EngineLoop:
         self.executor = None
         self.link.peer = None
         self._take_over_from_standby()
-
-    def _dispatch(self, events: list[Event]) -> None:
-        streams = self._streams
-        for ev in events:
-            req, _, reason, _ = ev
-            queue = streams.get(req.request_id)
-            if queue is None:
-                continue
-            queue.put_nowait(ev)
-            if reason is not None:
-                del streams[req.request_id]

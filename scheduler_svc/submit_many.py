@@ -107,6 +107,8 @@ class ManyCall:
         except QueueFull as exc:
             del self.open[stream_id]
             self.fail(stream_id, queue_full(self.loop, submit, req, exc))
+        else:
+            self.loop.streams.num_many_streams += 1
 
     def opened(self, stream_id: int, req: Request) -> _Sink:
         """Opens stream ``stream_id`` for ``req``; returns where its events go."""
@@ -194,8 +196,12 @@ async def _read(call: ManyCall, request_iterator) -> None:
 
 async def serve(loop: EngineLoop, request_iterator, context):
     """The responses of one SubmitMany call (see the module docstring)."""
-    async for response in respond(ManyCall(loop), request_iterator):
-        yield response
+    loop.streams.num_many_calls += 1
+    try:
+        async for response in respond(ManyCall(loop), request_iterator):
+            yield response
+    finally:
+        loop.streams.num_many_calls -= 1
 
 
 async def respond(call: ManyCall, request_iterator):

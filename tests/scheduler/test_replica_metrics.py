@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
+from scheduler_svc.dispatch import Streams
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.gc_pacing import GcPacer
 from scheduler_svc.metrics import Histograms, MetricsServer, render
@@ -41,7 +42,8 @@ def _loop(tmp_path) -> types.SimpleNamespace:
     link = types.SimpleNamespace(plans=PlanChannel("zmq", "ipc:///unused", None))
     faults = types.SimpleNamespace(num_failed_steps=0, num_resyncs=0, num_row_failures=0)
     return types.SimpleNamespace(core=core, executor=executor, last_executor=executor,
-                                 recorder=None, link=link, gc=GcPacer(), faults=faults)
+                                 recorder=None, link=link, gc=GcPacer(), faults=faults,
+                                 streams=Streams())
 
 
 def _families(page: bytes) -> dict:
