@@ -153,18 +153,29 @@ async def next_batch(queue: asyncio.Queue[Event], interval: int, first: bool) ->
 
 def to_event(batch: list[Event], first: bool) -> scheduler_pb2.TokenEvent:
     """One message for ``batch`` (one stream's events, in order; only the last may end it)."""
+    out = scheduler_pb2.TokenEvent()
+    fill_event(out, batch, first)
+    return out
+
+
+def fill_event(out: scheduler_pb2.TokenEvent, batch: list[Event], first: bool) -> None:
+    """``to_event`` into ``out``, an empty message in place (a SubmitMany response's:
+    building it where it goes saves two copies of every message)."""
     req, reason = batch[0][0], batch[-1][2]
-    out = scheduler_pb2.TokenEvent(
-        token_ids=[token for _, token, _, _ in batch if token is not None],
-        finish_reason=int(reason or 0),
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_generated_tokens=req.num_output_tokens,
-    )
+    if len(batch) == 1:
+        token = batch[0][1]
+        if token is not None:
+            out.token_ids.append(token)
+    else:
+        out.token_ids.extend([token for _, token, _, _ in batch if token is not None])
+    if reason:
+        out.finish_reason = int(reason)
+    out.num_prompt_tokens = req.num_prompt_tokens
+    out.num_generated_tokens = req.num_output_tokens
     for _, token, _, logprob in batch:
         if token is not None and logprob is not None:  # the loop attached its logprobs
             out.logprobs.append(logprob)
     if first and req.first_scheduled_time is not None:
         out.queue_time_s = req.first_scheduled_time - req.arrival_time
-    return out
 
 
