@@ -34,6 +34,12 @@ from scheduler_svc.streams import (
     to_request,
 )
 
+# A response's size, about, before the next stream's messages go into another one, and a
+# message's events at most: far under gRPC's 4 MiB default a gateway receives, even for a
+# stream far behind with top logprobs (~160 bytes a token).
+RESPONSE_BYTES = 1 << 20
+MESSAGE_EVENTS = 256
+
 
 class _Stream:
     """One open stream: its request, the events not sent yet (``held``), whether its
@@ -139,65 +145,71 @@ class ManyCall:
     def done(self) -> bool:
         return not self.reading and not self.open and not self.errors
 
-    def take(self) -> scheduler_pb2.SubmitManyResponse:
-        """What goes out now, in one response: the errors, and the messages of every
-        stream with events (held back under a stream interval until it has that many, as
-        Submit's). Built in place: a message made apart and copied in costs 3x."""
+    def take(self) -> list[scheduler_pb2.SubmitManyResponse]:
+        """What goes out now: the errors, and the messages of every stream with events
+        (held back under a stream interval until it has that many, as Submit's), in
+        responses of about RESPONSE_BYTES at most, a stream's events MESSAGE_EVENTS at
+        most to a message (a gateway that fell behind must not get one message over
+        gRPC's limit: it would break the call, and every stream on it). Built in place:
+        a message made apart and copied in costs 3x."""
         response = scheduler_pb2.SubmitManyResponse()
-        events = response.events
+        responses = [response]
         if self.errors:
-            events.extend(self.errors)
+            response.events.extend(self.errors)
             self.errors = []
+        add = response.events.add
+        size = 0
         interval = self.loop.core.config.stream_interval
         ready, self.ready = self.ready, {}
         now = time.monotonic()
-        add = events.add
         for stream in ready.values():
             held = stream.held
             if stream.ended or not held:
                 continue
             reason = held[-1][2]
+            if reason is None and not stream.first and len(held) < interval:
+                continue  # its next events put it back in ``ready``
+            if size > RESPONSE_BYTES:
+                response = scheduler_pb2.SubmitManyResponse()
+                responses.append(response)
+                add, size = response.events.add, 0
+            stream.held = []
+            if len(held) == 1:
+                if held[0][1] is not None:
+                    stream.times.append(now)
+            else:
+                stream.times.extend(now for ev in held if ev[1] is not None)
             if reason is None:
-                if not stream.first and len(held) < interval:
-                    continue  # its next events put it back in ``ready``
-                stream.held = []
-                if len(held) == 1:
-                    if held[0][1] is not None:
-                        stream.times.append(now)
-                else:
-                    stream.times.extend(now for ev in held if ev[1] is not None)
-                message = add()
+                if len(held) > MESSAGE_EVENTS or held[0][3] is not None:
+                    size += _put(stream, held, add)  # long, or with logprobs: measured
+                    continue
+                message = add()  # the common case inline: a token or a few, no logprobs
                 message.stream_id = stream.id
                 fill_event(message.event, held, stream.first)
                 stream.first = False
+                size += 24 + 5 * len(held)
             else:
-                stream.held = []
-                stream.times.extend(now for ev in held if ev[1] is not None)
-                self._last(stream, held, add)
-        return response
+                size += self._last(stream, held, add)
+        return responses
 
-    def _last(self, stream: _Stream, held: list[Event], add) -> None:
-        """A stream's last message: its tokens and finish, or, ended by the server, what
-        tokens it has and then the status that says why."""
+    def _last(self, stream: _Stream, held: list[Event], add) -> int:
+        """A stream's last messages: its tokens and finish, or, ended by the server, what
+        tokens it has and then the status that says why. Returns their size, about."""
         req, reason = stream.req, held[-1][2]
         if req.error:
-            if len(held) > 1:
-                message = add()
-                message.stream_id = stream.id
-                fill_event(message.event, held[:-1], stream.first)
+            size = _put(stream, held[:-1], add) if len(held) > 1 else 0
             code, text, trailers = server_end(req, reason)
             message = add()
             message.stream_id = stream.id
             error = message.error
             error.code, error.message = code.value[0], text
             error.trailers.update(trailers)
+            size += message.ByteSize()
         else:
-            message = add()
-            message.stream_id = stream.id
-            fill_event(message.event, held, stream.first)
-        stream.first = False
+            size = _put(stream, held, add)
         del self.open[stream.id]
         self._end(stream, reason, finished=True)
+        return size
 
     def _end(self, stream: _Stream, reason, finished: bool) -> None:
         stream.ended = True
@@ -207,6 +219,20 @@ class ManyCall:
         if not self.wake.is_set():
             self.wake.set()
 
+
+def _put(stream: _Stream, events: list[Event], add) -> int:
+    """``events`` as the stream's next messages (MESSAGE_EVENTS at most each), added to a
+    response with ``add``; returns their size, about (exact where logprobs make it big)."""
+    size = 0
+    for lo in range(0, len(events), MESSAGE_EVENTS):
+        part = events if len(events) <= MESSAGE_EVENTS else events[lo:lo + MESSAGE_EVENTS]
+        message = add()
+        message.stream_id = stream.id
+        fill_event(message.event, part, stream.first)
+        stream.first = False
+        size += message.ByteSize() if part[-1][3] is not None or part[0][3] is not None \
+            else 24 + 5 * len(part)
+    return size
 
 async def _read(call: ManyCall, request_iterator) -> None:
     try:
@@ -238,9 +264,9 @@ async def respond(call: ManyCall, request_iterator):
             call.wake.clear()
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 return  # the call broke: its streams are aborted below
-            response = call.take()
-            if response.events:
-                yield response
+            for response in call.take():
+                if response.events:
+                    yield response
     finally:
         reader.cancel()
         call.close()

@@ -90,7 +90,9 @@ def test_a_refused_stream_raises_submits_status_and_the_others_finish(tmp_path):
     async def go():
         async with served(tmp_path) as (loop, stub, address, _):
             mux = Mux(stub)
-            good = [mux.submit(submit(f"ok{i}"), 20) for i in range(3)]
+            # ok0 long enough to be still open when its twin arrives.
+            lengths = [200, 6, 6]
+            good = [mux.submit(submit(f"ok{i}", max_tokens=n), 20) for i, n in enumerate(lengths)]
             bad = {
                 "zero": mux.submit(submit("zero", max_tokens=0), 20),
                 "long": mux.submit(submit("long", prompt=range(300)), 20),
@@ -108,9 +110,9 @@ def test_a_refused_stream_raises_submits_status_and_the_others_finish(tmp_path):
             status = client_status(errors["long"], address)
             assert status.code == grpc.StatusCode.INVALID_ARGUMENT
             assert (ERROR_CODE_KEY, "context_length_exceeded") in status.trailing_metadata
-            for stream in good:
+            for stream, n in zip(good, lengths, strict=True):
                 tokens, reason = await read_all(stream)
-                assert reason == LENGTH and executor_tokens(tokens, 6)
+                assert reason == LENGTH and executor_tokens(tokens, n)
             await mux.close()
 
     run(go())

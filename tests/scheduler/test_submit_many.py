@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from benchmarks.reliability import proto_strategies
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
+from scheduler_svc import submit_many
+from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import served, settled
 
 STOP = sampling_pb2.FINISH_REASON_STOP
@@ -230,5 +232,34 @@ def test_drawn_messages_never_break_the_call_or_another_stream(tmp_path_factory,
             assert _executor_tokens(streams.tokens(good), 3, 12)
             assert call.done() is False  # the call itself is still up
             call.cancel()
+
+    asyncio.run(go())
+
+
+def test_a_backlog_goes_out_in_bounded_messages_and_responses(tmp_path):
+    """Streams far behind (a gateway that stopped reading for a while), with top-20
+    logprobs: each stream's tokens come in order, MESSAGE_EVENTS at most a message, in
+    responses that stay about RESPONSE_BYTES, far under the 4 MiB a gateway receives, so
+    no stream's backlog can break the call for the others."""
+    async def go():
+        async with served(tmp_path, executor=False) as (loop, *_):
+            call = submit_many.ManyCall(loop)
+            reqs = [make_request(request_id=f"b{i}") for i in range(40)]
+            sinks = [call.opened(i + 1, req) for i, req in enumerate(reqs)]
+            lp = sampling_pb2.TokenLogprob(token_id=1, logprob=-0.5,
+                                           top_token_ids=range(20), top_logprobs=[-1.0] * 20)
+            for sink, req in zip(sinks, reqs, strict=True):
+                for token in range(1000):
+                    sink.put_nowait((req, token, None, lp))
+            responses = call.take()
+            tokens: dict[int, list[int]] = {}
+            for response in responses:
+                assert response.ByteSize() < submit_many.RESPONSE_BYTES + 200_000 < 4 << 20
+                for e in response.events:
+                    assert len(e.event.token_ids) <= submit_many.MESSAGE_EVENTS
+                    assert len(e.event.logprobs) == len(e.event.token_ids)
+                    tokens.setdefault(e.stream_id, []).extend(e.event.token_ids)
+            assert len(responses) > 1
+            assert tokens == {i + 1: list(range(1000)) for i in range(40)}
 
     asyncio.run(go())
