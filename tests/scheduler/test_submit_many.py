@@ -127,7 +127,7 @@ def test_refused_and_malformed_streams_end_alone_and_the_others_finish(tmp_path)
             await call.write(opening(3, submit("good")))  # its id is in flight
             await call.write(scheduler_pb2.SubmitManyRequest(stream_id=4))  # no action
             await call.write(opening(5, submit("long", max_tokens=10_000)))  # past the model
-            await call.write(opening(6, submit("other", max_tokens=4)))
+            await call.write(opening(6, submit("other", max_tokens=40)))  # still open next
             await call.write(opening(6, submit("again", max_tokens=4)))  # id 6 is open
             await call.write(cancelling(99))  # nothing open: nothing happens
             streams = Streams()
