@@ -12,7 +12,10 @@ import asyncio
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from benchmarks.reliability import proto_strategies
 from gateway.routing.mux import Mux
 from gateway.routing.relay import _REPLICA_FAILURES
 from gateway.routing.replicas import ReplicaSet
@@ -241,3 +244,39 @@ def test_one_call_per_request_keeps_a_submit_call_each(tokenizer, flag):
     (response,) = run(go())
     assert response.finish_reason == LENGTH
     assert scheduler.num_many_calls == (not flag) and len(scheduler.submitted) == 1
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(drawn=st.lists(proto_strategies.messages(scheduler_pb2.SubmitRequest.DESCRIPTOR),
+                      min_size=1, max_size=10))
+def test_drawn_requests_end_alone_and_a_guarded_stream_finishes(tmp_path_factory, drawn):
+    """Whatever a drawn SubmitRequest holds, its stream ends by itself (tokens then EOF, or
+    an AioRpcError the relay maps to a client status), and a stream beside them on the
+    same call gets every token: none of them breaks the call."""
+    tmp_path = tmp_path_factory.mktemp("mux")
+    for request in drawn:  # bounded work for the fake executor
+        request.max_tokens = min(request.max_tokens, 8)
+        del request.prompt_token_ids[64:]
+        if request.request_id == "guard":
+            request.request_id = "not-the-guard"
+
+    async def ends(stream) -> None:
+        try:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+            client_status(exc, "replica")  # what the client gets: no exception
+
+    async def go():
+        async with served(tmp_path) as (_, stub, *_):
+            mux = Mux(stub)
+            guard = mux.submit(submit("guard", max_tokens=12), 20)
+            streams = [mux.submit(request, 20) for request in drawn]
+            await asyncio.wait_for(asyncio.gather(*map(ends, streams)), 20)
+            tokens, _ = await read_all(guard)
+            assert executor_tokens(tokens, 12)
+            await mux.close()
+
+    run(go())
