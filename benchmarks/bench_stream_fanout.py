@@ -127,38 +127,49 @@ def _client(port: int, streams: int, many: bool):
     return client, out
 
 
-async def grpc_fanout(streams: int, steps: int, behind: int = 1,
-                      interval: int = 1) -> tuple[list[float], int, float]:
-    """Each step's time, the messages written in all, the gateway's CPU seconds."""
-    servicer = _Streams(interval)
+async def _fan(servicer, streams: int, steps: int, behind: int, many: bool, opened,
+               sinks, req, end) -> tuple[list[float], float]:
+    """Serves ``servicer`` to the gateway's process; once ``opened()``, each step's events
+    into ``sinks()`` and the loop turn that writes them, until ``servicer.settled()``; then
+    ``end`` into each. Each step's time in ms, and the gateway's CPU seconds."""
     server = grpc.aio.server()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    client, out = _client(port, streams, many=False)
+    client, out = _client(port, streams, many)
     try:
         deadline = time.monotonic() + 60
-        while len(servicer.queues) < streams:
+        while not opened():
             if time.monotonic() > deadline or not client.is_alive():
-                raise RuntimeError(f"the client opened {len(servicer.queues)} of {streams}")
+                raise RuntimeError(f"the client did not open its {streams} streams")
             await asyncio.sleep(0.01)
         times = []
         for step in range(steps):
-            times.append(await _one_turn(servicer.queues, step, behind))
+            times.append(await _one_turn(sinks(), step, behind, req))
             deadline = time.monotonic() + 60
             while not servicer.settled():  # every write done
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"step {step}: {servicer.written} events written")
+                    raise RuntimeError(f"step {step}: not written")
                 await asyncio.sleep(0)
-        for queue in servicer.queues:
-            queue.put_nowait((None, None, "end", None))
+        for sink in sinks():
+            sink.put_nowait(end)
         deadline = time.monotonic() + 60
         while client.is_alive() and time.monotonic() < deadline:  # its calls end
             await asyncio.sleep(0.05)
     finally:
         await server.stop(0)
         client.join(10)
-    return times, servicer.messages, out.get(timeout=10)
+    return times, out.get(timeout=10)
+
+
+async def grpc_fanout(streams: int, steps: int, behind: int = 1,
+                      interval: int = 1) -> tuple[list[float], int, float]:
+    """Each step's time, the messages written in all, the gateway's CPU seconds."""
+    servicer = _Streams(interval)
+    times, cpu = await _fan(servicer, streams, steps, behind, False,
+                            lambda: len(servicer.queues) >= streams, lambda: servicer.queues,
+                            None, (None, None, "end", None))
+    return times, servicer.messages, cpu
 
 
 class _Many(scheduler_pb2_grpc.SchedulerServicer):
@@ -207,30 +218,9 @@ async def many_fanout(streams: int, steps: int, behind: int = 1,
     """``grpc_fanout`` for SubmitMany: each step's time, the stream messages in all, the
     gateway's CPU seconds."""
     servicer = _Many(streams, interval)
-    server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client, out = _client(port, streams, many=True)
-    try:
-        await asyncio.wait_for(servicer.started.wait(), 60)
-        times = []
-        for step in range(steps):
-            times.append(await _one_turn(servicer.sinks, step, behind, servicer.req))
-            deadline = time.monotonic() + 60
-            while not servicer.settled():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"step {step}: not written")
-                await asyncio.sleep(0)
-        for sink in servicer.sinks:
-            sink.put_nowait((servicer.req, None, 1, None))
-        deadline = time.monotonic() + 60
-        while client.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-    finally:
-        await server.stop(0)
-        client.join(10)
-    return times, servicer.messages, out.get(timeout=10)
+    times, cpu = await _fan(servicer, streams, steps, behind, True, servicer.started.is_set,
+                            lambda: servicer.sinks, servicer.req, (servicer.req, None, 1, None))
+    return times, servicer.messages, cpu
 
 
 async def queues_only(streams: int, steps: int) -> list[float]:

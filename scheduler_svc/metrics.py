@@ -211,15 +211,22 @@ def _continuum_lines(loop, label: str) -> list[str]:
         *_metric("continuum:kv_events_dropped_total", "counter",
                  "KV cache events not published (the publisher's queue was full).",
                  [(label, core.kv_events.num_dropped if core.kv_events else 0)]),
-        *_metric("continuum:submit_many_calls", "gauge",
-                 "SubmitMany calls open (gateways sending their requests on one call each).",
-                 [(label, loop.streams.num_many_calls)]),
-        *_metric("continuum:submit_many_streams_total", "counter",
-                 "Requests queued from SubmitMany streams (the rest came on Submit calls).",
-                 [(label, loop.streams.num_many_streams)]),
+        *_stream_lines(loop.streams, label),
         *_gc_lines(loop.gc, label),
         *_metric("continuum:metrics_published_timestamp_seconds", "gauge",
                  "When this page was rendered (Unix time).", [(label, time.time())]),
+    ]
+
+
+def _stream_lines(streams, label: str) -> list[str]:
+    """How gateways' requests arrive: SubmitMany's calls and streams."""
+    return [
+        *_metric("continuum:submit_many_calls", "gauge",
+                 "SubmitMany calls open (gateways sending their requests on one call each).",
+                 [(label, streams.num_many_calls)]),
+        *_metric("continuum:submit_many_streams_total", "counter",
+                 "Requests queued from SubmitMany streams (the rest came on Submit calls).",
+                 [(label, streams.num_many_streams)]),
     ]
 
 

@@ -150,6 +150,12 @@ class _Link:
         if self.closing and not self.streams:
             self._more.set()  # the writer half-closes
 
+    def retire(self) -> None:
+        """Half-closes once no stream is open (at once if none is)."""
+        self.closing = True
+        if not self.streams:
+            self._more.set()
+
     async def _write(self) -> None:
         outbox, call = self._outbox, self.call
         try:
@@ -235,10 +241,8 @@ class Mux:
     def retire(self) -> None:
         """The replica left: its call half-closes once its streams have ended."""
         self.retiring = True
-        link = self._link
-        if link is not None:
-            link.closing = True
-            link.ended(0)
+        if self._link is not None:
+            self._link.retire()
 
     async def close(self) -> None:
         link, self._link = self._link, None

@@ -23,7 +23,12 @@ import structlog
 from gateway.log_sampling import Sampled
 from gateway.metrics import GatewayMetrics
 from gateway.routing.replicas import ReplicaSet
-from gateway.routing.upstream import ClientStatus, client_status, request_failed
+from gateway.routing.upstream import (
+    REPLICA_FAILURES,
+    ClientStatus,
+    client_status,
+    request_failed,
+)
 from gateway.routing.watchdog import Completion, Stream, Watchdog
 from gateway.text.output_stream import OutputStream
 from gateway.text.tokenizer import Tokenizer
@@ -35,15 +40,6 @@ _log = structlog.get_logger("gateway")
 # A scheduler's overload refusals, one line a second however many (the metrics count each).
 _log_overload = Sampled(_log, "warning", "upstream refused: overloaded")
 
-# Upstream failures that mean "this replica cannot go on", not "this request
-# is wrong": the request continues on another replica.
-_REPLICA_FAILURES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNIMPLEMENTED,
-})
 _FINISH_NAMES = {
     sampling_pb2.FINISH_REASON_STOP: "stop",
     sampling_pb2.FINISH_REASON_LENGTH: "length",
@@ -146,7 +142,7 @@ def _replica_failure(exc: Exception, address: str, streamed: int, log) -> Client
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # overload: comes in crowds
             _log_overload(code=exc.code().name, details=exc.details())
             raise RelayError(client_status(exc, address)) from exc
-        if exc.code() not in _REPLICA_FAILURES or request_failed(exc):
+        if exc.code() not in REPLICA_FAILURES or request_failed(exc):
             log.warning("upstream failed", code=exc.code().name, details=exc.details())
             raise RelayError(client_status(exc, address)) from exc
         log.warning("replica failed; continuing elsewhere", replica=address,

@@ -40,6 +40,16 @@ CHANNEL_OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that sends nothing
 )
 
+# Upstream failures that mean "this replica cannot go on", not "this request is wrong":
+# the relay continues the request on another replica.
+REPLICA_FAILURES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNIMPLEMENTED,
+})
+
 # Codes whose upstream details are meaningful to the client as they are.
 _PASS_THROUGH = frozenset(
     {

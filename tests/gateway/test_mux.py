@@ -17,9 +17,8 @@ from hypothesis import strategies as st
 
 from benchmarks.reliability import proto_strategies
 from gateway.routing.mux import Mux
-from gateway.routing.relay import _REPLICA_FAILURES
 from gateway.routing.replicas import ReplicaSet
-from gateway.routing.upstream import ERROR_CODE_KEY, client_status
+from gateway.routing.upstream import ERROR_CODE_KEY, REPLICA_FAILURES, client_status
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import SchedulerServicer
 from tests.gateway.harness import (
@@ -158,7 +157,7 @@ def test_a_scheduler_that_goes_away_fails_its_streams_and_the_next_opens_a_new_c
                 for stream in streams:
                     with pytest.raises(grpc.aio.AioRpcError) as caught:
                         await stream.read()
-                    assert caught.value.code() in _REPLICA_FAILURES  # continued elsewhere
+                    assert caught.value.code() in REPLICA_FAILURES  # continued elsewhere
                 assert await settled(lambda: not loop.core.requests)  # the call's end
                 again = grpc.aio.server()  # the scheduler is back on its port
                 scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), again)
