@@ -1,10 +1,11 @@
 """The HTTP server's connection-level defences: connections cannot be held hostage.
 
-* Request head: once a request head starts to arrive, it must be complete
-  within `header_timeout_s`, else the connection is closed (a slowloris head
-  that trickles a byte a second is closed on time: data does not reset the
-  clock). aiohttp has no such timer, so `_Handler` adds one per connection.
-* Idle keep-alive connections (and ones that never send a byte) are closed
+* Request head: the first within `header_timeout_s` of the connection's arrival,
+  each later one within `header_timeout_s` of its first byte, else the connection
+  is closed (a slowloris head that trickles a byte a second is closed on time:
+  data does not reset the clock; a silent socket cannot hold a slot for long).
+  aiohttp has no such timer, so `_Handler` adds one per connection.
+* Idle keep-alive connections are closed
   after `keepalive_s` by aiohttp's own keep-alive timer (75 s, nginx's
   keepalive_timeout: longer than the 60 s idle timeout of common proxies, so a
   proxy never reuses a connection we are closing).
@@ -13,14 +14,15 @@
   is closed after at most `lingering_s` more (aiohttp keeps reading an unread
   body that long so that a client still sending sees the answer instead of a
   reset; nginx's lingering_timeout is 5 s).
-* Open connections: at most `max_connections`. When they are all open, the one idle
-  longest (a keep-alive connection between requests, or one that never sent a byte)
-  is closed to make room, so a crowd of idle sockets cannot lock new clients out;
-  only when none is idle is the next one answered a plain 503 with a JSON body and
-  closed before any request is read. Per client address, at most
-  `clients.max_connections` (gateway/edge/client_limits.py), with the same rule among that
-  client's own connections: one more closes its longest-idle one, or, all busy, is
-  answered 429.
+* Open connections: at most `max_connections`, and per client address at most
+  `clients.max_connections` (gateway/edge/client_limits.py). A newcomer past a cap
+  closes the connection idle longest under that cap, where idle means answered and then
+  silent for `IDLE_BEFORE_REUSE_S` (keep-alive); a connection that has not yet sent its
+  first request is never closed to make room (its request may be on the wire). With
+  none idle, the newcomer is still read and answered, 429 at the client's cap, 503 at
+  the gateway's, with `Retry-After` and the connection closed after the answer, so a
+  burst sees refusals it can retry, never resets. Such refused connections are bounded
+  too (`max_connections` more); past that a connection gets the refusal written at once.
 * Head sizes: aiohttp's parser limits (8,190-byte lines and fields, 128
   headers) answer 400/431 themselves.
 * TLS (`start_http(tls=...)`): each connection, as it arrives and before its
@@ -57,32 +59,80 @@ class HttpLimits:
     backlog: int = 4096
 
 
-def _refusal(status: str, message: str, kind: str = "service_unavailable_error") -> bytes:
-    body = json.dumps({"error": {"message": message, "type": kind,
-                                 "param": None, "code": None}}).encode()
-    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\nRetry-After: 1\r\n\r\n"
-            ).encode() + body
+# A connection answered and then silent this long is idle: one that was just answered may
+# have its client's next request on the wire, and closing it would drop that request.
+IDLE_BEFORE_REUSE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The answer every request on a connection let in past a cap gets."""
+
+    status: int
+    message: str
+    kind: str
+
+    def raw(self) -> bytes:
+        """The whole HTTP answer, for a connection refused before it is read."""
+        body = json.dumps(_error(self)).encode()
+        return (f"HTTP/1.1 {self.status} {_REASONS[self.status]}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\nRetry-After: 1\r\n\r\n").encode() + body
+
+
+_REASONS = {429: "Too Many Requests", 503: "Service Unavailable"}
+
+
+def _error(refusal: Refusal) -> dict:
+    return {"error": {"message": refusal.message, "type": refusal.kind, "param": None,
+                      "code": None}}
+
+
+@web.middleware
+async def _answer_refused(request: web.Request, handler) -> web.StreamResponse:
+    """Answers a refused connection's request (its body is left to aiohttp's lingering
+    read, so the close after the answer is a FIN, not a reset)."""
+    refusal = getattr(request.protocol, "refusal", None)
+    if refusal is None:
+        return await handler(request)
+    response = web.json_response(_error(refusal), status=refusal.status,
+                                 headers={"Retry-After": "1"})
+    response.force_close()
+    return response
 
 
 class _Handler(web_protocol.RequestHandler):
-    """aiohttp's per-connection protocol, closing the connection when a request head,
-    once begun, is not complete within `head_timeout_s`.
+    """aiohttp's per-connection protocol, closing the connection when a request head
+    is not complete within `head_timeout_s` (see the module docstring).
 
     The parent waits on `_waiter` while no complete request has been parsed and
     counts parsed requests in `_request_count` (aiohttp 3.14, pinned); a head is
     complete when either moves."""
 
-    __slots__ = ("_head_timeout_s", "_head_timer", "_head_count")
+    __slots__ = ("_head_timeout_s", "_head_timer", "_head_count", "refusal")
 
     def __init__(self, *args, head_timeout_s: float, **kwargs):
         super().__init__(*args, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_count = 0  # requests parsed when the running timer started
+        self.refusal: Refusal | None = None  # set by _Server for a connection past a cap
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if not self._force_close:  # the first head's clock runs from the arrival
+            self._head_timer = self._loop.call_later(self._head_timeout_s, self._head_expired)
 
     def _waiting_for_a_head(self) -> bool:
         return self._waiter is not None and not self._waiter.done()
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since this connection's last answer while it waits for its next
+        request; 0 while a request is arriving or in progress, or none was answered."""
+        if (self._request_count == 0 or not self._waiting_for_a_head()
+                or self._request_in_progress or self._head_timer is not None):
+            return 0.0
+        return now - (self._next_keepalive_close_time - self._keepalive_timeout)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -106,10 +156,11 @@ class _Handler(web_protocol.RequestHandler):
 
 class _Server(web.Server):
     """aiohttp's connection manager (its class swapped in by `start_http`), making
-    `_Handler`s and refusing connections past `limits.max_connections`."""
+    `_Handler`s and holding the connection caps."""
 
     limits: HttpLimits
-    _addresses: dict[web_protocol.RequestHandler, str]  # counted connections' clients
+    _addresses: dict[_Handler, str]  # admitted connections' clients
+    _refused: set[_Handler]  # connections let in to be answered a refusal
     num_idle_closed: int  # idle connections closed to let a new one in
 
     tls: ReloadingSslContext | None = None
@@ -120,56 +171,56 @@ class _Server(web.Server):
         return _Handler(self, loop=self._loop, head_timeout_s=self.limits.header_timeout_s,
                         **self._kwargs)
 
-    def connection_made(self, handler: web_protocol.RequestHandler,
-                        transport: asyncio.Transport) -> None:
+    def connection_made(self, handler: _Handler, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         address = peer[0] if peer else ""
-        clients = self.limits.clients
-        if clients.at_connection_cap(address):
-            own = _longest_idle(h for h, a in self._addresses.items() if a == address)
-            if own is None:
-                transport.write(_refusal("429 Too Many Requests",
-                                         clients.connection_refusal(), "rate_limit_exceeded"))
+        refusal = self._admit(address)
+        if refusal is not None:
+            if len(self._refused) >= self.limits.max_connections:  # a flood past both caps
+                transport.write(refusal.raw())
                 handler.force_close()  # closes the transport once the bytes are written
                 return
-            self._make_room(own)  # its count is given back when it is gone
-        elif len(self._connections) >= self.limits.max_connections:
-            idle = _longest_idle(self._connections)
-            if idle is None:
-                transport.write(_refusal(
-                    "503 Service Unavailable",
-                    f"this gateway holds its limit of {self.limits.max_connections} open "
-                    "connections, all busy; retry shortly or on another gateway"))
-                handler.force_close()
-                return
-            self._make_room(idle)
-        clients.open_connection(address)
-        self._addresses[handler] = address
+            handler.refusal = refusal
+            self._refused.add(handler)
+        else:
+            self.limits.clients.open_connection(address)
+            self._addresses[handler] = address
         super().connection_made(handler, transport)
 
-    def _make_room(self, idle: web_protocol.RequestHandler) -> None:
-        """Closes ``idle`` for a newcomer; the newcomer is let in at once, so the caps
-        run one over until ``idle``'s connection_lost."""
-        idle.force_close()
+    def _admit(self, address: str) -> Refusal | None:
+        """Makes room for a connection from ``address`` under both caps, closing an idle
+        one where needed (the caps run one over until its connection_lost); or says why
+        it cannot be served."""
+        clients = self.limits.clients
+        if clients.at_connection_cap(address):
+            own = self._longest_idle(h for h, a in self._addresses.items() if a == address)
+            if own is None:
+                return Refusal(429, clients.connection_refusal(), "rate_limit_exceeded")
+        elif len(self._addresses) >= self.limits.max_connections:
+            own = self._longest_idle(self._addresses)
+            if own is None:
+                return Refusal(503, f"this gateway holds its limit of "
+                               f"{self.limits.max_connections} open connections, all busy; "
+                               "retry shortly or on another gateway",
+                               "service_unavailable_error")
+        else:
+            return None
+        own.force_close()
         self.num_idle_closed += 1
+        return None
 
-    def connection_lost(self, handler: web_protocol.RequestHandler,
-                        exc: BaseException | None = None) -> None:
+    def _longest_idle(self, connections) -> _Handler | None:
+        now = self._loop.time()
+        idle_for, longest = max(((h.idle_for(now), h) for h in connections),
+                                key=lambda pair: pair[0], default=(0.0, None))
+        return longest if idle_for >= IDLE_BEFORE_REUSE_S else None
+
+    def connection_lost(self, handler: _Handler, exc: BaseException | None = None) -> None:
+        self._refused.discard(handler)
         address = self._addresses.pop(handler, None)
         if address is not None:
             self.limits.clients.close_connection(address)
         super().connection_lost(handler, exc)
-
-
-def _longest_idle(connections) -> web_protocol.RequestHandler | None:
-    """The connection waiting longest for its next request (aiohttp 3.14's handler
-    state: waiting on `_waiter`, no request in progress, its keep-alive deadline the
-    earliest); None if every one is busy."""
-    idle = [handler for handler in connections
-            if handler._waiter is not None and not handler._waiter.done()
-            and not getattr(handler, "_request_in_progress", False)]
-    return min(idle, key=lambda h: getattr(h, "_next_keepalive_close_time", 0.0),
-               default=None)
 
 
 async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
@@ -188,6 +239,7 @@ async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
 async def start_http(app: web.Application, host: str, port: int, limits: HttpLimits,
                      tls: ReloadingSslContext | None = None) -> tuple[web.AppRunner, int]:
     """Starts serving `app` (over TLS with `tls`); returns the runner and the bound port."""
+    app.middlewares.insert(0, _answer_refused)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0,
                            access_log=None, keepalive_timeout=limits.keepalive_s,
                            lingering_time=limits.lingering_s)
@@ -196,6 +248,7 @@ async def start_http(app: web.Application, host: str, port: int, limits: HttpLim
     runner.server.__class__ = _Server
     runner.server.limits = limits
     runner.server._addresses = {}
+    runner.server._refused = set()
     runner.server.num_idle_closed = 0
     runner.server.tls = tls
     site = web.TCPSite(runner, host, port, reuse_port=False, backlog=limits.backlog,

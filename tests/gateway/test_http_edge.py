@@ -11,6 +11,7 @@ import json
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig, default_body_limit
+from gateway.edge import http_edge
 from gateway.rpc.server import _server_options
 
 from .harness import FakeScheduler, fake_scheduler, gateway, run
@@ -92,14 +93,29 @@ async def _busy(port: int):
     return reader, writer
 
 
-def test_a_full_cap_of_idle_connections_gives_way_to_a_new_one(tokenizer):
-    """The cap is full of connections that sent nothing: the one idle longest is
-    closed, and the newcomer is served."""
+async def _answered_then_idle(port: int):
+    """A keep-alive connection that has had one answer and now waits."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GENEROUS_S)
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await reader.readexactly(length)
+    return reader, writer
+
+
+@pytest.fixture
+def quick_idle(monkeypatch):
+    monkeypatch.setattr(http_edge, "IDLE_BEFORE_REUSE_S", 0.2)
+
+
+def test_a_full_cap_of_idle_connections_gives_way_to_a_new_one(tokenizer, quick_idle):
+    """The cap is full of keep-alive connections that were answered and sit idle: the
+    one idle longest is closed, and the newcomer is served."""
     async def scenario():
         async with _http_gateway(tokenizer, http_max_connections=3,
                                  http_max_connections_per_client=10) as port:
-            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-            await asyncio.sleep(0.1)  # all accepted before the next arrives
+            held = [await _answered_then_idle(port) for _ in range(3)]
+            await asyncio.sleep(0.3)  # idle past IDLE_BEFORE_REUSE_S
             served = await _get_live(port)
             oldest = await asyncio.wait_for(_read_until_closed(held[0][0]), GENEROUS_S)
             for _, writer in held:
@@ -108,7 +124,72 @@ def test_a_full_cap_of_idle_connections_gives_way_to_a_new_one(tokenizer):
 
     served, oldest = run(scenario(), timeout_s=GENEROUS_S + 10)
     assert served.startswith(b"HTTP/1.1 200"), served[:200]
-    assert oldest == b""  # closed without an answer: it never asked anything
+    assert oldest == b""  # closed between requests: nothing was owed to it
+
+
+def test_connections_that_have_not_asked_yet_are_never_closed_to_make_room(tokenizer,
+                                                                          quick_idle):
+    """A full cap of connections that sent nothing yet: their requests may be on the wire,
+    so the newcomer is answered 503 instead; once the header timeout closes the silent
+    ones, a newcomer is served."""
+    async def scenario():
+        async with _http_gateway(tokenizer, http_max_connections=3, http_header_timeout_s=1.0,
+                                 http_max_connections_per_client=10) as port:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            refused = await _get_live(port)
+            closed = [await asyncio.wait_for(_read_until_closed(r), GENEROUS_S)
+                      for r, _ in held]
+            served = await _get_live(port)
+            for _, writer in held:
+                writer.close()
+            return refused, closed, served
+
+    refused, closed, served = run(scenario(), timeout_s=GENEROUS_S + 10)
+    assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused, refused[:200]
+    assert closed == [b""] * 3  # closed by the header timeout, never having asked
+    assert served.startswith(b"HTTP/1.1 200"), served[:200]
+
+
+def test_a_burst_from_one_address_past_its_cap_is_answered_every_time(tokenizer):
+    """Many connections at once from one client, then each one's request (some with a
+    body): those within the client's cap are served, the rest answered 429 with
+    Retry-After; not one is closed without an HTTP answer."""
+    get = b"GET /live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    body = json.dumps({"prompt": "hello " * 500}).encode()
+    post = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body)
+
+    async def ask(connection, request: bytes) -> bytes:
+        reader, writer = connection
+        try:
+            writer.write(request)
+            await writer.drain()
+            return await asyncio.wait_for(_read_until_closed(reader), GENEROUS_S)
+        except ConnectionError as exc:
+            return repr(exc).encode()
+        finally:
+            writer.close()
+
+    async def scenario():
+        async with _http_gateway(tokenizer, http_max_connections_per_client=4) as port:
+            # All connected (and accepted) before any request is sent: the gateway sees
+            # every one waiting for its first request, as in a burst from another host.
+            connections = [await asyncio.open_connection("127.0.0.1", port)
+                           for _ in range(60)]
+            await asyncio.sleep(0.3)
+            return await asyncio.gather(*(ask(c, post if i % 2 else get)
+                                          for i, c in enumerate(connections)))
+
+    answers = run(scenario(), timeout_s=GENEROUS_S + 10)
+    statuses = [answer[:12] for answer in answers]
+    assert all(s in (b"HTTP/1.1 200", b"HTTP/1.1 429") for s in statuses), statuses
+    assert statuses.count(b"HTTP/1.1 429") > 0 and statuses.count(b"HTTP/1.1 200") >= 2
+    refused = next(a for a in answers if a.startswith(b"HTTP/1.1 429"))
+    head, _, error = refused.partition(b"\r\n\r\n")
+    assert b"Retry-After: 1" in head
+    assert "--http-max-connections-per-client" in json.loads(error)["error"]["message"]
 
 
 def test_connections_past_the_cap_all_busy_get_503_and_the_cap_frees_up(tokenizer):
@@ -136,14 +217,15 @@ def test_connections_past_the_cap_all_busy_get_503_and_the_cap_frees_up(tokenize
     assert served.startswith(b"HTTP/1.1 200")
 
 
-def test_a_client_at_its_cap_gives_up_its_own_idle_connection_then_gets_429(tokenizer):
+def test_a_client_at_its_cap_gives_up_its_own_idle_connection_then_gets_429(tokenizer,
+                                                                           quick_idle):
     """Its idle sockets do not lock the client itself out: one more connection closes its
     longest-idle one. With all of them busy, one more is 429; another address is served."""
     async def scenario():
         async with _http_gateway(tokenizer, http_max_connections_per_client=2,
                                  http_body_timeout_s=GENEROUS_S) as port:
-            idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
-            await asyncio.sleep(0.1)
+            idle = [await _answered_then_idle(port) for _ in range(2)]
+            await asyncio.sleep(0.3)
             served_over_idle = await _get_live(port)
             oldest = await asyncio.wait_for(_read_until_closed(idle[0][0]), GENEROUS_S)
             for _, writer in idle:
