@@ -48,7 +48,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
     serve = procs.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
-                 ("burst", lambda: [burst.run(serve, size)]),
+                 ("burst", lambda: burst.run(serve, size)),
                  ("hostile", lambda: hostile.run(serve, size, per_kind)),
                  ("bad_specs", lambda: [bad_specs.run(serve, size)]),
                  ("soak", lambda: [soak.run(serve, size)]),

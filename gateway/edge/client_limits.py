@@ -9,10 +9,10 @@ Without that flag the header is ignored, so no client picks its own address.
 * Open HTTP connections per client address: ``max_connections`` (256 by default:
   nginx's ``limit_conn`` is per address for the same reason; 256 is an eighth of the
   gateway's 2,048 connections, so eight greedy clients cannot fill it alone). A client
-  at its cap that opens one more has its own longest-idle connection closed for it
-  (gateway/edge/http_edge.py), so a client whose sockets sit idle is still served; only
-  when all of them are busy is the new one answered 429 with ``Retry-After`` and
-  closed. A trusted proxy's connections carry many clients and are not counted.
+  at its cap that opens one more has its own longest-idle keep-alive connection closed
+  for it (gateway/edge/http_edge.py), so a client whose sockets sit idle is still
+  served; with none idle, the new one's request is answered 429 with ``Retry-After``.
+  A trusted proxy's connections carry many clients and are not counted.
 * Concurrent generation streams per client (HTTP and gRPC together):
   ``max_streams`` (512 by default: room for a service multiplexing many users through
   one address, while one runaway client cannot hold every slot the replicas' queues
