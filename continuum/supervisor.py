@@ -144,6 +144,7 @@ class Supervisor:
         self._stop = False
         self.num_standby = standby_count(args)
         self._standby_due: float | None = None  # when to start the next standby
+        self._warm_standby_pid = 0  # the standby registered with the scheduler (last poll)
         budget = (args.max_executor_restarts, args.restart_window_s)
         self.executor_deaths = RestartGuard(*budget)  # every death: restarts and takeovers
         self._standby_deaths = RestartGuard(*budget)
@@ -277,36 +278,38 @@ class Supervisor:
                 time.sleep(0.5)
                 self._kill_hung_executor(stub)
                 now = time.monotonic()
+                dead = self._dead()
+                code = None if dead is None else self.procs[dead].returncode
+                if dead == "standby":
+                    self._standby_died(code, now)
+                elif dead is not None:
+                    if dead != "executor":
+                        print(f"continuum: the {dead} exited with code {code}; stopping",
+                              file=sys.stderr, flush=True)
+                        return 1
+                    if not self.executor_deaths.record(now):
+                        print(f"continuum: {self.executor_deaths.tripped(code)}",
+                              file=sys.stderr, flush=True)
+                        return 1
+                    self._executor_died(code, now)
                 if self._standby_due is not None and now >= self._standby_due:
                     self._standby_due = None
                     self._start("standby")
-                dead = self._dead()
-                if dead is None:
-                    continue
-                code = self.procs[dead].returncode
-                if dead == "standby":
-                    self._standby_died(code, now)
-                    continue
-                if dead != "executor":
-                    print(f"continuum: the {dead} exited with code {code}; stopping",
-                          file=sys.stderr, flush=True)
-                    return 1
-                if not self.executor_deaths.record(now):
-                    print(f"continuum: {self.executor_deaths.tripped(code)}",
-                          file=sys.stderr, flush=True)
-                    return 1
-                self._executor_died(code, now)
         return 0
 
     def _executor_died(self, code: int, now: float) -> None:
         """The standby (if any) has the executor's role now: the scheduler switched to
-        it on its own. Otherwise a cold start, as without standbys."""
+        it on its own, or takes it when it registers if it is still starting (a standby
+        started after the last one died, both killed at once): sooner than a process
+        started now. Otherwise a cold start, as without standbys."""
         standby = self.procs.pop("standby", None)
         count = self.executor_deaths.progress()
         if standby is not None and standby.poll() is None:
             self.procs["executor"] = standby
+            warm = "" if standby.pid == self._warm_standby_pid else ", still starting"
             print(f"continuum: executor exited with code {code}; the standby (pid "
-                  f"{standby.pid}) takes over (death {count})", file=sys.stderr, flush=True)
+                  f"{standby.pid}{warm}) takes over (death {count})", file=sys.stderr,
+                  flush=True)
         else:
             print(f"continuum: executor exited with code {code}; restarting (death {count})",
                   file=sys.stderr, flush=True)
@@ -327,14 +330,16 @@ class Supervisor:
         self._standby_due = now
 
     def _kill_hung_executor(self, stub) -> None:
-        """The scheduler declared one of our executors dead or hung (the one in service,
-        or an unanswering standby) while the process lives (SIGSTOP, a deadlock): kill
-        it so the restart path replaces it."""
+        """Reads the scheduler's view of our executors: notes which standby it holds warm,
+        and kills one it declared dead or hung (the one in service, or an unanswering
+        standby) while the process lives (SIGSTOP, a deadlock), so the restart path
+        replaces it."""
         try:
-            lost_pid = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2,
-                                  metadata=self._metadata).last_lost_executor_pid
+            stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=2,
+                               metadata=self._metadata)
         except grpc.RpcError:
             return
+        lost_pid, self._warm_standby_pid = stats.last_lost_executor_pid, stats.standby_executor_pid
         for name in EXECUTORS:
             proc = self.procs.get(name)
             if proc is not None and lost_pid == proc.pid and proc.poll() is None:
