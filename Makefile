@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PROTOS := $(wildcard protos/continuum/v1/*.proto)
 GEN    := $(PROTOS:.proto=_pb2.py)
+# One cache for every target and for CI (converted models, transformers' reading of the
+# Gemma GGUF): a first `make test-fast` after `make test` finds what that one built.
+export CONTINUUM_CACHE_DIR ?= $(HOME)/.cache/continuum
 
 .PHONY: setup run test test-fast protos proto-check proto-baseline lint bench bench-scheduler bench-executor bench-architectures bench-window-pool bench-policies reliability clean
 
