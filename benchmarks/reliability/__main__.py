@@ -2,14 +2,15 @@
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: overload, burst, hostile, bad_specs, soak, chaos, schema_fuzz, fuzz (in that order:
-capacity is measured on a fresh server, whose admission has not yet seen a flood, and
-fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
+Rows: overload, burst, hostile, bad_specs, soak, chaos, schema_fuzz, openapi, fuzz (in that
+order: capacity is measured on a fresh server, whose admission has not yet seen a flood,
+and fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
 alone (every field of both APIs while normal streams run; ``--long``: 100 inputs a
-field). The default form runs them on one ``continuum serve`` plus the chaos matrix's
-own replicas and gateways (about 10-15 minutes on a 2-core machine); ``--short`` is the
-CI form's sizes with a single chaos row on the serve (about 2-3 minutes); ``--long`` is
-bigger everywhere. The
+field); ``--only openapi`` the published OpenAPI documents (OpenAI's and the gateway's
+own) through schemathesis. The default form runs them on one ``continuum serve`` plus
+the chaos matrix's own replicas and gateways (about 10-15 minutes on a 2-core machine);
+``--short`` is the CI form's sizes with a single chaos row on the serve (about 2-3
+minutes); ``--long`` is bigger everywhere. The
 markdown table goes to stdout, every figure to ``--json``. Exit status 0 when every row
 met its target, 1 otherwise (the table says which).
 """
@@ -31,13 +32,15 @@ from benchmarks.reliability import (
     fuzz,
     fuzz_schema,
     hostile,
+    openapi_run,
     overload,
     procs,
     report,
     soak,
 )
 
-ROWS = ("overload", "burst", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "fuzz")
+ROWS = ("overload", "burst", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "openapi",
+        "fuzz")
 
 
 def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
@@ -54,6 +57,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
                  ("soak", lambda: [soak.run(serve, size)]),
                  ("chaos", lambda: chaos.run_serve(serve, size) if size == "short" else None),
                  ("schema_fuzz", lambda: [fuzz_schema.run(serve, size, log)]),
+                 ("openapi", lambda: [openapi_run.run(serve, size, log)]),
                  ("fuzz", lambda: [fuzz.run(serve, tmp, size)])]
         for name, step in steps:
             if name not in on_serve:

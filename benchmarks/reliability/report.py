@@ -9,7 +9,7 @@ import pathlib
 import platform
 import subprocess
 
-from benchmarks.reliability import bad_specs, burst, fuzz_schema
+from benchmarks.reliability import bad_specs, burst, fuzz_schema, openapi_run
 
 
 def _machine() -> str:
@@ -30,7 +30,8 @@ def _revision() -> str:
         return "unknown"
 
 
-_OWN_SUMMARY = {"bad_specs": bad_specs.summary, "burst": burst.summary}
+_OWN_SUMMARY = {"bad_specs": bad_specs.summary, "burst": burst.summary,
+                "openapi": openapi_run.summary}
 
 
 def summarize(row: dict) -> tuple[str, str, str, bool]:

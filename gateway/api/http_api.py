@@ -3,7 +3,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with `"stream":
 true`), `GET /v1/models`, `POST /tokenize` and `POST /detokenize`
 (gateway/api/http_tokenize.py), `GET /health` (readiness: 503 while draining or with no
-healthy scheduler replica), `GET /live` (liveness) and `GET /metrics` (Prometheus). Every
+healthy scheduler replica), `GET /live` (liveness), `GET /metrics` (Prometheus) and
+`GET /openapi.json` (this API's OpenAPI document, gateway/api/openapi_doc.py). Every
 error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a matching
 status; overload is 429 with `Retry-After`, draining 503.
 
@@ -28,7 +29,7 @@ from aiohttp import web
 from gateway.admit.admission import Admission
 from gateway.admit.auth import UNAUTHENTICATED_MESSAGE, ApiKeys, Principal
 from gateway.admit.parse_guard import parse_guard
-from gateway.api import http_tokenize
+from gateway.api import http_tokenize, openapi_doc
 from gateway.api.http_replies import error_response, json_response, request_error
 from gateway.api.json_body import decode_json
 from gateway.api.openai_api import (
@@ -92,6 +93,7 @@ class HttpApi:
         self._max_model_len = tokenizer.info.max_model_len
         self.draining = False
         self.probes = Probes(lambda: self.draining, lambda: replicas.any_healthy)
+        self._openapi = json.dumps(openapi_doc.document(tokenizer.info.vocab_size)).encode()
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -116,6 +118,7 @@ class HttpApi:
         app.router.add_post("/detokenize", self.detokenize)
         self.probes.add_routes(app)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # --- middleware -------------------------------------------------------------------
@@ -132,8 +135,8 @@ class HttpApi:
                 message = (f"the request body is larger than the server's limit of "
                            f"{self._max_body_bytes} bytes (the gateway's --max-body-bytes)")
             elif exc.status == 404:
-                message = (f"no route {clip(request.path)}; see /v1/completions, "
-                           "/v1/chat/completions")
+                message = (f"no route {clip(request.path)}; /openapi.json lists this "
+                           "server's routes")
             elif exc.status == 405:
                 message = f"{clip(request.method)} is not allowed on {clip(request.path)}"
             else:
@@ -163,6 +166,10 @@ class HttpApi:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        # Behind the API key like every route but the probes (the `_auth` middleware).
+        return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         return json_response(200, {"object": "list", "data": [{

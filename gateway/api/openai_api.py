@@ -18,6 +18,7 @@ name of protos/tiers.py) and `tenant`.
 from __future__ import annotations
 
 import abc
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = limits.MAX_LOGPROBS  # OpenAI's top_logprobs limit
 MAX_TOKENS_RANGE = (checks.MAX_TOKENS.low, checks.MAX_TOKENS.high)
+# The logprob written for a token the sampler could not draw (-inf: a grammar or a bias
+# masked it). JSON has no infinity, and strict parsers refuse an answer holding Python's
+# -Infinity; vLLM's OpenAI server writes the same floor.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -55,6 +60,11 @@ class ApiRequest:
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob(value: float) -> float:
+    """``value``, or MIN_LOGPROB for -inf (or NaN): a number JSON can hold."""
+    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 class Dialect(abc.ABC):
@@ -143,8 +153,8 @@ class CompletionDialect(Dialect):
         for item in response.logprobs:
             text = _token_text(tokenizer, item.token_id)
             tokens.append(text)
-            token_logprobs.append(item.logprob)
-            tops.append({_token_text(tokenizer, t): lp
+            token_logprobs.append(_logprob(item.logprob))
+            tops.append({_token_text(tokenizer, t): _logprob(lp)
                          for t, lp in zip(item.top_token_ids, item.top_logprobs, strict=False)})
             offsets.append(offset)
             offset += len(text)
@@ -239,14 +249,15 @@ class ChatDialect(Dialect):
     def logprobs(self, tokenizer, response, offset):
         def entry(token_id: int, logprob: float) -> dict:
             text = _token_text(tokenizer, token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _logprob(logprob),
+                    "bytes": list(text.encode("utf-8"))}
 
         content = []
         for item in response.logprobs:
             top = [entry(t, lp)
                    for t, lp in zip(item.top_token_ids, item.top_logprobs, strict=False)]
             content.append({**entry(item.token_id, item.logprob), "top_logprobs": top})
-        return {"content": content}
+        return {"content": content, "refusal": None}
 
     def chunk_choice(self, index, text, first, reason):
         if self.answers is not None:  # what it holds back or finds is its own
@@ -270,8 +281,10 @@ class ChatDialect(Dialect):
     def final_choice(self, index, text, parts, reason):
         merged = None
         if parts is not None:
-            merged = {"content": [c for part in parts for c in part["content"]]}
-        message = {"role": "assistant", "content": text}
+            merged = {"content": [c for part in parts for c in part["content"]], "refusal": None}
+        # refusal: OpenAI's schema requires it in a message and its logprobs; this server
+        # never refuses in text, so it is always null.
+        message = {"role": "assistant", "content": text, "refusal": None}
         if self.answers is not None:
             message, reason = self.answers.message(index, text, reason)
         return {"index": index, "message": message, "logprobs": merged,

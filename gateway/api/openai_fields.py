@@ -31,10 +31,13 @@ def bad(message: str, param: str | None = None) -> RequestError:
     return RequestError(message, param=param)
 
 
-def _typed(name: str, value: Any, integer: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+def _typed(name: str, value: Any, integer: bool) -> int | float:
+    """``value`` if it is a number (an integer where ``integer``: one as an int)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (_is_int(value) if integer else number):
         kind = "an integer" if integer else "a number"
         raise bad(f"{name} must be {kind}, got {type(value).__name__}", name)
+    return int(value) if integer else value
 
 
 def integer(body: dict, name: str, low: int, high: int, default=None):
@@ -42,7 +45,7 @@ def integer(body: dict, name: str, low: int, high: int, default=None):
     value = body.get(name)
     if value is None:
         return default
-    _typed(name, value, integer=True)
+    value = _typed(name, value, integer=True)
     if problem := checks.range_problem(name, value, low, high, integer=True):
         raise bad(problem, name)
     return value
@@ -53,7 +56,7 @@ def bounded(body: dict, bound: checks.Bound):
     value = body.get(bound.name)
     if value is None:
         return None
-    _typed(bound.name, value, bound.integer)
+    value = _typed(bound.name, value, bound.integer)
     if bound.name == "top_k" and value == -1:
         return 0  # vLLM's "no top-k", as 0 is ours
     if problem := bound.problem(value):
@@ -92,6 +95,10 @@ def stop_strings(body: dict) -> list[str]:
 
 
 def _is_int(value: Any) -> bool:
+    """An integer as JSON has it: 3, or 3.0 (JSON has one number type; JSON Schema, and
+    so OpenAI's published schema, counts 3.0 an integer), never a bool."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -113,9 +120,10 @@ def token_ids(value: list, name: str, max_len: int, vocab_size: int,
         if not _is_int(token_id):
             raise bad(f"{name}[{index}] must be a token id (an integer), got "
                       f"{type(token_id).__name__}", name)
-    if problem := checks.token_ids_problem(name, value, vocab_size):
+    ids = [int(token_id) for token_id in value]
+    if problem := checks.token_ids_problem(name, ids, vocab_size):
         raise bad(problem, name)
-    return value
+    return ids
 
 
 def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
@@ -128,7 +136,7 @@ def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
     if isinstance(priority, str):
         tier = tiers.parse(priority)
     elif _is_int(priority) and 0 <= priority < tiers.NUM_TIERS:
-        tier = priority
+        tier = int(priority)
     if tier is None:
         raise bad(f"priority must be one of {', '.join(tiers.NAMES)} (or "
                   f"{', '.join(map(str, range(tiers.NUM_TIERS)))})", "priority")

@@ -12,7 +12,9 @@ A ``Shape`` is a JSON value's type with what makes a value of it interesting: th
 accepted range of a number, the accepted words of an enumeration, an array's items, an
 object's keys, a map's values, the alternatives of a union, and for strings what the
 text means (``Text``), so the fuzzer knows to send a regex with a huge repeat count to a
-regex and a special token to a prompt.
+regex and a special token to a prompt. The gateway's OpenAPI document
+(gateway/api/openapi_doc.py) turns the same shapes into the JSON Schemas of its request
+bodies.
 """
 
 from __future__ import annotations
@@ -48,12 +50,15 @@ class Shape:
     "array", "object", "map" (string keys of ``keys``' shape to ``values``), "any_of"
     (one of ``options``) or "any" (read, but any value is refused: a field this server
     does not support). ``low``/``high``: a number's accepted range, inclusive (None:
-    unbounded, or bounded by the model, as token ids are by the vocabulary).
-    ``enum``: the only accepted values. ``max_items``: an array's or map's cap."""
+    unbounded, or bounded by the model, as token ids are by the vocabulary), its low end
+    excluded when ``low_open``. ``enum``: the only accepted values. ``max_items`` /
+    ``min_items``: an array's or map's cap and an array's least length; ``min_length``: a
+    string's. ``required``: the keys an object must hold."""
 
     kind: str
     low: float | None = None
     high: float | None = None
+    low_open: bool = False
     enum: tuple = ()
     text: Text = Text.PLAIN
     items: Shape | None = None
@@ -62,14 +67,17 @@ class Shape:
     values: Shape | None = None
     options: tuple[Shape, ...] = ()
     max_items: int | None = None
+    min_items: int = 0
+    min_length: int = 0
+    required: tuple[str, ...] = ()
 
     @property
     def field_map(self) -> dict[str, Shape]:
         return dict(self.fields)
 
 
-def string(text: Text = Text.PLAIN) -> Shape:
-    return Shape("string", text=text)
+def string(text: Text = Text.PLAIN, min_length: int = 0) -> Shape:
+    return Shape("string", text=text, min_length=min_length)
 
 
 def words(*accepted: str, text: Text = Text.PLAIN) -> Shape:
@@ -80,16 +88,16 @@ def integer(low: int | None, high: int | None) -> Shape:
     return Shape("integer", low=low, high=high)
 
 
-def number(low: float, high: float) -> Shape:
-    return Shape("number", low=low, high=high)
+def number(low: float, high: float, low_open: bool = False) -> Shape:
+    return Shape("number", low=low, high=high, low_open=low_open)
 
 
-def array(items: Shape, max_items: int | None = None) -> Shape:
-    return Shape("array", items=items, max_items=max_items)
+def array(items: Shape, max_items: int | None = None, min_items: int = 0) -> Shape:
+    return Shape("array", items=items, max_items=max_items, min_items=min_items)
 
 
-def obj(**fields: Shape) -> Shape:
-    return Shape("object", fields=tuple(fields.items()))
+def obj(required: tuple[str, ...] = (), **fields: Shape) -> Shape:
+    return Shape("object", fields=tuple(fields.items()), required=required)
 
 
 def any_of(*options: Shape) -> Shape:
@@ -101,26 +109,28 @@ REFUSED = Shape("any")
 TOKEN_ID = integer(0, None)  # < the model's vocabulary size
 # An object that is a JSON Schema: the fuzzer draws schemas, not the object's own keys.
 SCHEMA_OBJECT = Shape("object", text=Text.JSON_SCHEMA)
-TEXT_PART = obj(type=words("text"), text=string())
+TEXT_PART = obj(required=("type", "text"), type=words("text"), text=string())
 
 # --- what both generation dialects read (openai_fields.common) -----------------------
 
 RESPONSE_FORMAT = any_of(
-    obj(type=words("text")), obj(type=words("json_object")),
-    obj(type=words("json_schema"),
-        json_schema=obj(name=string(), schema=SCHEMA_OBJECT, strict=BOOLEAN)))
+    obj(required=("type",), type=words("text")),
+    obj(required=("type",), type=words("json_object")),
+    obj(required=("type", "json_schema"), type=words("json_schema"),
+        json_schema=obj(required=("schema",), name=string(), schema=SCHEMA_OBJECT,
+                        strict=BOOLEAN)))
 GUIDED = {
     "response_format": RESPONSE_FORMAT,
     "guided_json": any_of(SCHEMA_OBJECT, string(Text.JSON_SCHEMA)),
-    "guided_regex": string(Text.REGEX),
-    "guided_choice": array(string()),
-    "guided_grammar": string(Text.LARK),
+    "guided_regex": string(Text.REGEX, min_length=1),
+    "guided_choice": array(string(min_length=1), min_items=1),
+    "guided_grammar": string(Text.LARK, min_length=1),
 }
 # Every sampling number, as protos/sampling_checks.py bounds it (an open low end, as
 # top_p's 0, is drawn too: it is refused). top_k also takes -1 (vLLM's "off").
 SAMPLING_NUMBERS = {
     b.name: integer(-1 if b.name == "top_k" else b.low, b.high) if b.integer
-    else number(b.low, b.high) for b in checks.NUMBERS}
+    else number(b.low, b.high, b.low_open) for b in checks.NUMBERS}
 COMMON = {
     "model": string(Text.MODEL),
     **SAMPLING_NUMBERS,
@@ -130,7 +140,7 @@ COMMON = {
                         values=number(-limits.MAX_LOGIT_BIAS, limits.MAX_LOGIT_BIAS),
                         max_items=limits.MAX_LOGIT_BIAS_ENTRIES),
     **GUIDED,
-    "stop": any_of(string(), array(string(), limits.MAX_STOP_STRINGS)),
+    "stop": any_of(string(min_length=1), array(string(min_length=1), limits.MAX_STOP_STRINGS)),
     "n": integer(checks.N.low, checks.N.high),
     "best_of": integer(1, UINT32_MAX),  # only equal to n
     "tenant": string(Text.IDENTIFIER),
@@ -147,33 +157,42 @@ IGNORED = {"user": string()}
 
 # --- chat ----------------------------------------------------------------------------
 
-TOOL_CALL = obj(id=string(), type=words("function"),
-                function=obj(name=string(Text.TOOL_NAME),
+TOOL_CALL = obj(required=("function",), id=string(), type=words("function"),
+                function=obj(required=("name", "arguments"), name=string(Text.TOOL_NAME),
                              arguments=any_of(string(Text.JSON), SCHEMA_OBJECT)))
-MESSAGE = obj(
-    role=words("system", "user", "assistant", "tool", "developer", text=Text.ROLE),
-    content=any_of(string(), array(TEXT_PART)),
-    tool_calls=array(TOOL_CALL),
-    tool_call_id=string(),
+CONTENT = any_of(string(), array(TEXT_PART))
+# One shape per kind of turn: only an assistant's has tool_calls, and a tool's must name
+# the call it answers (tool_calls.read_message).
+MESSAGE = any_of(
+    obj(required=("role",), role=words("system", "user", "developer", text=Text.ROLE),
+        content=CONTENT, tool_calls=REFUSED),
+    obj(required=("role",), role=words("assistant", text=Text.ROLE), content=CONTENT,
+        tool_calls=array(TOOL_CALL)),
+    obj(required=("role", "tool_call_id"), role=words("tool", text=Text.ROLE),
+        content=CONTENT, tool_calls=REFUSED, tool_call_id=string(min_length=1)),
 )
-TOOL = obj(type=words("function"),
-           function=obj(name=string(Text.TOOL_NAME), description=string(),
-                        parameters=SCHEMA_OBJECT, strict=BOOLEAN))
+TOOL = obj(required=("type", "function"), type=words("function"),
+           function=obj(required=("name",), name=string(Text.TOOL_NAME),
+                        description=string(), parameters=SCHEMA_OBJECT, strict=BOOLEAN))
 TOOLS = {
     "tools": array(TOOL, limits.MAX_TOOLS),
     "tool_choice": any_of(words("none", "auto", "required"),
-                          obj(type=words("function"),
-                              function=obj(name=string(Text.TOOL_NAME)))),
+                          obj(required=("type", "function"), type=words("function"),
+                              function=obj(required=("name",),
+                                           name=string(Text.TOOL_NAME)))),
     "parallel_tool_calls": BOOLEAN,
 }
-MESSAGES = array(MESSAGE, MAX_CHAT_MESSAGES)
+MESSAGES = array(MESSAGE, MAX_CHAT_MESSAGES, min_items=1)
 
 COMPLETIONS = {
-    "prompt": any_of(string(), array(TOKEN_ID), array(string(), 1), array(array(TOKEN_ID), 1)),
+    "prompt": any_of(string(min_length=1), array(TOKEN_ID, min_items=1),
+                     array(string(min_length=1), 1, min_items=1),
+                     array(array(TOKEN_ID, min_items=1), 1, min_items=1)),
     "echo": BOOLEAN,
     "max_tokens": integer(checks.MAX_TOKENS.low, checks.MAX_TOKENS.high),
     "logprobs": integer(0, MAX_COMPLETION_LOGPROBS),
-    **COMMON, **TOOLS, **UNSUPPORTED, **IGNORED,  # tools: refused on this endpoint
+    **COMMON, **{name: REFUSED for name in TOOLS},  # tools: chat only (tool_calls.refuse)
+    **UNSUPPORTED, **IGNORED,
 }
 CHAT = {
     "messages": MESSAGES,
@@ -194,6 +213,14 @@ ENDPOINTS: dict[str, dict[str, Shape]] = {
     "/v1/chat/completions": CHAT,
     "/tokenize": TOKENIZE,
     "/detokenize": DETOKENIZE,
+}
+# The keys a body must hold: all of one of the tuples (/tokenize takes a prompt or
+# messages, never both).
+REQUIRED: dict[str, tuple[tuple[str, ...], ...]] = {
+    "/v1/completions": (("prompt",),),
+    "/v1/chat/completions": (("messages",),),
+    "/tokenize": (("prompt",), ("messages",)),
+    "/detokenize": (("tokens",),),
 }
 # A body that each endpoint accepts and answers quickly: what the fuzzer changes.
 # max_tokens stays set: unset, chat would generate up to the context limit.

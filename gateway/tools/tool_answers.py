@@ -132,7 +132,7 @@ class ToolAnswers:
             if calls and not content.strip():
                 content = None
         choice.calls = len(calls)
-        message: dict = {"role": "assistant", "content": content}
+        message: dict = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = [
                 {"id": call_id(), "type": "function",

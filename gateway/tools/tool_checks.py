@@ -15,7 +15,8 @@ from protos import limits
 from protos.continuum.v1 import generation_pb2, sampling_pb2
 from protos.echo import clip
 
-_NAME = re.compile(r"[A-Za-z0-9_-]+")
+NAME_PATTERN = "[A-Za-z0-9_-]+"  # a function name (with MAX_TOOL_NAME_CHARS)
+_NAME = re.compile(NAME_PATTERN)
 # A tool without parameters takes none: its call's arguments are {}.
 NO_ARGUMENTS_SCHEMA = {"type": "object", "properties": {}, "additionalProperties": False}
 

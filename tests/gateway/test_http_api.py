@@ -313,7 +313,7 @@ def test_api_keys_guard_http_except_health(tokenizer):
             admin = {"Authorization": "bearer sk-admin-0123456"}
             results["admin-as-bob"] = (await _post(
                 session, _COMP, {"prompt": "hi", "tenant": "bob"}, admin))[0]
-            for path in ("/health", "/live", "/metrics", "/v1/models"):
+            for path in ("/health", "/live", "/metrics", "/v1/models", "/openapi.json"):
                 async with session.get(path) as response:
                     results[path] = response.status
             return results
@@ -324,7 +324,7 @@ def test_api_keys_guard_http_except_health(tokenizer):
     status, _, raw = results["alice-as-bob"]
     assert status == 403 and "tenant 'alice'" in json.loads(raw)["error"]["message"]
     assert results["/health"] == 200 and results["/live"] == 200
-    assert results["/metrics"] == 401 and results["/v1/models"] == 401
+    assert results["/metrics"] == results["/v1/models"] == results["/openapi.json"] == 401
     # The key's tenant is what the scheduler accounts to.
     assert [s.tenant for s in scheduler.submitted] == ["alice", "bob"]
 

@@ -277,3 +277,19 @@ def test_the_gateway_the_openai_readers_and_the_scheduler_say_the_same(tokenizer
     assert at_grpc.value.message == at_scheduler
     assert at_grpc.value.message == "sampling." + at_http.value.message
     assert at_grpc.value.param == at_http.value.param == next(iter(body))
+
+
+def test_a_whole_number_written_with_a_point_is_an_integer(tokenizer):
+    """JSON has one number type, and JSON Schema (so OpenAI's published schema) counts 3.0
+    an integer: the readers take it as 3 (a client that computes a length in floating
+    point is served); 3.5 is refused where an integer is read."""
+    from gateway.api.openai_api import COMPLETION
+    from gateway.validation import RequestError
+
+    api = COMPLETION.parse({"prompt": [1.0, 2], "max_tokens": 3.0, "n": 2.0, "seed": 7.0,
+                            "stop_token_ids": [5.0], "priority": 1.0}, MODEL_NAME, tokenizer)
+    assert list(api.proto.token_ids.ids) == [1, 2] and api.proto.max_tokens == 3
+    assert api.proto.n == 2 and api.proto.sampling.seed == 7
+    assert list(api.proto.sampling.stop_token_ids) == [5]
+    with pytest.raises(RequestError, match="max_tokens must be an integer, got float"):
+        COMPLETION.parse({"prompt": "hi", "max_tokens": 3.5}, MODEL_NAME, tokenizer)
