@@ -144,7 +144,7 @@ class Supervisor:
         self._stop = False
         self.num_standby = standby_count(args)
         self._standby_due: float | None = None  # when to start the next standby
-        self._warm_standby_pid = 0  # the standby registered with the scheduler (last poll)
+        self._registered_pids: set[int] = set()  # executors the scheduler holds (last poll)
         budget = (args.max_executor_restarts, args.restart_window_s)
         self.executor_deaths = RestartGuard(*budget)  # every death: restarts and takeovers
         self._standby_deaths = RestartGuard(*budget)
@@ -306,7 +306,7 @@ class Supervisor:
         count = self.executor_deaths.progress()
         if standby is not None and standby.poll() is None:
             self.procs["executor"] = standby
-            warm = "" if standby.pid == self._warm_standby_pid else ", still starting"
+            warm = "" if standby.pid in self._registered_pids else ", still starting"
             print(f"continuum: executor exited with code {code}; the standby (pid "
                   f"{standby.pid}{warm}) takes over (death {count})", file=sys.stderr,
                   flush=True)
@@ -330,7 +330,7 @@ class Supervisor:
         self._standby_due = now
 
     def _kill_hung_executor(self, stub) -> None:
-        """Reads the scheduler's view of our executors: notes which standby it holds warm,
+        """Reads the scheduler's view of our executors: notes which ones it holds,
         and kills one it declared dead or hung (the one in service, or an unanswering
         standby) while the process lives (SIGSTOP, a deadlock), so the restart path
         replaces it."""
@@ -339,7 +339,9 @@ class Supervisor:
                                metadata=self._metadata)
         except grpc.RpcError:
             return
-        lost_pid, self._warm_standby_pid = stats.last_lost_executor_pid, stats.standby_executor_pid
+        lost_pid = stats.last_lost_executor_pid
+        # A standby registered is warm; the scheduler may already have promoted it.
+        self._registered_pids = {stats.executor_pid, stats.standby_executor_pid}
         for name in EXECUTORS:
             proc = self.procs.get(name)
             if proc is not None and lost_pid == proc.pid and proc.poll() is None:
