@@ -47,12 +47,17 @@ def load_revision(rev: str) -> types.SimpleNamespace:
 
 
 def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
-             trace: list[tuple[int, int]] | None = None) -> dict[str, float]:
-    """``other``'s scheduler and the working tree's on the same workload, steps
-    interleaved (which goes first alternates). Per-phase p50s of both, and the median of
-    the per-step ratios working tree / other."""
-    theirs = Stepper(num_seqs, kv_fraction, api=other, trace=trace)
-    ours = Stepper(num_seqs, kv_fraction, trace=trace)
+             trace: list[tuple[int, int]] | None = None,
+             decode_only: bool = False) -> dict[str, float]:
+    """``other``'s scheduler and the working tree's on the same workload (the mix with a
+    ``kv_fraction`` pool, or with ``decode_only`` every step all decodes once the prompts
+    are in), steps interleaved (which goes first alternates). Per-phase p50s of both, and
+    the median of the per-step ratios working tree / other."""
+    theirs = Stepper(num_seqs, kv_fraction, api=other, trace=trace, decode_only=decode_only)
+    ours = Stepper(num_seqs, kv_fraction, trace=trace, decode_only=decode_only)
+    for stepper in (theirs, ours) if decode_only else ():
+        while stepper.last_prefill_tokens or not stepper.sched.running:
+            stepper.step(record=False)
     ratios = []
     for i in range(steps + WARMUP):
         record = i >= WARMUP
@@ -90,15 +95,18 @@ def print_lockstep(rev: str, sizes: list[int], steps: dict[int, int], repeats: i
                     trace) -> None:
     other = load_revision(rev)
     print(f"lockstep: working tree vs {rev} (µs per step, p50)")
-    for n in sizes:
-        for _ in range(repeats):
-            r = lockstep(n, steps[n], 0.85, other, trace)
-            for who, label in (("theirs", rev), ("ours", "working tree")):
-                x = r[who]
-                print(f"{n:>5} {label:>14}: schedule {x['schedule']:>6.0f}  plan "
-                      f"{x['plan']:>5.0f}  serialize {x['serialize']:>4.0f}  update "
-                      f"{x['update']:>5.0f}  TOTAL {x['total']:>6.0f}")
-            print(f"{n:>5} per-step ratio working tree / {rev}: {r['ratio']:.3f}")
+    for workload, decode_only in (("mix", False), ("decode-only", True)):
+        for n in sizes:
+            for _ in range(repeats):
+                r = lockstep(n, steps[n], 0.85, other, trace, decode_only)
+                for who, label in (("theirs", rev), ("ours", "working tree")):
+                    x = r[who]
+                    print(f"{workload:>11} {n:>5} {label:>14}: schedule "
+                          f"{x['schedule']:>6.0f}  plan {x['plan']:>5.0f}  serialize "
+                          f"{x['serialize']:>4.0f}  update {x['update']:>5.0f}  TOTAL "
+                          f"{x['total']:>6.0f}")
+                print(f"{workload:>11} {n:>5} per-step ratio working tree / {rev}: "
+                      f"{r['ratio']:.3f}")
 
 
 def print_against_nano(checkout: pathlib.Path, sizes: list[int], steps: dict[int, int],

@@ -44,6 +44,10 @@ def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
     for side in ("theirs", "ours"):
         assert r[side]["running"] >= 12 and r[side]["tokens_per_step"] >= 12
     assert r["ratio"] > 0
+    decode = scheduler_compare.lockstep(16, 10, 0.85, other, decode_only=True)
+    for side in ("theirs", "ours"):  # every sequence decodes, every step
+        assert decode[side]["running"] == 16 and decode[side]["tokens_per_step"] == 16
+    assert decode["ratio"] > 0
 
 
 def test_an_unknown_revision_is_one_clear_error():
