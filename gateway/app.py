@@ -142,7 +142,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
         _probe_bind(config.host, config.http_port)
     replicas = ReplicaSet(config.scheduler_addresses, credentials=_scheduler_credentials(config),
                           server_name=config.scheduler_tls_server_name,
-                          multiplex=not config.one_call_per_request)
+                          max_call_age_s=config.upstream_call_max_age_s)
     metrics = GatewayMetrics(config.model_name, replicas.snapshot, tokenizer.info.max_model_len)
     limit.on_refuse = metrics.error  # the server needed the limit before metrics existed
     watchdog = Watchdog(metrics.intervention, progress_timeout_s=config.stream_progress_timeout_s,

@@ -115,9 +115,10 @@ class GatewayConfig:
     # definitions become the control tokens themselves, as before escaping existed:
     # only for deployments whose every client may write roles (docs/security.md).
     allow_special_tokens_in_content: bool = False
-    # Requests to a replica that serves SubmitMany share one call to it
-    # (gateway/routing/mux.py); True: a Submit call each, as before SubmitMany.
-    one_call_per_request: bool = False
+    # Requests to a replica share one SubmitMany call to it (gateway/routing/mux.py); a
+    # call this old takes no new request and closes once its streams end, for a proxy
+    # between gateway and scheduler that cuts long calls. 0: a call lives while it works.
+    upstream_call_max_age_s: float = 0.0
     # TLS on the gRPC and HTTP ports (one certificate serves both; PEM files, re-read
     # when they change: runtime/tls.py); None: plaintext. A client CA makes it mutual:
     # every client, on both ports, must present a certificate signed by it.

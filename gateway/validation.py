@@ -256,7 +256,8 @@ def validate(
     tokenizer: Tokenizer,
     served_model: str,
 ) -> ValidatedRequest:
-    """Checks a client request and resolves it for `Scheduler.Submit`; raises RequestError."""
+    """Checks a client request and resolves it for the scheduler (a SubmitRequest);
+    raises RequestError."""
     if isinstance(request, UndecodableRequest):
         raise RequestError(
             f"the request is not a valid GenerateRequest ({shorten(request.reason)}); "

@@ -9,7 +9,8 @@ the same number of milliseconds:
   retry"; nothing here sends one, since every refusal these trailers go on is worth
   retrying (docs/grpc.md says why for each);
 * ``retry-after-ms``, the name clients read before the standard one was sent, kept as an
-  alias. The scheduler tells the gateway its retry hint under it too (Scheduler.Submit).
+  alias. The scheduler tells the gateway its retry hint under it too (in a SubmitMany
+  stream's StreamError trailers).
 
 Standard library only: the gateway, the scheduler and the clients read the names here.
 """

@@ -1,8 +1,8 @@
 """Where each request's events go as steps produce them: its call's stream.
 
-A Submit call reads its request's events from an ``asyncio.Queue``; a SubmitMany call
-(scheduler_svc/submit_many.py) gives each of its streams a sink that gathers them for the
-call's next write. ``Streams`` maps request ids to those sinks (the loop's ``submit``
+A SubmitMany call (scheduler_svc/streams.py) gives each of its streams a sink that
+gathers them for the call's next write (a test or benchmark driving the loop alone reads
+an ``asyncio.Queue``). ``Streams`` maps request ids to those sinks (the loop's ``submit``
 registers one, ``dispatch`` hands each event to its request's and forgets a request at its
 end) and counts SubmitMany's calls and streams for /metrics.
 """

@@ -94,7 +94,7 @@ class EngineLoop:
         self._plans = PlanBuilder()  # owns each request's prompt in wire form
         self.deadlines = StepDeadlines()
         self._stepping = False
-        self.draining = False  # set on SIGTERM: Submit is refused
+        self.draining = False  # set on SIGTERM: new requests are refused
         self.num_executor_losses = 0
         self.num_standby_takeovers = 0
         self._untried_standby = False  # in service after a takeover, no answer yet

@@ -1,70 +1,24 @@
 """gRPC face of the scheduler: the internal ``continuum.v1.Scheduler`` service.
 
-Handlers validate, hand requests to the loop and stream the loop's events: one
-request per Submit call, or many on one SubmitMany call (scheduler_svc/submit_many.py),
-each stream as scheduler_svc/streams.py serves it. A cancelled Submit (client gone,
-deadline passed) aborts the request, whose blocks are then free before the next plan
-is built.
+A gateway's requests come on its SubmitMany call (scheduler_svc/streams.py serves each
+stream); Abort ends one by id, Stats is what gateways route and watch by.
 """
 
 from __future__ import annotations
 
-import time
-
 from protos import tiers
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from scheduler_svc import submit_many
-from scheduler_svc.core import QueueFull
+from scheduler_svc import streams
 from scheduler_svc.loop import EngineLoop
-from scheduler_svc.streams import (
-    abort_call,
-    next_batch,
-    queue_full,
-    refusal,
-    request_key,
-    server_end,
-    stream_ended,
-    to_event,
-    to_request,
-)
+from scheduler_svc.streams import request_key
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop) -> None:
         self.loop = loop
 
-    async def Submit(self, request: scheduler_pb2.SubmitRequest, context):  # noqa: N802
-        refused = refusal(self.loop, request)
-        if refused is not None:
-            await abort_call(context, refused)
-        req = to_request(request)
-        try:
-            queue = self.loop.submit(req)
-        except QueueFull as exc:
-            await abort_call(context, queue_full(self.loop, request, req, exc))
-        times: list[float] = []  # when each token was sent: metrics and telemetry
-        finished, reason = False, None
-        try:
-            first = True
-            while not finished:
-                batch = await next_batch(queue, self.loop.core.config.stream_interval, first)
-                reason = batch[-1][2]
-                finished = reason is not None
-                now = time.monotonic()
-                times.extend(now for ev in batch if ev[1] is not None)
-                if finished and req.error:  # ended by the server: a status says why
-                    if len(batch) > 1:  # the tokens before the end reach the client
-                        yield to_event(batch[:-1], first)
-                    await abort_call(context, server_end(req, reason))
-                yield to_event(batch, first)
-                first = False
-        finally:
-            if not finished:
-                self.loop.abort(request_key(request.tenant, request.request_id))
-            stream_ended(self.loop, req, times, reason, finished)
-
     async def SubmitMany(self, request_iterator, context):  # noqa: N802
-        async for response in submit_many.serve(self.loop, request_iterator, context):
+        async for response in streams.serve(self.loop, request_iterator, context):
             yield response
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context):  # noqa: N802

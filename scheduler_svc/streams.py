@@ -1,8 +1,18 @@
-"""One request's stream as the scheduler serves it, whichever call carries it (a
-Submit call, or one stream of a SubmitMany call, scheduler_svc/submit_many.py): why a
-request is refused before it is queued, the Request it becomes, the messages its
-events become (gathered per ``stream_interval``), how a server-ended request's status
-reads, and its end in the metrics and telemetry.
+"""The requests' streams from this replica to a gateway: many on one SubmitMany call.
+
+Each ``SubmitManyRequest`` opens (``submit``) or cancels (``cancel``) a stream by the
+gateway's stream id. A request is refused before it is queued with a ``StreamError``
+(``refusal``, ``queue_full``), becomes a ``Request`` (``to_request``), and its events go
+to the call (``_Sink``, no task per stream), which writes one ``SubmitManyResponse`` with
+every stream's messages after each step: one gRPC write for all of them
+(docs/benchmarks.md §4). A stream's events are gathered per ``stream_interval`` (its first
+message and its end at once); a server-ended request's tokens go, then the status that
+says why (``server_end``); its end goes into the metrics and telemetry.
+
+One stream's trouble stays its own: a malformed message (no action, a stream id already
+open) ends only that stream id, with INVALID_ARGUMENT. The call's end (the gateway gone,
+or done sending and every stream ended) aborts whatever is still open, so the blocks are
+free by the next step.
 
 A request id is scoped to its tenant: the loop and the core know a request by
 ``request_key(tenant, request_id)``, so one tenant can neither abort another's
@@ -66,14 +76,6 @@ def _status(req, reason, finished: bool) -> str:
 Refusal = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 
 
-async def abort_call(context, refused: Refusal) -> None:
-    """Ends a Submit call with ``refused``'s status and trailers."""
-    code, message, trailers = refused
-    if trailers:
-        context.set_trailing_metadata(trailers)
-    await context.abort(code, message)
-
-
 def refusal(loop: EngineLoop, request: scheduler_pb2.SubmitRequest) -> Refusal | None:
     """Why ``request`` is refused before it is queued (code, message, trailers), or None."""
     if loop.draining:
@@ -129,38 +131,10 @@ def to_request(r: scheduler_pb2.SubmitRequest) -> Request:
     )
 
 
-def take_ready(queue: asyncio.Queue[Event], ev: Event) -> list[Event]:
-    """``ev`` and the events queued behind it, up to the stream's end: a stream whose
-    writes fell behind the steps (a loop busy streaming to many) sends what it owes in
-    one message instead of one per token."""
-    batch = [ev]
-    while ev[2] is None and not queue.empty():
-        ev = queue.get_nowait()
-        batch.append(ev)
-    return batch
-
-
-async def next_batch(queue: asyncio.Queue[Event], interval: int, first: bool) -> list[Event]:
-    """A stream's next message: what is ready (``take_ready``), then, unless it is the
-    stream's first (time to first token is never held back), more until it holds
-    ``interval`` events or the stream's end (SchedulerConfig.stream_interval)."""
-    batch = take_ready(queue, await queue.get())
-    if not first:
-        while batch[-1][2] is None and len(batch) < interval:
-            batch += take_ready(queue, await queue.get())
-    return batch
-
-
-def to_event(batch: list[Event], first: bool) -> scheduler_pb2.TokenEvent:
-    """One message for ``batch`` (one stream's events, in order; only the last may end it)."""
-    out = scheduler_pb2.TokenEvent()
-    fill_event(out, batch, first)
-    return out
-
-
 def fill_event(out: scheduler_pb2.TokenEvent, batch: list[Event], first: bool) -> None:
-    """``to_event`` into ``out``, an empty message in place (a SubmitMany response's:
-    building it where it goes saves two copies of every message)."""
+    """One message for ``batch`` (one stream's events, in order; only the last may end
+    it), into ``out``, an empty message in place (building it where it goes saves two
+    copies of every message)."""
     req, reason = batch[0][0], batch[-1][2]
     if len(batch) == 1:
         token = batch[0][1]
@@ -179,3 +153,239 @@ def fill_event(out: scheduler_pb2.TokenEvent, batch: list[Event], first: bool) -
         out.queue_time_s = req.first_scheduled_time - req.arrival_time
 
 
+# A response's size, about, before the next stream's messages go into another one, and a
+# message's events at most: far under gRPC's 4 MiB default a gateway receives, even for a
+# stream far behind with top logprobs (~160 bytes a token).
+RESPONSE_BYTES = 1 << 20
+MESSAGE_EVENTS = 256
+
+
+class _Stream:
+    """One open stream: its request, the events not sent yet (``held``), whether its
+    first message went, when each token was sent."""
+
+    __slots__ = ("id", "req", "key", "held", "first", "times", "ended")
+
+    def __init__(self, stream_id: int, req: Request) -> None:
+        self.id = stream_id
+        self.req = req
+        self.key = req.request_id
+        self.held: list[Event] = []
+        self.first = True
+        self.times: list[float] = []
+        self.ended = False
+
+
+class _Sink:
+    """What the loop puts a stream's events into."""
+
+    __slots__ = ("_call", "_stream")
+
+    def __init__(self, call: ManyCall, stream: _Stream) -> None:
+        self._call, self._stream = call, stream
+
+    def put_nowait(self, ev: Event) -> None:
+        stream = self._stream
+        if stream.ended:  # cancelled, or the call ended: nobody reads it
+            return
+        stream.held.append(ev)
+        call = self._call
+        call.ready[stream.id] = stream
+        if not call.wake.is_set():
+            call.wake.set()
+
+
+class ManyCall:
+    """One SubmitMany call's streams and what is due to go out on it."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.open: dict[int, _Stream] = {}
+        self.ready: dict[int, _Stream] = {}  # streams with events since the last write
+        self.errors: list[scheduler_pb2.StreamEvent] = []  # refusals, malformed messages
+        self.wake = asyncio.Event()
+        self.reading = True  # the gateway may still open streams
+
+    def receive(self, message: scheduler_pb2.SubmitManyRequest) -> None:
+        action = message.WhichOneof("action")
+        stream_id = message.stream_id
+        if action == "cancel":
+            self.cancel(stream_id)
+        elif action == "submit" and stream_id not in self.open:
+            self.start(stream_id, message.submit)
+        else:
+            self.cancel(stream_id)  # whatever was open under that id ends with it
+            why = ("is already open on this call" if action == "submit"
+                   else "has a message with neither submit nor cancel")
+            self.fail(stream_id, (grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"SubmitMany: stream {stream_id} {why}", ()))
+
+    def start(self, stream_id: int, submit: scheduler_pb2.SubmitRequest) -> None:
+        refused = refusal(self.loop, submit)
+        if refused is not None:
+            self.fail(stream_id, refused)
+            return
+        req = to_request(submit)
+        sink = self.opened(stream_id, req)
+        try:
+            self.loop.submit(req, sink)
+        except QueueFull as exc:
+            del self.open[stream_id]
+            self.fail(stream_id, queue_full(self.loop, submit, req, exc))
+        else:
+            self.loop.streams.num_many_streams += 1
+
+    def opened(self, stream_id: int, req: Request) -> _Sink:
+        """Opens stream ``stream_id`` for ``req``; returns where its events go."""
+        stream = self.open[stream_id] = _Stream(stream_id, req)
+        return _Sink(self, stream)
+
+    def cancel(self, stream_id: int) -> None:
+        """Aborts the stream, if open: nothing more is sent for it."""
+        stream = self.open.pop(stream_id, None)
+        if stream is not None:
+            self._end(stream, None, finished=False)
+            self.loop.abort(stream.key)
+
+    def fail(self, stream_id: int, refused: Refusal) -> None:
+        code, message, trailers = refused
+        self.errors.append(scheduler_pb2.StreamEvent(
+            stream_id=stream_id,
+            error=scheduler_pb2.StreamError(code=code.value[0], message=message,
+                                            trailers=dict(trailers))))
+        self.wake_up()
+
+    def close(self) -> None:
+        """The call ended: every stream still open is aborted."""
+        for stream in list(self.open.values()):
+            self.cancel(stream.id)
+
+    @property
+    def done(self) -> bool:
+        return not self.reading and not self.open and not self.errors
+
+    def take(self) -> list[scheduler_pb2.SubmitManyResponse]:
+        """What goes out now: the errors, and the messages of every stream with events
+        (held back under a stream interval until it has that many), in
+        responses of about RESPONSE_BYTES at most, a stream's events MESSAGE_EVENTS at
+        most to a message (a gateway that fell behind must not get one message over
+        gRPC's limit: it would break the call, and every stream on it). Built in place:
+        a message made apart and copied in costs 3x."""
+        response = scheduler_pb2.SubmitManyResponse()
+        responses = [response]
+        if self.errors:
+            response.events.extend(self.errors)
+            self.errors = []
+        add = response.events.add
+        size = 0
+        interval = self.loop.core.config.stream_interval
+        ready, self.ready = self.ready, {}
+        now = time.monotonic()
+        for stream in ready.values():
+            held = stream.held
+            if stream.ended or not held:
+                continue
+            reason = held[-1][2]
+            if reason is None and not stream.first and len(held) < interval:
+                continue  # its next events put it back in ``ready``
+            if size > RESPONSE_BYTES:
+                response = scheduler_pb2.SubmitManyResponse()
+                responses.append(response)
+                add, size = response.events.add, 0
+            stream.held = []
+            if len(held) == 1:
+                if held[0][1] is not None:
+                    stream.times.append(now)
+            else:
+                stream.times.extend(now for ev in held if ev[1] is not None)
+            if reason is None:
+                if len(held) > MESSAGE_EVENTS or held[0][3] is not None:
+                    size += _put(stream, held, add)  # long, or with logprobs: measured
+                    continue
+                message = add()  # the common case inline: a token or a few, no logprobs
+                message.stream_id = stream.id
+                fill_event(message.event, held, stream.first)
+                stream.first = False
+                size += 24 + 5 * len(held)
+            else:
+                size += self._last(stream, held, add)
+        return responses
+
+    def _last(self, stream: _Stream, held: list[Event], add) -> int:
+        """A stream's last messages: its tokens and finish, or, ended by the server, what
+        tokens it has and then the status that says why. Returns their size, about."""
+        req, reason = stream.req, held[-1][2]
+        if req.error:
+            size = _put(stream, held[:-1], add) if len(held) > 1 else 0
+            code, text, trailers = server_end(req, reason)
+            message = add()
+            message.stream_id = stream.id
+            error = message.error
+            error.code, error.message = code.value[0], text
+            error.trailers.update(trailers)
+            size += message.ByteSize()
+        else:
+            size = _put(stream, held, add)
+        del self.open[stream.id]
+        self._end(stream, reason, finished=True)
+        return size
+
+    def _end(self, stream: _Stream, reason, finished: bool) -> None:
+        stream.ended = True
+        stream_ended(self.loop, stream.req, stream.times, reason, finished)
+
+    def wake_up(self) -> None:
+        if not self.wake.is_set():
+            self.wake.set()
+
+
+def _put(stream: _Stream, events: list[Event], add) -> int:
+    """``events`` as the stream's next messages (MESSAGE_EVENTS at most each), added to a
+    response with ``add``; returns their size, about (exact where logprobs make it big)."""
+    size = 0
+    for lo in range(0, len(events), MESSAGE_EVENTS):
+        part = events if len(events) <= MESSAGE_EVENTS else events[lo:lo + MESSAGE_EVENTS]
+        message = add()
+        message.stream_id = stream.id
+        fill_event(message.event, part, stream.first)
+        stream.first = False
+        size += message.ByteSize() if part[-1][3] is not None or part[0][3] is not None \
+            else 24 + 5 * len(part)
+    return size
+
+async def _read(call: ManyCall, request_iterator) -> None:
+    try:
+        async for message in request_iterator:
+            call.receive(message)
+    finally:
+        call.reading = False
+        call.wake_up()
+
+
+async def serve(loop: EngineLoop, request_iterator, context):
+    """The responses of one SubmitMany call (see the module docstring)."""
+    loop.streams.num_many_calls += 1
+    try:
+        async for response in respond(ManyCall(loop), request_iterator):
+            yield response
+    finally:
+        loop.streams.num_many_calls -= 1
+
+
+async def respond(call: ManyCall, request_iterator):
+    """``call``'s responses while ``request_iterator`` feeds it, until the gateway is
+    done sending and every stream has ended; then, or if the call breaks, whatever is
+    still open is aborted."""
+    reader = asyncio.create_task(_read(call, request_iterator))
+    try:
+        while not call.done:
+            await call.wake.wait()
+            call.wake.clear()
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                return  # the call broke: its streams are aborted below
+            for response in call.take():
+                if response.events:
+                    yield response
+    finally:
+        reader.cancel()
+        call.close()

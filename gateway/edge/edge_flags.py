@@ -49,6 +49,10 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--slow-reader-timeout", "slow_reader_timeout_s", float,
      "seconds a client may leave one response unread before its request is cancelled "
      "(default 30)"),
+    ("--upstream-call-max-age", "upstream_call_max_age_s", float,
+     "seconds the gateway's one call to a scheduler replica takes new requests before a "
+     "new call replaces it (for a proxy between them that cuts long calls; default 0: "
+     "never; docs/grpc.md)"),
     ("--tool-call-parser", "tool_call_parser", str,
      "how tool calls are read from the model's text with tool_choice auto: hermes "
      "(<tool_call> blocks or a bare JSON call; the default) or json / llama3_json"),
@@ -60,10 +64,6 @@ SWITCHES: tuple[tuple[str, str, str], ...] = (
      "let special-token strings in chat messages and tools (e.g. <|im_start|>) be the "
      "control tokens themselves instead of text: for deployments that trust every "
      "client with roles (docs/security.md)"),
-    ("--one-call-per-request", "one_call_per_request",
-     "send each request to its scheduler replica on a Submit call of its own instead of "
-     "sharing one SubmitMany call per replica (for a proxy between them that limits "
-     "how long a call may last; docs/grpc.md)"),
 )
 
 # (flag and its aliases, GatewayConfig field, help): PEM files; TLS is off unless given.

@@ -1,23 +1,23 @@
-"""This gateway's requests to one replica on one SubmitMany call (a multiplexed Submit).
+"""This gateway's requests to one replica, as streams of one SubmitMany call.
 
-A Submit call per request costs the scheduler's event loop a wake-up and a gRPC write
-per message, per request: at 256 streams that is more than the scheduling step itself
+A call per request would cost the scheduler's event loop a wake-up and a gRPC write per
+message, per request: at 256 streams more than the scheduling step itself
 (docs/benchmarks.md §4). SubmitMany carries every stream of this gateway to the replica
 on one call, each step's messages for all of them in one write.
 
-To the relay a stream is what a Submit call is (``ManyStream``): ``read()`` returns the
-stream's TokenEvents, then ``grpc.aio.EOF`` if it ended without a finish; a stream the
-scheduler ended, refused or failed raises ``grpc.aio.AioRpcError`` with the status (and
-trailers) its Submit call would have ended with; ``cancel()`` aborts it upstream and has
-a pending ``read()`` raise CancelledError, as cancelling a call does; a timeout ends it
-with DEADLINE_EXCEEDED. One call (``_Link``) is opened lazily and replaced after it
-breaks: the streams open on a broken call end with its status (UNAVAILABLE when the
-scheduler went away), so the relay continues them elsewhere, as after a failed Submit.
+To the relay a request is a ``SchedulerStream``: ``read()`` returns its TokenEvents, the
+last with a finish reason, or a ``StreamEnd`` (gateway/routing/upstream.py) when it ended
+without one: the scheduler's status for it, the call's break (UNAVAILABLE when the
+scheduler went away) or its deadline (DEADLINE_EXCEEDED, kept here; a ``cancel`` goes
+upstream). ``cancel()`` aborts it upstream and has a pending ``read()`` raise
+CancelledError. One call (``_Link``) is opened lazily and replaced after it breaks, or,
+with ``max_call_age_s``, once it is that old (for a proxy between gateway and scheduler
+that cuts long calls): the old call takes no new stream and half-closes once its last
+ends, as a retiring replica's does.
 
 The call carries the internal secret in its own metadata (the channel's interceptors
 cover unary and server-streaming calls; an intercepted bidi call would turn writes into
-a request iterator). A retiring replica's call is half-closed once its last stream ends,
-so the channel's graceful close need not wait for its grace period.
+a request iterator).
 """
 
 from __future__ import annotations
@@ -29,29 +29,27 @@ import itertools
 import grpc
 import structlog
 
+from gateway.routing.upstream import StreamEnd
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime.aio import cancel_all
 
 _log = structlog.get_logger("gateway.mux")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_NO_METADATA = grpc.aio.Metadata()
+# What ``read()`` returns after a finish (the relay stops reading before).
+FINISHED = StreamEnd(grpc.StatusCode.OK, "finished")
+_EARLY = StreamEnd(grpc.StatusCode.UNAVAILABLE,
+                   "the scheduler ended the call before the stream finished")
 
 
-def rpc_error(code: grpc.StatusCode, details: str,
-              trailers: grpc.aio.Metadata = _NO_METADATA) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, _NO_METADATA, trailers, details)
-
-
-def _stream_error(error: scheduler_pb2.StreamError) -> grpc.aio.AioRpcError:
-    """A StreamError as the AioRpcError its Submit call would have raised."""
+def _stream_end(error: scheduler_pb2.StreamError) -> StreamEnd:
     code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
     if code is grpc.StatusCode.OK:
         code = grpc.StatusCode.UNKNOWN
-    return rpc_error(code, error.message, grpc.aio.Metadata(*sorted(error.trailers.items())))
+    return StreamEnd(code, error.message, tuple(sorted(error.trailers.items())))
 
 
-class ManyStream:
-    """One request on a SubmitMany call, used as its Submit call would be."""
+class SchedulerStream:
+    """One request on a SubmitMany call (see the module docstring)."""
 
     __slots__ = ("_link", "_id", "_items", "_waiter", "_timer", "done")
 
@@ -63,8 +61,9 @@ class ManyStream:
         self._timer = None if timeout is None else asyncio.get_running_loop().call_later(
             max(0.0, timeout), self._expire)
 
-    async def read(self):
-        """Its next TokenEvent, or grpc.aio.EOF; raises its end's error."""
+    async def read(self) -> scheduler_pb2.TokenEvent | StreamEnd:
+        """Its next TokenEvent, or how it ended (every later read returns that again);
+        raises CancelledError once cancelled."""
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -72,10 +71,10 @@ class ManyStream:
             finally:
                 self._waiter = None
         item = self._items[0]
-        if isinstance(item, BaseException):
-            raise item  # kept: every later read raises it again, as a call's would
-        if item is grpc.aio.EOF:
+        if item.__class__ is StreamEnd:
             return item
+        if isinstance(item, BaseException):
+            raise item
         self._items.popleft()
         return item
 
@@ -89,7 +88,7 @@ class ManyStream:
 
     def _expire(self) -> None:
         if not self.done:
-            self._end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._end(StreamEnd(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
             self._link.send(scheduler_pb2.SubmitManyRequest(stream_id=self._id, cancel=True))
 
     def put(self, event: scheduler_pb2.TokenEvent) -> None:
@@ -98,11 +97,11 @@ class ManyStream:
             return
         self._items.append(event)
         if event.finish_reason:
-            self._end(grpc.aio.EOF)  # read after the finish, as after a call's end
+            self._end(FINISHED)
         else:
             self._wake()
 
-    def _end(self, item) -> None:
+    def _end(self, item: StreamEnd | BaseException) -> None:
         self.done = True
         self._items.append(item)
         if self._timer is not None:
@@ -110,9 +109,9 @@ class ManyStream:
         self._link.ended(self._id)
         self._wake()
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, end: StreamEnd) -> None:
         if not self.done:
-            self._end(error)
+            self._end(end)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -125,7 +124,8 @@ class _Link:
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata, on_idle) -> None:
         self.call = stub.SubmitMany(metadata=metadata)
-        self.streams: dict[int, ManyStream] = {}
+        self.opened_at = asyncio.get_running_loop().time()
+        self.streams: dict[int, SchedulerStream] = {}
         self.broken = False
         self.closing = False  # retiring: half-close once no stream is open
         self._on_idle = on_idle
@@ -134,9 +134,9 @@ class _Link:
         self._ids = itertools.count(1)
         self._tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
 
-    def open(self, submit: scheduler_pb2.SubmitRequest, timeout: float | None) -> ManyStream:
+    def open(self, submit: scheduler_pb2.SubmitRequest, timeout: float | None) -> SchedulerStream:
         stream_id = next(self._ids)
-        stream = self.streams[stream_id] = ManyStream(self, stream_id, timeout)
+        stream = self.streams[stream_id] = SchedulerStream(self, stream_id, timeout)
         self.send(scheduler_pb2.SubmitManyRequest(stream_id=stream_id, submit=submit))
         return stream
 
@@ -172,39 +172,39 @@ class _Link:
 
     async def _read(self) -> None:
         call = self.call
-        status: object  # what each stream still open ends with
+        end = _EARLY  # what each stream still open ends with
         try:
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
-                    status = grpc.aio.EOF  # the scheduler ended the call: every stream early
-                    break
+                    break  # the scheduler ended the call: every stream open ends early
                 for item in response.events:
                     stream = self.streams.get(item.stream_id)
                     if stream is None:
                         continue  # cancelled here, or ended by its deadline
                     if item.HasField("error"):
-                        stream.fail(_stream_error(item.error))
+                        stream.fail(_stream_end(item.error))
                     else:
                         stream.put(item.event)
         except grpc.aio.AioRpcError as exc:
-            status = exc
+            end = StreamEnd(exc.code(), exc.details() or "",
+                            tuple(exc.trailing_metadata() or ()))
             if self.streams:
                 _log.warning("SubmitMany call broke", code=exc.code().name,
                              details=exc.details(), streams=len(self.streams))
         except asyncio.CancelledError:
-            status = rpc_error(grpc.StatusCode.CANCELLED, "the gateway closed the call")
+            end = StreamEnd(grpc.StatusCode.CANCELLED, "the gateway closed the call")
             raise
         except Exception as exc:  # a message this gateway cannot apply: the call is lost
             _log.exception("SubmitMany call failed here", streams=len(self.streams))
-            status = rpc_error(grpc.StatusCode.UNKNOWN, f"the gateway's SubmitMany call "
-                                                        f"failed: {exc!r}")
+            end = StreamEnd(grpc.StatusCode.UNKNOWN,
+                            f"the gateway's SubmitMany call failed: {exc!r}")
             call.cancel()
         finally:
             self.broken = True
             self._tasks[0].cancel()  # the writer: nothing more goes out on this call
             for stream in list(self.streams.values()):
-                stream.fail(status)
+                stream.fail(end)
             self._on_idle(self)
 
     async def close(self) -> None:
@@ -214,27 +214,44 @@ class _Link:
 
 
 class Mux:
-    """A replica's SubmitMany call, opened when a request needs it."""
+    """A replica's SubmitMany call, opened when a request needs it; with
+    ``max_call_age_s`` a call that old takes no new stream (a new one opens)."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata=()) -> None:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata=(),
+                 max_call_age_s: float = 0.0) -> None:
         self._stub = stub
         self._metadata = grpc.aio.Metadata(*metadata)
+        self._max_age_s = max_call_age_s
         self._link: _Link | None = None
+        self._old: set[_Link] = set()  # rotated out, half-closing once their streams end
         self.retiring = False
+        self.num_calls = 0  # calls opened, ever
 
     @property
     def num_open(self) -> int:
-        return len(self._link.streams) if self._link is not None else 0
+        return sum(len(link.streams) for link in self.links)
 
-    def submit(self, submit: scheduler_pb2.SubmitRequest, timeout: float | None) -> ManyStream:
+    @property
+    def links(self) -> list[_Link]:
+        return [*self._old, *([self._link] if self._link is not None else [])]
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest,
+               timeout: float | None) -> SchedulerStream:
         """Opens a stream for ``submit`` (on the current call, or a new one)."""
         link = self._link
+        if link is not None and not link.broken and self._max_age_s > 0 and \
+                asyncio.get_running_loop().time() - link.opened_at >= self._max_age_s:
+            self._old.add(link)  # rotated: it half-closes once its streams end
+            link.retire()
+            link = None
         if link is None or link.broken:
             link = self._link = _Link(self._stub, self._metadata, self._gone)
             link.closing = self.retiring
+            self.num_calls += 1
         return link.open(submit, timeout)
 
     def _gone(self, link: _Link) -> None:
+        self._old.discard(link)
         if self._link is link:
             self._link = None
 
@@ -245,6 +262,7 @@ class Mux:
             self._link.retire()
 
     async def close(self) -> None:
-        link, self._link = self._link, None
-        if link is not None:
+        links, self._link = self.links, None
+        self._old.clear()
+        for link in links:
             await link.close()

@@ -5,8 +5,8 @@ status the client should get; the gRPC servicer and the HTTP API both consume
 it, so failover, `n`, timing and metrics behave the same on both.
 
 Consumers must close the generator when they stop early (`contextlib.aclosing`):
-closing it cancels the upstream Submit calls, so the scheduler frees the
-request's KV blocks by its next step.
+closing it cancels the upstream streams, so the scheduler frees the request's KV
+blocks by its next step.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from gateway.routing.replicas import ReplicaSet
 from gateway.routing.upstream import (
     REPLICA_FAILURES,
     ClientStatus,
+    StreamEnd,
     client_status,
     request_failed,
 )
@@ -61,8 +62,8 @@ class RelayError(Exception):
         self.status = status
 
 
-class _EndedEarly(Exception):
-    """The upstream stream ended without a finish reason (the replica went away)."""
+class _Ended(Exception):
+    """The upstream stream ended without a finish reason: ``args[0]`` is its StreamEnd."""
 
 
 class _Stalled(Exception):
@@ -138,24 +139,20 @@ class _Timing:
 def _replica_failure(exc: Exception, address: str, streamed: int, log) -> ClientStatus:
     """How the replica at `address` failed, when the request may continue on another;
     raises RelayError when the failure is the request's own (a bad request, a poison one)."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # overload: comes in crowds
-            _log_overload(code=exc.code().name, details=exc.details())
-            raise RelayError(client_status(exc, address)) from exc
-        if exc.code() not in REPLICA_FAILURES or request_failed(exc):
-            log.warning("upstream failed", code=exc.code().name, details=exc.details())
-            raise RelayError(client_status(exc, address)) from exc
-        log.warning("replica failed; continuing elsewhere", replica=address,
-                    code=exc.code().name, streamed=streamed)
-        return client_status(exc, address)
     if isinstance(exc, _Stalled):
         log.warning("replica stalled; continuing elsewhere", replica=address, streamed=streamed)
         return ClientStatus(grpc.StatusCode.UNAVAILABLE,
                             f"the scheduler at {address} stopped responding")
-    log.warning("replica ended the stream early; continuing elsewhere", replica=address,
-                streamed=streamed)
-    return ClientStatus(grpc.StatusCode.UNAVAILABLE,
-                        f"the scheduler at {address} ended the stream without finishing")
+    end: StreamEnd = exc.args[0]
+    if end.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # overload: comes in crowds
+        _log_overload(code=end.code.name, details=end.details)
+        raise RelayError(client_status(end, address)) from None
+    if end.code not in REPLICA_FAILURES or request_failed(end):
+        log.warning("upstream failed", code=end.code.name, details=end.details)
+        raise RelayError(client_status(end, address)) from None
+    log.warning("replica failed; continuing elsewhere", replica=address,
+                code=end.code.name, details=end.details, streamed=streamed)
+    return client_status(end, address)
 
 
 class Relay:
@@ -293,7 +290,7 @@ class Relay:
                     leg.parked = False
                     if leg.ended is not None and not output.finished:
                         raise RelayError(leg.ended)
-            except (grpc.aio.AioRpcError, _EndedEarly, _Stalled) as exc:
+            except (_Ended, _Stalled) as exc:
                 failure = _replica_failure(exc, replica.address, len(output.token_ids), log)
             finally:
                 # Idempotent after a normal finish; essential on every early exit
@@ -304,8 +301,8 @@ class Relay:
 
     async def _attempt(self, call, leg: Completion, output: OutputStream, index: int,
                        timing: _Timing) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The responses of one Submit call, until the completion finishes. Raises
-        _EndedEarly, _Stalled, RelayError (drain ended it) or the call's AioRpcError."""
+        """The responses of one upstream stream, until the completion finishes. Raises
+        _Ended (with the stream's StreamEnd), _Stalled or RelayError (drain ended it)."""
         while True:
             try:
                 event = await call.read()
@@ -318,8 +315,8 @@ class Relay:
                 if leg.stalled:
                     raise _Stalled from None
                 raise
-            if event is grpc.aio.EOF:
-                raise _EndedEarly
+            if event.__class__ is StreamEnd:
+                raise _Ended(event)
             now = leg.heard_at = time.monotonic()
             if event.queue_time_s and not timing.queue_time_s:  # sent with the first event
                 timing.queue_time_s = event.queue_time_s

@@ -9,9 +9,10 @@ whose Stats fail, that has no executor, or that is draining is skipped while any
 other will do.
 
 Each replica's channel carries the per-deployment internal secret
-(``runtime/internal_auth.py``) on every call, Submit, Abort and Stats alike,
+(``runtime/internal_auth.py``) on every call, SubmitMany, Abort and Stats alike,
 through a client interceptor: whoever makes a call on ``replica.stub`` need not
-know about it. Given channel credentials, every channel is TLS (runtime/tls.py).
+know about it (the requests' SubmitMany call carries it in its own metadata).
+Given channel credentials, every channel is TLS (runtime/tls.py).
 
 An address ``dns:///NAME:PORT`` is a set, not one replica: NAME is resolved every
 REFRESH_S (all A/AAAA records, as a Kubernetes headless Service publishes one per
@@ -31,7 +32,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
-from gateway.routing.mux import Mux
+from gateway.routing.mux import Mux, SchedulerStream
 from gateway.routing.upstream import CHANNEL_OPTIONS
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
@@ -121,16 +122,13 @@ class Replica:
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     routed: int = 0  # picked since the last poll was sent: not yet in ``load``
     stats: scheduler_pb2.StatsResponse | None = None  # the latest successful poll
-    mux: Mux | None = None  # this gateway's SubmitMany call to it (None: Submit only)
+    mux: Mux | None = None  # this gateway's SubmitMany call to it (set by ReplicaSet)
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, timeout: float | None):
-        """Starts ``request``: its stream on the SubmitMany call where the replica's last
-        Stats says it serves that (gateway/routing/mux.py), else a Submit call; either
-        is read and cancelled alike."""
-        stats = self.stats
-        if self.mux is not None and stats is not None and stats.submit_many:
-            return self.mux.submit(request, timeout)
-        return self.stub.Submit(request, timeout=timeout)
+    def submit(self, request: scheduler_pb2.SubmitRequest,
+               timeout: float | None) -> SchedulerStream:
+        """Starts ``request``: a stream on this gateway's call to the replica
+        (gateway/routing/mux.py)."""
+        return self.mux.submit(request, timeout)
 
 
 class ReplicaSet:
@@ -138,7 +136,7 @@ class ReplicaSet:
                  secret: bytes | None | _FromEnvironment = FROM_ENVIRONMENT,
                  resolver: Resolver | None = None, refresh_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
-                 server_name: str | None = None, multiplex: bool = True) -> None:
+                 server_name: str | None = None, max_call_age_s: float = 0.0) -> None:
         """``addresses``: HOST:PORT replicas and ``dns:///NAME:PORT`` sets (split_dns).
         ``secret``: the internal secret every call carries (None: none, the opt-out);
         by default the environment's, which raises internal_auth.SecretError when
@@ -146,13 +144,13 @@ class ReplicaSet:
         ``resolver``, ``refresh_s``: how and how often a dns:/// name is looked up
         (default: ``resolve``, every REFRESH_S). ``credentials``: TLS to every replica
         (None: plaintext), checking ``server_name`` in its certificate when given
-        (else the address's host). ``multiplex``: requests to a replica that serves
-        SubmitMany share one call to it (False: a Submit call each)."""
+        (else the address's host). ``max_call_age_s``: a call to a replica that old takes
+        no new request (0: a call lives as long as it works; gateway/routing/mux.py)."""
         if isinstance(secret, _FromEnvironment):
             secret = internal_auth.load_secret()
         self._interceptors = auth_interceptors(secret)
         self._metadata = internal_auth.metadata(secret)
-        self._multiplex = multiplex
+        self._max_call_age_s = max_call_age_s
         self._credentials = credentials
         self._options = CHANNEL_OPTIONS + (
             (("grpc.ssl_target_name_override", server_name),) if server_name else ())
@@ -174,7 +172,7 @@ class ReplicaSet:
                                               interceptors=self._interceptors)
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         return Replica(address, channel, stub,
-                       mux=Mux(stub, self._metadata) if self._multiplex else None)
+                       mux=Mux(stub, self._metadata, self._max_call_age_s))
 
     @property
     def addresses(self) -> str:
@@ -207,8 +205,7 @@ class ReplicaSet:
         retiring = dict(self._retiring)
         await cancel_all(retiring)
         for replica in [*self.replicas, *retiring.values()]:
-            if replica.mux is not None:
-                await replica.mux.close()
+            await replica.mux.close()
             await replica.channel.close()
 
     def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
@@ -257,8 +254,7 @@ class ReplicaSet:
         self.replicas = [r for r in self.replicas if r not in left] + joined
         for replica in left:
             _log.info("replica left; draining it", address=replica.address)
-            if replica.mux is not None:
-                replica.mux.retire()  # its call half-closes once its streams end
+            replica.mux.retire()  # its call half-closes once its streams end
             task = asyncio.get_running_loop().create_task(
                 replica.channel.close(grace=RETIRE_GRACE_S))
             self._retiring[task] = replica

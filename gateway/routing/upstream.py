@@ -1,4 +1,5 @@
-"""The gateway's side of the internal Scheduler API: channel setup and error mapping."""
+"""The gateway's side of the internal Scheduler API: channel setup, how an upstream
+stream ends (``StreamEnd``) and what the client is told of it."""
 
 from __future__ import annotations
 
@@ -71,22 +72,32 @@ class ClientStatus:
     trailing_metadata: tuple[tuple[str, str], ...] = ()
 
 
-def _retry_after(exc: grpc.aio.AioRpcError) -> tuple[tuple[str, str], ...]:
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How an upstream stream ended without its finish: the scheduler's status for it (a
+    refusal, a request it ended), the call's break, or the deadline the gateway keeps.
+    ``trailers`` carry the scheduler's hints: pushback, ``error-code``, ``request-failed``."""
+
+    code: grpc.StatusCode
+    details: str
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+def _retry_after(end: StreamEnd) -> tuple[tuple[str, str], ...]:
     """The scheduler's retry hint as the client's trailers (none when it gave none)."""
-    delay = pushback.delay_ms(exc.trailing_metadata())
+    delay = pushback.delay_ms(end.trailers)
     return () if delay is None else pushback.trailers(delay)
 
 
-def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
-    """Maps an upstream Submit failure to what the client should see."""
-    code, details = exc.code(), exc.details() or ""
+def client_status(end: StreamEnd, address: str) -> ClientStatus:
+    """Maps an upstream stream's end to what the client should see."""
+    code, details = end.code, end.details
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         message = details or "the server is overloaded; retry later"
-        return ClientStatus(code, message, _retry_after(exc))
+        return ClientStatus(code, message, _retry_after(end))
     if code in _PASS_THROUGH:
         return ClientStatus(code, details, tuple(
-            (key, value) for key, value in exc.trailing_metadata() or ()
-            if key == ERROR_CODE_KEY))
+            (key, value) for key, value in end.trailers if key == ERROR_CODE_KEY))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ClientStatus(code, "the deadline passed before generation finished")
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -99,6 +110,6 @@ def client_status(exc: grpc.aio.AioRpcError, address: str) -> ClientStatus:
     )
 
 
-def request_failed(exc: grpc.aio.AioRpcError) -> bool:
+def request_failed(end: StreamEnd) -> bool:
     """True when the scheduler ended the request because of the request itself."""
-    return any(key == REQUEST_FAILED_KEY for key, _ in exc.trailing_metadata() or ())
+    return any(key == REQUEST_FAILED_KEY for key, _ in end.trailers)

@@ -40,7 +40,7 @@ import time
 import grpc
 import structlog
 
-from gateway.routing.mux import ManyStream
+from gateway.routing.mux import SchedulerStream
 from gateway.routing.replicas import Replica
 from gateway.routing.upstream import ClientStatus
 from protos.continuum.v1 import scheduler_pb2
@@ -82,8 +82,8 @@ class Completion:
     """One completion's upstream leg, as the relay updates it."""
 
     replica: Replica | None = None
-    call: grpc.aio.Call | ManyStream | None = None  # a Submit call, or a SubmitMany stream
-    heard_at: float = 0.0  # monotonic time of the last event (or of the Submit)
+    call: SchedulerStream | None = None  # its stream on the replica's SubmitMany call
+    heard_at: float = 0.0  # monotonic time of the last event (or of the submit)
     parked: bool = False  # handed a response to its consumer, not resumed yet
     stalled: bool = False  # the watchdog cancelled the call: the replica stalled
     ended: ClientStatus | None = None  # the gateway ended it (drain past grace)

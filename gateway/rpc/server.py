@@ -1,8 +1,8 @@
 """The client-facing gRPC server: `Generation.Generate`, health and reflection.
 
-Each Generate call is validated, submitted to the scheduler as one
-`Scheduler.Submit` server stream, and relayed back event by event. The upstream
-call is cancelled in a `finally` whenever the client's call ends early (client
+Each Generate call is validated, submitted to the scheduler as one stream of the
+gateway's SubmitMany call to it, and relayed back event by event. The upstream
+stream is cancelled in a `finally` whenever the client's call ends early (client
 gone, deadline passed, stop string matched), so the scheduler frees the
 request's KV blocks by its next step.
 

@@ -85,7 +85,7 @@ class SchedulerConfig:
         which a request is ended alone with an error; a request that failed runs in
         steps of its own until one succeeds, so the culprit of a poisoned batch is
         found in this many failures and healthy requests fail at most once.
-    stream_interval: tokens a Submit stream gathers before it sends them (its first
+    stream_interval: tokens a request's stream gathers before it sends them (its first
         token and its end go at once): each gRPC message costs the scheduler's event loop
         ~20 µs, so at 256 streams one token per message takes ~5 ms of it a step; 4
         sends a quarter of the messages, in bursts of 4 tokens. 1 (default): every

@@ -24,37 +24,30 @@ def run(coro, timeout_s: float = 30.0):
 
 @dataclass
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
-    """Streams `events` (one per `delay_s`), or fails with `error` after them.
+    """Serves SubmitMany: each stream sends `events` (one per `delay_s`), or fails with
+    `error` (code, details, trailers) after them, as a StreamError.
 
-    Records what was submitted, the timeout it was given and whether the
-    gateway cancelled the call. With `many` it also serves SubmitMany (and says so in
-    Stats): each stream runs what a Submit call would, its abort a StreamError.
+    Records what was submitted and whether the gateway cancelled a stream.
     """
 
     events: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
     delay_s: float = 0.0
     error: tuple[grpc.StatusCode, str, tuple] | None = None
     submitted: list[scheduler_pb2.SubmitRequest] = field(default_factory=list)
-    time_remaining: list[float | None] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     completed: asyncio.Event = field(default_factory=asyncio.Event)
-    many: bool = False
     num_many_calls: int = 0
 
-    async def Submit(self, request, context):
+    async def stream(self, request):
+        """One stream's events; raises Aborted (code, details, trailers) to end it so.
+        (Subclasses script other streams; a cancel is recorded for them.)"""
         self.submitted.append(request)
-        self.time_remaining.append(context.time_remaining())
-        try:
-            for event in self.events:
-                await asyncio.sleep(self.delay_s)
-                yield event
-            if self.error is not None:
-                code, details, trailing = self.error
-                await context.abort(code, details, trailing)
-            self.completed.set()
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+        for event in self.events:
+            await asyncio.sleep(self.delay_s)
+            yield event
+        if self.error is not None:
+            raise Aborted(*self.error)
+        self.completed.set()
 
     async def SubmitMany(self, request_iterator, context):
         self.num_many_calls += 1
@@ -63,10 +56,15 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
         async def one(stream_id: int, request) -> None:
             try:
-                async for event in self.Submit(request, _StreamContext()):
-                    out.put_nowait(scheduler_pb2.StreamEvent(stream_id=stream_id, event=event))
-                    await asyncio.sleep(0)  # a fake that never awaits must not hog the loop
-            except _Aborted as end:
+                async with contextlib.aclosing(self.stream(request)) as events:
+                    async for event in events:
+                        out.put_nowait(scheduler_pb2.StreamEvent(stream_id=stream_id,
+                                                                 event=event))
+                        await asyncio.sleep(0)  # a fake that never awaits must not hog the loop
+            except asyncio.CancelledError:  # the gateway cancelled it, or the call ended
+                self.cancelled.set()
+                raise
+            except Aborted as end:
                 code, details, trailing = end.args
                 out.put_nowait(scheduler_pb2.StreamEvent(stream_id=stream_id, error=(
                     scheduler_pb2.StreamError(code=code.value[0], message=details,
@@ -93,21 +91,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         # Healthy with an idle pool, so the gateway routes here and /health says serving.
         return scheduler_pb2.StatsResponse(executor_ready=True, num_total_blocks=64,
                                            num_free_blocks=64, num_running_by_tier=[0, 1, 0],
-                                           submit_many=self.many)
+                                           submit_many=True)
 
 
-class _Aborted(Exception):
-    """A SubmitMany stream's ``context.abort``: (code, details, trailing metadata)."""
-
-
-class _StreamContext:
-    """What FakeScheduler.Submit uses of a call's context, for a SubmitMany stream."""
-
-    def time_remaining(self) -> None:
-        return None  # a stream's deadline is the gateway's to keep
-
-    async def abort(self, code, details, trailing=()):
-        raise _Aborted(code, details, trailing)
+class Aborted(Exception):
+    """Ends a fake stream with a StreamError: (code, details, trailing metadata)."""
 
 
 @contextlib.asynccontextmanager
@@ -151,11 +139,8 @@ async def collect(call) -> list:
 
 @contextlib.asynccontextmanager
 async def gateway_with_fake(tokenizer, scheduler: FakeScheduler):
-    """A gateway in front of `scheduler`; yields (running gateway, channel to it). One
-    that serves SubmitMany is first polled, so the gateway multiplexes from the start."""
+    """A gateway in front of `scheduler`; yields (running gateway, channel to it)."""
     async with fake_scheduler(scheduler) as address, gateway(tokenizer, address) as pair:
-        if scheduler.many:
-            await polled(pair[0])
         yield pair
 
 

@@ -22,7 +22,7 @@ class Holding(FakeScheduler):
     holding: int = 0
     most: int = 0
 
-    async def Submit(self, request, context):
+    async def stream(self, request):
         self.submitted.append(request)
         self.holding += 1
         self.most = max(self.most, self.holding)

@@ -1,10 +1,10 @@
 """The gateway's SubmitMany multiplexer (gateway/routing/mux.py) against the real
 scheduler servicer and engine loop (a fake executor stepping it on a real ipc socket),
-over real gRPC on loopback: each stream reads as its Submit call would (the executor's
-tokens, then EOF), on one call for all; a refused stream raises the AioRpcError Submit
-would and the others finish; cancel and a deadline abort it upstream; a scheduler that
-goes away fails the open streams with a status the relay continues elsewhere, and the
-next stream opens a new call; a retiring replica's call closes once idle."""
+over real gRPC on loopback: each stream reads the executor's tokens to its finish, on
+one call for all; a refused stream ends with its StreamEnd (status, trailers) and the
+others finish; cancel and a deadline abort it upstream; a scheduler that goes away ends
+the open streams with a status the relay continues elsewhere, and the next stream opens
+a new call; a retiring replica's call, and one past its age, closes once idle."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.reliability import proto_strategies
-from gateway.routing.mux import Mux
-from gateway.routing.replicas import ReplicaSet
-from gateway.routing.upstream import ERROR_CODE_KEY, REPLICA_FAILURES, client_status
+from gateway.routing.mux import FINISHED, Mux
+from gateway.routing.upstream import ERROR_CODE_KEY, REPLICA_FAILURES, StreamEnd, client_status
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import SchedulerServicer
 from tests.gateway.harness import (
@@ -27,7 +26,6 @@ from tests.gateway.harness import (
     fake_scheduler,
     gateway,
     generation_stub,
-    polled,
     run,
 )
 from tests.scheduler.fake_peer import served, settled
@@ -43,12 +41,14 @@ def submit(request_id: str, max_tokens: int = 6, prompt=PROMPT) -> scheduler_pb2
 
 
 async def read_all(stream) -> tuple[list[int], int]:
-    """(tokens, finish reason) of a stream read to its EOF."""
+    """(tokens, finish reason) of a stream read to its finish."""
     tokens, reason = [], 0
-    while (event := await stream.read()) is not grpc.aio.EOF:
+    while not reason:
+        event = await stream.read()
+        assert event.__class__ is not StreamEnd, event
         tokens += event.token_ids
-        reason = event.finish_reason or reason
-    assert await stream.read() is grpc.aio.EOF  # and again, as a call's
+        reason = event.finish_reason
+    assert await stream.read() is FINISHED  # and again: nothing more comes
     return tokens, reason
 
 
@@ -69,7 +69,7 @@ class Calls(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
-def test_many_streams_share_one_call_and_each_reads_as_its_submit(tmp_path):
+def test_many_streams_share_one_call_and_each_reads_its_tokens(tmp_path):
     calls = Calls()
 
     async def go():
@@ -88,7 +88,7 @@ def test_many_streams_share_one_call_and_each_reads_as_its_submit(tmp_path):
     run(go())
 
 
-def test_a_refused_stream_raises_submits_status_and_the_others_finish(tmp_path):
+def test_a_refused_stream_ends_with_its_status_and_the_others_finish(tmp_path):
     async def go():
         async with served(tmp_path) as (loop, stub, address, _):
             mux = Mux(stub)
@@ -100,15 +100,11 @@ def test_a_refused_stream_raises_submits_status_and_the_others_finish(tmp_path):
                 "long": mux.submit(submit("long", prompt=range(300)), 20),
                 "twin": mux.submit(submit("ok0"), 20),  # an id open on this scheduler
             }
-            errors = {}
-            for name, stream in bad.items():
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await stream.read()
-                errors[name] = caught.value
-            assert errors["zero"].code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "max_tokens" in errors["zero"].details()
-            assert errors["twin"].code() == grpc.StatusCode.ALREADY_EXISTS
-            # The client sees what a refused Submit gives it, trailers included.
+            errors = {name: await stream.read() for name, stream in bad.items()}
+            assert errors["zero"].code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_tokens" in errors["zero"].details
+            assert errors["twin"].code == grpc.StatusCode.ALREADY_EXISTS
+            # What the client is told, the scheduler's trailers included.
             status = client_status(errors["long"], address)
             assert status.code == grpc.StatusCode.INVALID_ARGUMENT
             assert (ERROR_CODE_KEY, "context_length_exceeded") in status.trailing_metadata
@@ -133,9 +129,7 @@ def test_cancel_and_a_deadline_abort_the_request_upstream(tmp_path):
             assert cancelled.cancel() and not cancelled.cancel()  # idempotent
             with pytest.raises(asyncio.CancelledError):
                 await pending
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await timed.read()
-            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert (await timed.read()).code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert await settled(lambda: len(loop.core.requests) == 1)
             assert not loop.is_known("default\x1fcancelled")
             assert not loop.is_known("default\x1ftimed") and loop.is_known("default\x1fkept")
@@ -155,9 +149,8 @@ def test_a_scheduler_that_goes_away_fails_its_streams_and_the_next_opens_a_new_c
                 assert await settled(lambda: len(loop.core.requests) == 3)
                 await server.stop(0)
                 for stream in streams:
-                    with pytest.raises(grpc.aio.AioRpcError) as caught:
-                        await stream.read()
-                    assert caught.value.code() in REPLICA_FAILURES  # continued elsewhere
+                    end = await stream.read()
+                    assert end.code in REPLICA_FAILURES  # continued elsewhere
                 assert await settled(lambda: not loop.core.requests)  # the call's end
                 again = grpc.aio.server()  # the scheduler is back on its port
                 scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), again)
@@ -174,29 +167,30 @@ def test_a_scheduler_that_goes_away_fails_its_streams_and_the_next_opens_a_new_c
     run(go())
 
 
-def test_a_replica_uses_submit_many_only_where_its_stats_say_so(tmp_path):
+def test_a_call_past_its_age_takes_no_new_stream_and_closes_once_idle(tmp_path):
+    """With ``max_call_age_s`` (for a proxy that cuts long calls) a call that old takes no
+    new stream: the next opens a new call, and the old one half-closes once its own
+    streams have ended, every one of them served in full."""
+    calls = Calls()
+
     async def go():
-        async with served(tmp_path) as (_, _, address, _):
-            for multiplex in (True, False):
-                replicas = ReplicaSet([address], secret=None, multiplex=multiplex)
-                (replica,) = replicas.replicas
-                first = replica.submit(submit(f"first-{multiplex}"), 20)
-                assert isinstance(first, grpc.aio.UnaryStreamCall)  # no Stats yet
-                await replicas._poll(replica)
-                assert replica.stats.submit_many
-                later = replica.submit(submit(f"later-{multiplex}"), 20)
-                assert isinstance(later, grpc.aio.UnaryStreamCall) is not multiplex
-                for call in (first, later):
-                    tokens = [t async for e in _events(call) for t in e.token_ids]
-                    assert executor_tokens(tokens, 6)
-                await replicas.close()
+        async with served(tmp_path, interceptors=[calls]) as (loop, _, address, _):
+            channel = grpc.aio.insecure_channel(address)
+            mux = Mux(scheduler_pb2_grpc.SchedulerStub(channel), max_call_age_s=0.2)
+            first = mux.submit(submit("first", max_tokens=40), 20)
+            young = mux.submit(submit("young"), 20)  # the same call: not old yet
+            await asyncio.sleep(0.3)
+            later = mux.submit(submit("later"), 20)
+            assert mux.num_calls == 2
+            results = await asyncio.gather(read_all(first), read_all(young), read_all(later))
+            for (tokens, reason), n in zip(results, (40, 6, 6), strict=True):
+                assert reason == LENGTH and executor_tokens(tokens, n)
+            assert await settled(lambda: loop.streams.num_many_calls == 1)  # the old one ended
+            await mux.close()
+            await channel.close()
+        assert calls.methods == ["SubmitMany", "SubmitMany"]
 
     run(go())
-
-
-async def _events(call):
-    while (event := await call.read()) is not grpc.aio.EOF:
-        yield event
 
 
 def test_a_retiring_replicas_call_closes_once_its_streams_end(tmp_path):
@@ -215,34 +209,39 @@ def test_a_retiring_replicas_call_closes_once_its_streams_end(tmp_path):
     run(go())
 
 
-@pytest.mark.parametrize("flag", [False, True])
-def test_one_call_per_request_keeps_a_submit_call_each(tokenizer, flag):
-    """The flag (``python -m gateway`` and ``continuum serve`` alike) reaches the
-    gateway's replicas: with it, requests to a SubmitMany scheduler still go on a
-    Submit call each."""
+@pytest.mark.parametrize("age", [None, 0.2])
+def test_upstream_call_max_age_reaches_the_gateways_replicas(tokenizer, age):
+    """``--upstream-call-max-age`` (``python -m gateway`` and ``continuum serve`` alike)
+    reaches the gateway's replicas: with it, a request after the call's age opens a
+    new call; without it, every request rides the one call."""
     from continuum.cli import build_parser
     from gateway.__main__ import parse_args
     from gateway.edge import edge_flags
 
-    argv = ["--one-call-per-request"] if flag else []
+    argv = [] if age is None else ["--upstream-call-max-age", str(age)]
     config = parse_args(["--model-dir", "m", "--scheduler", "127.0.0.1:1", *argv])
-    assert config.one_call_per_request is flag
+    assert config.upstream_call_max_age_s == (age or 0.0)
     parser, _ = build_parser()
-    assert ("--one-call-per-request" in edge_flags.to_argv(
-        parser.parse_args(["serve", *argv]))) is flag
+    assert ("--upstream-call-max-age" in edge_flags.to_argv(
+        parser.parse_args(["serve", *argv]))) is (age is not None)
     scheduler = FakeScheduler(events=[scheduler_pb2.TokenEvent(
-        token_ids=[42], finish_reason=LENGTH)], many=True)
+        token_ids=[42], finish_reason=LENGTH)])
 
     async def go():
         async with fake_scheduler(scheduler) as address, \
-                gateway(tokenizer, address, one_call_per_request=flag) as (running, channel):
-            await polled(running)
-            request = generation_pb2.GenerateRequest(prompt="hi")
-            return await collect(generation_stub(channel).Generate(request, timeout=10))
+                gateway(tokenizer, address, upstream_call_max_age_s=config.upstream_call_max_age_s
+                        ) as (running, channel):
+            answers = []
+            for _ in range(2):
+                request = generation_pb2.GenerateRequest(prompt="hi")
+                answers += await collect(generation_stub(channel).Generate(request, timeout=10))
+                await asyncio.sleep(0.3)
+            return answers
 
-    (response,) = run(go())
-    assert response.finish_reason == LENGTH
-    assert scheduler.num_many_calls == (not flag) and len(scheduler.submitted) == 1
+    responses = run(go())
+    assert [r.finish_reason for r in responses] == [LENGTH, LENGTH]
+    assert scheduler.num_many_calls == (1 if age is None else 2)
+    assert len(scheduler.submitted) == 2
 
 
 @settings(max_examples=40, deadline=None, database=None, derandomize=True,
@@ -250,8 +249,8 @@ def test_one_call_per_request_keeps_a_submit_call_each(tokenizer, flag):
 @given(drawn=st.lists(proto_strategies.messages(scheduler_pb2.SubmitRequest.DESCRIPTOR),
                       min_size=1, max_size=10))
 def test_drawn_requests_end_alone_and_a_guarded_stream_finishes(tmp_path_factory, drawn):
-    """Whatever a drawn SubmitRequest holds, its stream ends by itself (tokens then EOF, or
-    an AioRpcError the relay maps to a client status), and a stream beside them on the
+    """Whatever a drawn SubmitRequest holds, its stream ends by itself (tokens to a finish,
+    or a StreamEnd the relay maps to a client status), and a stream beside them on the
     same call gets every token: none of them breaks the call."""
     tmp_path = tmp_path_factory.mktemp("mux")
     for request in drawn:  # bounded work for the fake executor
@@ -261,12 +260,11 @@ def test_drawn_requests_end_alone_and_a_guarded_stream_finishes(tmp_path_factory
             request.request_id = "not-the-guard"
 
     async def ends(stream) -> None:
-        try:
-            while await stream.read() is not grpc.aio.EOF:
-                pass
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
-            client_status(exc, "replica")  # what the client gets: no exception
+        while (event := await stream.read()).__class__ is not StreamEnd:
+            pass
+        if event is not FINISHED:
+            assert event.code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+            client_status(event, "replica")  # what the client gets: no exception
 
     async def go():
         async with served(tmp_path) as (_, stub, *_):

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from gateway.routing.replicas import Replica
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
@@ -25,8 +26,6 @@ from .harness import (
 )
 
 GenerateRequest = generation_pb2.GenerateRequest
-# Each upstream: a Submit call per request, or streams on a SubmitMany call.
-UPSTREAMS = pytest.mark.parametrize("many", [False, True], ids=["submit", "submit-many"])
 
 
 def _events(tokenizer, text, finish=sampling_pb2.FINISH_REASON_LENGTH):
@@ -44,9 +43,8 @@ async def _generate(tokenizer, scheduler, request, timeout=10, wait_for_cancel=F
                 await asyncio.wait_for(scheduler.cancelled.wait(), 5)
 
 
-@UPSTREAMS
-def test_submit_carries_the_resolved_request(tokenizer, many):
-    scheduler = FakeScheduler(events=_events(tokenizer, "Paris."), many=many)
+def test_submit_carries_the_resolved_request(tokenizer):
+    scheduler = FakeScheduler(events=_events(tokenizer, "Paris."))
     request = GenerateRequest(
         prompt="The capital of France is",
         max_tokens=0,
@@ -61,37 +59,39 @@ def test_submit_carries_the_resolved_request(tokenizer, many):
     assert submitted.sampling.HasField("temperature") and submitted.sampling.seed == 7
     assert len(submitted.request_id) == 32  # uuid4 hex
     assert {r.request_id for r in responses} == {submitted.request_id}
-    assert scheduler.num_many_calls == many  # multiplexed where the scheduler offers it
+    assert scheduler.num_many_calls == 1  # its stream on the gateway's one call
     assert "".join(r.text for r in responses) == "Paris."
     assert responses[-1].usage.prompt_tokens == len(submitted.prompt_token_ids)
 
 
-def test_client_deadline_is_propagated_upstream(tokenizer):
+@pytest.mark.parametrize("timeout", [30, None])
+def test_client_deadline_is_kept_for_the_upstream_stream(tokenizer, monkeypatch, timeout):
+    """The upstream stream gets the client's remaining time (the gateway keeps it and
+    cancels upstream when it passes), not extended; no client deadline, none upstream."""
+    given = []
+    submit = Replica.submit
+
+    def recording(self, request, time_left):
+        given.append(time_left)
+        return submit(self, request, time_left)
+
+    monkeypatch.setattr(Replica, "submit", recording)
     scheduler = FakeScheduler(events=_events(tokenizer, "ok"))
-    run(_generate(tokenizer, scheduler, GenerateRequest(prompt="hi", request_id="r-1"), 30))
-    (remaining,) = scheduler.time_remaining
-    # Forwarded, and not extended: no lower bound (a slow machine may spend any part of the
-    # 30 s before the Submit), and a little slack above because gRPC rounds a timeout *up*
-    # to its wire unit, which on a fast machine leaves upstream a hair more than 30.0 s.
-    assert remaining is not None and 0 < remaining <= 30.0 * 1.01
+    request = GenerateRequest(prompt="hi", request_id="r-1")
+    run(_generate(tokenizer, scheduler, request, timeout))
+    (remaining,) = given
+    if timeout is None:
+        assert remaining is None
+    else:  # no lower bound: a slow machine may spend any part of it before the submit
+        assert remaining is not None and 0 < remaining <= timeout
     assert scheduler.submitted[0].request_id == "r-1"
 
 
-def test_no_client_deadline_means_none_upstream(tokenizer):
-    scheduler = FakeScheduler(events=_events(tokenizer, "ok"))
-    async def scenario():
-        async with gateway_with_fake(tokenizer, scheduler) as (_, channel):
-            return await collect(generation_stub(channel).Generate(GenerateRequest(prompt="hi")))
-    run(scenario())
-    assert scheduler.time_remaining == [None]
-
-
-@UPSTREAMS
-def test_stop_string_ends_stream_and_cancels_upstream(tokenizer, many):
+def test_stop_string_ends_stream_and_cancels_upstream(tokenizer):
     # Plenty after the stop string, so upstream cannot finish before the cancel lands
     # however slow the machine.
     text = "Paris is nice. Question: " + "more text " * 100
-    scheduler = FakeScheduler(events=_events(tokenizer, text), delay_s=0.05, many=many)
+    scheduler = FakeScheduler(events=_events(tokenizer, text), delay_s=0.05)
     request = GenerateRequest(prompt="hi", stop=["Question:"])
     responses = run(_generate(tokenizer, scheduler, request, wait_for_cancel=True))
     assert "".join(r.text for r in responses) == "Paris is nice. "
@@ -99,10 +99,8 @@ def test_stop_string_ends_stream_and_cancels_upstream(tokenizer, many):
     assert not scheduler.completed.is_set()
 
 
-@UPSTREAMS
-def test_client_cancel_cancels_upstream(tokenizer, many):
-    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5,
-                              many=many)
+def test_client_cancel_cancels_upstream(tokenizer):
+    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5)
 
     async def scenario():
         async with gateway_with_fake(tokenizer, scheduler) as (_, channel):
@@ -114,10 +112,8 @@ def test_client_cancel_cancels_upstream(tokenizer, many):
     run(scenario())
 
 
-@UPSTREAMS
-def test_client_deadline_cancels_upstream(tokenizer, many):
-    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5,
-                              many=many)
+def test_client_deadline_cancels_upstream(tokenizer):
+    scheduler = FakeScheduler(events=_events(tokenizer, "a b c d e f g h i j"), delay_s=0.5)
 
     async def scenario():
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -137,13 +133,11 @@ def test_client_deadline_cancels_upstream(tokenizer, many):
         (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, "failed the request"),
     ],
 )
-@UPSTREAMS
-def test_upstream_errors_map_to_client_statuses(tokenizer, upstream_code, client_code, message,
-                                                many):
+def test_upstream_errors_map_to_client_statuses(tokenizer, upstream_code, client_code, message):
     trailing = (("retry-after-ms", "250"),)
     scheduler = FakeScheduler(
         events=[scheduler_pb2.TokenEvent(token_ids=[42])],
-        error=(upstream_code, "queue full", trailing), many=many,
+        error=(upstream_code, "queue full", trailing),
     )
 
     async def scenario():
@@ -213,17 +207,15 @@ def test_shutdown_lets_in_flight_calls_finish_and_refuses_new_ones(tokenizer):
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@UPSTREAMS
 @pytest.mark.parametrize("marked", [True, False])
-def test_a_poison_request_is_not_continued_on_another_replica(tokenizer, marked, many):
+def test_a_poison_request_is_not_continued_on_another_replica(tokenizer, marked):
     """INTERNAL with the scheduler's request-failed trailer ends the request: another
     replica would only fail (or lose its executor) on it too. Without the trailer an
     INTERNAL is the replica's failure and the request continues on the other one."""
     trailer = (("request-failed", "poison"),) if marked else ()
     failing = FakeScheduler(events=[scheduler_pb2.TokenEvent(token_ids=[42])],
-                            error=(grpc.StatusCode.INTERNAL, "the executor failed", trailer),
-                            many=many)
-    other = FakeScheduler(events=_events(tokenizer, " there"), many=many)
+                            error=(grpc.StatusCode.INTERNAL, "the executor failed", trailer))
+    other = FakeScheduler(events=_events(tokenizer, " there"))
 
     async def scenario():
         async with fake_scheduler(failing) as a, fake_scheduler(other) as b, \

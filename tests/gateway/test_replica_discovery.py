@@ -11,7 +11,6 @@ import asyncio
 import pathlib
 import socket
 
-import grpc
 import pytest
 
 from gateway.config import ConfigError, GatewayConfig
@@ -142,15 +141,14 @@ def test_a_replica_that_leaves_finishes_its_in_flight_stream():
             try:
                 await replica_set.refresh()
                 [replica] = replica_set.replicas
-                call = replica.stub.Submit(scheduler_pb2.SubmitRequest(request_id="r1"),
-                                           timeout=10)
+                call = replica.submit(scheduler_pb2.SubmitRequest(request_id="r1"), 10)
                 first = await call.read()
                 answers.addresses = []
                 await replica_set.refresh()
                 assert replica_set.replicas == [] and replica_set.pick() is None
-                rest = []
-                while (event := await call.read()) is not grpc.aio.EOF:
-                    rest.append(event)
+                rest = [await call.read()]
+                while not rest[-1].finish_reason:
+                    rest.append(await call.read())
                 assert [e.token_ids[0] for e in [first, *rest]] == [100 + i for i in range(8)]
                 assert rest[-1].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
                 assert slow.completed.is_set() and not slow.cancelled.is_set()

@@ -59,20 +59,16 @@ class Freezing(FakeScheduler):
     more: list = dataclasses.field(default_factory=list)
     stopped: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
-    async def Submit(self, request, context):
+    async def stream(self, request):
         self.submitted.append(request)
-        try:
-            for event in self.events:
-                yield event
-            self.stopped.set()
-            if self.pause_s is None:
-                await asyncio.Event().wait()
-            await asyncio.sleep(self.pause_s)
-            for event in self.more:
-                yield event
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+        for event in self.events:
+            yield event
+        self.stopped.set()
+        if self.pause_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.pause_s)
+        for event in self.more:
+            yield event
 
     async def Stats(self, request, context):
         if self.frozen and self.stopped.is_set():
@@ -87,34 +83,25 @@ class Endless(FakeScheduler):
 
     token_id: int = 0
 
-    async def Submit(self, request, context):
+    async def stream(self, request):
         self.submitted.append(request)
-        try:
-            for n in itertools.count(1):
-                event = scheduler_pb2.TokenEvent(token_ids=[self.token_id])
-                if n == request.max_tokens < ENDLESS:
-                    event.finish_reason = sampling_pb2.FINISH_REASON_LENGTH
-                    yield event
-                    return
+        for n in itertools.count(1):
+            event = scheduler_pb2.TokenEvent(token_ids=[self.token_id])
+            if n == request.max_tokens < ENDLESS:
+                event.finish_reason = sampling_pb2.FINISH_REASON_LENGTH
                 yield event
-        except (asyncio.CancelledError, GeneratorExit):  # grpc closes it when the call ends
-            self.cancelled.set()
-            raise
-
-
-# Each upstream: a Submit call per request, or streams on a SubmitMany call.
-UPSTREAMS = pytest.mark.parametrize("many", [False, True], ids=["submit", "submit-many"])
+                return
+            yield event
 
 
 def _text(responses):
     return "".join(r.text for r in responses)
 
 
-@UPSTREAMS
-def test_a_stalled_replica_s_stream_continues_on_another(tokenizer, many):
+def test_a_stalled_replica_s_stream_continues_on_another(tokenizer):
     events = _events(tokenizer)
-    stalled = Freezing(events=events[:3], many=many)
-    healthy = FakeScheduler(events=events[3:], many=many)
+    stalled = Freezing(events=events[:3])
+    healthy = FakeScheduler(events=events[3:])
 
     async def scenario():
         async with fake_scheduler(stalled) as a, fake_scheduler(healthy) as b, \
@@ -134,9 +121,8 @@ def test_a_stalled_replica_s_stream_continues_on_another(tokenizer, many):
     assert stalled.cancelled.is_set()  # the stalled call was given up, not left open
 
 
-@UPSTREAMS
-def test_a_stalled_only_replica_ends_the_stream_unavailable(tokenizer, many):
-    stalled = Freezing(events=_events(tokenizer)[:2], many=many)
+def test_a_stalled_only_replica_ends_the_stream_unavailable(tokenizer):
+    stalled = Freezing(events=_events(tokenizer)[:2])
 
     async def scenario():
         async with fake_scheduler(stalled) as a, gateway(tokenizer, a) as (running, channel):
@@ -165,12 +151,11 @@ def test_a_slow_replica_that_answers_keeps_its_streams(tokenizer):
     assert len(slow.submitted) == 1  # waited through the pause: no failover, no error
 
 
-@UPSTREAMS
-def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer, many):
+def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer):
     """A raw socket with a tiny receive buffer asks for a long SSE stream and never
     reads: once the server's buffers are full its write blocks, and the watchdog
     cancels the request; a normal request is served meanwhile."""
-    endless = Endless(token_id=tokenizer.encode(" word")[0], many=many)
+    endless = Endless(token_id=tokenizer.encode(" word")[0])
 
     async def scenario():
         async with fake_scheduler(endless) as a, \
@@ -198,11 +183,10 @@ def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer, 
         in metrics
 
 
-@UPSTREAMS
-def test_drain_past_its_grace_period_ends_streams_with_an_error(tokenizer, many):
+def test_drain_past_its_grace_period_ends_streams_with_an_error(tokenizer):
     """Streams still running when the grace period is over get UNAVAILABLE (gRPC) or an
     SSE `error` event then `[DONE]`, not a cut connection."""
-    endless = FakeScheduler(events=_events(tokenizer, "word " * 500), delay_s=0.05, many=many)
+    endless = FakeScheduler(events=_events(tokenizer, "word " * 500), delay_s=0.05)
 
     async def scenario():
         async with fake_scheduler(endless) as a, \

@@ -14,6 +14,7 @@ import pytest
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import TEST_METADATA
+from tests.scheduler.submit_client import StreamFailed, submit
 
 pytestmark = pytest.mark.integration
 
@@ -79,12 +80,12 @@ def test_the_schedulers_own_refusal_names_the_code_for_the_gateway(server, conte
     """A gateway whose idea of the context is larger than its replica's (deployed apart)
     passes the scheduler's refusal on: the scheduler says it in the same words and sends
     the code in its ``error-code`` trailer, which the HTTP API turns into ``code``."""
-    submit = scheduler_pb2.SubmitRequest(request_id="ctx", prompt_token_ids=[17] * 8,
-                                         max_tokens=context)
+    request = scheduler_pb2.SubmitRequest(request_id="ctx", prompt_token_ids=[17] * 8,
+                                          max_tokens=context)
     with grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}") as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        with pytest.raises(grpc.RpcError) as caught:
-            next(stub.Submit(submit, timeout=30, metadata=TEST_METADATA))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert f"maximum context length is {context} tokens" in caught.value.details()
-    assert ("error-code", "context_length_exceeded") in caught.value.trailing_metadata()
+        with pytest.raises(StreamFailed) as caught:
+            submit(stub, request, timeout=30, metadata=TEST_METADATA)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"maximum context length is {context} tokens" in caught.value.message
+    assert caught.value.trailers["error-code"] == "context_length_exceeded"

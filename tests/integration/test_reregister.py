@@ -22,6 +22,7 @@ from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
 from tests.integration.conftest import free_port
+from tests.scheduler.submit_client import Stream, StreamFailed, submit
 
 pytestmark = pytest.mark.integration
 READY_S = 240
@@ -75,10 +76,10 @@ def _metadata():
 
 
 def generate(stub, request_id: str) -> list[scheduler_pb2.TokenEvent]:
-    submit = scheduler_pb2.SubmitRequest(
+    request = scheduler_pb2.SubmitRequest(
         request_id=request_id, prompt_token_ids=[1, 9690, 198, 2683], max_tokens=4,
         sampling=sampling_pb2.SamplingParams(temperature=0.0))
-    return list(stub.Submit(submit, timeout=120, metadata=_metadata()))
+    return submit(stub, request, timeout=120, metadata=_metadata())
 
 
 def test_forged_hello_is_ignored_and_a_stalled_executor_re_registers(replica):
@@ -126,15 +127,15 @@ def test_a_drain_past_its_grace_period_ends_each_stream_with_unavailable(tmp_pat
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             wait_for(lambda: stats(stub), "the scheduler", 60)
-            submit = scheduler_pb2.SubmitRequest(request_id="stuck", prompt_token_ids=[1, 2],
-                                                 max_tokens=4)
-            call = stub.Submit(submit, timeout=60, metadata=_metadata())
+            request = scheduler_pb2.SubmitRequest(request_id="stuck", prompt_token_ids=[1, 2],
+                                                  max_tokens=4)
+            stream = Stream(stub, request, timeout=60, metadata=_metadata())
             wait_for(lambda: stats(stub).num_waiting == 1, "the request to queue", 30)
             scheduler.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.RpcError) as err:
-                list(call)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "shut down before the request finished" in err.value.details()
+            with pytest.raises(StreamFailed) as err:
+                list(stream)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "shut down before the request finished" in err.value.message
         assert scheduler.wait(timeout=30) == 0
     finally:
         if scheduler.poll() is None:

@@ -1,6 +1,6 @@
 """The seed's operational guards: the prefill ceiling's alert and clamp, the
-cap on concurrent swaps, and a Submit whose client vanished (killed, no cancel sent)
-ending its request in a real scheduler process."""
+cap on concurrent swaps, and a request whose client vanished (killed, no cancel sent)
+ending in a real scheduler process."""
 
 # ruff: noqa: F811 (the scheduler fixtures are imported from scheduler_process)
 from __future__ import annotations
@@ -78,21 +78,24 @@ CLIENT = """
 import sys, grpc
 from protos.continuum.v1 import scheduler_pb2_grpc
 from tests.conftest import TEST_METADATA
+from tests.scheduler.submit_client import Stream
 from tests.scheduler.test_servicer import submit_request
 channel = grpc.insecure_channel(sys.argv[1])
-call = scheduler_pb2_grpc.SchedulerStub(channel).Submit(
-    submit_request("vanishing", max_tokens=8), timeout=600, metadata=TEST_METADATA)
+stub = scheduler_pb2_grpc.SchedulerStub(channel)
+stream = Stream(stub, submit_request("vanishing", max_tokens=8), timeout=600,
+                metadata=TEST_METADATA)
 print("submitted", flush=True)
-for _ in call:
+for _ in stream:
     pass
 """
 
 
-def test_a_submit_whose_client_vanished_ends_its_request(scheduler, scheduler_address):
+def test_a_request_whose_client_vanished_ends(scheduler, scheduler_address):
     """No cancel is sent: the client process is killed. The connection's end cancels the
-    stream on the scheduler's side (a peer that vanished without one is found by the
-    keepalive pings of scheduler_svc/__main__.py), which aborts its request and frees
-    what it held: the inactivity watchdog the seed asks for needs no code of its own."""
+    SubmitMany call on the scheduler's side (a peer that vanished without one is found by
+    the keepalive pings of scheduler_svc/__main__.py), which aborts its open stream's
+    request and frees what it held: the inactivity watchdog the seed asks for needs no
+    code of its own."""
     stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
     wait_waiting(stub, 0)
     client = subprocess.Popen([sys.executable, "-c", CLIENT, scheduler_address],

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routing.replicas import ReplicaSet
+from gateway.routing.upstream import StreamEnd
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 from tests.conftest import TEST_METADATA, TEST_SECRET
@@ -29,6 +30,7 @@ from tests.scheduler.scheduler_process import (  # noqa: F401 (fixtures)
     scheduler_cmd,
     wait_serving,
 )
+from tests.scheduler.submit_client import Stream, StreamFailed
 
 
 def submit_request(request_id: str = "r1", **fields) -> scheduler_pb2.SubmitRequest:
@@ -48,7 +50,6 @@ def test_every_method_needs_the_secret(scheduler, metadata):
         "Stats": lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=metadata),
         "Abort": lambda: stub.Abort(scheduler_pb2.AbortRequest(request_id="r1"), timeout=5,
                                     metadata=metadata),
-        "Submit": lambda: stub.Submit(submit_request(), timeout=5, metadata=metadata),
         "SubmitMany": lambda: stub.SubmitMany(
             iter([scheduler_pb2.SubmitManyRequest(stream_id=1, submit=submit_request())]),
             timeout=5, metadata=metadata),
@@ -56,7 +57,7 @@ def test_every_method_needs_the_secret(scheduler, metadata):
     for name, call in calls.items():
         with pytest.raises(grpc.RpcError) as caught:
             result = call()
-            if name.startswith("Submit"):
+            if name == "SubmitMany":
                 next(result)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
         assert internal_auth.METADATA_KEY in caught.value.details()
@@ -77,29 +78,31 @@ def test_health_is_open_and_the_secret_opens_stats(scheduler):
 
 @pytest.mark.parametrize("secret", [TEST_SECRET.encode(), None], ids=["secret", "none"])
 def test_the_gateways_replica_channels_carry_the_secret(scheduler_address, secret):
-    """Stats (unary) and Submit (streaming) on ``replica.stub`` need no metadata of
-    their own: the channel adds it; the replica's SubmitMany call carries it itself."""
+    """Stats on ``replica.stub`` needs no metadata of its own: the channel adds it; the
+    replica's SubmitMany call (``replica.submit``) carries it itself. Without a secret
+    both are refused; with it, both get past auth."""
     async def calls():
         replicas = ReplicaSet([scheduler_address], secret=secret)
         replica = replicas.replicas[0]
         stub = replica.stub
         codes = []
         for call in (lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=5),
-                     lambda: stub.Submit(submit_request(max_tokens=0), timeout=5).read(),
-                     lambda: replica.mux.submit(submit_request(max_tokens=0), 5).read()):
+                     lambda: replica.submit(submit_request(max_tokens=0), 5).read()):
             try:
-                await call()
-                codes.append(grpc.StatusCode.OK)
+                result = await call()
             except grpc.aio.AioRpcError as exc:
                 codes.append(exc.code())
+            else:  # a stream's end without a finish: its status
+                codes.append(result.code if isinstance(result, StreamEnd)
+                             else grpc.StatusCode.OK)
         await replicas.close()
         return codes
 
     codes = asyncio.run(asyncio.wait_for(calls(), 30))
     if secret is None:
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3
-    else:  # past auth: Stats answers, the Submits are judged on their merits
-        assert codes == [grpc.StatusCode.OK] + [grpc.StatusCode.INVALID_ARGUMENT] * 2
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2
+    else:  # past auth: Stats answers, the submit is judged on its merits (max_tokens 0)
+        assert codes == [grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
 
 
 def stats(stub) -> scheduler_pb2.StatsResponse:
@@ -116,9 +119,9 @@ def wait_waiting(stub, num_waiting: int) -> None:
 def test_a_request_id_is_scoped_to_its_tenant(scheduler):
     stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
 
-    def submit(tenant: str):
-        return stub.Submit(submit_request("same-id", tenant=tenant), timeout=60,
-                           metadata=TEST_METADATA)
+    def submit(tenant: str) -> Stream:
+        return Stream(stub, submit_request("same-id", tenant=tenant), timeout=60,
+                      metadata=TEST_METADATA)
 
     def abort(tenant: str) -> bool:
         request = scheduler_pb2.AbortRequest(request_id="same-id", tenant=tenant)
@@ -126,14 +129,14 @@ def test_a_request_id_is_scoped_to_its_tenant(scheduler):
 
     mine, theirs = submit("x"), submit("")  # "" is the default tenant
     wait_waiting(stub, 2)  # one id, two tenants: two requests (no executor: both wait)
-    with pytest.raises(grpc.RpcError) as caught:
-        next(submit("x"))
-    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(StreamFailed) as caught:
+        next(iter(submit("x")))
+    assert caught.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert not abort("y"), "another tenant's abort must not find the request"
     assert abort("default")
-    assert next(theirs).finish_reason == sampling_pb2.FINISH_REASON_ABORT
+    assert next(iter(theirs)).finish_reason == sampling_pb2.FINISH_REASON_ABORT
     wait_waiting(stub, 1)  # the other tenant's request is untouched
-    mine.cancel()  # a cancelled Submit aborts its request
+    mine.cancel()  # a cancelled call aborts its stream's request
     wait_waiting(stub, 0)
 
 

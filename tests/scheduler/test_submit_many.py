@@ -1,9 +1,9 @@
-"""SubmitMany (scheduler_svc/submit_many.py) through a real gRPC server on loopback, the
-engine loop stepped by a fake executor on a real ipc socket: each stream gets what its
-own Submit call would (the executor's tokens in order, its end), many streams' messages
-share a response, and one stream's trouble (refused, malformed, cancelled) stays its own;
-the call's end aborts what is open on it. Drawn messages (the fuzzer's strategies) never
-break the call or another stream."""
+"""SubmitMany (scheduler_svc/streams.py) through a real gRPC server on loopback, the
+engine loop stepped by a fake executor on a real ipc socket: each stream gets the
+executor's tokens in order and its end, many streams' messages share a response, and
+one stream's trouble (refused, malformed, cancelled) stays its own; the call's end aborts
+what is open on it. Drawn messages (the fuzzer's strategies) never break the call or
+another stream."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from benchmarks.reliability import proto_strategies
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
-from scheduler_svc import submit_many
+from scheduler_svc.streams import MESSAGE_EVENTS, RESPONSE_BYTES, ManyCall
 from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import served, settled
 
@@ -163,7 +163,7 @@ def test_a_cancelled_stream_is_aborted_and_the_calls_end_aborts_the_rest(tmp_pat
     asyncio.run(go())
 
 
-def test_a_full_queue_and_a_drain_end_streams_with_submits_statuses(tmp_path):
+def test_a_full_queue_and_a_drain_end_streams_with_their_statuses(tmp_path):
     async def go():
         async with served(tmp_path, executor=False, max_num_waiting=1) as (loop, stub, *_):
             call = stub.SubmitMany(timeout=30)
@@ -243,7 +243,7 @@ def test_a_backlog_goes_out_in_bounded_messages_and_responses(tmp_path):
     no stream's backlog can break the call for the others."""
     async def go():
         async with served(tmp_path, executor=False) as (loop, *_):
-            call = submit_many.ManyCall(loop)
+            call = ManyCall(loop)
             reqs = [make_request(request_id=f"b{i}") for i in range(40)]
             sinks = [call.opened(i + 1, req) for i, req in enumerate(reqs)]
             lp = sampling_pb2.TokenLogprob(token_id=1, logprob=-0.5,
@@ -254,9 +254,9 @@ def test_a_backlog_goes_out_in_bounded_messages_and_responses(tmp_path):
             responses = call.take()
             tokens: dict[int, list[int]] = {}
             for response in responses:
-                assert response.ByteSize() < submit_many.RESPONSE_BYTES + 200_000 < 4 << 20
+                assert response.ByteSize() < RESPONSE_BYTES + 200_000 < 4 << 20
                 for e in response.events:
-                    assert len(e.event.token_ids) <= submit_many.MESSAGE_EVENTS
+                    assert len(e.event.token_ids) <= MESSAGE_EVENTS
                     assert len(e.event.logprobs) == len(e.event.token_ids)
                     tokens.setdefault(e.stream_id, []).extend(e.event.token_ids)
             assert len(responses) > 1

@@ -15,6 +15,8 @@ from scheduler_svc.validation import validate_submit
 from tests.conftest import TEST_METADATA
 from tests.scheduler.factories import make_scheduler
 from tests.scheduler.scheduler_process import scheduler, scheduler_address  # noqa: F401
+from tests.scheduler.submit_client import StreamFailed
+from tests.scheduler.submit_client import submit as submit_over_grpc
 
 S = sampling_pb2.SamplingParams
 INF, NAN = float("inf"), float("nan")
@@ -83,10 +85,10 @@ def submit(**fields) -> scheduler_pb2.SubmitRequest:
 @pytest.mark.parametrize("fields,message", WITHOUT_MODEL, ids=[m for _, m in WITHOUT_MODEL])
 def test_a_bad_field_is_invalid_argument_over_grpc(scheduler, fields, message):
     stub = scheduler_pb2_grpc.SchedulerStub(scheduler)
-    with pytest.raises(grpc.RpcError) as caught:
-        next(stub.Submit(submit(**fields), timeout=10, metadata=TEST_METADATA))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in caught.value.details()
+    with pytest.raises(StreamFailed) as caught:
+        submit_over_grpc(stub, submit(**fields), timeout=10, metadata=TEST_METADATA)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in caught.value.message
     stats = stub.Stats(scheduler_pb2.StatsRequest(), timeout=5, metadata=TEST_METADATA)
     assert stats.num_waiting == 0  # refused before it was queued; the replica still answers
 
