@@ -3,6 +3,10 @@
 Columnar on purpose: per-sequence sub-messages cost ~14× more to encode
 (docs/facts.md: 337 µs vs 24 µs at 256 sequences). Only sequences the
 executor has never seen travel in full.
+A SchedulerOutput field named as a BatchPlan field travels as it is (``_AS_IS``, read
+from the proto's descriptor): a new plan field is its proto field and a SchedulerOutput
+field of the same name, nothing here. The rest are framed by hand below, where bytes
+beat protobuf's conversion: the packed ids, the small counts, the prepared prompts.
 The plan is built in place inside its SchedulerMessage envelope, so sending
 it is one ``SerializeToString`` (no copy of the plan into the envelope).
 """
@@ -52,6 +56,16 @@ def _tag(message, name: str) -> bytes:
     packed column), read from the proto's own field number."""
     return _varint(message.DESCRIPTOR.fields_by_name[name].number << 3 | 2)
 
+
+# Framed by hand in ``PlanBuilder.frame`` (or not sent: the packed column stands for
+# ``cached_seq_ids``); every other SchedulerOutput field that BatchPlan has goes as is:
+# (its index in the NamedTuple, its name, whether it is repeated).
+_FRAMED = frozenset({"new", "cached_seq_ids", "packed_cached_seq_ids", "cached_num_new_blocks",
+                     "swap_out", "swap_in"})
+_PLAN_FIELDS = pb.BatchPlan.DESCRIPTOR.fields_by_name
+_AS_IS = tuple((i, name, _PLAN_FIELDS[name].is_repeated)
+               for i, name in enumerate(SchedulerOutput._fields)
+               if name in _PLAN_FIELDS and name not in _FRAMED)
 
 _PLAN_IN_ENVELOPE = (pb.SchedulerMessage(schema_version=wire.SCHEMA_VERSION)
                      .SerializeToString() + _tag(pb.SchedulerMessage, "plan"))
@@ -118,11 +132,14 @@ class PlanBuilder:
 
     def frame(self, out: SchedulerOutput, incarnation: str, bm: BlockManager) -> bytes:
         """The bytes to send for ``out``: a SchedulerMessage whose ``plan`` is set."""
-        plan = pb.BatchPlan(incarnation=incarnation, step_id=out.step_id)
-        if out.finished_seq_ids:
-            plan.finished_seq_ids.extend(out.finished_seq_ids)
-        if out.cached_new_block_ids:
-            plan.cached_new_block_ids.extend(out.cached_new_block_ids)
+        plan = pb.BatchPlan(incarnation=incarnation)
+        for i, name, repeated in _AS_IS:
+            value = out[i]
+            if value:
+                if repeated:
+                    getattr(plan, name).extend(value)
+                else:
+                    setattr(plan, name, value)
         if out.swap_out:
             plan.swap_out_src[:], plan.swap_out_dst[:] = zip(*out.swap_out, strict=True)
         if out.swap_in:

@@ -20,12 +20,18 @@ def _reference(out: SchedulerOutput, incarnation: str, bm: BlockManager) -> pb.S
     """The plan as plain protobuf builds it, from the request as it is now."""
     env = pb.SchedulerMessage(schema_version=wire.SCHEMA_VERSION)
     plan = env.plan
-    plan.incarnation, plan.step_id = incarnation, out.step_id
-    plan.finished_seq_ids.extend(out.finished_seq_ids)
+    plan.incarnation = incarnation
     plan.packed_cached_seq_ids = seq_columns.pack(out.cached_seq_ids)
     plan.cached_num_scheduled_tokens.extend(out.cached_num_tokens)
-    plan.cached_num_new_blocks.extend(out.cached_num_new_blocks)
-    plan.cached_new_block_ids.extend(out.cached_new_block_ids)
+    fields = pb.BatchPlan.DESCRIPTOR.fields_by_name
+    for name in out._fields:  # a field of the plan's name travels as it is
+        if name not in fields or name in ("cached_seq_ids", "packed_cached_seq_ids"):
+            continue
+        value = getattr(out, name)
+        if fields[name].is_repeated:
+            getattr(plan, name).extend(value)
+        elif value:
+            setattr(plan, name, value)
     for req, n in out.new:
         seq = plan.new_seqs.add(
             seq_id=req.seq_id, token_ids=req.token_ids,
