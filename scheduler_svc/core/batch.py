@@ -2,8 +2,8 @@
 
 1b. a better tier waiting for a slot or KV preempts the worst running, before any of
     them is given this step's decode (core/priority_hold.py);
-2.  running decodes, one token each (core/decode_mode.py: most are not touched, the
-    clock advance schedules them), preempting when no block is free;
+2.  running decodes, one token each (core/decodes.py: the step clock's tick schedules
+    them), preempting when no block is free;
 3.  running partial prefills continue, within the policy's prompt bounds;
 4–5. resumed, then fresh requests start (core/admit.py), unless the policy closes
     admission or the step had to preempt for KV.
@@ -69,13 +69,14 @@ class BatchPlanner:
             hold.hold(lc, self._admission.watermark_blocks(bm), cfg.max_num_seqs,
                       policy.victim_key)
         preempts_before = lc.num_preemptions  # KV preemptions close admission
-        # Two unanswered plans: a decode-mode sequence may have no pending token left
-        # to decode, which only the explicit loop checks.
         unanswered = self._unanswered.records
         if len(unanswered) > 1:
-            lc.decode_mode.leave_all()
-        prefills = lc.decode_mode.schedule(rec, bm, step, bool(unanswered), make_room)
-        running_set.charge_decodes(waiting.charge, prefills)
+            # Two plans out already (never from the loop, which keeps two at most): no
+            # decode goes further ahead, and the clock does not tick.
+            prefills = sorted(lc.decodes.others, key=lambda r: r.running_key)
+        else:
+            prefills = lc.decodes.schedule(rec, bm, step, bool(unanswered), make_room)
+            running_set.charge_decodes(waiting.charge, prefills)
         budget = cfg.max_num_batched_tokens - len(rec.cached)
         # Prompt tokens this step: the policy's (the clamp, or the SLO-aware budget).
         held, cap = policy.prompt_bounds(budget, len(rec.cached), prefills, fit,

@@ -114,7 +114,8 @@ class Isolation:
 
     def _plan_running(self, rec: StepRecord, req: Request, step: int, most: int,
                       make_room: Callable[[Request, int], bool]) -> bool:
-        """The next step of a running suspect (explicit: it never entered decode mode)."""
+        """The next step of a running suspect (not in the bulk: it runs no batched step
+        while it has steps of its own due, so it never joins)."""
         n = min(len(req.token_ids) - req.num_computed_tokens, most)
         if n <= 0:  # no sample came for it: nothing to run alone, let it batch
             self.discard(req)

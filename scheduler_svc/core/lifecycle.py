@@ -1,7 +1,7 @@
 """Transitions: a request moves between the waiting queue, the running set and its end.
 
-The Lifecycle owns where each request is (the waiting queue, the running set, decode
-mode, the registry of live requests) and the executor it runs on (its ``model`` and the
+The Lifecycle owns where each request is (the waiting queue, the running set and its
+decodes, the registry of live requests) and the executor it runs on (its ``model`` and the
 ``block_manager`` of its KV pool: ``attach``/``detach``, None while there is none), so
 each transition keeps every one of them in step, and records what the executor must hear
 of it in the next plan: the sequences whose state it must drop (finished, aborted,
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from scheduler_svc.core import preemption
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.decode_mode import DecodeMode
+from scheduler_svc.core.decodes import Decodes
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.plan import Event, ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
@@ -26,7 +26,7 @@ from scheduler_svc.core.unanswered import Unanswered
 
 
 class Lifecycle:
-    """Owns the places a request can be (``waiting``, ``running_set``, ``decode_mode``,
+    """Owns the places a request can be (``waiting``, ``running_set``, ``decodes``,
     ``requests``: every live one by id), the current executor (``model``,
     ``block_manager``), the executor's drop list and swap-outs for the next plan, and the
     transition counters. ``unanswered`` is told of sequences that leave the running set
@@ -38,7 +38,7 @@ class Lifecycle:
         self.clock = clock
         self.waiting = WaitingQueue(config.aging_s)
         self.running_set = RunningSet()
-        self.decode_mode = DecodeMode()
+        self.decodes = Decodes()
         self._unanswered = unanswered
         self.on_served: Callable[[Request], None] = _ignore
         self.block_manager: BlockManager | None = None
@@ -109,7 +109,7 @@ class Lifecycle:
             req.prepare(model.eos_token_ids, model.max_model_len)
         req.status = RUNNING
         self.running_set.add(req)
-        self.decode_mode.add(req)
+        self.decodes.add(req)
 
     def start(self, req: Request, rec: StepRecord, budget: int, cap: int, reserve: int,
               step: int) -> tuple[int, int]:
@@ -172,8 +172,6 @@ class Lifecycle:
                                 computed, req.block_chunks)
         req.scheduled_step = step
         self.waiting.charge(req.tenant, n)
-        if computed == len(req.token_ids):
-            self.decode_mode.prefilled(req, bm.block_size, step)
         return new
 
     def make_room(self, req: Request, num_tokens: int, step: int,
@@ -245,7 +243,7 @@ class Lifecycle:
         """``index``: its full blocks go into the prefix cache first. Decoded blocks
         are indexed here, once per sequence, not as each fills (one call instead of
         one per block; while it runs no other sequence has its output anyway)."""
-        self.decode_mode.remove(req)
+        self.decodes.remove(req)
         if index:
             self.block_manager.register_full_blocks(
                 req.seq_id, req.token_ids, req.block_hashes, req.num_computed_tokens,

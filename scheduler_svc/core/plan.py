@@ -57,7 +57,7 @@ class ModelInfo:
 
 class SchedulerOutput(NamedTuple):
     """One step's plan, columnar. ``new`` sequences travel in full; the first
-    ``num_bulk`` of ``cached`` are decode-mode sequences (one token each, each
+    ``num_bulk`` of ``cached`` are the bulk's decodes (one token each, each
     samples). Immutable (a NamedTuple: the cheapest immutable record to build each
     step), and its lists are not changed after ``schedule()`` returns it."""
 
@@ -100,7 +100,8 @@ class StepRecord:
     __slots__ = ("step_id", "new", "cached", "cached_seq_ids", "cached_num_tokens",
                  "cached_num_new_blocks", "cached_new_block_ids", "cached_prefills",
                  "swap_in", "num_batched_tokens", "num_prefill_tokens", "num_bulk",
-                 "bulk_token_lists", "sampler_ids", "sampler_bytes", "num_new_samplers",
+                 "bulk_token_lists", "length_ends", "sampler_ids", "sampler_bytes",
+                 "num_new_samplers",
                  "removed", "isolated", "plan")
 
     def __init__(self, step_id: int) -> None:
@@ -117,8 +118,10 @@ class StepRecord:
         self.num_batched_tokens = 0
         self.num_prefill_tokens = 0
         self.num_bulk = 0
-        # The decode-mode sequences' token lists, in ``cached`` order.
+        # The bulk's token lists, in ``cached`` order, and the indices of those whose
+        # sample is their last by length (core/decodes.py).
         self.bulk_token_lists: list[list[int]] = []
+        self.length_ends: list[int] = []
         # The seq ids the executor's answer lists, in order, if every sample comes back;
         # the first ``num_new_samplers`` are new sequences, then the bulk decodes.
         self.sampler_ids: list[int] = []

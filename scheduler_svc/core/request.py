@@ -34,12 +34,11 @@ class FinishReason(enum.IntEnum):
 
 
 class DecodeClock:
-    """What every sequence in decode mode shares: each ``schedule()`` that advances
-    the clock gives each of them one more computed token without touching them.
-
-    A sequence enters decode mode with ``computed_base = computed − epoch``; its
-    computed count is then ``computed_base + epoch`` and its last scheduled step
-    ``step``. It leaves (its count written back) before anything else changes it.
+    """What a request's progress is counted against: its ``num_computed_tokens`` is
+    ``computed_base + epoch``. The scheduler's step clock ticks once a batched step
+    (``epoch``, and ``step`` the step it ticked for), giving every running sequence one
+    more computed token without touching it (core/decodes.py); a request that is not
+    running rides ``IDLE``, which never ticks.
     """
 
     __slots__ = ("epoch", "step")
@@ -47,6 +46,9 @@ class DecodeClock:
     def __init__(self) -> None:
         self.epoch = 0
         self.step = -1
+
+
+IDLE = DecodeClock()  # never ticks: the clock of every request that is not running
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -75,15 +77,14 @@ class Request:
 
     # State. The fields every step reads or writes come first, side by side, so one
     # sequence's per-step work touches as few cache lines as possible.
-    # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three:
-    # in decode mode (``decode_clock`` set) they advance with the scheduler's DecodeClock
-    # instead of being written every step. Only the scheduler's DecodeMode
-    # (core/decode_mode.py) sets ``decode_clock``, and its explicit decode loop writes
-    # ``computed_base``/``scheduled_base`` directly (hot path); everyone else uses the
-    # properties.
+    # ``num_computed_tokens`` and ``scheduled_step`` are properties over these three: a
+    # running sequence rides the scheduler's step clock, so its count advances a token
+    # each batched step without being written (core/decodes.py, the only writer of
+    # ``decode_clock``; everyone else uses the properties). ``scheduled_base`` is -1
+    # while the clock schedules it (it decodes in the plan's bulk).
     computed_base: int = dataclasses.field(default=0, init=False, repr=False)
     scheduled_base: int = dataclasses.field(default=-1, init=False, repr=False)
-    decode_clock: DecodeClock | None = dataclasses.field(default=None, init=False, repr=False)
+    decode_clock: DecodeClock = dataclasses.field(default=IDLE, init=False, repr=False)
     status: RequestStatus = RequestStatus.WAITING
     # Filled at admission from the executor's model: what ends it.
     stop_ids: frozenset[int] = frozenset()
@@ -123,23 +124,21 @@ class Request:
     @property
     def num_computed_tokens(self) -> int:
         """Tokens whose K/V the executor holds or computes in a step already planned."""
-        clock = self.decode_clock
-        return self.computed_base if clock is None else self.computed_base + clock.epoch
+        return self.computed_base + self.decode_clock.epoch
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
-        clock = self.decode_clock
-        self.computed_base = value if clock is None else value - clock.epoch
+        self.computed_base = value - self.decode_clock.epoch
 
     @property
     def scheduled_step(self) -> int:
         """The last step that gave it tokens."""
-        clock = self.decode_clock
-        return self.scheduled_base if clock is None else clock.step
+        base = self.scheduled_base
+        return base if base >= 0 else self.decode_clock.step
 
     @scheduled_step.setter
     def scheduled_step(self, value: int) -> None:
-        assert self.decode_clock is None, "a sequence in decode mode is scheduled by its clock"
+        """Set for a chunk or a step of its own; never for one in the plan's bulk."""
         self.scheduled_base = value
 
     @property

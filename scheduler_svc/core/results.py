@@ -80,10 +80,10 @@ class ResultApplier:
 
     def _apply_bulk(self, rec: StepRecord, token_ids: list[int],
                     events: list[Event]) -> None:
-        """Samples of the plan's decode-mode sequences, columnar. Each is still running
-        unless listed in ``rec.removed``, its sample is the one planned, and it is not
-        its last by length (decode mode ends before that), so only a stop token needs
-        a look at the sequence itself."""
+        """Samples of the plan's bulk, columnar. Each is still running unless listed in
+        ``rec.removed`` and its sample is the one planned, so only a stop token, or a
+        sample the calendar knew was its last by length (``rec.length_ends``), needs a
+        look at the sequence itself."""
         n = rec.num_bulk
         cuts: list[int] = []
         if rec.removed:
@@ -115,15 +115,23 @@ class ResultApplier:
         # Plain 4-tuples, not Events, here too.
         events.extend(zip(reqs, tokens, _repeat(None), _repeat(None), strict=False))
         stop = self._running_set.stop_union
-        if stop.isdisjoint(tokens):
-            return
-        for i in itertools.compress(range(hi - lo), map(stop.__contains__, tokens)):
-            req, token = reqs[i], tokens[i]
-            if token in req.stop_ids:
-                reason = req.finish_reason_for(token)
-                if reason is not None:
-                    self._end_running(req, reason)
-                    events[base + i] = (req, token, reason, None)
+        if not stop.isdisjoint(tokens):
+            for i in itertools.compress(range(hi - lo), map(stop.__contains__, tokens)):
+                req, token = reqs[i], tokens[i]
+                if token in req.stop_ids:
+                    self._end(req, token, events, base + i)
+        for i in rec.length_ends:
+            if lo <= i < hi:
+                req = reqs[i - lo]
+                if not req.is_finished:
+                    self._end(req, tokens[i - lo], events, base + i - lo)
+
+    def _end(self, req: Request, token: int, events: list[Event], at: int) -> None:
+        """Ends ``req`` if ``token`` (its last, appended) does; its event at ``at`` says so."""
+        reason = req.finish_reason_for(token)
+        if reason is not None:
+            self._end_running(req, reason)
+            events[at] = (req, token, reason, None)
 
     def apply_awaiting(self, step_id: int, seq_ids: list[int], token_ids: list[int],
                        events: list[Event]) -> None:

@@ -17,7 +17,7 @@ Order of one iteration (docs/design.md §3):
 it until its answer (core/unanswered.py); ``update()`` applies the answer to that
 record (core/results.py). Each piece of state has one owner: where a request is and
 the executor's model and block manager (core/lifecycle.py, over the waiting queue,
-the running set and decode mode), admission at Submit (core/admission.py), priority
+the running set and its decodes), admission at Submit (core/admission.py), priority
 hold (core/priority_hold.py), the suspects (core/isolation.py), what differs between
 policies (core/policy.py); steps 1b–5 are core/batch.py's. This module keeps the
 iteration's frame (``schedule`` → steps → ``update``), the request API and the
@@ -26,7 +26,7 @@ executor's attach, detach and resync.
 The output is columnar (lists of ids and counts) because the per-step path
 is hot: at 256 running sequences the whole schedule + update must stay in
 the low hundreds of microseconds. For the same reason a sequence that just
-decodes is not touched each step (decode mode), the answer's samples for those
+decodes is not touched each step (it rides the step clock), the answer's samples for those
 are applied column-wise, a prompt's block hashes are computed when it arrives, and
 the blocks a sequence decodes are indexed in the prefix cache once, when it leaves
 the running set.
@@ -84,8 +84,7 @@ class Scheduler:
         # The lifecycle owns where each request is and the executor's model and blocks;
         # these names read its objects (never replaced).
         self.lifecycle = lc = Lifecycle(config, clock, self.unanswered)
-        self.waiting, self.running_set, self.decode_mode = \
-            lc.waiting, lc.running_set, lc.decode_mode
+        self.waiting, self.running_set, self.decodes = lc.waiting, lc.running_set, lc.decodes
         self.running = self.running_set.order  # priority order: (tier, admission)
         self.requests = lc.requests  # every live request, by id
         self.admission = Admission(config, self.waiting, self.running_set)
@@ -293,10 +292,10 @@ class Scheduler:
         if rec is not None and (seq_ids is rec.sampler_ids or seq_ids == rec.sampler_ids):
             results.apply_columnar(rec, seq_ids, token_ids, events)
         else:
-            # A sample is missing or unasked for: decode mode assumes each of its
-            # sequences got the one it was planned, so they go back to explicit steps.
+            # A sample is missing or unasked for: the bulk assumes each of its sequences
+            # got the one it was planned, so each is checked again before it decodes.
             results.num_update_fallbacks += 1
-            self.decode_mode.leave_all()
+            self.decodes.recheck_all()
             results.apply_samples(seq_ids, token_ids, events)
         if self.unanswered.awaiting:
             results.apply_awaiting(out.step_id, seq_ids, token_ids, events)
@@ -338,7 +337,7 @@ class Scheduler:
             assert sum(n for _, n, _ in out.scheduled()) == out.num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         self.running_set.assert_invariants()
-        self.decode_mode.assert_invariants(self.running, bm)
+        self.decodes.assert_invariants(self.running, bm)
         ahead = 1 if self.unanswered.records else 0  # a decode of a pending sample
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
