@@ -28,6 +28,7 @@ from scheduler_svc.core.plan import StepRecord
 from scheduler_svc.core.request import IDLE, DecodeClock, Request
 
 _order_key = operator.attrgetter("running_key")  # the RunningSet's priority order
+_seq_id = operator.attrgetter("seq_id")
 
 
 def _each_block(counts: list[int], blocks: list[int]) -> list[list[int]]:
@@ -45,15 +46,18 @@ class Decodes:
     ``num_computed_tokens``' setter. Every running sequence is in exactly one of
     ``ids`` and ``others``."""
 
-    __slots__ = ("clock", "ids", "tokens", "others", "_due", "_look")
+    __slots__ = ("clock", "ids", "tokens", "others", "_starts", "_lasts", "_look")
 
     def __init__(self) -> None:
         self.clock = DecodeClock()
         self.ids: dict[Request, int] = {}
         self.tokens: dict[Request, list[int]] = {}
         self.others: dict[Request, None] = {}
-        self._due: dict[int, list[Request]] = {}  # epoch → riders to look at then
-        # Each rider's one live look, ``epoch << 1 | 1`` when its token then starts a block.
+        # The calendar: epoch → riders whose token then starts a block (``_starts``), or
+        # whose sample then is their last by length and starts none (``_lasts``); each
+        # rider's one live look is ``_look[req]``, ``epoch << 1 | 1`` for a start.
+        self._starts: dict[int, list[Request]] = {}
+        self._lasts: dict[int, list[Request]] = {}
         self._look: dict[Request, int] = {}
 
     def add(self, req: Request) -> None:
@@ -76,7 +80,8 @@ class Decodes:
         goes back to ``others``, to join again once it has a decode to do."""
         for req in list(self.ids):
             self._leave(req)
-        self._due.clear()
+        self._starts.clear()
+        self._lasts.clear()
 
     def schedule(self, rec: StepRecord, bm: BlockManager, step: int, ahead: bool,
                  make_room: Callable[[Request, int], bool]) -> list[Request]:
@@ -108,62 +113,66 @@ class Decodes:
                 req.scheduled_base = -1  # scheduled by the clock from now on
                 c = req.computed_base + epoch  # (a resume holds its whole context's blocks)
                 self._plan(req, c, epoch, bs, len(bm.block_table(req.seq_id)) * bs - c)
-        tail: list[Request] = []  # looked at this step: to the end of the bulk's order
-        flags: list[int] = []  # 1 where its look is a block start
-        counts: list[int] | None = None  # the blocks each got, where not one per start
+        look = self._look
+        starts = self._starts.pop(epoch, None)
+        if starts:
+            code = epoch << 1 | 1
+            starts = [r for r in dict.fromkeys(starts) if look.get(r) == code]
+        lasts = self._lasts.pop(epoch, None)
+        if lasts:
+            code = epoch << 1
+            lasts = [r for r in dict.fromkeys(lasts) if look.get(r) == code]
+        counts: list[int] | None = None  # the blocks each start got, if not one each
         blocks: list[int] = []
-        due = self._due.pop(epoch, None)
-        if due:
-            look = self._look
-            start, other = epoch << 1 | 1, epoch << 1
-            tail = [r for r in dict.fromkeys(due) if look.get(r) in (start, other)]
-            flags = [look[r] & 1 for r in tail]
-            if not bm.window and len(tail) <= bm.num_free_blocks:
-                # Nobody can run short: the starts' blocks in one take, in any order.
-                blocks = bm.append_each([r.seq_id for r, s in zip(tail, flags, strict=True)
-                                         if s])
-            else:  # one at a time, in priority order, making room where the pool is short
-                tail.sort(key=_order_key)
-                counts = []
-                for req in tail:
-                    if req.decode_clock is not clock:
-                        counts.append(-1)  # preempted to make room for an earlier one
-                        continue
-                    new: list[int] = []
-                    if look[req] & 1:  # its token starts a block
-                        c = req.computed_base + epoch
-                        block = bm.try_append_block(req.seq_id, c + 1)
-                        if block is NEEDS_GROW:
-                            new = bm.grow(req.seq_id, c + 1, 1) if make_room(req, c + 1) else []
-                        elif block is not None:
-                            new = [block]
-                    counts.append(len(new))
-                    blocks += new
-                kept = [i for i, r in enumerate(tail) if r.decode_clock is clock]
-                if len(kept) < len(tail):  # preempted since (their blocks went with them)
-                    each = _each_block(counts, blocks)
-                    blocks = [b for i in kept for b in each[i]]
-                    tail, flags, counts = ([seq[i] for i in kept]
-                                           for seq in (tail, flags, counts))
+        if not starts:
+            starts = []
+        elif not bm.window and len(starts) <= bm.num_free_blocks:
+            # Nobody can run short: the starts' blocks in one take, in any order.
+            blocks = bm.append_each(list(map(_seq_id, starts)))
+        else:  # one at a time, in priority order, making room where the pool is short
+            starts.sort(key=_order_key)
+            counts = []
+            for req in starts:
+                new: list[int] = []
+                if req.decode_clock is clock:  # (else preempted to make room for another)
+                    c = req.computed_base + epoch
+                    block = bm.try_append_block(req.seq_id, c + 1)
+                    if block is NEEDS_GROW:
+                        new = bm.grow(req.seq_id, c + 1, 1) if make_room(req, c + 1) else []
+                    elif block is not None:
+                        new = [block]
+                counts.append(len(new))
+                blocks += new
+            if any(r.decode_clock is not clock for r in starts):  # preempted since: their
+                each = _each_block(counts, blocks)  # blocks went with them
+                kept = [i for i, r in enumerate(starts) if r.decode_clock is clock]
+                blocks = [b for i in kept for b in each[i]]
+                starts, counts = [starts[i] for i in kept], [counts[i] for i in kept]
+        if lasts:
+            lasts = [r for r in lasts if r.decode_clock is clock]
+        tail = starts + lasts if lasts else starts  # to the end of the bulk's order
+        ends: list[Request] = []
+        if tail:
             far: list[Request] = []  # next look at epoch + bs: its next block start
-            ends: list[Request] = []
-            for req, s in zip(tail, flags, strict=True):
-                del ids[req], tokens[req]  # to the end of the order
+            limit_gap = bs + 2
+            for req in tail:
+                del ids[req], tokens[req]
                 ids[req] = req.seq_id
                 tokens[req] = req.token_ids
                 c = req.computed_base + epoch
-                if c + 2 >= req.length_limit:
+                left = req.length_limit - c
+                if left <= 2:
                     ends.append(req)
-                elif s and req.length_limit - c > bs + 2:
+                elif left > limit_gap:  # (a last's look has left <= 2)
                     far.append(req)
                 else:
                     self._plan(req, c + 1, epoch + 1, bs)
             if far:
                 at = epoch + bs
                 look.update(dict.fromkeys(far, at << 1 | 1))
-                later = self._due.get(at)
+                later = self._starts.get(at)
                 if later is None:
-                    self._due[at] = far
+                    self._starts[at] = far
                 else:
                     later.extend(far)
         num_bulk = rec.num_bulk = len(ids)
@@ -176,7 +185,7 @@ class Decodes:
         clock.step = step  # "num_computed_tokens += 1; scheduled_step = step"
         if tail:
             lo = num_bulk - len(tail)  # the bulk's tail, in the order they moved
-            nnew[lo:] = flags if counts is None else counts
+            nnew[lo:lo + len(starts)] = [1] * len(starts) if counts is None else counts
             rec.cached_new_block_ids.extend(blocks)
             for req in ends:
                 rec.length_ends.append(lo + tail.index(req))
@@ -205,10 +214,12 @@ class Decodes:
             to_start = (-c) % bs
         to_last = max(0, req.length_limit - 2 - c)
         at = epoch + min(to_start, to_last)
-        self._look[req] = at << 1 | (to_start <= to_last)
-        due = self._due.get(at)
+        start = to_start <= to_last
+        self._look[req] = at << 1 | start
+        calendar = self._starts if start else self._lasts
+        due = calendar.get(at)
         if due is None:
-            self._due[at] = [req]
+            calendar[at] = [req]
         else:
             due.append(req)
 
@@ -229,7 +240,8 @@ class Decodes:
             if code is not None:
                 epoch = code >> 1
                 assert epoch >= clock.epoch, "its look is past"
-                assert req in self._due.get(epoch, ()), "no look planned"
+                calendar = self._starts if code & 1 else self._lasts
+                assert req in calendar.get(epoch, ()), "no look planned"
             if bm is not None and not bm.window:
                 held = len(bm.block_table(req.seq_id))
                 assert held == -(-req.num_computed_tokens // bm.block_size), "blocks held"
