@@ -88,7 +88,7 @@ class Isolation:
 
     def plan(self, rec: StepRecord, req: Request, step: int, cap: int,
              config: SchedulerConfig, num_running: int,
-             make_room: Callable[[Request, int], bool], events: list[Event]) -> bool:
+             make_room: Callable[[Request, int], bool]) -> bool:
         """Plans step ``step`` (``rec``) as suspect ``req``'s own (the running ones wait a
         step); False when it cannot start yet (the pool or max_num_seqs is full: then
         steps without admissions free room for it)."""
@@ -101,7 +101,7 @@ class Isolation:
         bm = lc.block_manager
         if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
             lc.end_waiting(req, FinishReason.LENGTH)  # it can never resume in full
-            events.append(Event(req, None, FinishReason.LENGTH))
+            rec.end(req, FinishReason.LENGTH)
             return False
         if req.status == RequestStatus.SWAPPED:
             n, _ = lc.swap_in(req, rec, budget, cap, 0, step)

@@ -3,9 +3,10 @@
 The Lifecycle owns where each request is (the waiting queue, the running set and its
 decodes, the registry of live requests) and the executor it runs on (its ``model`` and the
 ``block_manager`` of its KV pool: ``attach``/``detach``, None while there is none), so
-each transition keeps every one of them in step, and records what the executor must hear
-of it in the next plan: the sequences whose state it must drop (finished, aborted,
-preempted) and the blocks to swap out. Who leaves the queue in a step is core/admit.py's.
+each transition keeps every one of them in step, and keeps what the executor must hear
+of it in the next plan (``take_owed``): the sequences whose state it must drop (finished,
+aborted, preempted) and the blocks to swap out. Who leaves the queue in a step is the
+scheduler's admission stage.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.decodes import Decodes
 from scheduler_svc.core.kv_events import KVEventLog
-from scheduler_svc.core.plan import Event, ModelInfo, StepRecord
+from scheduler_svc.core.plan import ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FINISHED, RUNNING, FinishReason, Request, RequestStatus
 from scheduler_svc.core.running import RunningSet
@@ -28,7 +29,7 @@ from scheduler_svc.core.unanswered import Unanswered
 class Lifecycle:
     """Owns the places a request can be (``waiting``, ``running_set``, ``decodes``,
     ``requests``: every live one by id), the current executor (``model``,
-    ``block_manager``), the executor's drop list and swap-outs for the next plan, and the
+    ``block_manager``), what the next plan owes the executor (drops, swap-outs), and the
     transition counters. ``unanswered`` is told of sequences that leave the running set
     while plans are out; ``on_served`` of each request served to its end."""
 
@@ -45,8 +46,8 @@ class Lifecycle:
         self.model: ModelInfo | None = None
         self._hashed_block_size = 0  # the block size of every request's block_hashes
         self.requests: dict[str, Request] = {}
-        self.to_drop: list[int] = []
-        self.swap_out: list[tuple[int, int]] = []  # device, host
+        self._to_drop: list[int] = []
+        self._swap_out: list[tuple[int, int]] = []  # device, host
         self.num_swap_cap_fallbacks = 0  # recomputed, not swapped, for max_swapped
         self.num_finished = 0
         self.num_preemptions = 0
@@ -82,17 +83,29 @@ class Lifecycle:
         """The executor's KV and state are gone: every sequence is recomputed and no plan
         built so far will be answered."""
         self.recompute_all("executor_restart", free_swapped=False)
-        self.to_drop.clear()
+        self._to_drop.clear()
         self._unanswered.forget()
-        self.swap_out.clear()
+        self._swap_out.clear()
 
     def resync(self) -> None:
         """The executor refused a plan: it holds nothing, every running sequence is
         recomputed from its token history (see Scheduler.resync)."""
-        self.to_drop.extend(self._unanswered.drop_lists())
+        self._to_drop.extend(self._unanswered.drop_lists())
         self._unanswered.forget()
         self.recompute_all("resync", free_swapped=True)
         self.block_manager.forget_cached()
+
+    @property
+    def owes_drops(self) -> bool:
+        """The next plan has sequences to tell the executor to drop."""
+        return bool(self._to_drop)
+
+    def take_owed(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """What the plan being built must tell the executor: the sequences to drop and
+        the blocks to swap out, since the last plan."""
+        owed = self._to_drop, self._swap_out
+        self._to_drop, self._swap_out = [], []
+        return owed
 
     # -- transitions -------------------------------------------------------------------
 
@@ -138,7 +151,7 @@ class Lifecycle:
             bm.grow(req.seq_id, num_tokens)  # keep waiting (under a window: its window's)
         self.make_running(req)
         self.advance(req, n, step)
-        rec.new.append((req, n))
+        rec.add_new(req, n)
         rec.num_prefill_tokens += n
         return n, 0
 
@@ -154,12 +167,12 @@ class Lifecycle:
         if not bm.can_swap_in(req.seq_id, reserve + max(0, extra)):
             return 0, len(bm.host_table(req.seq_id)) + max(0, extra)
         self.waiting.remove(req)
-        rec.swap_in.extend(bm.swap_in(req.seq_id))
+        swapped = bm.swap_in(req.seq_id)
         bm.grow(req.seq_id, len(req.token_ids))  # whole context, as for any resume
         n = min(remaining, budget, cap)
         self.make_running(req)
         self.advance(req, n, step)
-        rec.new.append((req, n))
+        rec.add_new(req, n, swapped)
         return n, 0
 
     def advance(self, req: Request, n: int, step: int) -> list[int]:
@@ -174,20 +187,20 @@ class Lifecycle:
         self.waiting.charge(req.tenant, n)
         return new
 
-    def make_room(self, req: Request, num_tokens: int, step: int,
-                  victim_key: Callable[[Request], tuple], events: list[Event]) -> bool:
+    def make_room(self, req: Request, num_tokens: int, rec: StepRecord,
+                  victim_key: Callable[[Request], tuple]) -> bool:
         """Preempts, in the policy's victim order (``victim_key``), until ``req`` can hold
-        ``num_tokens`` positions in step ``step``; False if ``req`` itself was preempted,
-        or ended because alone it outgrew the pool (its event goes to ``events``)."""
+        ``num_tokens`` positions in step ``rec``; False if ``req`` itself was preempted,
+        or ended because alone it outgrew the pool (``rec.ended`` says so)."""
         bm = self.block_manager
         running = self.running_set.order
         while not bm.can_grow(req.seq_id, num_tokens, 0, num_tokens - req.num_computed_tokens):
-            victim = preemption.pick_victim(running, req, step, victim_key)
+            victim = preemption.pick_victim(running, req, rec.step_id, victim_key)
             if victim is req:
                 if len(running) == 1:
                     # Alone and the pool is full: the pool is its context limit.
                     self.end_running(req, FinishReason.LENGTH)
-                    events.append(Event(req, None, FinishReason.LENGTH))
+                    rec.end(req, FinishReason.LENGTH)
                 else:
                     self.preempt(req, "kv_full")
                 return False
@@ -213,7 +226,7 @@ class Lifecycle:
         when the cache is about to be forgotten (resync, a new executor)."""
         bm = self.block_manager
         self.remove_running(req, index)
-        self.to_drop.append(req.seq_id)  # the executor drops its state either way
+        self._to_drop.append(req.seq_id)  # the executor drops its state either way
         self._unanswered.preempted(req)
         swap = (allow_swap and bm.can_swap_out(req.seq_id) and self.model.cost.prefers_swap(
             req.num_computed_tokens, len(bm.block_table(req.seq_id))))
@@ -221,7 +234,7 @@ class Lifecycle:
             swap = False  # host-pool pressure (SchedulerConfig.max_swapped): recompute
             self.num_swap_cap_fallbacks += 1
         if swap:
-            self.swap_out.extend(bm.swap_out(req.seq_id))
+            self._swap_out.extend(bm.swap_out(req.seq_id))
             req.status = RequestStatus.SWAPPED
             req.num_swaps += 1
         else:
@@ -263,7 +276,7 @@ class Lifecycle:
         """``req`` (out of the running set or the queue) ends with ``reason``."""
         if self.block_manager is not None:
             if req.status == RUNNING:
-                self.to_drop.append(req.seq_id)
+                self._to_drop.append(req.seq_id)
             self.block_manager.free(req.seq_id)
         req.status = FINISHED
         req.finish_reason = reason

@@ -101,8 +101,7 @@ class StepRecord:
                  "cached_num_new_blocks", "cached_new_block_ids", "cached_prefills",
                  "swap_in", "num_batched_tokens", "num_prefill_tokens", "num_bulk",
                  "bulk_token_lists", "length_ends", "sampler_ids", "sampler_bytes",
-                 "num_new_samplers",
-                 "removed", "isolated", "plan")
+                 "num_new_samplers", "ended", "removed", "isolated", "plan")
 
     def __init__(self, step_id: int) -> None:
         self.step_id = step_id
@@ -127,12 +126,24 @@ class StepRecord:
         self.sampler_ids: list[int] = []
         self.sampler_bytes = b""  # the same, packed (protos/seq_columns.py)
         self.num_new_samplers = 0
+        # Requests the building of this step ended (their clients hear it at once).
+        self.ended: list[Event] = []
         # Sequences that left the running set while it was unanswered (their samples
         # need the per-sequence checks).
         self.removed: set[int] = set()
         # A suspect's step of its own (core/isolation.py): the only sequence in it.
         self.isolated: Request | None = None
         self.plan: SchedulerOutput | None = None
+
+    def add_new(self, req: Request, n: int, swap_in: list[tuple[int, int]] = ()) -> None:
+        """``req`` starts (or resumes, its blocks ``swap_in`` copied back first) with
+        ``n`` tokens: the executor gets it in full."""
+        self.new.append((req, n))
+        self.swap_in.extend(swap_in)
+
+    def end(self, req: Request, reason: FinishReason) -> None:
+        """``req`` ended while this step was built (its transition is done)."""
+        self.ended.append(Event(req, None, reason))
 
     def add_chunk(self, req: Request, n: int, new_blocks: list[int]) -> None:
         """``req`` (running, known to the executor) computes ``n`` more prompt tokens."""

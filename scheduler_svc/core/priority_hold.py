@@ -37,7 +37,7 @@ from scheduler_svc.core.request import SWAPPED, WAITING, Request
 
 
 class PriorityHold:
-    """What the last admission step left for priority hold (core/admit.py writes it):
+    """What the last admission step left for priority hold (the scheduler's admission stage writes it):
     whether a request found no room (``wants_room``, also set by an arrival of a better
     tier to full slots), the blocks that admission kept free (``reserve``), the request
     that did not fit and its device blocks (``blocked``, ``blocked_need``; None, 0: the
@@ -92,7 +92,7 @@ class PriorityHold:
         if head.priority_tier >= running[-1].priority_tier:
             return 0  # the head is a starving request of a worse tier: it waits its turn
         bm = lc.block_manager
-        # The blocks admission kept free for the running last time (core/admit.py: the
+        # The blocks admission kept free for the running last time (the admission stage: the
         # watermark or a block per decode, plus the running prefills' blocks).
         reserve = max(self.reserve, watermark_blocks)
         if need is None:

@@ -13,15 +13,16 @@ Order of one iteration (docs/design.md §3):
    had to preempt for KV. Before step 2, a waiting request of a better tier
    that lacks a slot or KV preempts the worst running (core/priority_hold.py).
 
-``schedule()`` returns the plan (immutable, core/plan.py) and keeps a StepRecord of
-it until its answer (core/unanswered.py); ``update()`` applies the answer to that
-record (core/results.py). Each piece of state has one owner: where a request is and
-the executor's model and block manager (core/lifecycle.py, over the waiting queue,
-the running set and its decodes), admission at Submit (core/admission.py), priority
-hold (core/priority_hold.py), the suspects (core/isolation.py), what differs between
-policies (core/policy.py); steps 1b–5 are core/batch.py's. This module keeps the
-iteration's frame (``schedule`` → steps → ``update``), the request API and the
-executor's attach, detach and resync.
+``schedule()`` lists the stages (hold, decodes, prefills, admission; preemption is
+how a stage makes room), each writing its part of one StepRecord; it returns the plan
+(immutable, core/plan.py) and keeps the record until its answer (core/unanswered.py);
+``update()`` applies the answer to that record (core/results.py). Each piece of state
+has one owner: where a request is and the executor's model and block manager
+(core/lifecycle.py, over the waiting queue, the running set and its decodes), admission
+at Submit (core/admission.py), priority hold (core/priority_hold.py), the suspects
+(core/isolation.py), what differs between policies (core/policy.py). This module keeps
+the iteration (``schedule`` → stages → ``update``), the request API and the executor's
+attach, detach and resync.
 
 The output is columnar (lists of ids and counts) because the per-step path
 is hot: at 256 running sequences the whole schedule + update must stay in
@@ -41,7 +42,6 @@ from collections.abc import Callable, Sequence
 
 from protos import seq_columns
 from scheduler_svc.core.admission import Admission, QueueFull
-from scheduler_svc.core.batch import BatchPlanner, step_cap
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.isolation import Isolation
@@ -50,13 +50,20 @@ from scheduler_svc.core.lifecycle import Lifecycle
 from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecord
 from scheduler_svc.core.policy import Policy, make_policy
 from scheduler_svc.core.priority_hold import PriorityHold
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.request import RUNNING, SWAPPED, FinishReason, Request, RequestStatus
 from scheduler_svc.core.results import ResultApplier
 from scheduler_svc.core.step_cost import StepCost, kv_tokens
 from scheduler_svc.core.unanswered import Unanswered
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
+
+
+def step_cap(block_manager: BlockManager, cap: int) -> int:
+    """The per-sequence prompt cap, within what a sliding window's span lets the pool
+    hold (BlockManager.step_cap)."""
+    window_cap = block_manager.step_cap
+    return min(cap, window_cap) if window_cap else cap
 
 
 def _as_list(column: Sequence[int]) -> list[int]:
@@ -90,7 +97,7 @@ class Scheduler:
         self.admission = Admission(config, self.waiting, self.running_set)
         lc.on_served = self.admission.finished  # Little's law's W and L, as requests end
         self.hold = PriorityHold()
-        self.batch = BatchPlanner(lc, self.admission, self.hold, self.unanswered)
+        self.num_prefill_alerts = 0  # steps past SchedulerConfig.prefill_alert_tokens
         self.isolation = Isolation(lc)
         self.results = ResultApplier(self.running_set, self.unanswered, lc.end_running,
                                      lc.end_waiting)
@@ -120,11 +127,6 @@ class Scheduler:
     def block_manager(self) -> BlockManager | None:
         """The current executor's KV pool (core/lifecycle.py owns it)."""
         return self.lifecycle.block_manager
-
-    @property
-    def num_prefill_alerts(self) -> int:
-        """Steps past SchedulerConfig.prefill_alert_tokens."""
-        return self.batch.num_prefill_alerts
 
     @property
     def num_finished(self) -> int:
@@ -236,42 +238,166 @@ class Scheduler:
         return Event(req, None, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.lifecycle.to_drop)
+        return bool(self.waiting or self.running or self.lifecycle.owes_drops)
 
     # -- one iteration -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Builds the next step. Called while earlier steps are unanswered (``update``
-        not yet called for them: scheduling ahead), it assumes every sequence they
-        sample gets one more token and gives it its next decode now, unless that
-        sample is certainly its last (its length limit); the executor computes it
-        from the token it sampled itself. A sequence that turns out to have finished
-        (a stop token) is dropped by the next plan and its extra sample ignored."""
+        """Builds the next step: a suspect's step of its own (core/isolation.py), or the
+        batched stages, in this order (docs/design.md §3):
+
+        1b. hold: a better tier waiting for a slot or KV preempts the worst running,
+            before any of them is given this step's decode (core/priority_hold.py);
+        2.  decodes: one token for every running decode (core/decodes.py: the step
+            clock's tick), preempting when no block is free;
+        3.  prefills: running partial prefills continue, within the policy's bounds;
+        4–5. admission: resumed, then fresh requests start, unless the policy closes
+            admission or the step had to preempt for KV.
+
+        Called while earlier steps are unanswered (scheduling ahead), it assumes every
+        sequence they sample gets one more token and gives it its next decode now,
+        unless that sample is certainly its last; the executor computes it from the
+        token it sampled itself. A sequence that turns out to have finished (a stop
+        token) is dropped by the next plan and its extra sample ignored."""
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         rec = StepRecord(self._step_id)
-        isolation = self.isolation
+        isolation, cfg, policy = self.isolation, self.config, self.policy
         suspect = isolation.next() if isolation.active else None
         if suspect is None or self.unanswered.records or not isolation.plan(
-                rec, suspect, self._step_id,
-                step_cap(self.block_manager, self.policy.prefill_cap()), self.config,
-                len(self.running), self._make_room, self._events):
-            self.batch.plan(rec, suspect is None, self._step_id, self.config, self.policy,
-                            self.step_cost, self._make_room, self._events)
-        lc = self.lifecycle
-        to_drop, lc.to_drop = lc.to_drop, []
-        swap_out, lc.swap_out = lc.swap_out, []
-        out = rec.freeze(to_drop, swap_out)
+                rec, suspect, rec.step_id, step_cap(self.block_manager, policy.prefill_cap()),
+                cfg, len(self.running), lambda req, n: self._make_room(req, n, rec)):
+            admit = suspect is None  # else nobody overtakes the suspect, and the running
+            # sequences drain the pool for it
+            num_running = len(self.running)
+            admission_open = admit and policy.admission_open(num_running)
+            if admission_open and self.hold.pending:
+                self._hold()
+            preempts_before = self.num_preemptions  # KV preemptions close admission
+            prefills = self._decodes(rec)
+            budget = cfg.max_num_batched_tokens - len(rec.cached)
+            held, cap = policy.prompt_bounds(budget, len(rec.cached), prefills, self.step_cost,
+                                             self.running_set.per_tier, self.block_manager,
+                                             self.waiting, self.clock)
+            cap = step_cap(self.block_manager, cap)
+            budget = self._prefills(rec, budget - held, prefills, cap)
+            if admission_open and self.num_preemptions == preempts_before:
+                budget = self._admit(rec, budget, cap, prefills)
+            policy.step_planned(rec, self.clock)
+            rec.num_batched_tokens = cfg.max_num_batched_tokens - budget - held
+            self._alert(rec)
+        self._events += rec.ended
+        out = rec.freeze(*self.lifecycle.take_owed())
         if not out.is_empty:  # an empty plan is never sent, so never answered
             self.unanswered.sent(rec)
             rec.list_samplers()
         return out
 
-    def _make_room(self, req: Request, num_tokens: int) -> bool:
+    def _make_room(self, req: Request, num_tokens: int, rec: StepRecord) -> bool:
         """Preempts until ``req`` can hold ``num_tokens`` positions (Lifecycle.make_room);
         False if ``req`` itself was preempted (or cannot progress this step)."""
-        return self.lifecycle.make_room(req, num_tokens, self._step_id,
-                                        self.policy.victim_key, self._events)
+        return self.lifecycle.make_room(req, num_tokens, rec, self.policy.victim_key)
+
+    def _hold(self) -> None:
+        """Stage 1b (core/priority_hold.py)."""
+        self.hold.hold(self.lifecycle, self.admission.watermark_blocks(self.block_manager),
+                       self.config.max_num_seqs, self.policy.victim_key)
+
+    def _decodes(self, rec: StepRecord) -> list[Request]:
+        """Stage 2: the bulk into ``rec`` (core/decodes.py); returns the running sequences
+        that do not decode. With two plans out already (never from the loop, which keeps
+        two at most) no decode goes further ahead, and the clock does not tick."""
+        unanswered = self.unanswered.records
+        if len(unanswered) > 1:
+            return sorted(self.decodes.others, key=lambda r: r.running_key)
+        prefills = self.decodes.schedule(rec, self.block_manager, rec.step_id,
+                                         bool(unanswered),
+                                         lambda req, n: self._make_room(req, n, rec))
+        self.running_set.charge_decodes(self.waiting.charge, prefills)
+        return prefills
+
+    def _prefills(self, rec: StepRecord, budget: int, prefills: list[Request],
+                  cap: int) -> int:
+        """Stage 3: running partial prefills continue, chunk-capped; returns the budget
+        left."""
+        advance = self.lifecycle.advance
+        for req in prefills:
+            if budget <= 0:
+                break
+            if req.status is not RUNNING:
+                continue
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget, cap)
+            if n <= 0 or not self._make_room(req, req.num_computed_tokens + n, rec):
+                continue
+            rec.add_chunk(req, n, advance(req, n, rec.step_id))
+            rec.num_prefill_tokens += n
+            budget -= n
+        return budget
+
+    def _admit(self, rec: StepRecord, budget: int, cap: int, prefills: list[Request]) -> int:
+        """Stages 4–5: resumed, then fresh requests leave the waiting queue for the
+        running set, in the queue's order (the policy picks within a lane), while the
+        slots, the budget and the KV pool allow; returns the budget left.
+
+        The blocks kept free for the running ones are the watermark, and at least a block
+        for each running decode's next one (admitting into that block would preempt a
+        stream mid-answer at its next block boundary), plus the blocks the running
+        prefills will still take. The best request that does not fit stops admission:
+        nobody overtakes it. What the step left waiting, and why, is recorded for
+        Submit's estimate (core/admission.py) and for priority hold. What admission
+        refuses on the way (``Admission.rejudge``, ``overdue``) is shed."""
+        lc, admission, hold = self.lifecycle, self.admission, self.hold
+        bm = lc.block_manager
+        running = self.running
+        reserve = max(admission.watermark_blocks(bm), len(running) - len(prefills))
+        reserve += sum(bm.num_new_blocks(r.seq_id, len(r.token_ids)) for r in prefills)
+        hold.reserve, hold.blocked = reserve, None
+        now = admission.now = lc.clock()
+        shed = admission.rejudge()  # blind admissions an estimate now refuses
+        shed += [r for r in admission.overdue(now) if r not in shed]  # twice late
+        for req in shed:
+            lc.end_waiting(req, FinishReason.ABORT)
+            rec.end(req, FinishReason.ABORT)
+        waiting, max_num_seqs, step = lc.waiting, self.config.max_num_seqs, rec.step_id
+        while budget > 0 and len(running) < max_num_seqs:
+            req = waiting.peek(now)
+            if req is None or req in hold.held_back:
+                # Preempted this step to make room for a better tier: resuming it at
+                # once would undo that (and, its sample still pending when scheduling
+                # ahead, sample that position twice).
+                break
+            if bm.blocks_needed(len(req.token_ids)) > bm.num_blocks:
+                # Its context outgrew the pool while it ran (then it was preempted, or
+                # the executor restarted): it can never resume in full, and nobody may
+                # overtake it. The pool is its context limit, as for one running alone.
+                lc.end_waiting(req, FinishReason.LENGTH)
+                rec.end(req, FinishReason.LENGTH)
+                continue
+            # With nothing running the watermark protects no decode: a resumed context
+            # that outgrew the pool minus the watermark comes back once the pool drains.
+            keep = reserve if running else 0
+            if req.status == SWAPPED:
+                n, need = lc.swap_in(req, rec, budget, cap, keep, step)
+            else:
+                n, need = lc.start(req, rec, budget, cap, keep, step)
+            if n == 0:
+                hold.blocked, hold.blocked_need = req, need
+                break  # the best request does not fit yet; nobody overtakes it
+            budget -= n
+        # Anything left waiting waits for room or for prefill throughput (a budget
+        # spent on long prompts holds the queue as surely as a full pool): see Admission.
+        admission.blocked = bool(waiting)
+        hold.wants_room = admission.blocked and budget > 0  # room, not the budget
+        return budget
+
+    def _alert(self, rec: StepRecord) -> None:
+        cfg = self.config
+        if 0 < cfg.prefill_alert_tokens < rec.num_prefill_tokens:
+            self.num_prefill_alerts += 1
+            if self.num_prefill_alerts % 1000 == 1:
+                log.warning("prefill ceiling passed: %d prompt tokens in step %d (ceiling "
+                            "%d; %d such steps)", rec.num_prefill_tokens, rec.step_id,
+                            cfg.prefill_alert_tokens, self.num_prefill_alerts)
 
     # -- results -----------------------------------------------------------------------
 
