@@ -19,10 +19,10 @@ Every device block is in exactly one of three states:
     owned         >= 1        in block tables (maybe also indexed)
     ============  ==========  =========================================
 
-Under a sliding window (core/kv_window.py) growing a table releases the blocks no layer
-reads again; their entries stay in the table (``num_released``). The blocks themselves are
-core/block_pool.py's, the host (swap) pool core/host_pool.py's; ``swap_out``/``swap_in``
-move a sequence between the two.
+Under a sliding window (``KVWindow``) growing a table releases the blocks no layer reads
+again; their entries stay in the table (``num_released``). The blocks themselves are
+core/block_pool.py's, the host (swap) blocks ``HostPool``'s; ``swap_out``/``swap_in`` move
+a sequence between the two.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ import collections
 import enum
 
 from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.host_pool import HostPool
 from scheduler_svc.core.kv_events import KVEventLog
-from scheduler_svc.core.kv_window import KVWindow
 
 
 class NoBlock(enum.Enum):
@@ -351,3 +349,99 @@ class BlockManager:
                                      for b in t[self._released.get(s, 0):])
         self._pool.assert_invariants(owners)
         self._host.assert_invariants()
+
+
+# Sliding windows and the KV pool: what a window lets the block manager give back.
+#
+# Where every layer attends to at most ``window`` trailing positions, a block wholly before
+# the window of the earliest query a sequence can still make holds KV no layer reads again.
+# Growing a sequence's table releases such blocks (as ``free`` would: a hashed one stays
+# cached). Their entries stay in the table, so positions keep their indices and the
+# executor's copy of the table (sent as appends) stays the same; every attention kernel
+# reads only a row's window (kernels/attention.py), so those entries are never read,
+# whoever owns the block now. A sequence then holds at most ``max_live`` blocks, what
+# admission and the pool-size checks ask for (``BlockManager.blocks_needed``).
+class KVWindow:
+    """A window of ``window`` tokens (> 0) over a pool of ``num_blocks`` blocks of
+    ``block_size``. ``step_cap``: the scheduler computes no more than that for one
+    sequence in a step, so that its span fits the pool (``max_step_tokens``, the most
+    one step computes for a sequence, or less; where even one token's span does not
+    fit, a sequence is bounded by the pool as without a window). ``max_live``: the most
+    blocks a sequence then holds at once."""
+
+    __slots__ = ("window", "block_size", "step_cap", "max_live")
+
+    def __init__(self, window: int, num_blocks: int, block_size: int,
+                 max_step_tokens: int = 0) -> None:
+        assert window > 0
+        self.window = window
+        self.block_size = block_size
+        fits = (num_blocks - 1) * block_size - window  # largest step whose span fits
+        self.step_cap = max(1, min(max_step_tokens, fits) if max_step_tokens else fits)
+        self.max_live = -(-(window + self.step_cap) // block_size) + 1
+
+    def behind(self, first_query: int) -> int:
+        """How many leading blocks of a table lie wholly before the window of a query at
+        ``first_query`` (one position more is kept than the window reads); negative
+        early on."""
+        return (first_query - self.window) // self.block_size
+
+
+# The host (swap) pool: host blocks a swapped-out sequence's KV is copied into.
+#
+# BlockManager moves a sequence between the device and this
+# pool (``swap_out``/``swap_in``); the pool keeps the free host blocks, each swapped
+# sequence's host table, and how far its blocks had been considered for the prefix index
+# when it left, so registration resumes where it was.
+class HostPool:
+    """Host blocks of one executor incarnation: free, or in exactly one host table."""
+
+    __slots__ = ("num_blocks", "_free", "_tables", "_registered")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        self._tables: dict[int, list[int]] = {}
+        self._registered: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_swapped(self) -> int:
+        """Sequences whose KV is here now."""
+        return len(self._tables)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._tables.get(seq_id, [])
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free host blocks (needs ``num_free >= n``), for ``hold``."""
+        free = self._free
+        return [free.pop() for _ in range(n)]
+
+    def hold(self, seq_id: int, blocks: list[int], num_registered: int) -> None:
+        """``seq_id``'s KV is in ``blocks``; ``num_registered``: its first blocks that had
+        been considered for the prefix index."""
+        self._tables[seq_id] = blocks
+        self._registered[seq_id] = num_registered
+
+    def give_back(self, seq_id: int) -> tuple[list[int], int]:
+        """``seq_id`` goes back to the device: its host blocks (free again) and its
+        registration count."""
+        blocks = self._tables.pop(seq_id)
+        self._free.extend(blocks)
+        return blocks, self._registered.pop(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Frees ``seq_id``'s host blocks, if any. Idempotent."""
+        blocks = self._tables.pop(seq_id, None)
+        if blocks:
+            self._free.extend(blocks)
+        self._registered.pop(seq_id, None)
+
+    def assert_invariants(self) -> None:
+        owned = [b for t in self._tables.values() for b in t]
+        assert len(owned) == len(set(owned)), "a host block is owned twice"
+        assert len(owned) + len(self._free) == self.num_blocks, "host leak"

@@ -22,8 +22,8 @@ from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.core.plan import ModelInfo, StepRecord
 from scheduler_svc.core.queue import WaitingQueue
 from scheduler_svc.core.request import FINISHED, RUNNING, FinishReason, Request, RequestStatus
+from scheduler_svc.core.results import Unanswered
 from scheduler_svc.core.running import RunningSet
-from scheduler_svc.core.unanswered import Unanswered
 
 
 class Lifecycle:

@@ -37,7 +37,7 @@ from scheduler_svc.core.request import SWAPPED, WAITING, Request
 
 
 class PriorityHold:
-    """What the last admission step left for priority hold (the scheduler's admission stage writes it):
+    """What the last admission stage left for priority hold (the scheduler writes it):
     whether a request found no room (``wants_room``, also set by an arrival of a better
     tier to full slots), the blocks that admission kept free (``reserve``), the request
     that did not fit and its device blocks (``blocked``, ``blocked_need``; None, 0: the

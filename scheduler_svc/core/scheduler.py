@@ -15,7 +15,7 @@ Order of one iteration (docs/design.md §3):
 
 ``schedule()`` lists the stages (hold, decodes, prefills, admission; preemption is
 how a stage makes room), each writing its part of one StepRecord; it returns the plan
-(immutable, core/plan.py) and keeps the record until its answer (core/unanswered.py);
+(immutable, core/plan.py) and keeps the record until its answer (core/results.py);
 ``update()`` applies the answer to that record (core/results.py). Each piece of state
 has one owner: where a request is and the executor's model and block manager
 (core/lifecycle.py, over the waiting queue, the running set and its decodes), admission
@@ -51,9 +51,8 @@ from scheduler_svc.core.plan import Event, ModelInfo, SchedulerOutput, StepRecor
 from scheduler_svc.core.policy import Policy, make_policy
 from scheduler_svc.core.priority_hold import PriorityHold
 from scheduler_svc.core.request import RUNNING, SWAPPED, FinishReason, Request, RequestStatus
-from scheduler_svc.core.results import ResultApplier
+from scheduler_svc.core.results import ResultApplier, Unanswered
 from scheduler_svc.core.step_cost import StepCost, kv_tokens
-from scheduler_svc.core.unanswered import Unanswered
 
 __all__ = ["Event", "ModelInfo", "QueueFull", "Scheduler", "SchedulerOutput"]
 log = logging.getLogger("scheduler.core")
