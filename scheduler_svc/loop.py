@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import os
 import time
+from typing import Protocol
 
 import structlog
 
@@ -29,8 +30,7 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import internal_auth
 from runtime.aio import cancel_all
-from scheduler_svc.core import Request, Scheduler, SchedulerConfig
-from scheduler_svc.dispatch import EventSink, Streams
+from scheduler_svc.core import Event, Request, Scheduler, SchedulerConfig
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.gc_pacing import GcPacer
 from scheduler_svc.hang_check import await_answer
@@ -53,6 +53,47 @@ HEARTBEAT_TIMEOUT_S = 5.0
 # Tests shorten the heartbeat timeout with this (seconds).
 ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
 _FROM_ENV = object()
+
+
+
+# Where each request's events go as steps produce them: a SubmitMany call
+# (scheduler_svc/streams.py) gives each of its streams a sink that gathers them for the
+# call's next write (a test or benchmark driving the loop alone reads an asyncio.Queue).
+# ``Streams`` maps request ids to those sinks (``submit`` registers one, ``dispatch`` hands
+# each event to its request's and forgets a request at its end) and counts SubmitMany's
+# calls and streams for /metrics.
+class EventSink(Protocol):
+    """A request's events go here, on the loop; must not block."""
+
+    def put_nowait(self, ev: Event) -> None: ...
+
+
+class Streams:
+    """Request id → its sink, while the request lives."""
+
+    __slots__ = ("_sinks", "num_many_calls", "num_many_streams")
+
+    def __init__(self) -> None:
+        self._sinks: dict[str, EventSink] = {}
+        self.num_many_calls = 0  # SubmitMany calls open now
+        self.num_many_streams = 0  # streams SubmitMany calls queued, ever
+
+    def add(self, request_id: str, sink: EventSink) -> None:
+        self._sinks[request_id] = sink
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._sinks
+
+    def dispatch(self, events: list[Event]) -> None:
+        sinks = self._sinks
+        for ev in events:
+            req, _, reason, _ = ev
+            sink = sinks.get(req.request_id)
+            if sink is None:
+                continue
+            sink.put_nowait(ev)
+            if reason is not None:
+                del sinks[req.request_id]
 
 
 class EngineLoop:

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
-from scheduler_svc.dispatch import Streams
 from scheduler_svc.executors import ExecutorInfo
 from scheduler_svc.gc_pacing import GcPacer
+from scheduler_svc.loop import Streams
 from scheduler_svc.metrics import Histograms, MetricsServer, render
 from scheduler_svc.plan_channel import PlanChannel
 from tests.scheduler.factories import make_model, make_request
