@@ -82,8 +82,9 @@ def test_client_deadline_is_kept_for_the_upstream_stream(tokenizer, monkeypatch,
     (remaining,) = given
     if timeout is None:
         assert remaining is None
-    else:  # no lower bound: a slow machine may spend any part of it before the submit
-        assert remaining is not None and 0 < remaining <= timeout
+    else:  # no lower bound: a slow machine may spend any part of it before the submit;
+        # a little slack above, as gRPC rounds a client's timeout *up* to its wire unit
+        assert remaining is not None and 0 < remaining <= timeout * 1.01
     assert scheduler.submitted[0].request_id == "r-1"
 
 
