@@ -44,6 +44,7 @@ import grpc
 import pytest
 
 from continuum.restart_guard import DEFAULT_WINDOW_S
+from sim.metrics import percentile
 from tests.integration.conftest import start_server, stop_server
 from tests.integration.test_serve import chat
 
@@ -165,13 +166,8 @@ def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float]
     return resumed, detected
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
-
-
 def describe(values: list[float]) -> str:
-    return (f"p50 {percentile(values, 0.5):.2f} s, p99 {percentile(values, 0.99):.2f} s "
+    return (f"p50 {percentile(values, 50):.2f} s, p99 {percentile(values, 99):.2f} s "
             f"over {len(values)} streams")
 
 
@@ -201,7 +197,7 @@ def measure(server, args: argparse.Namespace) -> None:
     mode = "warm standby" if standby else "cold restart (no standby)"
     print(f"recovery, {mode}, {args.streams} streams x {args.repeats} repeats")
     print(f"kill -9 executor → first resumed token: {describe(killed)}")
-    print(f"SIGSTOP executor → detach logged: p50 {percentile(detections, 0.5):.2f} s, "
+    print(f"SIGSTOP executor → detach logged: p50 {percentile(detections, 50):.2f} s, "
           f"max {max(detections):.2f} s over {len(detections)} hangs")
     print(f"SIGSTOP executor → first resumed token: {describe(hung_resumed)}")
     stats = server.stats()

@@ -29,7 +29,8 @@ import grpc
 
 from benchmarks.reliability import procs
 from benchmarks.reliability.hostile_load import Kind, Sender
-from benchmarks.reliability.streams import Outcome, grpc_stream, percentile, request
+from benchmarks.reliability.streams import Outcome, grpc_stream, request
+from sim.metrics import percentile
 
 SIZES = {"ci": dict(seconds=8.0, rate=20.0, streams=16),
          "short": dict(seconds=12.0, rate=20.0, streams=16),
@@ -142,7 +143,7 @@ def _row(cfg: dict, quiet, loud, before, after, idle) -> dict:
         "itl_p99_ms_without": _ms(p99_quiet), "itl_p99_ms_with": _ms(p99_loud),
         "itl_p50_ms_without": _ms(percentile(quiet[1], 50)),
         "itl_p50_ms_with": _ms(percentile(loud[1], 50)),
-        "ratio_p99": round(p99_loud / p99_quiet, 2) if p99_quiet and p99_loud else None,
+        "ratio_p99": round(p99_loud / p99_quiet, 2) if p99_quiet > 0 and p99_loud > 0 else None,
         "target_ratio": TARGET_RATIO,
         "idle_after": idle.num_running == 0 and idle.num_waiting == 0,
     }
@@ -167,4 +168,5 @@ def summary(row: dict) -> tuple[str, str, str, bool]:
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
+    """Milliseconds, or None for no figure (a percentile of nothing is NaN)."""
+    return None if seconds is None or seconds != seconds else round(seconds * 1000, 1)

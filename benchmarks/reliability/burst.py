@@ -28,7 +28,8 @@ import time
 import aiohttp
 
 from benchmarks.reliability import procs
-from benchmarks.reliability.streams import http_stream, percentile
+from benchmarks.reliability.streams import http_stream
+from sim.metrics import percentile
 
 SIZES = {"ci": 100, "short": 300, "default": 1000, "long": 2000}
 IDLE = {"ci": 300, "short": 2100, "default": 2100, "long": 2100}
@@ -145,4 +146,5 @@ def summary(row: dict) -> tuple[str, str, str, bool]:
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)
+    """Rounded, or None for no figure (a percentile of nothing is NaN)."""
+    return None if value is None or value != value else round(value, 2)

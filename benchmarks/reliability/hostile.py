@@ -54,8 +54,9 @@ from benchmarks.reliability.hostile_load import (
     costly_kinds,
     heavy_kinds,
 )
-from benchmarks.reliability.streams import Outcome, grpc_stream, percentile, request
+from benchmarks.reliability.streams import Outcome, grpc_stream, request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sim.metrics import percentile
 
 SIZES = {"short": dict(seconds=12.0, rate=20.0, kind_seconds=5.0),
          "default": dict(seconds=30.0, rate=20.0, kind_seconds=10.0),
@@ -244,7 +245,7 @@ def _shown(body: dict) -> str:
 def _row(mix: str, against: str, target: float | None, cfg: dict, quiet: Phase,
          loud: Phase, idle) -> dict:
     p99_quiet, p99_loud = percentile(quiet.itls, 99), percentile(loud.itls, 99)
-    ratio = p99_loud / p99_quiet if p99_quiet and p99_loud else None
+    ratio = p99_loud / p99_quiet if p99_quiet > 0 and p99_loud > 0 else None
     seen = loud.seen
     return {
         "row": "hostile_itl", "mix": mix, "against": against,
@@ -272,4 +273,5 @@ def _row(mix: str, against: str, target: float | None, cfg: dict, quiet: Phase,
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
+    """Milliseconds, or None for no figure (a percentile of nothing is NaN)."""
+    return None if seconds is None or seconds != seconds else round(seconds * 1000, 1)

@@ -24,9 +24,9 @@ from benchmarks.reliability.streams import (
     completion_body,
     grpc_stream,
     http_stream,
-    percentile,
     request,
 )
+from sim.metrics import percentile
 
 SIZES = {  # closed-loop concurrency, capacity seconds, offer seconds, most offered, deadline
     "ci": dict(concurrency=4, capacity_s=2.0, offer_s=2.0, max_offered=40, deadline_s=15.0),
@@ -128,4 +128,5 @@ def run(serve: procs.Serve, size: str = "short") -> dict:
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
+    """Rounded, or None for no figure (a percentile of nothing is NaN)."""
+    return None if value is None or value != value else round(value, 3)

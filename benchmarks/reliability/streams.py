@@ -222,11 +222,3 @@ def _apply_json(out: Outcome, body: dict, started: float) -> None:
         out.finish_reason = out.finish_reason or choice.get("finish_reason") or ""
     if not out.finish_reason:
         out.status, out.detail = "server_error", "response without a finish reason"
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+from benchmarks.reliability import burst, overload
 from benchmarks.reliability.chaos import classify, duplicated
-from benchmarks.reliability.streams import Outcome, percentile
+from benchmarks.reliability.streams import Outcome
+from sim.metrics import percentile
 
 REF = [1, 2, 3, 4, 5, 6]
 
@@ -34,7 +38,10 @@ def test_no_terminal_answer_is_lost_and_an_error_status_is_errored_or_ended():
     assert classify(Outcome("grpc", status="deadline"), REF, expect_end=True) == "lost"
 
 
-def test_nearest_rank_percentile():
-    assert percentile([], 99) is None
+def test_the_rows_use_the_one_percentile_and_report_no_figure_as_none():
+    """The reliability rows use sim.metrics.percentile, the definition every table uses
+    (linear between closest ranks), and a percentile of nothing is None in a row."""
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
+    assert burst._round(percentile([], 99)) is None
+    assert overload._round(percentile([], 99)) is None
