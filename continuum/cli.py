@@ -36,7 +36,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                         "use it; it always requires the internal secret)")
     p.add_argument("--api-keys-file", default=None,
                    help="require API keys: one KEY[:TENANT[:TIERS[:GRANTS]]] per line "
-                        "(README's API keys; also env CONTINUUM_API_KEYS)")
+                        "(docs/usage.md, API keys; also env CONTINUUM_API_KEYS)")
     p.add_argument("--ipc", default=None, help="executor channel (default: a temp ipc:// path)")
     add_device_arguments(p)  # the executor's own flags, passed on
     p.add_argument("--kv-cache-dtype", default="auto",

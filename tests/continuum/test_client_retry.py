@@ -101,7 +101,7 @@ def test_a_server_that_keeps_refusing_sees_the_configs_attempts_and_no_more(scri
         None, *map(str, range(1, len(servicer.attempts)))]  # gRPC's own retries, counted
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/grpc.md"])
+@pytest.mark.parametrize("doc", ["docs/usage.md", "docs/grpc.md"])
 def test_the_docs_show_the_config_in_force(doc):
     shown = re.findall(r"```json\n(.*?)```", (ROOT / doc).read_text(), re.S)
     assert json.loads(service_config.text()) in [json.loads(block) for block in shown]

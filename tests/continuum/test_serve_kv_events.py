@@ -1,4 +1,4 @@
-"""`continuum serve` takes every KV event flag the README shows next to it and hands
+"""`continuum serve` takes every KV event flag docs/usage.md shows next to it and hands
 each to the scheduler, which parses them as its own."""
 
 from __future__ import annotations
