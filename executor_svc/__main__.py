@@ -54,6 +54,7 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import cpu_priority, internal_auth
 from runtime.gc_freeze import freeze_start_up
+from runtime.log_setup import configure_logging
 
 log = logging.getLogger("executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -223,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(args)
     if config.cpu_nice:  # before torch starts its threads: they inherit it
         cpu_priority.lower(config.cpu_nice)
-    rank = f" rank{config.tp_rank}" if config.tp_size > 1 else ""
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format=f"%(asctime)s %(name)s{rank} %(levelname)s %(message)s")
+    configure_logging("executor", **({"rank": config.tp_rank} if config.tp_size > 1 else {}))
     if config.tp_rank:
         return _worker_main(config)
     stop = _Stop()

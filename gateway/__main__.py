@@ -21,11 +21,11 @@ from gateway.admit.routing_headers import DEFAULT_OBJECTIVE_TIERS
 from gateway.app import BindError, start_gateway
 from gateway.config import ConfigError, GatewayConfig
 from gateway.edge import edge_flags
-from gateway.log_setup import configure_logging
 from gateway.text.tokenizer import ModelFilesError, Tokenizer
 from protos import tiers
 from runtime.gc_freeze import freeze_start_up
 from runtime.internal_auth import SecretError, load_secret
+from runtime.log_setup import configure_logging
 from runtime.tls import LOOPBACK, TlsError
 
 EXIT_USAGE = 2
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = Tokenizer.from_dir(config.model_dir, max_model_len=config.max_model_len)
         tokenizer.guided.warm()  # structured-output compile workers, ~1 s in the background
         keys = ApiKeys.load(config.api_keys_file)
-        configure_logging()
+        configure_logging("gateway")
         try:
             asyncio.run(serve(config, tokenizer, keys))
         finally:

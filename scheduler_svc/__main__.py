@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import signal
 import stat
@@ -25,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.continuum.v1 import scheduler_pb2_grpc
 from runtime import internal_auth, tls
+from runtime.log_setup import configure_logging
 from scheduler_svc import config_file, kv_event_flags, metrics, plan_channel_flags
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
@@ -112,18 +112,6 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 def config_from(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(**{f.name: getattr(args, f.name)
                               for f in dataclasses.fields(SchedulerConfig)})
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.JSONRenderer(),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
 
 
 def fail(message: str) -> None:
@@ -315,7 +303,7 @@ async def die(loop: EngineLoop, server, health_servicer, why: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging()
+    configure_logging("scheduler")
     file_bytes = b""
     try:
         flags = config = config_from(args)

@@ -80,15 +80,31 @@ def test_every_process_freezes_its_start_up_heap_and_the_scheduler_paces_collect
     the scheduler took collection off its step path (scheduler_svc/gc_pacing.py): their
     start-up lines say how much each froze; the executor's holds the model."""
     frozen = {}
-    for line in server.stderr_lines:
-        if line.startswith("{"):
-            event = json.loads(line)
-            if event["event"] in ("scheduler listening", "gateway serving"):
-                frozen[event["event"].split()[0]] = event["gc_frozen_objects"]
-        elif "start-up heap frozen:" in line:
-            frozen["executor"] = int(line.split("start-up heap frozen:")[1].split()[0])
+    for event in _log_lines(server):
+        if event["event"] in ("scheduler listening", "gateway serving"):
+            frozen[event["event"].split()[0]] = event["gc_frozen_objects"]
+        elif event["event"].startswith("start-up heap frozen:"):
+            frozen["executor"] = int(event["event"].split("start-up heap frozen:")[1].split()[0])
     assert frozen.keys() == {"scheduler", "gateway", "executor"}, frozen
     assert min(frozen.values()) > 1000 and frozen["executor"] > 100_000, frozen
+
+
+def _log_lines(server) -> list[dict]:
+    """The JSON lines the processes wrote (serve's own lines are plain text)."""
+    return [json.loads(line) for line in server.stderr_lines if line.startswith("{")]
+
+
+def test_every_process_logs_one_json_format(server):
+    """Gateway, scheduler and executor write the same JSON lines (runtime/log_setup.py):
+    an event, a level, a UTC timestamp and the process's name, whichever logger (structlog
+    or the standard library's) wrote it."""
+    seen = {}
+    for event in _log_lines(server):
+        assert {"event", "level", "timestamp", "process"} <= event.keys(), event
+        assert event["timestamp"].endswith("Z"), event  # UTC
+        seen.setdefault(event["process"], event)
+    assert {"gateway", "scheduler", "executor"} <= seen.keys(), seen.keys()
+    assert "logger" in seen["executor"]  # a standard-library logger, bridged
 
 
 def test_client_cancel_aborts_upstream_and_frees_blocks(server):
