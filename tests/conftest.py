@@ -19,7 +19,6 @@ import faulthandler
 import json
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import tempfile
 import pytest
 
 from runtime import internal_auth
+from tests.tiers import SPAWNING_FIXTURES
 
 TEST_SECRET = "continuum-test-internal-secret-0123456789"
 os.environ[internal_auth.ENV_SECRET] = TEST_SECRET
@@ -132,21 +132,15 @@ def _keep_gemma_reference(transformers, torch, gguf: pathlib.Path, kept: pathlib
         shutil.rmtree(staging, ignore_errors=True)
 
 
-# -- test tiers ---------------------------------------------------------------------------
-# `make test-fast` (pytest --fast) runs what starts no service process: a test is marked
-# `spawns` when its module starts one (a subprocess, a server harness, a scheduler or
-# executor process, a multiprocessing pool) or it takes a fixture that does, read from the
-# source so that nobody marks a new test by hand; --fast deselects those. A test that
-# starts a service some other way (through a benchmark module, say) is skipped at that
-# moment under --fast, naming the command, so the fast tier never waits on one. A quick
-# tool that is no service (buf: tests/protos/buf.py runs it) stays in the fast tier.
-SPAWNS = re.compile(r"\b(subprocess|Popen|multiprocessing|start_server|start_serve|"
-                    r"launch_replica|start_replica|start_gateway|scheduler_process|spawn\()")
-SPAWNING_FIXTURES = frozenset({"server", "scheduler", "served", "serve", "replica"})
+# -- test tiers (tests/tiers.py) ---------------------------------------------------------
+# `make test-fast` (pytest --fast) runs what starts no service process. A fixture declared
+# with @spawns_processes marks every test that uses it; a module that starts one itself
+# carries the `spawns` (or `integration`) mark. A quick tool that is no service (buf:
+# tests/protos/buf.py runs it) stays in the fast tier.
 # What a fast test may still start: the gateway's structured-output compile workers.
 LIGHT_CHILDREN = ("gateway.structured.compile_worker",)
 SERVICES = ("continuum", "executor_svc", "scheduler_svc", "gateway", "benchmarks")
-_spawning_modules: dict[str, bool] = {}
+_current_test: list = [None]  # the test whose setup, call or teardown runs now
 
 
 def pytest_addoption(parser):
@@ -154,17 +148,9 @@ def pytest_addoption(parser):
                      help="the fast tier: skip tests that start service processes")
 
 
-def _module_spawns(path: pathlib.Path) -> bool:
-    key = str(path)
-    if key not in _spawning_modules:
-        _spawning_modules[key] = bool(SPAWNS.search(path.read_text(encoding="utf-8")))
-    return _spawning_modules[key]
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if (item.get_closest_marker("integration") is not None
-                or _module_spawns(pathlib.Path(item.fspath))
                 or SPAWNING_FIXTURES & set(getattr(item, "fixturenames", ()))):
             item.add_marker(pytest.mark.spawns)
     if config.getoption("--fast"):
@@ -179,16 +165,29 @@ def _is_service(args) -> bool:
     return module.split(".")[0] in SERVICES and module not in LIGHT_CHILDREN
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_guard(request, monkeypatch):
-    """Under --fast, a service process started by any route skips its test."""
-    if not request.config.getoption("--fast"):
-        return
-    real = subprocess.Popen.__init__
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _current_test[0] = item  # before any fixture of it, module-scoped ones included
 
-    def guarded(self, args, *rest, **kwargs):
-        if _is_service(args):
-            pytest.skip(f"starts {' '.join(map(str, args))[:80]}: `make test` runs it")
-        real(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+def pytest_runtest_logfinish(nodeid, location):
+    _current_test[0] = None
+
+
+_real_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):
+    """A service process started for a test not marked ``spawns``: skipped under --fast,
+    a failure otherwise (its mark is missing, so the fast tier would have run it)."""
+    item = _current_test[0]
+    if item is not None and _is_service(args) and item.get_closest_marker("spawns") is None:
+        what = " ".join(map(str, args))[:80]
+        if item.config.getoption("--fast"):
+            pytest.skip(f"starts {what}: `make test` runs it")
+        pytest.fail(f"{item.nodeid} starts {what} but is not marked: start it through a "
+                    "@spawns_processes fixture or mark its module spawns (tests/tiers.py)")
+    _real_popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import HANG_FACTOR, hang_s
 
+pytestmark = pytest.mark.spawns  # starts processes of its own (tests/tiers.py)
+
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
 

@@ -19,8 +19,9 @@ import pytest
 from runtime import plan_ring, shm_ring
 from runtime.plan_ring import FrameError, PlanRingReader, PlanRingWriter
 
-pytestmark = pytest.mark.skipif(shm_ring.available() is not None,
-                                reason=f"no ring here: {shm_ring.available()}")
+pytestmark = [pytest.mark.skipif(shm_ring.available() is not None,
+                                 reason=f"no ring here: {shm_ring.available()}"),
+              pytest.mark.spawns]  # starts reader processes (tests/tiers.py)
 SECRET = b"s" * 32
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.spawns  # starts processes of its own (tests/tiers.py)
+
 ROOT = __file__.rsplit("/tests/", 1)[0]
 
 # An owner of a context and two sockets, one with a message queued for a peer that never

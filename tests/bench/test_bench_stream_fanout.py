@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks import bench_stream_fanout
 
+pytestmark = pytest.mark.spawns  # starts processes of its own (tests/tiers.py)
+
 
 def test_submit_many_reaches_every_stream_of_the_gateways_multiplexer():
     """Each stream read to its finish, so the client process ends and reports its CPU."""

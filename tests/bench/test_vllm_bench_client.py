@@ -24,6 +24,7 @@ import subprocess
 import pytest
 
 from tests.integration.conftest import start_server, stop_server
+from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +36,7 @@ EVERY_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("vllm_bench"), model_dir)
     yield srv

@@ -17,6 +17,8 @@ import pytest
 
 from sim.profile import FEATURES, ExecutorProfile
 
+pytestmark = pytest.mark.spawns  # starts service processes (tests/tiers.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "capacity"
 

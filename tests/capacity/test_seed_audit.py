@@ -56,6 +56,7 @@ def _bound(tmp_path: Path, contract: dict, workload: dict) -> tuple[Path, Path]:
     return _write(tmp_path, "contract", contract), _write(tmp_path, "workload", workload)
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_the_seed_fixture_prints_the_seeds_figures():
     done = subprocess.run([sys.executable, "-m", "continuum", "capacity", "audit",
                            str(CONTRACT), str(WORKLOAD)], capture_output=True, text=True,

@@ -130,6 +130,7 @@ def test_the_backend_follows_the_device_and_numba_is_refused_off_the_cpu():
 
 
 @no_cuda
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_device_cuda_without_cuda_exits_2_with_one_line_before_loading_anything(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "executor_svc", "--device", "cuda", "--ipc",

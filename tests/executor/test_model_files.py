@@ -68,6 +68,7 @@ def test_bad_paths_raise_model_error(tmp_path):
     assert leftovers == []  # a failed conversion leaves nothing behind
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_cli_prints_the_dir_or_one_error_line(model_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     ok = subprocess.run([sys.executable, "-m", "executor_svc.model_files", str(model_dir)],

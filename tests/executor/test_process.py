@@ -60,6 +60,7 @@ def executor(model_dir, tmp_path):
     scheduler.close()
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     proc, scheduler, address = executor
     kind, hello = scheduler.recv()
@@ -113,6 +114,7 @@ def test_hello_plan_heartbeat_reconnect_and_sigterm(executor):
     assert proc.wait(timeout=10) == 0
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_a_float16_kv_cache_doubles_the_blocks_and_still_generates(model_dir, tmp_path):
     address = f"ipc://{tmp_path}/executor.sock"
     scheduler = FakeScheduler(address)
@@ -136,6 +138,7 @@ def test_a_float16_kv_cache_doubles_the_blocks_and_still_generates(model_dir, tm
         scheduler.close()
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_no_internal_secret_exits_2_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONTINUUM_INTERNAL")}
     env["PYTHONPATH"] = os.getcwd()
@@ -146,6 +149,7 @@ def test_no_internal_secret_exits_2_with_one_line(tmp_path):
     assert internal_auth.ENV_SECRET in proc.stderr
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_bad_model_path_exits_2_with_one_line(tmp_path):
     proc = start_executor("--model", str(tmp_path / "nope"), "--ipc", f"ipc://{tmp_path}/x.sock")
     _, stderr = proc.communicate(timeout=60)

@@ -17,8 +17,9 @@ import pytest
 from runtime import shm_ring
 from runtime.shm_ring import RingError, RingReader, RingWriter
 
-pytestmark = pytest.mark.skipif(shm_ring.available() is not None,
-                                reason=f"no ring here: {shm_ring.available()}")
+pytestmark = [pytest.mark.skipif(shm_ring.available() is not None,
+                                 reason=f"no ring here: {shm_ring.available()}"),
+              pytest.mark.spawns]  # starts reader processes (tests/tiers.py)
 
 # A reader process: attaches, prints "ready", then one sha256 per payload until an empty one.
 _READER = """

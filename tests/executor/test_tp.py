@@ -137,6 +137,7 @@ def _drive(runner) -> tuple[dict, dict]:
     return {seq_id: mini.outputs(seq_id) for seq_id in prompts}, logprobs
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_tp2_tokens_equal_tp1_then_sigterm_stops_every_rank(tp2, model):
     scheduler, start = tp2
     proc, hello = start()
@@ -180,6 +181,7 @@ def _one_prefill(hello: pb.Hello) -> pb.BatchPlan:
     return plan
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_killed_worker_mid_step_makes_rank0_exit_nonzero(tp2):
     scheduler, start = tp2
     proc, hello = start()
@@ -194,6 +196,7 @@ def test_killed_worker_mid_step_makes_rank0_exit_nonzero(tp2):
     assert not _alive(worker) and not _children(proc.pid)
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_hung_worker_times_out_the_group(tp2):
     scheduler, start = tp2
     proc, hello = start("--tp-timeout-s", "3")

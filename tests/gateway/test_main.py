@@ -15,6 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .harness import free_port
 
+pytestmark = pytest.mark.spawns  # starts service processes (tests/tiers.py)
+
 
 def _gateway_cmd(model_dir, port, *extra):
     return [

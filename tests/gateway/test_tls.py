@@ -197,6 +197,7 @@ def test_flags_that_do_not_pair_are_refused(fields, message):
                          for k, v in fields.items()})
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_files_that_cannot_be_used_fail_at_startup_in_one_line(model_dir, pki, tmp_path):
     other = make_pki(tmp_path, "other")
     garbage = tmp_path / "garbage.pem"

@@ -16,6 +16,7 @@ import pytest
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
 from tests.integration.conftest import start_server, stop_server
+from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +38,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("tools"), model_dir)
     yield srv

@@ -17,6 +17,7 @@ import pytest
 from continuum.procs import free_port
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import TEST_METADATA
+from tests.tiers import spawns_processes
 
 READY_TIMEOUT_S = 240
 # Servers this test may have used (started in it, or still running): a failing test's
@@ -112,6 +113,7 @@ def stop_server(server: Server) -> int:
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("serve"), model_dir)
     yield srv

@@ -18,6 +18,8 @@ from runtime import tls
 from tests.integration.conftest import start_server, stop_server
 from tests.pki import make_pki
 
+pytestmark = pytest.mark.integration
+
 
 def test_serve_with_mutual_tls_on_every_port(tmp_path, model_dir):
     pki = make_pki(tmp_path)

@@ -37,6 +37,7 @@ def test_cuda_only_backends_are_refused_on_the_cpu(monkeypatch):
             backend_for("flash-attn", "cpu")
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_executor_refuses_triton_on_the_cpu_before_loading_a_model():
     env = {**os.environ, "CONTINUUM_INSECURE_NO_INTERNAL_AUTH": "1"}
     env.pop("TRITON_INTERPRET", None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.reliability import burst, chaos, fuzz, fuzz_schema, overload, procs, report, soak
+from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
 
@@ -21,6 +22,7 @@ CI = "ci"
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def serve(tmp_path_factory):
     srv = procs.start_serve(tmp_path_factory.mktemp("reliability"))
     yield srv

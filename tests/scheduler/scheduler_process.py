@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from continuum.procs import free_port
+from tests.tiers import spawns_processes
 
 START_TIMEOUT_S = 60
 
@@ -35,6 +36,7 @@ def wait_serving(port: int, proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
+@spawns_processes
 def scheduler_address(tmp_path_factory):
     """A scheduler process with the suite's secret; yields its address."""
     port = free_port()

@@ -22,6 +22,8 @@ from telemetry import TelemetryStore
 from tests.conftest import TEST_METADATA
 from tests.scheduler.scheduler_process import free_port, scheduler_cmd, wait_serving
 
+pytestmark = pytest.mark.spawns  # starts service processes (tests/tiers.py)
+
 WAIT_S = 30.0  # generous: the file is polled every 2 s, the store written within 0.1 s
 
 

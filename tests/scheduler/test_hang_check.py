@@ -16,6 +16,8 @@ import pytest
 from scheduler_svc.hang_check import await_answer, progress, working
 from scheduler_svc.step_deadline import StepDeadlines
 
+pytestmark = pytest.mark.spawns  # starts processes of its own (tests/tiers.py)
+
 BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
 IDLE = "import time; time.sleep(60)"
 

@@ -93,6 +93,7 @@ def test_the_kv_configuration_is_never_an_empty_pool(tmp_path):
                              "num_gpu_blocks": "64"}
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_the_server_answers_from_the_last_page_without_the_loop(tmp_path):
     server = MetricsServer("127.0.0.1", 0)
     server.start()
@@ -141,6 +142,7 @@ def test_our_guards_are_counted_on_the_page(tmp_path):
     assert families["continuum:gc_seconds"].samples[0].value == 0.25
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_the_server_process_keeps_the_connection_and_serves_each_new_page_whole():
     server = MetricsServer("127.0.0.1", 0)
     try:

@@ -147,6 +147,7 @@ def _env_without_secret(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("module", ["scheduler_svc", "gateway"])
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_no_secret_no_opt_out_is_one_line_and_exit_2(tmp_path, model_dir, module):
     if module == "scheduler_svc":
         cmd = scheduler_cmd(tmp_path, free_port())
@@ -162,6 +163,7 @@ def test_no_secret_no_opt_out_is_one_line_and_exit_2(tmp_path, model_dir, module
     assert done.stderr.count("\n") == 1
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_a_short_secret_is_refused(tmp_path):
     done = subprocess.run(scheduler_cmd(tmp_path, free_port()),
                           env=_env_without_secret(**{internal_auth.ENV_SECRET: "short"}),
@@ -170,6 +172,7 @@ def test_a_short_secret_is_refused(tmp_path):
     assert "at least 16 characters" in done.stderr and done.stderr.count("\n") == 1
 
 
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_a_missing_ipc_directory_is_created_private(tmp_path):
     """The Kubernetes layout names a socket directory inside the pod's shared emptyDir
     (mode 0777): the scheduler creates it with mode 0700."""

@@ -9,6 +9,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.spawns  # starts processes of its own (tests/tiers.py)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -37,6 +37,7 @@ def test_fit_profile_quick_measures_the_executor(tmp_path, model_dir):
 
 
 @pytest.mark.timeout(LOADED_MACHINE_TIMEOUT_S)
+@pytest.mark.spawns  # starts a service process (tests/tiers.py)
 def test_validate_against_a_real_server(tmp_path, model_dir, capsys):
     from sim.data import default_trace
 
