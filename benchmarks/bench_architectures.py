@@ -29,7 +29,7 @@ import torch
 from benchmarks.bench_decode import DecodeRun
 from benchmarks.bench_executor import load, machine_ceilings, model_flops_per_token, step_bytes
 from executor_svc.model_files import resolve_model
-from executor_svc.models import registry
+from executor_svc.models import decoder, registry
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.random_model import random_config, random_model
 from executor_svc.settings import Switches
@@ -73,7 +73,7 @@ class Row:
 
 
 def rows(args) -> list[Row]:
-    options = args.switches.model_options()
+    options = decoder.model_options(args.switches)
     shaped = {k: v for k, v in options.items() if k != "weight_format"}
     names = [a.name for a in registry.ARCHITECTURES]  # Llama first: the others' baseline
     out = [Row(f"{arch} (random, fp32)", f"{names[0]} (random, fp32)",
@@ -100,7 +100,7 @@ def _gemma_gguf(switches: Switches) -> pathlib.Path | None:
 
 def measure(model: DecoderModel, backend, args, clock) -> dict[int, tuple[float, float]]:
     """Per batch: (seconds per step, the roofline bound in seconds)."""
-    c, native_options = model.config, args.switches.native_options()
+    c, native_options = model.config, decoder.native_options(args.switches)
     flops = model_flops_per_token(model, args.context)
     out = {}
     for batch in args.batches:
@@ -136,7 +136,7 @@ def main() -> None:
     args = parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.manual_seed(0)
-    backend = make_backend(DEFAULT_BACKEND, native_options=args.switches.native_options())
+    backend = make_backend(DEFAULT_BACKEND, native_options=decoder.native_options(args.switches))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "
           f"{DEFAULT_BACKEND}, context {args.context}, {args.steps} timed steps after "
           f"{args.warmup} ({load()})", flush=True)

@@ -25,6 +25,7 @@ from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
 from benchmarks.bench_formats import format_ab, weight_bytes
 from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
 from executor_svc.model_files import resolve_model
+from executor_svc.models import decoder
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.models.ops import project
 from executor_svc.settings import Switches
@@ -92,7 +93,7 @@ def ours(model, backends: dict, args, clock, headline: str,
     of the two (the point's own roofline: this machine's speed moves by +-25 % from one
     minute to the next, so a ceiling from the start of the run can belong to another
     minute than the step it divides)."""
-    c, out, native_options = model.config, {}, args.switches.native_options()
+    c, out, native_options = model.config, {}, decoder.native_options(args.switches)
     for batch in args.batches:
         for name, backend in backends.items():
             run = DecodeRun(model, backend, batch, args.context, args.warmup + args.steps, clock,
@@ -153,8 +154,8 @@ def main() -> None:
           f"{'CPU' if args.cpu_time else 'wall'} time, {env or 'default OpenMP env'}, {load()}",
           flush=True)
     path = resolve_model(None, args.switches.cache_dir)
-    model = DecoderModel.load(path, **args.switches.model_options())
-    c, native_options = model.config, args.switches.native_options()
+    model = DecoderModel.load(path, **decoder.model_options(args.switches))
+    c, native_options = model.config, decoder.native_options(args.switches)
     ceil = machine_ceilings(c.hidden_size, c.intermediate_size, clock, native_options)
     rates = ", ".join(f"{k.removeprefix('gflops_').replace('_', ' at ')} rows {v:.0f}"
                       for k, v in ceil.items() if k.startswith("gflops_") and k != "gflops_peak")

@@ -21,6 +21,7 @@ import torch
 
 from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
 from executor_svc.model_files import resolve_model
+from executor_svc.models import decoder
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.settings import Switches
 from executor_svc.weight_formats import streamed_bytes
@@ -52,7 +53,7 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
               rounds: int, steps: int, clock=time.perf_counter) -> None:
     """Prints the A/B table: per format and batch the median over rounds of each round's
     median step, bytes per step, GB/s achieved and the share of the memory roofline."""
-    options = {**switches.model_options()}
+    options = {**decoder.model_options(switches)}
     models = {}
     for fmt in formats:
         start = time.perf_counter()
@@ -60,7 +61,7 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
         print(f"  {fmt}: loaded in {time.perf_counter() - start:.1f} s as "
               f"{models[fmt].weight_format}, {weight_bytes(models[fmt]) / 1e6:.0f} MB of "
               f"weights per step", flush=True)
-    backend = make_backend(None, native_options=switches.native_options())
+    backend = make_backend(None, native_options=decoder.native_options(switches))
     c = next(iter(models.values())).config
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     times: dict[tuple[str, int], list[float]] = {(f, b): [] for f in formats for b in batches}

@@ -43,7 +43,7 @@ import time
 import grpc
 import pytest
 
-from continuum.restart_guard import DEFAULT_WINDOW_S
+from continuum.serve_config import ServeConfig
 from sim.metrics import percentile
 from tests.integration.conftest import start_server, stop_server
 from tests.integration.test_serve import chat
@@ -219,7 +219,7 @@ def main() -> None:
     from executor_svc.settings import Switches
     faults, guard = restart_budget(args.repeats, args.max_executor_restarts)
     print(f"{faults} faults; serve's crash-loop guard: {' '.join(guard)} within "
-          f"--restart-window-s {DEFAULT_WINDOW_S:g} (its default)", flush=True)
+          f"--restart-window-s {ServeConfig().restart_window_s:g} (its default)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             server = start_server(

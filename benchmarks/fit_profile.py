@@ -67,20 +67,21 @@ def load_executor(kv_bytes: int, kv_dtype: str):
 
     from executor_svc.kv_cache import KVCache, KVCacheSpec
     from executor_svc.model_files import resolve_model
+    from executor_svc.models import decoder
     from executor_svc.models.decoder import DecoderModel
     from executor_svc.settings import Switches
     from kernels import backend_for, make_backend
 
     switches = Switches.from_env()
     path = resolve_model(None, switches.cache_dir)
-    model = DecoderModel.load(path, **switches.model_options())
+    model = DecoderModel.load(path, **decoder.model_options(switches))
     c = model.config
     dtype = {"float32": torch.float32, "float16": torch.float16,
              "bfloat16": torch.bfloat16}[kv_dtype]
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype, BLOCK)
-    kv = KVCache(spec, spec.num_blocks(kv_bytes), native_options=switches.native_options())
+    kv = KVCache(spec, spec.num_blocks(kv_bytes), native_options=decoder.native_options(switches))
     backend_name = backend_for(None, torch.device("cpu"))
-    backend = make_backend(backend_name, native_options=switches.native_options())
+    backend = make_backend(backend_name, native_options=decoder.native_options(switches))
     wqkv = model.layers[0].wqkv
     describe = {
         "model": path.name, "layers": c.num_layers, "hidden": c.hidden_size,

@@ -12,8 +12,9 @@ A takeover budget of its own would only let a poisoned server run longer before 
 says so.
 
 ``--max-executor-restarts N`` (default 5) replacements within ``--restart-window-s S``
-(default 120): the (N+1)-th death within S seconds stops the whole server with a line
-that names both flags. ``N = 0`` never replaces an executor: its first death stops the
+(default 120; fields of continuum/serve_config.py's ServeConfig): the (N+1)-th death
+within S seconds stops the whole server with a line that names both flags. ``N = 0``
+never replaces an executor: its first death stops the
 server (for an orchestrator that restarts the pod itself). A standby that keeps dying
 spends a budget of its own, of the same size, and when that is spent serving goes on
 without a standby rather than stopping.
@@ -21,46 +22,7 @@ without a standby rather than stopping.
 
 from __future__ import annotations
 
-import argparse
-import math
 from collections import deque
-
-DEFAULT_MAX_RESTARTS = 5
-DEFAULT_WINDOW_S = 120.0
-
-
-def _restarts(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more (0: never restart), got {value}")
-    return value
-
-
-def _window(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("crash-loop guard (docs/operations.md)")
-    g.add_argument("--max-executor-restarts", type=_restarts, default=DEFAULT_MAX_RESTARTS,
-                   metavar="N",
-                   help="executor deaths (cold restarts and standby takeovers alike) "
-                        "replaced within --restart-window-s; one more stops the server as "
-                        f"a crash loop (default {DEFAULT_MAX_RESTARTS}; 0: never restart, "
-                        "the first death stops it)")
-    g.add_argument("--restart-window-s", type=_window, default=DEFAULT_WINDOW_S,
-                   metavar="S",
-                   help="the crash-loop guard's window in seconds "
-                        f"(default {DEFAULT_WINDOW_S:.0f})")
 
 
 class RestartGuard:

@@ -1,19 +1,13 @@
-"""``continuum serve``'s TLS: the scheduler port's flags, the check that the pieces fit,
-and the supervisor's own connections to a scheduler and a gateway that speak TLS.
-
-The gateway's flags (``--tls-*`` for its ports, ``--scheduler-tls-*`` for its channels
-to the scheduler) are gateway/edge/edge_flags.py's and pass straight through; this module
-adds the scheduler's side (``--scheduler-tls-cert-file``, ``-key-file``,
-``-client-ca-file``), whose certificate the gateway and the supervisor check against
-``--scheduler-tls-ca-file`` and, under mutual TLS, answer with
-``--scheduler-tls-client-cert-file`` and ``-key-file``.
+"""``continuum serve``'s TLS: the check that the scheduler's side (its
+``--scheduler-tls-cert-file``, ``-key-file``, ``-client-ca-file``) fits the gateway's
+(``--scheduler-tls-ca-file`` it checks that certificate with, and under mutual TLS
+``--scheduler-tls-client-cert-file`` and ``-key-file`` it answers with), and the
+supervisor's own connections to a scheduler and a gateway that speak TLS.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 import socket
 import ssl
 import time
@@ -21,60 +15,38 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from gateway.config import GatewayConfig
 from runtime import tls
-
-# serve's flag -> the scheduler's.
-SCHEDULER_FLAGS = (("scheduler_tls_cert_file", "--tls-cert-file"),
-                   ("scheduler_tls_key_file", "--tls-key-file"),
-                   ("scheduler_tls_client_ca_file", "--tls-client-ca-file"))
+from scheduler_svc.process_config import SchedulerProcessConfig
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("TLS on the internal scheduler port (passed to the scheduler)")
-    g.add_argument("--scheduler-tls-cert-file", default=None,
-                   help="serve the scheduler port over TLS with this certificate chain "
-                        "(needs --scheduler-tls-ca-file, which the gateway checks it with)")
-    g.add_argument("--scheduler-tls-key-file", default=None,
-                   help="the scheduler certificate's private key")
-    g.add_argument("--scheduler-tls-client-ca-file", default=None,
-                   help="mutual TLS: the scheduler requires a client certificate signed by "
-                        "this CA (the gateway's: --scheduler-tls-client-cert-file)")
-
-
-def problem(args: argparse.Namespace) -> str | None:
-    """What does not fit among the TLS flags, as a message naming them (None: fine)."""
+def problem(scheduler_side: SchedulerProcessConfig, gateway: GatewayConfig) -> str | None:
+    """What does not fit between the scheduler's TLS and the gateway's TLS to it, as a
+    message naming the flags (None: fine)."""
+    s = scheduler_side
     try:
-        scheduler = tls.server_tls(args.scheduler_tls_cert_file, args.scheduler_tls_key_file,
-                                   args.scheduler_tls_client_ca_file, prefix="--scheduler-tls")
+        scheduler = tls.server_tls(s.scheduler_tls_cert_file, s.scheduler_tls_key_file,
+                                   s.scheduler_tls_client_ca_file, prefix="--scheduler-tls")
     except tls.TlsError as exc:
         return str(exc)
-    if (scheduler is None) != (args.scheduler_tls_ca_file is None):
+    if (scheduler is None) != (gateway.scheduler_tls_ca_file is None):
         return ("--scheduler-tls-cert-file and --scheduler-tls-ca-file go together: the "
                 "scheduler serves TLS, the gateway checks it against the CA")
     if scheduler is not None and scheduler.client_ca_file is not None and \
-            args.scheduler_tls_client_cert_file is None:
+            gateway.scheduler_tls_client_cert_file is None:
         return ("--scheduler-tls-client-ca-file needs --scheduler-tls-client-cert-file and "
                 "--scheduler-tls-client-key-file: the certificate the gateway presents")
     return None
 
 
-def scheduler_argv(args: argparse.Namespace) -> list[str]:
-    """The scheduler's TLS flags, files named from serve's directory."""
-    argv = []
-    for field, flag in SCHEDULER_FLAGS:
-        if getattr(args, field, None):
-            argv += [flag, os.path.abspath(getattr(args, field))]
-    return argv
-
-
-def scheduler_channel(args: argparse.Namespace, address: str) -> grpc.Channel:
+def scheduler_channel(gateway: GatewayConfig, address: str) -> grpc.Channel:
     """The supervisor's channel to its scheduler, as secure as the gateway's."""
-    if getattr(args, "scheduler_tls_ca_file", None) is None:
+    if gateway.scheduler_tls_ca_file is None:
         return grpc.insecure_channel(address)
-    credentials = tls.channel_credentials(args.scheduler_tls_ca_file,
-                                          args.scheduler_tls_client_cert_file,
-                                          args.scheduler_tls_client_key_file)
-    name = args.scheduler_tls_server_name
+    credentials = tls.channel_credentials(gateway.scheduler_tls_ca_file,
+                                          gateway.scheduler_tls_client_cert_file,
+                                          gateway.scheduler_tls_client_key_file)
+    name = gateway.scheduler_tls_server_name
     options = [("grpc.ssl_target_name_override", name)] if name else []
     return grpc.secure_channel(address, credentials, options=options)
 
@@ -96,11 +68,11 @@ def answers_tls(host: str, port: int, timeout_s: float = 1.0) -> bool:
 
 
 @contextlib.contextmanager
-def gateway_probe(args: argparse.Namespace) -> Iterator[Callable[[float], bool]]:
+def gateway_probe(gateway: GatewayConfig) -> Iterator[Callable[[float], bool]]:
     """``ready(timeout_s)``: whether the gateway's gRPC port answers. Over TLS a handshake
     is the probe (serve holds no certificate the gateway's clients are checked with)."""
-    host, port = args.host, args.port
-    if getattr(args, "tls_cert_file", None) is not None:
+    host, port = gateway.host, gateway.port
+    if gateway.tls_cert_file is not None:
         def handshake(timeout_s: float) -> bool:
             if answers_tls(host, port, timeout_s):
                 return True

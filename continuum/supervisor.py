@@ -44,9 +44,10 @@ import time
 
 import grpc
 
-from continuum import local_state, serve_argv, serve_tls
+from continuum import local_state, serve_tls
 from continuum.procs import http_ready, port_is_free, spawn, stop_all
 from continuum.restart_guard import RestartGuard
+from continuum.serve_config import Configs, ServeConfigError, connect_host
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 
@@ -56,14 +57,15 @@ EXECUTORS = ("executor", "standby")
 READY_TIMEOUT_S = 60.0
 
 
-def standby_count(args) -> int:
+def standby_count(configs: Configs) -> int:
     """--standby-executors, or by default: one on a CPU-only host with 4+ cores (tp 1).
     On a smaller CPU a standby's load would take cores from the executor in service; on
     a GPU the two would have to split its memory (--gpu-memory-utilization each)."""
-    if args.standby_executors is not None:
-        return args.standby_executors
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not _has_gpu())
-    return int(on_cpu and args.tp_size == 1 and len(os.sched_getaffinity(0)) >= 4)
+    if configs.serve.standby_executors is not None:
+        return configs.serve.standby_executors
+    device = configs.executor.device
+    on_cpu = device == "cpu" or (device == "auto" and not _has_gpu())
+    return int(on_cpu and configs.executor.tp_size == 1 and len(os.sched_getaffinity(0)) >= 4)
 
 
 def _has_gpu() -> bool:
@@ -128,43 +130,50 @@ def check_ipc_dir(ipc: str) -> None:
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        if args.ipc:
+        self.model = getattr(args, "model", None)
+        self.model_name = served_name(self.model)
+        if getattr(args, "ipc", None):
             check_ipc_dir(args.ipc)
-        if (tls_problem := serve_tls.problem(args)) is not None:
+        self.workdir = tempfile.mkdtemp(prefix="continuum-")  # mode 0700
+        ipc = getattr(args, "ipc", None) or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
+        try:
+            self.configs = Configs.of(args, ipc=ipc, model_name=self.model_name)
+        except ServeConfigError as exc:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise ServeError(str(exc)) from None
+        self.gateway, self.scheduler = self.configs.gateway, self.configs.scheduler
+        if (tls_problem := serve_tls.problem(self.scheduler, self.gateway)) is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
             raise ServeError(tls_problem)
         self.secret, self.child_env = internal_secret(dict(os.environ))
         # Generated here (none configured): kept for this user's `continuum config`.
         self._generated = self.child_env.get(internal_auth.ENV_SECRET) != os.environ.get(
             internal_auth.ENV_SECRET)
         self._metadata = internal_auth.metadata(self.secret)
-        self.workdir = tempfile.mkdtemp(prefix="continuum-")  # mode 0700
-        self.ipc = args.ipc or f"ipc://{os.path.join(self.workdir, 'executor.sock')}"
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop = False
-        self.num_standby = standby_count(args)
+        self.num_standby = standby_count(self.configs)
         self._standby_due: float | None = None  # when to start the next standby
         self._registered_pids: set[int] = set()  # executors the scheduler holds (last poll)
-        budget = (args.max_executor_restarts, args.restart_window_s)
+        budget = (self.configs.serve.max_executor_restarts, self.configs.serve.restart_window_s)
         self.executor_deaths = RestartGuard(*budget)  # every death: restarts and takeovers
         self._standby_deaths = RestartGuard(*budget)
 
     def run(self) -> int:
-        a = self.args
-        ports = {(a.host, a.port): "--port",
-                 (a.scheduler_host, a.scheduler_port): "--scheduler-port"}
-        if a.http_port > 0:
-            ports[a.host, a.http_port] = "--http-port"
+        g, s = self.gateway, self.scheduler
+        ports = {(g.host, g.port): "--port",
+                 (s.scheduler_host, s.scheduler_port): "--scheduler-port"}
+        if g.http_port > 0:
+            ports[g.host, g.http_port] = "--http-port"
         for (host, port), flag in ports.items():
             if not port_is_free(host, port):
                 raise ServeError(f"port {port} on {host} is already in use; pass {flag}")
         started = time.monotonic()
-        self.model_dir = resolve_model(a.model)
-        self.model_name = served_name(a.model)
+        self.configs = self.configs.with_model(resolve_model(self.model))
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         published = (local_state.published_secret(self.child_env[internal_auth.ENV_SECRET],
-                                                  a.scheduler_port)
+                                                  s.scheduler_port)
                      if self._generated else contextlib.nullcontext())
         try:
             with published:
@@ -179,11 +188,6 @@ class Supervisor:
             self._shutdown()
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    @property
-    def _scheduler_connect_host(self) -> str:
-        """Where the gateway and this supervisor reach the scheduler."""
-        return _connect_host(self.args.scheduler_host)
-
     def _on_signal(self, *_) -> None:
         if self._stop:  # a second Ctrl-C: stop waiting for the drain
             for proc in self.procs.values():
@@ -194,33 +198,22 @@ class Supervisor:
     def _shutdown(self) -> None:
         """Drain order: gateway and scheduler finish in-flight work (they still
         need the executor for it), then the executor stops."""
-        grace = self.args.grace_period + 5
+        grace = self.scheduler.grace_period + 5
         front = [self.procs[n] for n in ("gateway", "scheduler") if n in self.procs]
         stop_all(front, grace_s=grace)
         stop_all([self.procs[n] for n in EXECUTORS if n in self.procs], grace_s=10)
 
-    def _argv(self, name: str) -> list[str]:
-        if name == "scheduler":
-            return serve_argv.scheduler_argv(self.args, self.ipc)
-        model = {"model_dir": self.model_dir, "model_name": self.model_name}
-        if name in EXECUTORS:
-            return serve_argv.executor_argv(self.args, standby=name == "standby",
-                                            ipc=self.ipc, **model)
-        sched_addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
-        return serve_argv.gateway_argv(self.args, scheduler_addr=sched_addr, **model)
-
     def _start(self, name: str) -> None:
         module = {"scheduler": "scheduler_svc", "executor": "executor_svc",
                   "standby": "executor_svc", "gateway": "gateway"}[name]
-        self.procs[name] = spawn(module, self._argv(name), env=self.child_env)
+        self.procs[name] = spawn(module, self.configs.argv(name), env=self.child_env)
 
     def _dead(self) -> str | None:
         return next((n for n, p in self.procs.items() if p.poll() is not None), None)
 
     def _wait_ready(self, started: float) -> None:
         """Returns once the scheduler has an executor and the gateway answers."""
-        addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
-        with serve_tls.scheduler_channel(self.args, addr) as ch:
+        with serve_tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 dead = self._dead()
@@ -237,11 +230,12 @@ class Supervisor:
                 time.sleep(0.2)
         if not self._stop:
             self._wait_gateway()
-            scheme = "https" if getattr(self.args, "tls_cert_file", None) else "http"
-            http = (f", {scheme}://{self.args.host}:{self.args.http_port}/v1 (OpenAI)"
-                    if self.args.http_port >= 0 else "")
+            g = self.gateway
+            scheme = "https" if g.tls_cert_file else "http"
+            http = (f", {scheme}://{g.host}:{g.http_port}/v1 (OpenAI)"
+                    if g.http_port >= 0 else "")
             print(f"continuum: serving {self.model_name} on "
-                  f"{self.args.host}:{self.args.port} (gRPC){http}, ready in "
+                  f"{g.host}:{g.port} (gRPC){http}, ready in "
                   f"{time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
             print("ready", flush=True)
 
@@ -249,12 +243,13 @@ class Supervisor:
         """Until the gateway's port answers and, where its HTTP API is plain HTTP, its
         readiness (/health) says it sees a healthy scheduler: "ready" means a request is
         served and a readiness probe passes, not that one still fails for a moment."""
-        with serve_tls.gateway_probe(self.args) as ready:
+        g = self.gateway
+        with serve_tls.gateway_probe(g) as ready:
             while not self._stop and not ready(0.5):
                 self._check_gateway_alive()
-        if self.args.http_port <= 0 or getattr(self.args, "tls_cert_file", None):
+        if g.http_port <= 0 or g.tls_cert_file:
             return
-        url = f"http://{_connect_host(self.args.host)}:{self.args.http_port}/health"
+        url = f"http://{connect_host(g.host)}:{g.http_port}/health"
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self._stop:
             ready, said = http_ready(url)
@@ -271,8 +266,7 @@ class Supervisor:
             raise ServeError("the gateway exited while starting (see its message above)")
 
     def _watch(self) -> int:
-        addr = f"{self._scheduler_connect_host}:{self.args.scheduler_port}"
-        with serve_tls.scheduler_channel(self.args, addr) as ch:
+        with serve_tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 time.sleep(0.5)
@@ -350,7 +344,3 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
-
-def _connect_host(host: str) -> str:
-    """Where this host reaches a server bound to ``host`` (a wildcard: loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host

@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from runtime import internal_auth  # noqa: E402
 
-DEFAULT_ADDRESS = "127.0.0.1:50061"  # scheduler_svc's --port default, inside the pod
+DEFAULT_ADDRESS = "127.0.0.1:50061"  # scheduler_svc's --scheduler-port default, inside the pod
 DEFAULT_TIMEOUT_S = 3.0  # below the manifests' timeoutSeconds (5), so we answer first
 
 

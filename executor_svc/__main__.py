@@ -29,30 +29,28 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from executor_svc.device import decode_graphs, fit_gpu_kv_cache, resolve_device, resolve_dtype
-from executor_svc.flags import add_executor_arguments, check_executor_arguments
 from executor_svc.guided import Guides
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.link import IncarnationFile, SchedulerLink, ServeLoop
 from executor_svc.model_files import ModelError, resolve_model
-from executor_svc.models import registry
+from executor_svc.models import decoder, registry
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner, measure_prefill_tokens_per_s
-from executor_svc.settings import Switches
+from executor_svc.settings import ExecutorConfig, Switches
 from executor_svc.standby import StandbyRunner
 from executor_svc.tp_comm import TPComm
 from executor_svc.tp_ranks import WorkerRanks
 from executor_svc.tp_serve import EXIT_RANK_LOST, RankLost, TPRunner, make_sampler, serve_worker
 from executor_svc.tp_shard import shard_layout
-from kernels import BACKEND_NAMES, backend_for, make_backend
+from kernels import backend_for, make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
-from runtime import cpu_priority, internal_auth
+from runtime import config_flags, cpu_priority, internal_auth
 from runtime.gc_freeze import freeze_start_up
 from runtime.log_setup import configure_logging
 
@@ -61,58 +59,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_CACHE_BYTES = 1 << 30  # --kv-cache-bytes on the CPU, where nothing sizes it better
 
 
-@dataclass(frozen=True, kw_only=True)
-class ExecutorConfig:
-    """The flags, validated once in parse_args, and the environment's ``switches``
-    (executor_svc/settings.py lists every variable); components get the fields they need."""
-
-    model: str | None
-    ipc: str
-    kv_cache_bytes: int | None  # per rank; None: CPU_KV_CACHE_BYTES, or on a GPU sized to fit
-    host_kv_cache_bytes: int  # per rank
-    block_size: int
-    dtype: str
-    threads: int | None  # per rank
-    model_id: str | None
-    warmup_tokens: int
-    attention_backend: str | None  # None: the device's default (kernels.backend_for)
-    tp_size: int = 1
-    tp_timeout_s: float = 60.0
-    # Set by rank 0 on the command lines of ranks 1..N-1 only.
-    tp_rank: int = 0
-    tp_init_method: str | None = None
-    incarnation: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype
-    device: str = "auto"  # as given; each rank resolves its own (executor_svc/device.py)
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: int = 2048  # the profiled step on a GPU
-    standby: bool = False  # a warm standby: every Hello says so (see main's docstring)
-    incarnation_file: str | None = None  # each Hello's incarnation, for a probe of its own
-    switches: Switches = field(default_factory=Switches)
-    enforce_eager: bool = False  # no decode-step CUDA graphs (executor_svc/cuda_graphs.py)
-    cpu_nice: int = 0  # lowered CPU share (runtime/cpu_priority.py); 0: unchanged
-
-
 def parse_args(argv: list[str] | None, environ=os.environ) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="python -m executor_svc", description=__doc__.split("\n")[0])
-    add_executor_arguments(p, BACKEND_NAMES, ["auto", *sorted(DTYPES)])
-    a = p.parse_args(argv)
-    check_executor_arguments(p, a)
+    config = config_flags.parse(ExecutorConfig, p, argv)
     try:
-        switches = Switches.from_env(environ, weight_format=a.weight_format)
+        switches = Switches.from_env(environ, weight_format=config.weight_format)
     except ValueError as exc:
         p.error(str(exc))
-    return ExecutorConfig(
-        model=a.model or None, ipc=a.ipc, kv_cache_bytes=a.kv_cache_bytes,
-        host_kv_cache_bytes=a.host_kv_cache_bytes, block_size=a.block_size, dtype=a.dtype,
-        threads=a.threads, model_id=a.model_id, warmup_tokens=a.warmup_tokens,
-        attention_backend=a.attention_backend, tp_size=a.tp_size, tp_timeout_s=a.tp_timeout_s,
-        tp_rank=a.tp_rank, tp_init_method=a.tp_init_method, incarnation=a.incarnation,
-        kv_cache_dtype=a.kv_cache_dtype, device=a.device,
-        gpu_memory_utilization=a.gpu_memory_utilization,
-        max_num_batched_tokens=a.max_num_batched_tokens, standby=a.standby,
-        cpu_nice=a.cpu_nice,
-        incarnation_file=a.incarnation_file, switches=switches, enforce_eager=a.enforce_eager)
+    return dataclasses.replace(config, switches=switches)
 
 
 def build(
@@ -137,7 +91,7 @@ def build(
     # Under tp every rank sizes its pool by the largest KV share, so a block id means the
     # same on every rank; the byte budget is per rank.
     sizing = dataclasses.replace(spec, num_kv_heads=pool_kv_heads)
-    native = config.switches.native_options()
+    native = decoder.native_options(config.switches)
     backend = make_backend(config.attention_backend, device, native)
     fit_to_gpu = device.type == "cuda" and config.kv_cache_bytes is None
     if model.tp is not None and fit_to_gpu:  # the profiling step makes collectives
@@ -145,7 +99,7 @@ def build(
     num_blocks = (fit_gpu_kv_cache(model, spec, backend, config.max_num_batched_tokens,
                                    config.gpu_memory_utilization) if fit_to_gpu else
                   sizing.num_blocks(config.kv_cache_bytes or CPU_KV_CACHE_BYTES))
-    kv = _allocate_kv(config, spec, num_blocks, sizing.num_blocks(config.host_kv_cache_bytes),
+    kv = _allocate_kv(config, spec, num_blocks, sizing.num_blocks(config.swap_space_bytes),
                       device, native)
     if model.tp is not None and not fit_to_gpu:
         # Joined only now: the slowest rank's load must not time out.
@@ -189,7 +143,7 @@ def _allocate_kv(config: ExecutorConfig, spec: KVCacheSpec, num_blocks: int,
 
 def _load(config: ExecutorConfig, path, device: torch.device):
     """(model, sampler or None for the default, KV heads that size the pool)."""
-    dtype, options = DTYPES[config.dtype], config.switches.model_options()
+    dtype, options = DTYPES[config.dtype], decoder.model_options(config.switches)
     if config.tp_size == 1:
         if config.standby:  # one core while it loads and waits (StandbyRunner restores them)
             torch.set_num_threads(1)
@@ -220,10 +174,9 @@ class _Stop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    config = parse_args(args)
-    if config.cpu_nice:  # before torch starts its threads: they inherit it
-        cpu_priority.lower(config.cpu_nice)
+    config = parse_args(argv)
+    if config.executor_nice:  # before torch starts its threads: they inherit it
+        cpu_priority.lower(config.executor_nice)
     configure_logging("executor", **({"rank": config.tp_rank} if config.tp_size > 1 else {}))
     if config.tp_rank:
         return _worker_main(config)
@@ -247,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     incarnation = uuid.uuid4().hex
     if config.tp_size == 1:
         return _serve(config, path, incarnation, stop, device, secret)
-    workers = WorkerRanks(args, config.tp_size, incarnation, str(path))
+    workers = WorkerRanks(config, incarnation, str(path))
     code = 1
     try:
         code = _serve(config, path, incarnation, stop, device, secret, workers.init_method)

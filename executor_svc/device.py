@@ -13,10 +13,10 @@ import re
 
 import torch
 
-from executor_svc.flags import DEVICE_PATTERN
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import profile_activation_bytes
+from executor_svc.settings import DEVICE_PATTERN
 
 log = logging.getLogger("executor")
 _GIB = 1 << 30

@@ -1,6 +1,8 @@
-"""The executor's environment switches: read here, once, and nowhere else.
+"""The executor's one frozen config: its flags (``ExecutorConfig``, whose fields are the flags
+of ``python -m executor_svc`` and ``continuum serve``: runtime/config_flags.py) and its
+environment switches (``Switches``), read here, once, and nowhere else.
 
-``executor_svc/__main__.py`` reads them into its frozen ExecutorConfig at start (and the
+``executor_svc/__main__.py`` reads the switches into its ExecutorConfig at start (and the
 other entry points that load a model the same way, e.g. ``python -m executor_svc.model_files``
 and benchmarks/bench_executor.py, call the same ``Switches.from_env``); every component gets
 the values it needs as keyword arguments whose defaults are "nothing set", so tests and
@@ -12,16 +14,31 @@ serve`` runs at every start, reads ``cache_dir`` here in milliseconds).
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from executor_svc.faults import ENV_FAULT_INJECT, FaultInjector
-from executor_svc.flags import WEIGHT_FORMATS
+from runtime import cpu_priority
+from runtime.config_flags import check_bounds, knob
 
-if TYPE_CHECKING:
-    from kernels.native import NativeOptions
+DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?"
+WEIGHT_FORMATS = ("auto", "native", "hybrid", "fp32", "bf16")
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+# kernels/__init__.py's BACKEND_NAMES (tests/executor/test_settings.py holds them equal):
+# named here so the CLI offers them without loading torch.
+ATTENTION_BACKENDS = ("numba", "torch", "triton", "flash-attn", "reference")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '1GiB', '512M', '64k' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1GiB, 512MiB)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,16 +112,88 @@ class Switches:
             faults=FaultInjector.parse(environ.get(ENV_FAULT_INJECT, "")),
         )
 
-    def native_options(self) -> NativeOptions:
-        """The library switches in the form kernels/native.py's ``load`` takes."""
-        # Imported here, not above: kernels.native loads torch and numba (~3 s), which the
-        # torch-free readers of this module (model_files' command line) must not pay.
-        from kernels.native import NativeOptions
 
-        return NativeOptions(enabled=self.native_kernels, cache_dir=self.kernel_cache,
-                             compiler=self.compiler, isa=self.cpu_isa)
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    """The executor's flags, validated once, and the environment's ``switches``; components
+    get the fields they need. Byte sizes, threads and the KV pool are per rank."""
 
-    def model_options(self) -> dict:
-        """DecoderModel's keyword arguments for these switches."""
-        return {"native_options": self.native_options(), "native_gemm": self.native_gemm,
-                "native_decoder": self.native_decoder, "weight_format": self.weight_format}
+    model: str | None = knob(None, "GGUF file or Hugging Face model directory (Llama, Qwen2, "
+                                   "Qwen3, Mistral, Gemma 3) (default: the bundled "
+                                   "SmolLM2-135M-Instruct)")
+    ipc: str = knob(help="the executor channel, e.g. ipc:///run/continuum/replica.sock (a "
+                        "ZeroMQ address; serve: a private temp ipc:// path)")
+    device: str = knob("auto", "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or "
+                               "cuda:N; tensor-parallel rank r uses the r-th GPU from the one "
+                               "named")
+    kv_cache_bytes: int | None = knob(None, "device KV pool per rank, e.g. 4GiB (default: "
+                                            "1GiB on the CPU; on a GPU what "
+                                            "--gpu-memory-utilization leaves)",
+                                      parse=parse_bytes, lo=1)
+    weight_format: str | None = knob(
+        None, "how the layers' weights are held: native (a GGUF's own quantized blocks, "
+              "dequantized inside the GEMM), hybrid (the blocks for batches of <= 8 tokens, an "
+              "fp32 copy for larger ones: same outputs), fp32, bf16 (HF directories); default "
+              "auto: hybrid for a GGUF where the native GEMM runs and the copy takes <= 1/8 of "
+              "free memory, else native, else fp32 (overrides CONTINUUM_WEIGHT_FORMAT)",
+        choices=WEIGHT_FORMATS)
+    gpu_memory_utilization: float = knob(0.9, "fraction of each GPU the executor may use: "
+                                              "weights, one step of --max-num-batched-"
+                                              "tokens, and the KV cache in what is left",
+                                         above=0, hi=1)
+    max_num_batched_tokens: int = knob(2048, "tokens computed per step across all sequences",
+                                       lo=1)
+    swap_space_bytes: int = knob(0, "host (CPU) memory per rank for swapped-out KV, e.g. "
+                                    "4GiB (vLLM's --swap-space is GiB); 0: preempted "
+                                    "sequences are always recomputed", parse=parse_bytes, lo=0)
+    block_size: int = knob(16, "tokens per KV block", lo=1)
+    dtype: str = knob("auto", "weights' element type (auto: bfloat16 on a GPU, float32 on the "
+                              "CPU)", choices=DTYPE_NAMES)
+    kv_cache_dtype: str = knob("auto", "KV element type (auto: --dtype); float16 or bfloat16 "
+                                       "with a float32 model halves the bytes per token: twice "
+                                       "the sequences in the same pool and half attention's "
+                                       "reads, but logits move slightly, so outputs are not "
+                                       "token-exact against a float32 cache",
+                               choices=DTYPE_NAMES)
+    enforce_eager: bool = knob(False, "on a GPU, run decode steps op by op instead of "
+                                      "replaying CUDA graphs")
+    threads: int | None = knob(None, "torch threads per rank (default: all the process may "
+                                     "use, split between ranks)", lo=1)
+    executor_nice: int = knob(0, "the executor's lowered CPU share (nice 0-19, its session's "
+                                 "autogroup too: runtime/cpu_priority.py), so the gateway and "
+                                 "scheduler answer at once on a host the executor saturates "
+                                 "(0: unchanged; measured in docs/reliability.md, row burst)",
+                              lo=0, hi=cpu_priority.LOWEST)
+    warmup_tokens: int = knob(128, "prefill length timed at start for the cost model", lo=1)
+    attention_backend: str | None = knob(None, "paged attention kernel (default: numba on the "
+                                               "CPU, torch on a GPU)",
+                                         choices=ATTENTION_BACKENDS)
+    tp_size: int = knob(1, "tensor-parallel ranks (processes)", lo=1)
+    tp_timeout_s: float = knob(60.0, "how long a rank waits in a collective before giving "
+                                     "the group up", above=0)
+    model_id: str | None = knob(None, "served name (default: the model directory's name, as "
+                                      "the gateway's)", serve=False)
+    standby: bool = knob(False, "register as a warm standby: loaded and idle until the "
+                                "scheduler's executor dies or hangs, then it takes over on the "
+                                "next step", serve=False)
+    incarnation_file: str | None = knob(None, "write the incarnation of each Hello to this "
+                                              "file (removed at exit), for a probe asking "
+                                              "the scheduler whether it holds this executor "
+                                              "(deploy/probe.py)", serve=False)
+    # Set by rank 0 for ranks 1..N-1 (executor_svc/tp_ranks.py).
+    tp_rank: int = knob(0, serve=False, hidden=True)
+    tp_init_method: str | None = knob(None, serve=False, hidden=True)
+    incarnation: str | None = knob(None, serve=False, hidden=True)
+    switches: Switches = field(default_factory=Switches)
+
+    def __post_init__(self) -> None:
+        check_bounds(self, ValueError)
+        if not re.fullmatch(DEVICE_PATTERN, self.device):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N (e.g. cuda:1), not "
+                             f"{self.device!r}")
+        if not self.ipc.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ValueError(f"--ipc must be a zmq address such as "
+                             f"ipc:///tmp/continuum.sock, got {self.ipc!r}")
+        if not self.tp_rank < self.tp_size or (
+                self.tp_rank and not (self.tp_init_method and self.incarnation)):
+            raise ValueError("--tp-rank is set by rank 0 for its workers only")

@@ -1,8 +1,9 @@
 """Rank 0's worker processes: started bound to its life, watched, stopped.
 
-Ranks 1..N-1 run ``python -m executor_svc <rank 0's arguments> --tp-rank R ...``: the same
-config, parsed by the same code. Each gets PR_SET_PDEATHSIG, so the kernel SIGTERMs it when
-rank 0 dies by any means, SIGKILL included: no orphan keeps memory or a device.
+Ranks 1..N-1 run ``python -m executor_svc --config-json DOC``, DOC rank 0's config with the
+model directory it resolved and the worker's rank: the same config, parsed by the same code.
+Each gets PR_SET_PDEATHSIG, so the kernel SIGTERMs it when rank 0 dies by any means, SIGKILL
+included: no orphan keeps memory or a device.
 
 A watcher thread polls the workers. One that exits non-zero (a worker exits 0 only on rank
 0's STOP) has broken the group: its peers would fail or time out in their next collective.
@@ -14,6 +15,7 @@ the executor; the scheduler recomputes (docs/design.md §5).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -26,7 +28,9 @@ import tempfile
 import threading
 import time
 
+from executor_svc.settings import ExecutorConfig
 from executor_svc.tp_serve import EXIT_RANK_LOST
+from runtime import config_flags
 
 log = logging.getLogger("executor.tp")
 _PR_SET_PDEATHSIG = 1
@@ -47,24 +51,24 @@ def _die_with_parent(parent_pid: int) -> None:
 class WorkerRanks:
     """Spawns ranks 1..tp_size-1 on construction; ``stop`` (always call it) reaps them."""
 
-    def __init__(self, argv: list[str], tp_size: int, incarnation: str, model_dir: str) -> None:
+    def __init__(self, config: ExecutorConfig, incarnation: str, model_dir: str) -> None:
         self._dir = tempfile.mkdtemp(prefix="continuum-tp-")
         self.init_method = f"file://{self._dir}/rendezvous"
         self._lock = threading.Lock()  # orders "stopping" against the watcher's exit
         self._stopping = False
-        # argparse keeps the last --model: the workers load the directory rank 0 resolved
-        # (a GGUF is converted once, by rank 0).
-        extra = ["--model", model_dir, "--tp-init-method", self.init_method,
-                 "--incarnation", incarnation]
+        # The workers load the directory rank 0 resolved (a GGUF is converted once, by rank 0).
+        worker = dataclasses.replace(config, model=model_dir, tp_init_method=self.init_method,
+                                     incarnation=incarnation)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
         self.procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "executor_svc", *argv, *extra, "--tp-rank", str(rank)],
+                [sys.executable, "-m", "executor_svc", config_flags.DOCUMENT_FLAG,
+                 config_flags.document(dataclasses.replace(worker, tp_rank=rank))],
                 env=env, stdin=subprocess.DEVNULL,
                 preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
-            for rank in range(1, tp_size)
+            for rank in range(1, config.tp_size)
         ]
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()

@@ -40,8 +40,8 @@ from gguf import GGUFReader
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from executor_svc.flags import WEIGHT_FORMATS  # one list of the names
 from executor_svc.models.base import Architecture
+from executor_svc.settings import WEIGHT_FORMATS  # one list of the names
 from kernels import native, quant
 
 log = logging.getLogger(__name__)

@@ -138,7 +138,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Tokenizer,
     max_body_bytes = config.body_limit(tokenizer.info.max_model_len)
     server, limit = build_server(config, keys, max_body_bytes)
     port = _bind(server, config.host, config.port, config.server_tls)
-    if config.http_port:
+    if config.http_port > 0:
         _probe_bind(config.host, config.http_port)
     replicas = ReplicaSet(config.scheduler_addresses, credentials=_scheduler_credentials(config),
                           server_name=config.scheduler_tls_server_name,
@@ -178,7 +178,7 @@ def _http_limits(config: GatewayConfig, max_body_bytes: int, clients: ClientLimi
 async def _start_listeners(running: RunningGateway, config: GatewayConfig, http: HttpApi
                            ) -> None:
     """The HTTP API (when --http-port is set) and the probe listener (--probe-port)."""
-    if config.http_port is not None:
+    if config.http_port >= 0:
         running.http = http
         try:
             running.http_runner, running.http_port = await start_http(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from gateway.admit.routing_headers import DEFAULT_OBJECTIVE_TIERS
 from protos import tiers
+from runtime.config_flags import check_bounds, knob
 from runtime.tls import ServerTls, TlsError, server_tls
 
 
@@ -33,106 +35,122 @@ def default_body_limit(max_model_len: int) -> int:
     return max(MIN_DEFAULT_BODY_BYTES, -(-max_model_len * BODY_BYTES_PER_TOKEN // mib) * mib)
 
 
+TLS_HELP = ("serve TLS on the gRPC and HTTP ports with this certificate chain (PEM; "
+            "re-read when it changes: runtime/tls.py; default: plaintext)")
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
-    model_dir: pathlib.Path
-    # HOST:PORT of the scheduler replica(s), comma-separated; each request goes
-    # to the least-loaded healthy one and moves on if that one fails. dns:///NAME:PORT
-    # is every address NAME resolves to, re-resolved (a headless Service; replicas.py).
-    scheduler_address: str
-    host: str = "127.0.0.1"
-    # 0 picks a free port (tests); the bound port is logged.
-    port: int = 50051
-    # Name clients may put in GenerateRequest.model; defaults to the model dir's name.
-    model_name: str = ""
-    # Overrides config.json's max_position_embeddings when set.
-    max_model_len: int | None = None
-    # How long in-flight calls may continue after SIGTERM before they are cut.
-    grace_period_s: float = 5.0
-    # The OpenAI-compatible HTTP API's port; None: no HTTP server, 0: any free port.
-    http_port: int | None = None
-    # Largest HTTP body / gRPC message accepted (413 / RESOURCE_EXHAUSTED above it);
-    # None: derived from the context length (`default_body_limit`).
-    max_body_bytes: int | None = None
-    # File of API keys (KEY[:TENANT[:TIERS[:GRANTS]]] per line); see gateway/admit/auth.py.
-    api_keys_file: pathlib.Path | None = None
-    # Connections cannot be held hostage (defaults after nginx's client_header_timeout
-    # and client_body_timeout, 60 s, tightened for an API whose requests are small):
-    # seconds a request head may take to arrive in full once it has begun, before
-    # the connection is closed;
-    http_header_timeout_s: float = 10.0
-    # seconds an idle keep-alive connection stays open (nginx's keepalive_timeout;
-    # longer than the 60 s idle timeout of common proxies in front of us);
-    http_keepalive_timeout_s: float = 75.0
-    # seconds a request body may take to arrive in full (408 after that);
-    http_body_timeout_s: float = 30.0
-    # after answering a request whose body was not read in full (408, 413), how
-    # long the rest is still read before the connection is closed;
+    """Every field is a flag of ``python -m gateway`` and of ``continuum serve``
+    (runtime/config_flags.py). The connection limits follow nginx's client_header_timeout
+    and client_body_timeout (60 s), tightened for an API whose requests are small;
+    gateway/edge/client_limits.py says why the per-client numbers are what they are."""
+
+    model_dir: pathlib.Path = knob(help="Hugging Face-format model directory "
+                                   "(tokenizer.json, config.json)", serve=False)
+    scheduler_address: str = knob(
+        help="scheduler replica(s), HOST:PORT[,HOST:PORT...]; each request goes to the "
+            "least-loaded healthy one and moves on if that one fails. dns:///NAME:PORT: every "
+            "address NAME resolves to, re-resolved every 5 s (a Kubernetes headless Service)",
+        flag="--scheduler", serve=False)
+    host: str = knob("127.0.0.1", "address the gRPC and HTTP ports listen on")
+    port: int = knob(50051, "client gRPC port (0: any; the bound port is logged)")
+    model_name: str = knob("", "model name clients may send (default: the model dir's name)",
+                           serve=False)
+    max_model_len: int | None = knob(None, "context limit (default: config.json's "
+                                           "max_position_embeddings)")
+    grace_period: float = knob(30.0, "on SIGTERM, seconds in-flight requests may finish in "
+                                     "(under serve a second Ctrl-C stops at once)", lo=0)
+    http_port: int = knob(8000, "OpenAI-compatible HTTP API port (0: any free port; -1: no "
+                                "HTTP server)", lo=-1, hi=65535)
+    max_body_bytes: int | None = knob(None, "largest HTTP body / gRPC message, 413 / "
+                                            "RESOURCE_EXHAUSTED above it (default: 32 B a "
+                                            "context token, >= 1 MiB)", lo=1024)
+    api_keys_file: pathlib.Path | None = knob(
+        None, "require API keys: one KEY, KEY:TENANT, KEY:TENANT:TIERS or "
+              "KEY:TENANT:TIERS:GRANTS per line (TIERS e.g. premium+standard+best_effort; "
+              "GRANTS: special_tokens; also env CONTINUUM_API_KEYS; gateway/admit/auth.py)")
+    http_header_timeout_s: float = knob(10.0, "seconds a request head may take to arrive "
+                                              "once begun", flag="--http-header-timeout",
+                                        above=0)
+    http_keepalive_timeout_s: float = knob(75.0, "seconds an idle keep-alive HTTP connection "
+                                                 "stays open (longer than common proxies' "
+                                                 "60 s)", flag="--http-keepalive-timeout",
+                                           above=0)
+    http_body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive (408 "
+                                            "after that)", flag="--http-body-timeout",
+                                      above=0)
+    # After answering a request whose body was not read in full (408, 413), how long the
+    # rest is still read before the connection is closed; not a flag.
     http_lingering_s: float = 5.0
-    # open HTTP connections at most; one more is answered 503 and closed
-    # (nginx's worker_connections default is 512 per worker; 2,048 per gateway);
-    http_max_connections: int = 2048
-    # Per client address (gateway/edge/client_limits.py says why these numbers): open HTTP
-    # connections (one more gets 429), and generation streams in flight on both APIs
-    # together (429 / RESOURCE_EXHAUSTED);
-    http_max_connections_per_client: int = 256
-    max_streams_per_client: int = 512
-    # comma-separated IPs / CIDRs of proxies whose X-Forwarded-For names the client
-    # (their own connections are not capped per address); None: the header is ignored;
-    trusted_proxies: str | None = None
-    # a listener serving only /live and /health, for the kubelet (gateway/edge/probes.py);
-    # None: no such listener (the probes are still routes of the HTTP port).
-    probe_port: int | None = None
-    # concurrent gRPC streams per HTTP/2 connection: 100, the floor RFC 9113 §5.1.2
-    # recommends (nginx's http2_max_concurrent_streams is 128);
-    grpc_max_concurrent_streams: int = 100
-    # a gRPC connection with no call for this long is closed (GOAWAY), like
-    # grpc-go's MaxConnectionIdle; 0 disables.
-    grpc_max_connection_idle_s: float = 300.0
-    # gRPC calls in flight at once on this gateway, over all connections, health checks
-    # aside (gateway/rpc/rpc_limit.py); one more is RESOURCE_EXHAUSTED with a retry hint.
-    # The process-wide bound beside the per-connection one, as nginx has
-    # worker_connections beside http2_max_concurrent_streams and Envoy its overload
-    # manager's global_downstream_max_connections: twice http_max_connections, eight
-    # clients at max_streams_per_client, room for three replicas' admitted work (64
-    # running + 1,024 waiting each by default; raise it for a gateway before more).
-    grpc_max_concurrent_rpcs: int = 4096
-    # A stream silent this long has its replica probed; two missed probes and it
-    # continues elsewhere (a replica that answers is only slow). None: the watchdog's
-    # default, gateway/routing/watchdog.py's PROGRESS_TIMEOUT_S (5 s).
-    stream_progress_timeout_s: float | None = None
-    # A client that leaves one response unread this long has its request cancelled
-    # (gRPC's flow-control window, or SSE's 64 KiB send buffer, is full). None: the
-    # watchdog's WRITE_STALL_S (30 s).
-    slow_reader_timeout_s: float | None = None
-    # NAME=TIER entries: an inference gateway's objective names that map to our tiers,
-    # beside the defaults (gateway/admit/routing_headers.py).
-    objective_tiers: tuple[str, ...] = ()
-    # How "auto" tool_choice reads calls out of the model's text (gateway/tools/tool_parsers.py).
-    # None: hermes.
-    tool_call_parser: str | None = None
-    # Special-token strings in chat content, tool results, call arguments and tool
-    # definitions become the control tokens themselves, as before escaping existed:
-    # only for deployments whose every client may write roles (docs/security.md).
-    allow_special_tokens_in_content: bool = False
-    # Requests to a replica share one SubmitMany call to it (gateway/routing/mux.py); a
-    # call this old takes no new request and closes once its streams end, for a proxy
-    # between gateway and scheduler that cuts long calls. 0: a call lives while it works.
-    upstream_call_max_age_s: float = 0.0
-    # TLS on the gRPC and HTTP ports (one certificate serves both; PEM files, re-read
-    # when they change: runtime/tls.py); None: plaintext. A client CA makes it mutual:
-    # every client, on both ports, must present a certificate signed by it.
-    tls_cert_file: pathlib.Path | None = None
-    tls_key_file: pathlib.Path | None = None
-    tls_client_ca_file: pathlib.Path | None = None
-    # TLS to the scheduler replicas: the CA their certificates are checked against
-    # (None: plaintext), the name checked in them (None: each address's host; a
-    # dns:/// set resolves to pod IPs, so name the Service), and the gateway's own
-    # certificate and key for a scheduler that requires one.
-    scheduler_tls_ca_file: pathlib.Path | None = None
-    scheduler_tls_server_name: str | None = None
-    scheduler_tls_client_cert_file: pathlib.Path | None = None
-    scheduler_tls_client_key_file: pathlib.Path | None = None
+    http_max_connections: int = knob(2048, "open HTTP connections at most (one more gets "
+                                           "503; nginx's worker_connections is 512 a "
+                                           "worker)", lo=1)
+    http_max_connections_per_client: int = knob(256, "open HTTP connections per client "
+                                                     "address (one more gets 429)", lo=1)
+    max_streams_per_client: int = knob(512, "generation requests in flight per client "
+                                            "address, HTTP and gRPC together (one more gets "
+                                            "429 / RESOURCE_EXHAUSTED)", lo=1)
+    trusted_proxies: str | None = knob(None, "comma-separated IPs / CIDRs of proxies whose "
+                                             "X-Forwarded-For names the client (default: "
+                                             "none; the header is ignored)")
+    probe_port: int | None = knob(None, "serve /live and /health alone on this port, for the "
+                                        "kubelet's probes (default: none; they are routes "
+                                        "of the HTTP port too)", lo=0, hi=65535)
+    grpc_max_concurrent_streams: int = knob(100, "concurrent gRPC streams per connection "
+                                                 "(RFC 9113's recommended floor)", lo=1)
+    grpc_max_connection_idle_s: float = knob(300.0, "seconds before an idle gRPC connection "
+                                                    "is closed with GOAWAY (0: never)",
+                                             flag="--grpc-max-connection-idle", lo=0)
+    # The process-wide bound beside the per-connection one, as nginx has worker_connections
+    # beside http2_max_concurrent_streams: twice http_max_connections, eight clients at
+    # max_streams_per_client, room for three replicas' admitted work (64 running + 1,024
+    # waiting each by default; raise it for a gateway before more).
+    grpc_max_concurrent_rpcs: int = knob(4096, "concurrent gRPC calls on the gateway, all "
+                                               "connections together, health aside (one more "
+                                               "gets RESOURCE_EXHAUSTED with a retry "
+                                               "pushback)", lo=1)
+    stream_progress_timeout_s: float | None = knob(
+        None, "seconds a stream may hear nothing from its scheduler replica before the "
+              "replica is probed (two missed probes: the stream continues on another "
+              "replica; default: gateway/routing/watchdog.py's 5)",
+        flag="--stream-progress-timeout", above=0)
+    slow_reader_timeout_s: float | None = knob(
+        None, "seconds a client may leave one response unread (a full flow-control window "
+              "or SSE send buffer) before its request is cancelled (default: the "
+              "watchdog's 30)", flag="--slow-reader-timeout", above=0)
+    objective_tiers: tuple[str, ...] = knob(
+        (), "an inference gateway objective (x-llm-d-inference-objective header) that maps "
+            f"to a tier, NAME=TIER, beside {'/'.join((*tiers.NAMES, *DEFAULT_OBJECTIVE_TIERS))}"
+            "; repeatable", flag="--objective-tier", metavar="NAME=TIER")
+    tool_call_parser: str | None = knob(None, "how tool calls are read from the model's text "
+                                              "with tool_choice auto: hermes (<tool_call> "
+                                              "blocks or a bare JSON call; the default) or "
+                                              "json / llama3_json")
+    allow_special_tokens_in_content: bool = knob(
+        False, "let special-token strings in chat messages and tools (e.g. <|im_start|>) be "
+               "the control tokens themselves instead of text: for deployments that trust "
+               "every client with roles (docs/security.md)")
+    upstream_call_max_age_s: float = knob(
+        0.0, "seconds the gateway's one SubmitMany call to a scheduler replica takes new "
+             "requests before a new call replaces it, for a proxy between them that cuts long "
+             "calls (0: never; docs/grpc.md)", flag="--upstream-call-max-age", lo=0)
+    tls_cert_file: pathlib.Path | None = knob(None, TLS_HELP, aliases=("--ssl-certfile",))
+    tls_key_file: pathlib.Path | None = knob(None, "the certificate's private key",
+                                             aliases=("--ssl-keyfile",))
+    tls_client_ca_file: pathlib.Path | None = knob(
+        None, "mutual TLS: every client, on both ports, must present a certificate signed by "
+              "a CA in this file", aliases=("--ssl-ca-certs",))
+    scheduler_tls_ca_file: pathlib.Path | None = knob(
+        None, "connect to the scheduler replicas over TLS, checking their certificates "
+              "against this CA (default: plaintext)")
+    scheduler_tls_server_name: str | None = knob(
+        None, "the name the scheduler certificates must carry (default: each address's host; "
+              "name the Service for a dns:/// set, which resolves to pod IPs)")
+    scheduler_tls_client_cert_file: pathlib.Path | None = knob(
+        None, "the gateway's certificate for a scheduler that requires one (mutual TLS)")
+    scheduler_tls_client_key_file: pathlib.Path | None = knob(None, "that certificate's "
+                                                                    "private key")
 
     @property
     def server_tls(self) -> ServerTls | None:
@@ -154,22 +172,14 @@ class GatewayConfig:
                               "name need --scheduler-tls-ca-file (TLS to the scheduler)")
 
     def _check_client_limits(self) -> None:
-        for flag, value in (("--http-max-connections-per-client",
-                             self.http_max_connections_per_client),
-                            ("--max-streams-per-client", self.max_streams_per_client)):
-            if value < 1:
-                raise ConfigError(f"{flag} must be >= 1, got {value}")
         from gateway.edge.client_limits import parse_networks  # the stdlib only, and grpc
         try:
             parse_networks(self.trusted_proxies)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        if self.probe_port is not None:
-            if not 0 <= self.probe_port <= 65535:
-                raise ConfigError(f"--probe-port {self.probe_port} is not a TCP port")
-            if self.probe_port and self.probe_port in (self.port, self.http_port):
-                raise ConfigError(f"--probe-port {self.probe_port} is also --port or "
-                                  "--http-port; pick its own port")
+        if self.probe_port and self.probe_port in (self.port, self.http_port):
+            raise ConfigError(f"--probe-port {self.probe_port} is also --port or "
+                              "--http-port; pick its own port")
 
     def body_limit(self, max_model_len: int) -> int:
         """The body limit in force: `--max-body-bytes`, or the context's default."""
@@ -182,6 +192,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             object.__setattr__(self, "model_name", self.model_dir.resolve().name)
+        check_bounds(self, ConfigError)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port} is not a TCP port (0..65535)")
         for address in self.scheduler_addresses:
@@ -191,35 +202,9 @@ class GatewayConfig:
                     f"--scheduler {address!r} is not HOST:PORT or dns:///NAME:PORT "
                     "(e.g. 127.0.0.1:50061, dns:///continuum-replica:50061)"
                 )
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ConfigError(f"--http-port {self.http_port} is not a TCP port (0..65535)")
-        if self.http_port and self.http_port == self.port:
+        if self.http_port > 0 and self.http_port == self.port:
             raise ConfigError(f"--http-port and --port are both {self.port}; pick two ports")
-        if self.max_body_bytes is not None and self.max_body_bytes < 1024:
-            raise ConfigError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError(f"--max-model-len must be > 0, got {self.max_model_len}")
-        if self.grace_period_s < 0:
-            raise ConfigError(f"--grace-period must be >= 0, got {self.grace_period_s}")
-        for flag, value in (("--http-header-timeout", self.http_header_timeout_s),
-                            ("--http-body-timeout", self.http_body_timeout_s),
-                            ("--http-keepalive-timeout", self.http_keepalive_timeout_s)):
-            if not value > 0:
-                raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
-        if self.http_max_connections < 1:
-            raise ConfigError(
-                f"--http-max-connections must be >= 1, got {self.http_max_connections}")
         self._check_client_limits()
-        if self.grpc_max_concurrent_streams < 1:
-            raise ConfigError("--grpc-max-concurrent-streams must be >= 1, got "
-                              f"{self.grpc_max_concurrent_streams}")
-        if self.grpc_max_concurrent_rpcs < 1:
-            raise ConfigError("--grpc-max-concurrent-rpcs must be >= 1, got "
-                              f"{self.grpc_max_concurrent_rpcs}")
-        for flag, value in (("--stream-progress-timeout", self.stream_progress_timeout_s),
-                            ("--slow-reader-timeout", self.slow_reader_timeout_s)):
-            if value is not None and not value > 0:
-                raise ConfigError(f"{flag} must be > 0 seconds, got {value}")
         for entry in self.objective_tiers:
             name, sep, tier = entry.partition("=")
             if not sep or not name.strip() or tiers.parse(tier) is None:
@@ -230,7 +215,4 @@ class GatewayConfig:
             if self.tool_call_parser not in PARSERS:
                 raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one "
                                   f"of {', '.join(sorted(PARSERS))}")
-        if self.grpc_max_connection_idle_s < 0:
-            raise ConfigError("--grpc-max-connection-idle must be >= 0, got "
-                              f"{self.grpc_max_connection_idle_s}")
         self._check_tls()

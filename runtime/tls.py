@@ -206,24 +206,3 @@ def add_port(server, address: str, tls: ServerTls | None) -> int:
     if tls is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, tls.grpc_credentials())
-
-
-def add_server_flags(parser, peers: str) -> None:
-    """A server process's ``--tls-cert-file``, ``--tls-key-file`` and
-    ``--tls-client-ca-file`` (``peers``: who connects, for the help text)."""
-    parser.add_argument("--tls-cert-file", default=None,
-                        help="serve the gRPC port over TLS with this certificate chain (PEM; "
-                             "re-read when it changes; default: plaintext)")
-    parser.add_argument("--tls-key-file", default=None, help="the certificate's private key")
-    parser.add_argument("--tls-client-ca-file", default=None,
-                        help=f"mutual TLS: {peers} must present a certificate signed by a CA "
-                             "in this file")
-
-
-def server_tls_of(args) -> ServerTls | None:
-    """The ServerTls of ``add_server_flags``'s flags, its files read and checked now (a
-    startup error, not a failed first handshake); raises TlsError."""
-    found = server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file)
-    if found is not None:
-        found.load()
-    return found

@@ -1,7 +1,7 @@
 """``python -m scheduler_svc``: one scheduler replica.
 
 Binds the executor channel (ZeroMQ ROUTER on --ipc) and the internal gRPC
-Scheduler service (--host/--port), then runs the step loop until SIGTERM.
+Scheduler service (--scheduler-host/--scheduler-port), then runs the step loop until SIGTERM.
 Both planes need the per-deployment secret (``runtime/internal_auth.py``):
 without one, and without the explicit opt-out, the process refuses to start.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import signal
 import stat
@@ -23,14 +22,15 @@ import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.continuum.v1 import scheduler_pb2_grpc
-from runtime import internal_auth, tls
+from runtime import config_flags, internal_auth, tls
 from runtime.log_setup import configure_logging
-from scheduler_svc import config_file, kv_event_flags, metrics, plan_channel_flags
+from scheduler_svc import config_file, metrics
 from scheduler_svc.admin import ConfigAdmin, SchedulerAdminServicer
 from scheduler_svc.auth import InternalAuthInterceptor
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.kv_events import KVEventPublisher
 from scheduler_svc.loop import EngineLoop
+from scheduler_svc.process_config import SchedulerProcessConfig
 from scheduler_svc.servicer import SchedulerServicer
 from scheduler_svc.telemetry import Recorder
 from telemetry import Retention, StoreError, TelemetryStore, TelemetryWriter
@@ -52,35 +52,12 @@ MAX_CONCURRENT_RPCS = 16_384
 log = structlog.get_logger("scheduler")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    p.add_argument("--ipc", required=True, help="executor channel, e.g. ipc:///tmp/continuum.sock")
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    p.add_argument("--port", type=int, default=50061, help="gRPC port for gateways")
-    p.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds in-flight requests may run on after SIGTERM")
-    p.add_argument("--telemetry-dsn", default="",
-                   help="telemetry store: a SQLite file path (WAL) or postgresql://... "
-                        "(default: none, nothing recorded)")
-    p.add_argument("--telemetry-retention-days", type=float, default=7.0,
-                   help="days telemetry rows are kept (steps roll up to minutes after 1 h)")
-    p.add_argument("--metrics-port", type=int, default=-1,
-                   help="serve vLLM-compatible /metrics on this port (0: any; default: off)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the /metrics port (it carries no secrets, but stays on "
-                        "loopback unless asked: a pod exposes it with --metrics-host 0.0.0.0)")
-    kv_event_flags.add_flags(p)
-    plan_channel_flags.add_flag(p)
-    tls.add_server_flags(p, peers="gateways (and `continuum serve`)")
-    p.add_argument("--config-file", default="",
-                   help="TOML or JSON file of config fields (e.g. a Kubernetes ConfigMap); "
-                        "its fields win over the flags, and it is re-read every 2 s: a "
-                        "change is applied live as a new config version")
-    add_config_flags(p)
-    return p.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> SchedulerProcessConfig:
+    parser = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
+    return config_flags.parse(SchedulerProcessConfig, parser, argv, ConfigError)
 
 
-def start_kv_events(args: argparse.Namespace, loop: EngineLoop) -> KVEventPublisher | None:
+def start_kv_events(args: SchedulerProcessConfig, loop: EngineLoop) -> KVEventPublisher | None:
     """The KV event publisher of --kv-events-endpoint, attached to the loop's core
     before any executor attaches (None without the flag)."""
     if not args.kv_events_endpoint:
@@ -96,22 +73,6 @@ def start_kv_events(args: argparse.Namespace, loop: EngineLoop) -> KVEventPublis
     log.info("kv events publishing", endpoint=publisher.endpoint, topic=args.kv_events_topic,
              replay=args.kv_events_replay_endpoint or None)
     return publisher
-
-
-def add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per SchedulerConfig field (--max-num-seqs, --policy, ...)."""
-    for field in dataclasses.fields(SchedulerConfig):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(field.type)]
-            p.add_argument(flag, type=kind, default=field.default)
-
-
-def config_from(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(**{f.name: getattr(args, f.name)
-                              for f in dataclasses.fields(SchedulerConfig)})
 
 
 def fail(message: str) -> None:
@@ -149,15 +110,15 @@ def private_ipc_dir(ipc: str) -> None:
                     "use a private one (mode 0700)", directory=directory, mode=f"{mode:o}")
 
 
-async def serve(args: argparse.Namespace, config: SchedulerConfig,
-                secret: bytes | None, flags: SchedulerConfig | None = None,
+async def serve(args: SchedulerProcessConfig, config: SchedulerConfig,
+                server_tls: tls.ServerTls | None, secret: bytes | None,
                 file_bytes: bytes = b"") -> None:
-    """``config``: the startup config (``flags`` under the config file's fields)."""
+    """``config``: the startup config (``args.core`` under the config file's fields)."""
     private_ipc_dir(args.ipc)
     loop = EngineLoop(config, args.ipc, secret=secret, plan_channel=args.plan_channel)
     loop.recorder = open_telemetry(args, config)
     kv_events = start_kv_events(args, loop)
-    admin = ConfigAdmin(loop, config, flags, source="command line" + (
+    admin = ConfigAdmin(loop, config, args.core, source="command line" + (
         f" and {args.config_file}" if args.config_file else ""),
         first_version=last_config_version(args.telemetry_dsn) + 1 if loop.recorder else 1)
     try:
@@ -173,13 +134,14 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        tls.add_port(server, f"{args.host}:{args.port}", args.server_tls)
+        tls.add_port(server, f"{args.scheduler_host}:{args.scheduler_port}", server_tls)
     except RuntimeError:
-        fail(f"port {args.port} on {args.host} is already in use; pass --port")
+        fail(f"port {args.scheduler_port} on {args.scheduler_host} is already in use; pass "
+             "--scheduler-port")
     await server.start()
     frozen = loop.gc.take_over()  # start-up is done: collect off the step path (gc_pacing.py)
-    log.info("scheduler listening", address=f"{args.host}:{args.port}", ipc=args.ipc,
-             tls=args.server_tls is not None, gc_frozen_objects=frozen)
+    log.info("scheduler listening", address=f"{args.scheduler_host}:{args.scheduler_port}",
+             ipc=args.ipc, tls=server_tls is not None, gc_frozen_objects=frozen)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -205,7 +167,7 @@ async def serve(args: argparse.Namespace, config: SchedulerConfig,
         await asyncio.to_thread(loop.recorder.writer.close, 5.0)
 
 
-def start_metrics(args: argparse.Namespace, loop: EngineLoop,
+def start_metrics(args: SchedulerProcessConfig, loop: EngineLoop,
                   tasks: list) -> metrics.MetricsServer | None:
     """The replica's /metrics (scheduler_svc/metrics.py) when --metrics-port is set."""
     if args.metrics_port < 0:
@@ -222,13 +184,11 @@ def start_metrics(args: argparse.Namespace, loop: EngineLoop,
     return server
 
 
-def open_telemetry(args: argparse.Namespace, config: SchedulerConfig) -> Recorder | None:
+def open_telemetry(args: SchedulerProcessConfig, config: SchedulerConfig) -> Recorder | None:
     """The telemetry recorder of ``--telemetry-dsn`` (None without one); a store that
     cannot be opened or migrated is a one-line startup error (exit 2)."""
     if not args.telemetry_dsn:
         return None
-    if not args.telemetry_retention_days > 0:
-        fail(f"--telemetry-retention-days must be > 0, got {args.telemetry_retention_days}")
     max_age_s = args.telemetry_retention_days * 86400
     retention = Retention(max_age_s=max_age_s, raw_iterations_s=min(3600.0, max_age_s))
     try:
@@ -304,26 +264,29 @@ async def die(loop: EngineLoop, server, health_servicer, why: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging("scheduler")
-    file_bytes = b""
+    config, file_bytes = args.core, b""
     try:
-        flags = config = config_from(args)
         if args.config_file:
             values, file_bytes = config_file.load(args.config_file)
             try:
-                config = config_file.overlay(flags, values)
+                config = config_file.overlay(args.core, values)
             except ConfigError as exc:
                 raise ConfigError(f"with the config file {args.config_file}: {exc}") from None
     except ConfigError as exc:
         fail(str(exc))
-    secret = load_secret(args.host)
+    secret = load_secret(args.scheduler_host)
     try:  # read now: a bad file is a startup error, not a failed first handshake
-        args.server_tls = tls.server_tls_of(args)
+        server_tls = tls.server_tls(args.scheduler_tls_cert_file, args.scheduler_tls_key_file,
+                                    args.scheduler_tls_client_ca_file, prefix="--scheduler-tls")
+        if server_tls is not None:
+            server_tls.load()
     except tls.TlsError as exc:
         fail(str(exc))
-    if args.server_tls is None and args.host not in tls.LOOPBACK:
+    if server_tls is None and args.scheduler_host not in tls.LOOPBACK:
         log.warning("plaintext off loopback: the internal secret crosses the network in "
-                    "clear; pass --tls-cert-file and --tls-key-file", host=args.host)
-    asyncio.run(serve(args, config, secret, flags, file_bytes))
+                    "clear; pass --scheduler-tls-cert-file and --scheduler-tls-key-file",
+                    host=args.scheduler_host)
+    asyncio.run(serve(args, config, server_tls, secret, file_bytes))
 
 
 if __name__ == "__main__":

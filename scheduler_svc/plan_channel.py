@@ -22,7 +22,7 @@ import structlog
 from protos.continuum.v1 import executor_pb2 as pb
 from runtime import shm_ring
 from runtime.plan_ring import MIN_CPUS_TO_SPIN, PlanRingWriter
-from scheduler_svc.plan_channel_flags import CHANNELS
+from scheduler_svc.process_config import PLAN_CHANNELS as CHANNELS
 
 log = structlog.get_logger("scheduler.plan_channel")
 

@@ -51,7 +51,8 @@ CORE = "scheduler_svc.core"
 # protos/ modules the core may import: contracts it shares with the wire (the tiers, the
 # request limits, the packed seq-id column), themselves standard library only, so the core
 # stays pure Python.
-CORE_CONTRACTS = ("protos.tiers", "protos.limits", "protos.seq_columns")
+CORE_CONTRACTS = ("protos.tiers", "protos.limits", "protos.seq_columns",
+                  "runtime.config_flags")  # a config field is a flag: stdlib only
 DOC = ROOT / "docs" / "architecture.md"
 
 # What each package may import from the first-party packages (itself always). benchmarks
@@ -72,15 +73,13 @@ MAY_IMPORT = {
 # services as processes (continuum/supervisor.py runs ``python -m gateway`` and friends); it
 # imports a service module only for a definition that must be the same on both sides.
 TOOL_IMPORTS = {
-    "executor_svc.flags": "the device/KV flags `continuum serve` parses and passes on: one "
-                          "definition, importable without torch",
-    "gateway.edge.edge_flags": "the gateway's connection and stream limit flags `continuum "
-                               "serve` takes and passes on: one definition, nothing heavy "
-                               "imported",
-    "scheduler_svc.kv_event_flags": "the KV event stream's flags `continuum serve` takes "
-                                    "and passes on: one definition, nothing heavy imported",
-    "scheduler_svc.plan_channel_flags": "the plan channel flag `continuum serve` takes and "
-                                        "passes on: one definition, nothing heavy imported",
+    "executor_svc.settings": "the executor's config, whose fields are `continuum serve`'s "
+                             "executor flags: one definition, importable without torch",
+    "gateway.config": "the gateway's config, whose fields are `continuum serve`'s gateway "
+                      "flags: one definition, nothing heavy imported",
+    "scheduler_svc.process_config": "the scheduler's config, whose fields are `continuum "
+                                    "serve`'s scheduler flags: one definition, nothing heavy "
+                                    "imported",
     "scheduler_svc.core.policy": "the policy registry `continuum serve --policy` offers: one "
                                  "list, pure Python",
 }

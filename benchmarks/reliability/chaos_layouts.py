@@ -39,7 +39,7 @@ ROOMY = ("--kv-cache-bytes", str(256 << 20))
 # Every short stream is admitted (about 3 prompt blocks each), then their outputs outgrow
 # the pool: running decodes need slots, so the scheduler preempts (as in
 # tests/integration/test_preemption.py), and with a host pool it swaps.
-TIGHT = ("--kv-cache-bytes", str(20 * BLOCK_BYTES), "--host-kv-cache-bytes", str(64 << 20))
+TIGHT = ("--kv-cache-bytes", str(20 * BLOCK_BYTES), "--swap-space-bytes", str(64 << 20))
 
 
 def _idle_clean(*replicas: procs.Replica) -> bool:

@@ -258,7 +258,8 @@ def launch_replica(tmp: pathlib.Path, scheduler_flags: tuple[str, ...] = (),
     ensure_secret()
     tmp.mkdir(parents=True, exist_ok=True)
     port, ipc = port or free_port(), f"ipc://{tmp}/executor.sock"
-    scheduler = spawn("scheduler_svc", ["--ipc", ipc, "--port", str(port), *scheduler_flags],
+    scheduler = spawn("scheduler_svc", ["--ipc", ipc, "--scheduler-port", str(port),
+                                         *scheduler_flags],
                       stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     _collect(scheduler, lines)

@@ -40,7 +40,21 @@ from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.native_decoder import NativeDecoder
 
 if TYPE_CHECKING:
+    from executor_svc.settings import Switches
     from executor_svc.tp_comm import TPComm
+
+
+def native_options(switches: Switches) -> native.NativeOptions:
+    """The environment's library switches (executor_svc/settings.py) in the form
+    kernels/native.py's ``load`` takes."""
+    return native.NativeOptions(enabled=switches.native_kernels, cache_dir=switches.kernel_cache,
+                                compiler=switches.compiler, isa=switches.cpu_isa)
+
+
+def model_options(switches: Switches) -> dict:
+    """DecoderModel's keyword arguments for the environment's switches."""
+    return {"native_options": native_options(switches), "native_gemm": switches.native_gemm,
+            "native_decoder": switches.native_decoder, "weight_format": switches.weight_format}
 
 
 class DecoderModel:

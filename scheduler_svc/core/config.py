@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from protos import tiers
+from runtime.config_flags import knob
 from scheduler_svc.core.policy import POLICIES
 
 # Per priority tier (protos/tiers.py, premium first): its queue-time bound field, and its
@@ -16,6 +17,10 @@ from scheduler_svc.core.policy import POLICIES
 # keys); tests/test_tiers.py holds them to these.
 QUEUE_TIME_FIELDS = tuple(f"max_queue_time_{name}_s" for name in tiers.NAMES)
 TPOT_TARGET_FIELDS = tuple(f"tpot_target_{name}_ms" for name in tiers.NAMES)
+QUEUE_TIME_HELP = ("refuse a {} request (429) that would wait longer than this many seconds "
+                   "for its first step, by measured throughput (0: no bound)")
+TPOT_TARGET_HELP = ("the chunked policy sizes each step's prompt work so a step holds this "
+                    "TPOT (ms) while {} requests decode (0: the fixed --chunk-size)")
 
 
 class ConfigError(ValueError):
@@ -24,98 +29,76 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one iteration, of the queues, and the scheduling policy.
+    """Limits of one iteration, of the queues, and the scheduling policy. Each field is a
+    flag of the scheduler and of ``continuum serve`` (its help says what it does) and a key
+    of the live config file; why the defaults are what they are:
 
-    policy: a name in core/policy.py's ``POLICIES``: "chunked" (default: long prompts
-        prefill in chunks beside decodes), "chunked-slo" (chunked with the SLO-aware
-        budget of tpot_target_*_ms), "continuous" (a prompt prefills in as few steps as
-        the budget allows, no per-step chunk cap), "static" (admit a batch, run it to
+    policy: "chunked" (long prompts prefill in chunks beside decodes), "chunked-slo"
+        (chunked with the SLO-aware budget of tpot_target_*_ms), "continuous" (a prompt
+        prefills in as few steps as the budget allows), "static" (a batch runs to
         completion), "sjf" (chunked, shortest prompt first within a tier), ...
-    max_num_batched_tokens: tokens computed per step across all sequences.
-    max_num_seqs: sequences running at once (each decodes one token a step).
-    chunk_size: most prompt tokens one sequence computes in one step.
-    long_prefill_token_threshold: a prompt longer than this gets at most this
-        many tokens a step, so one long prompt cannot take the whole budget
-        (0: chunk_size alone caps it).
-    max_num_waiting: requests that may queue before Submit is refused.
-    max_num_waiting_per_tenant: per-tenant share of that queue (0: no cap).
-    watermark: fraction of device blocks admission keeps free for running
-        sequences' decodes, so admitting does not force an immediate preemption.
-    aging_s: seconds of waiting that raise a request one priority tier (up to
-        standard: only starvation passes premium); a request of tier t is
-        "starving" after (t + 1) × aging_s and then goes before every request
-        that is not (see docs in queue.py for the bound).
-    max_preemptions / preemption_window_s: the thrash guard. A sequence's
-        max_preemptions-th preemption within the window (not the one after it)
-        makes it protected until it finishes: no further preemption by choice.
-    enable_prefix_caching: share full KV blocks between identical prefixes.
-    async_scheduling: build and send step N+1 while step N runs (two plans in flight),
-        so scheduler CPU time overlaps device time instead of adding to it.
-    max_queue_time_{premium,standard,best_effort}_s: the longest a request of that
-        tier may be expected to wait for its first step; one that would wait longer,
-        by the throughput measured so far, is refused at Submit with a retry hint
-        (core/admission.py; 0 disables the tier's bound, and before any throughput is
-        measured only max_num_waiting applies). Premium's 2 s is the queue share of
-        the 3 s TTFT SLO of the capacity contract (docs/simulator.md); standard 5 s
-        keeps an interactive answer interactive; best effort 20 s stays below the
-        30 s at which aging makes it starving (3 x aging_s) and so passes everyone.
-    prefill_alert_tokens: a step whose prompt (prefill) tokens pass this many is counted
-        (``Scheduler.num_prefill_alerts``, logged at the first and every 1000th): the
-        seed's "prefill storm" alert, a sign that long prompts are stalling decodes. 0
-        (default): off; pick it from the TPOT SLO and the measured prefill rate.
-    max_prefill_tokens_per_step: the clamp: prompt tokens one step may carry in all
-        (running prefills and admissions), the rest of max_num_batched_tokens stays for
-        decodes. 0 (default): off (chunk_size and the token budget alone bound it).
-    max_swapped: sequences swapped out to the host pool at once; a preemption beyond
-        it recomputes instead (host-pool pressure: swap-ins compete with the step for
-        the copy bandwidth). 0 (default): the host pool's size alone bounds it.
-    The other guards of the seed's failure table: per-tier queue-wait shedding is
-        max_queue_time_*_s (core/admission.py refuses at Submit and sheds requests that
-        waited twice their bound, 429 at the gateway); the thrash guard is
-        max_preemptions; a client that went silent is cancelled by the gateway's
-        watchdog (gateway/routing/watchdog.py), a vanished gateway by gRPC keepalive.
-    tpot_target_*_ms: the SLO-aware token budget (core/step_cost.py): with a target set
-        for a tier that has running sequences, the chunked-slo policy (and chunked, which
-        with a target is chunked-slo) sizes each step's prompt
-        tokens from an online fit of the measured step time so the step holds the tightest
-        such target: spare time goes to prefill when decodes are few, decodes are
-        protected when they are many, and chunk_size no longer caps a prompt (the step's
-        budget does). 0 (default): off for that tier (chunk_size applies).
-    max_step_failures: failed steps (the executor raised, hung or died in them) after
-        which a request is ended alone with an error; a request that failed runs in
-        steps of its own until one succeeds, so the culprit of a poisoned batch is
-        found in this many failures and healthy requests fail at most once.
-    stream_interval: tokens a request's stream gathers before it sends them (its first
-        token and its end go at once): each gRPC message costs the scheduler's event loop
-        ~20 µs, so at 256 streams one token per message takes ~5 ms of it a step; 4
-        sends a quarter of the messages, in bursts of 4 tokens. 1 (default): every
-        token as it comes. Not read by the core: the servicer reads it per message.
+    aging_s: a request of tier t is "starving" after (t + 1) x aging_s and then goes
+        before every request that is not (queue.py states the bound).
+    max_queue_time_*_s: admission (core/admission.py) refuses at Submit, with a retry
+        hint, a request expected to wait longer, and sheds one that waited twice its bound;
+        before any throughput is measured only max_num_waiting applies. Premium's 2 s is
+        the queue share of the 3 s TTFT SLO of the capacity contract (docs/simulator.md);
+        standard 5 s keeps an interactive answer interactive; best effort 20 s stays below
+        the 30 s at which aging makes it starving (3 x aging_s) and so passes everyone.
+    prefill_alert_tokens: ``Scheduler.num_prefill_alerts``, logged at the first and every
+        1000th; pick it from the TPOT SLO and the measured prefill rate.
+    max_swapped: swap-ins compete with the step for the copy bandwidth.
+    tpot_target_*_ms: an online fit of the measured step time (core/step_cost.py) sizes
+        each step's prompt tokens so the step holds the tightest target of a tier with
+        running sequences (chunked with a target is chunked-slo): spare time goes to
+        prefill when decodes are few, and chunk_size no longer caps a prompt.
+    max_step_failures: a request that failed runs in steps of its own until one succeeds,
+        so the culprit of a poisoned batch is found in this many failures and healthy
+        requests fail at most once.
+    stream_interval: each gRPC message costs the scheduler's event loop ~20 µs, so at 256
+        streams one token per message takes ~5 ms of it a step; 4 sends a quarter of the
+        messages. Not read by the core: the servicer reads it per message.
+    The other guards against overload: a client that went silent is cancelled by the
+    gateway's watchdog (gateway/routing/watchdog.py), a vanished gateway by gRPC keepalive.
     """
 
-    policy: str = "chunked"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    chunk_size: int = 512
-    long_prefill_token_threshold: int = 0
-    max_num_waiting: int = 1024
-    max_num_waiting_per_tenant: int = 0
-    watermark: float = 0.01
-    aging_s: float = 10.0
-    max_preemptions: int = 3
-    preemption_window_s: float = 60.0
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = True
-    max_queue_time_premium_s: float = 2.0
-    max_queue_time_standard_s: float = 5.0
-    max_queue_time_best_effort_s: float = 20.0
-    max_step_failures: int = 2
-    prefill_alert_tokens: int = 0
-    max_prefill_tokens_per_step: int = 0
-    max_swapped: int = 0
-    tpot_target_premium_ms: float = 0.0
-    tpot_target_standard_ms: float = 0.0
-    tpot_target_best_effort_ms: float = 0.0
-    stream_interval: int = 1
+    policy: str = knob("chunked", "scheduling policy (core/policy.py's POLICIES; benchmarks "
+                       "compare them)", choices=tuple(POLICIES))
+    max_num_batched_tokens: int = knob(2048, "tokens computed per step across all sequences")
+    max_num_seqs: int = knob(64, "sequences running at once (each decodes one token a step)")
+    chunk_size: int = knob(512, "most prompt tokens one sequence computes in one step")
+    long_prefill_token_threshold: int = knob(
+        0, "a prompt longer than this gets at most this many tokens a step, so one long "
+           "prompt cannot take the whole budget (0: chunk_size alone caps it)")
+    max_num_waiting: int = knob(1024, "requests that may queue; beyond them a request gets "
+                                      "RESOURCE_EXHAUSTED / HTTP 429")
+    max_num_waiting_per_tenant: int = knob(0, "per-tenant share of that queue (0: no cap)")
+    watermark: float = knob(0.01, "fraction of device blocks admission keeps free for "
+                                  "running sequences' decodes")
+    aging_s: float = knob(10.0, "seconds of waiting that raise a request one priority tier "
+                                "(up to standard)")
+    max_preemptions: int = knob(3, "the thrash guard: a sequence's this-many-th preemption "
+                                   "within --preemption-window-s protects it until it ends")
+    preemption_window_s: float = knob(60.0, "the thrash guard's window in seconds")
+    enable_prefix_caching: bool = knob(True, "share full KV blocks between identical prefixes")
+    async_scheduling: bool = knob(True, "build and send step N+1 while step N runs")
+    max_queue_time_premium_s: float = knob(2.0, QUEUE_TIME_HELP.format("premium"))
+    max_queue_time_standard_s: float = knob(5.0, QUEUE_TIME_HELP.format("standard"))
+    max_queue_time_best_effort_s: float = knob(20.0, QUEUE_TIME_HELP.format("best effort"))
+    max_step_failures: int = knob(2, "failed steps after which a request (a poison request) "
+                                     "ends with an error, the last one run alone")
+    prefill_alert_tokens: int = knob(0, "count (and log) a step with more prompt tokens than "
+                                        "this: a prefill storm stalling decodes (0: off)")
+    max_prefill_tokens_per_step: int = knob(0, "prompt tokens one step may carry in all; the "
+                                               "rest of the budget stays for decodes (0: off)")
+    max_swapped: int = knob(0, "sequences swapped out to the host pool at once; beyond it a "
+                               "preemption recomputes (0: the pool's size bounds it)")
+    tpot_target_premium_ms: float = knob(0.0, TPOT_TARGET_HELP.format("premium"))
+    tpot_target_standard_ms: float = knob(0.0, TPOT_TARGET_HELP.format("standard"))
+    tpot_target_best_effort_ms: float = knob(0.0, TPOT_TARGET_HELP.format("best effort"))
+    stream_interval: int = knob(1, "tokens a stream gathers before it sends them (its first "
+                                   "token and its end go at once): fewer messages, burstier "
+                                   "text")
 
     def tpot_targets(self) -> tuple[float, ...]:
         """The per-tier TPOT targets in ms, premium first (0: none)."""

@@ -6,28 +6,29 @@ from __future__ import annotations
 
 from benchmarks import bench_policies
 from continuum.cli import build_parser
-from continuum.serve_argv import queue_time_flags
+from continuum.serve_config import Configs
+from scheduler_svc.core.config import QUEUE_TIME_FIELDS, TPOT_TARGET_FIELDS
 
 
-def _serve_args(policy: str, argv: list[str]):
+def _scheduler(policy: str, argv: list[str]):
+    """What serve hands its scheduler under the benchmark's flags."""
     parser, _ = build_parser()
     engine = bench_policies.engine_args(policy, bench_policies.parse_args(argv))
-    return parser.parse_args(["serve", "--policy", policy, *engine])
+    args = parser.parse_args(["serve", "--policy", policy, "--telemetry-dsn", "off", *engine])
+    return Configs.of(args, ipc="ipc:///tmp/x.sock", model_name="m").scheduler.core
 
 
 def test_the_servers_run_without_a_queue_time_bound_by_default():
     for policy in bench_policies.POLICIES:
-        args = _serve_args(policy, [])
-        flags = queue_time_flags(args)  # what serve hands its scheduler
-        for tier in ("premium", "standard", "best-effort"):
-            assert flags[flags.index(f"--max-queue-time-{tier}-s") + 1] == "0.0"
-        assert ("--tpot-target-standard-ms" in flags) == (policy == "chunked-slo")
+        core = _scheduler(policy, [])
+        assert [getattr(core, f) for f in QUEUE_TIME_FIELDS] == [0.0] * 3
+        assert (core.tpot_target_standard_ms > 0) == (policy == "chunked-slo")
 
 
 def test_a_bound_given_reaches_every_tier():
-    flags = queue_time_flags(_serve_args("chunked", ["--queue-time-bound-s", "5"]))
-    assert [flags[i + 1] for i, f in enumerate(flags) if f.startswith("--max-queue")] == \
-        ["5.0"] * 3
+    core = _scheduler("chunked", ["--queue-time-bound-s", "5"])
+    assert [getattr(core, f) for f in QUEUE_TIME_FIELDS] == [5.0] * 3
+    assert [getattr(core, f) for f in TPOT_TARGET_FIELDS] == [0.0] * 3
 
 
 def test_the_table_shows_how_many_requests_each_policy_completed():

@@ -5,9 +5,9 @@ quotes /health, not a hang."""
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import json
+import pathlib
 import threading
 from concurrent import futures
 
@@ -16,6 +16,7 @@ import pytest
 
 from continuum import supervisor
 from continuum.supervisor import ServeError, Supervisor
+from gateway.config import GatewayConfig
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -47,8 +48,8 @@ def gateway():
     http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     threading.Thread(target=http_server.serve_forever, daemon=True).start()
     sup = Supervisor.__new__(Supervisor)  # only what _wait_gateway reads
-    sup.args = argparse.Namespace(host="127.0.0.1", port=port,
-                                  http_port=http_server.server_address[1])
+    sup.gateway = GatewayConfig(model_dir=pathlib.Path("m"), scheduler_address="127.0.0.1:1",
+                                port=port, http_port=http_server.server_address[1])
     sup.procs, sup._stop = {"gateway": _Alive()}, False
     try:
         yield sup

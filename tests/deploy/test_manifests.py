@@ -23,8 +23,9 @@ import pytest
 import yaml
 
 from continuum.cli import build_parser
+from continuum.serve_config import Configs
 from deploy import probe
-from executor_svc.flags import parse_bytes
+from executor_svc.settings import parse_bytes
 from gateway import __main__ as gateway_main
 from gateway.api.http_api import _OPEN_PATHS
 from gateway.metrics import GatewayMetrics
@@ -143,7 +144,7 @@ def test_container_arguments_parse_with_the_process_parser(rendered):
             config = gateway_main.parse_args(args)  # raises ConfigError / SystemExit if wrong
             assert config.http_port and config.port
         elif module == "scheduler_svc":
-            scheduler_main.config_from(scheduler_main.parse_args(args))
+            scheduler_main.parse_args(args)  # exits 2 if wrong
         elif module == "executor_svc":
             from executor_svc import __main__ as executor_main
 
@@ -171,7 +172,7 @@ def test_every_replica_and_gateway_container_has_three_probes(rendered):
 
 def test_probes_hit_open_routes_and_real_targets_on_declared_ports(rendered):
     objects = rendered[1]
-    scheduler_port = int(_flag(pod_container(objects, "scheduler_svc")["args"], "--port"))
+    scheduler_port = int(_flag(pod_container(objects, "scheduler_svc")["args"], "--scheduler-port"))
     assert probe.DEFAULT_ADDRESS == f"127.0.0.1:{scheduler_port}"
     for _, container in containers(objects):
         ports = {p["containerPort"] for p in container.get("ports", [])}
@@ -206,7 +207,7 @@ def test_a_hung_executor_fails_liveness_but_a_waiting_scheduler_does_not(rendere
     # Liveness answers NOT_SERVING too (work and no executor); readiness wants SERVING.
     assert _probe_argv(scheduler["livenessProbe"]) == ["scheduler"]
     assert scheduler["readinessProbe"]["grpc"]["port"] == int(_flag(scheduler["args"],
-                                                                    "--port"))
+                                                                    "--scheduler-port"))
 
 
 def test_executor_liveness_outlasts_a_re_registration():
@@ -255,7 +256,7 @@ def test_gateways_find_the_replicas_through_the_headless_service(rendered):
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == replica["spec"]["template"]["metadata"]["labels"]
     scheduler = pod_container(objects, "scheduler_svc")
-    port = int(_flag(scheduler["args"], "--port"))
+    port = int(_flag(scheduler["args"], "--scheduler-port"))
     assert [p["targetPort"] for p in service["spec"]["ports"]] == [port, *_reader_ports(
         scheduler)]
     declared = {p["containerPort"] for p in scheduler["ports"]}
@@ -386,7 +387,7 @@ def test_only_gateways_reach_the_schedulers(rendered):
     scheduler = pod_container(objects, "scheduler_svc")
     # Gateways reach only the scheduler's gRPC port; the executor listens on none.
     assert rule["ports"] == [{"protocol": "TCP", "port": int(_flag(scheduler["args"],
-                                                                   "--port"))}]
+                                                                   "--scheduler-port"))}]
     assert all("ports" not in executor for executor in executors(objects))
     # Prometheus (its own namespace) and labelled pods of ours reach /metrics; only the
     # labelled router of this namespace reaches the KV events (every tenant's tokens).
@@ -505,9 +506,11 @@ def test_the_dockerfile_keeps_the_scheduler_on_loopback():
     assert argv[:3] == ["python", "-m", "continuum"]
     parser, _ = build_parser()
     args = parser.parse_args(argv[3:])
-    assert args.command == "serve" and args.scheduler_host == "127.0.0.1"
+    assert args.command == "serve"
+    scheduler = Configs.of(args, ipc="ipc:///x", model_name="m").scheduler
+    assert scheduler.scheduler_host == "127.0.0.1"
     [expose] = re.findall(r"^EXPOSE (.*)$", text, re.MULTILINE)
-    assert str(args.scheduler_port) not in expose.split()
+    assert str(scheduler.scheduler_port) not in expose.split()
 
 
 def test_gateways_serve_tls_from_a_mounted_tls_secret(rendered):

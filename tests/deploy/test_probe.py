@@ -72,7 +72,7 @@ def test_a_hung_executor_fails_its_probe(tmp_path, model_dir):
     def spawn(*args: str) -> subprocess.Popen:
         return spawn_module(env, *args)
 
-    scheduler = spawn("scheduler_svc", "--ipc", ipc, "--port", str(port))
+    scheduler = spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port))
     procs = [scheduler]
     try:
         wait_for_probe(("scheduler", *address), 0, READY_S)
@@ -128,7 +128,7 @@ def test_in_a_pod_with_a_standby_each_executor_probes_for_itself(tmp_path, model
     def own(name: str) -> tuple[str, ...]:
         return ("executor", *address, "--incarnation-file", files[name])
 
-    procs = [spawn("scheduler_svc", "--ipc", ipc, "--port", str(port))]
+    procs = [spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port))]
     try:
         wait_for_probe(("scheduler", *address), 0, READY_S)
         procs.append(executor("a"))

@@ -45,12 +45,11 @@ def test_the_secret_is_never_on_a_childs_argv(monkeypatch):
     args, _ = build_parser()[0].parse_known_args(["serve", "--port", "1", "--http-port", "2"])
     sup = Supervisor(args)
     try:
-        sup.model_dir, sup.model_name = "/models/m", "m"
         secret = sup.secret.decode()
         assert sup.child_env[ENV] == secret
         for name in ("scheduler", "executor", "gateway"):
-            assert not any(secret in arg for arg in sup._argv(name)), name
-        assert "127.0.0.1" in sup._argv("scheduler")  # the scheduler stays on loopback
+            assert not any(secret in arg for arg in sup.configs.argv(name)), name
+        assert sup.scheduler.scheduler_host == "127.0.0.1"  # the scheduler stays on loopback
         assert stat_mode(sup.workdir) == 0o700
     finally:
         shutil.rmtree(sup.workdir)
@@ -75,62 +74,24 @@ def test_an_ipc_directory_others_may_write_is_refused(tmp_path, mode, ok):
     check_ipc_dir(f"ipc://{directory}/missing/executor.sock")  # the scheduler creates it
 
 
-def test_serve_hands_the_poison_queue_time_and_stream_limits_to_the_scheduler():
-    argv = ["serve", "--port", "1", "--http-port", "2", "--max-step-failures", "3",
-            "--max-queue-time-premium-s", "0", "--stream-interval", "4"]
-    args, _ = build_parser()[0].parse_known_args(argv)
-    sup = Supervisor(args)
-    try:
-        sup.model_dir, sup.model_name = "/models/m", "m"
-        scheduler = sup._argv("scheduler")
-        assert scheduler[scheduler.index("--max-step-failures") + 1] == "3"
-        assert scheduler[scheduler.index("--max-queue-time-premium-s") + 1] == "0.0"
-        assert scheduler[scheduler.index("--stream-interval") + 1] == "4"
-        plain, _ = build_parser()[0].parse_known_args(argv[:5])
-        default = Supervisor(plain)
-        shutil.rmtree(default.workdir)
-        assert "--max-step-failures" not in default._argv("scheduler")
-        assert "--stream-interval" not in default._argv("scheduler")
-    finally:
-        shutil.rmtree(sup.workdir)
-
-
-def test_serve_hands_the_connection_and_stream_limits_to_the_gateway():
-    """Every gateway limit flag works on serve too; only the ones given are passed, and
-    the gateway's own parser accepts what serve passes."""
-    from gateway.__main__ import parse_args
-
-    argv = ["serve", "--port", "1", "--http-port", "2", "--http-body-timeout", "60",
-            "--grpc-max-concurrent-streams", "32", "--slow-reader-timeout", "12.5"]
-    args, _ = build_parser()[0].parse_known_args(argv)
-    sup = Supervisor(args)
-    try:
-        sup.model_dir, sup.model_name = "/models/m", "m"
-        gateway = sup._argv("gateway")
-        assert gateway[gateway.index("--http-body-timeout") + 1] == "60.0"
-        assert gateway[gateway.index("--slow-reader-timeout") + 1] == "12.5"
-        assert "--stream-progress-timeout" not in gateway  # not given: the gateway's default
-        config = parse_args([a if a != "/models/m" else str(sup.workdir) for a in gateway])
-        assert (config.http_body_timeout_s, config.grpc_max_concurrent_streams,
-                config.slow_reader_timeout_s, config.stream_progress_timeout_s) == \
-            (60.0, 32, 12.5, None)
-    finally:
-        shutil.rmtree(sup.workdir)
-
-
 @pytest.mark.parametrize("flag", ["--http-body-timeout", "--stream-progress-timeout",
                                   "--slow-reader-timeout"])
-def test_a_limit_that_is_not_a_positive_time_is_one_clear_error(tmp_path, flag):
+def test_a_limit_that_is_not_a_positive_time_is_one_clear_error(tmp_path, flag, capsys):
     from gateway.__main__ import parse_args
-    from gateway.config import ConfigError
 
-    with pytest.raises(ConfigError, match=f"{flag} must be > 0 seconds"):
-        parse_args(["--model-dir", str(tmp_path), "--scheduler", "127.0.0.1:1", flag, "0"])
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "four"])
-def test_a_stream_interval_that_is_not_a_positive_integer_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as exc:
-        build_parser()[0].parse_known_args(["serve", "--stream-interval", value])
-    assert exc.value.code == 2
-    assert "--stream-interval: must be a positive integer" in capsys.readouterr().err
+        parse_args(["--model-dir", str(tmp_path), "--scheduler", "127.0.0.1:1", flag, "0"])
+    assert exc.value.code == 2 and f"{flag} must be > 0, got 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_stream_interval_that_is_not_a_positive_integer_stops_serve(value):
+    args = build_parser()[0].parse_args(["serve", "--stream-interval", value])
+    with pytest.raises(ServeError, match="stream_interval must be a positive integer"):
+        Supervisor(args)
+
+
+def test_a_stream_interval_that_is_no_integer_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser()[0].parse_args(["serve", "--stream-interval", "four"])
+    assert exc.value.code == 2 and "--stream-interval" in capsys.readouterr().err

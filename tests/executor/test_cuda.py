@@ -149,7 +149,7 @@ def test_the_activation_peak_grows_with_the_tokens_in_a_step(cuda_model):
 def test_build_sizes_the_kv_cache_from_gpu_memory(model_dir):
     config = executor_main.parse_args([*IPC, "--device", "cuda", "--warmup-tokens", "16",
                                        "--gpu-memory-utilization", "0.5",
-                                       "--host-kv-cache-bytes", "64MiB"])  # a swap pool too
+                                       "--swap-space-bytes", "64MiB"])  # a swap pool too
     assert config.kv_cache_bytes is None
     total = torch.cuda.mem_get_info(CUDA)[1]
     runner, hello = executor_main.build(config, model_dir, "inc", device=CUDA)

@@ -79,14 +79,13 @@ def test_gpu_memory_utilization_outside_0_1_is_refused_by_the_parser(value, caps
     with pytest.raises(SystemExit) as info:
         executor_main.parse_args([*IPC, "--gpu-memory-utilization", value])
     assert info.value.code == 2
-    assert "--gpu-memory-utilization must be a fraction of the GPU's memory in (0, 1]" in (
-        capsys.readouterr().err)
+    assert "--gpu-memory-utilization must be > 0 and <= 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N"),
     (["--device", "cuda:x"], "--device must be auto, cpu, cuda or cuda:N"),
-    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be positive"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
 ])
 def test_other_bad_flags_are_refused_by_the_parser(flags, message, capsys):
     with pytest.raises(SystemExit):

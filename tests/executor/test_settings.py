@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from executor_svc import __main__ as executor_main
+from executor_svc.models import decoder
 from executor_svc.settings import Switches
 from kernels import native
 from kernels.quant import QuantWeight
@@ -23,8 +24,9 @@ def test_nothing_set_is_every_default():
     assert s == Switches(faults=s.faults) and not s.faults.faults
     assert s.native_kernels and s.native_gemm and s.native_decoder
     assert s.kernel_cache is s.compiler is s.cache_dir is None
-    assert s.native_options() == native.NativeOptions()
-    assert executor_main.parse_args(IPC, {}).switches.native_options() == native.NativeOptions()
+    assert decoder.native_options(s) == native.NativeOptions()
+    switches = executor_main.parse_args(IPC, {}).switches
+    assert decoder.native_options(switches) == native.NativeOptions()
 
 
 def test_each_variable_lands_in_its_field():
@@ -32,10 +34,11 @@ def test_each_variable_lands_in_its_field():
            "CONTINUUM_NATIVE_GEMM": "0", "CONTINUUM_NATIVE_DECODER": "0",
            "CONTINUUM_CACHE_DIR": "/models", "CONTINUUM_FAULT_INJECT": "raise_on_token=7"}
     s = executor_main.parse_args(IPC, env).switches
-    assert s.native_options() == native.NativeOptions(enabled=False, cache_dir="/k",
+    assert decoder.native_options(s) == native.NativeOptions(enabled=False, cache_dir="/k",
                                                       compiler="clang++")
-    assert s.model_options() == {"native_options": s.native_options(), "native_gemm": False,
-                                 "native_decoder": False, "weight_format": "auto"}
+    assert decoder.model_options(s) == {"native_options": decoder.native_options(s),
+                                        "native_gemm": False, "native_decoder": False,
+                                        "weight_format": "auto"}
     assert s.cache_dir == "/models" and s.faults.faults == {7: "raise_on_token"}
 
 
@@ -58,7 +61,7 @@ def test_the_weight_format_flag_wins_over_the_variable(capsys):
     env = {"CONTINUUM_WEIGHT_FORMAT": "bf16"}
     assert executor_main.parse_args(IPC, env).switches.weight_format == "bf16"
     flagged = executor_main.parse_args([*IPC, "--weight-format", "fp32"], env)
-    assert flagged.switches.model_options()["weight_format"] == "fp32"
+    assert decoder.model_options(flagged.switches)["weight_format"] == "fp32"
     with pytest.raises(SystemExit) as info:
         executor_main.parse_args([*IPC, "--weight-format", "q4"], {})
     assert info.value.code == 2 and "--weight-format" in capsys.readouterr().err
@@ -72,11 +75,9 @@ def test_serve_passes_the_weight_format_to_its_executors(tmp_path):
     for flags, passed in (([], None), (["--weight-format", "fp32"], "fp32")):
         args = parser.parse_args(["serve", "--ipc", f"ipc://{tmp_path}/e.sock", *flags])
         supervisor = Supervisor(args)
-        supervisor.model_dir, supervisor.model_name = str(tmp_path), "m"  # set by run()
         for name in ("executor", "standby"):
-            argv = supervisor._argv(name)
-            given = argv[argv.index("--weight-format") + 1] if "--weight-format" in argv else None
-            assert given == passed, (name, argv)
+            config = executor_main.parse_args(supervisor.configs.argv(name), {})
+            assert config.weight_format == passed, name
         shutil.rmtree(supervisor.workdir)
 
 

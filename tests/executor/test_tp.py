@@ -43,7 +43,7 @@ def test_smollm2_over_2_ranks_and_refusing_more_ranks_than_query_heads():
 
 def _start_tp2(model_dir, address: str, *extra: str):
     return start_executor("--model", str(model_dir), "--ipc", address, "--kv-cache-bytes", "8MiB",
-                          "--host-kv-cache-bytes", "2MiB", "--warmup-tokens", "8",
+                          "--swap-space-bytes", "2MiB", "--warmup-tokens", "8",
                           "--threads", "1", "--attention-backend", "torch", "--tp-size", "2",
                           *extra)
 

@@ -113,13 +113,9 @@ async def fake_scheduler(scheduler: FakeScheduler):
 @contextlib.asynccontextmanager
 async def gateway(tokenizer, scheduler_address: str, keys=None, **config):
     """Yields (running gateway, channel to it); `http_port=0` also serves HTTP."""
-    settings = GatewayConfig(
-        model_dir=pathlib.Path("unused"),
-        scheduler_address=scheduler_address,
-        port=0,
-        model_name=MODEL_NAME,
-        **config,
-    )
+    settings = GatewayConfig(model_dir=pathlib.Path("unused"),
+                             scheduler_address=scheduler_address, port=0,
+                             model_name=MODEL_NAME, **{"http_port": -1, **config})
     running = await start_gateway(settings, tokenizer, keys)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     try:

@@ -40,7 +40,7 @@ def test_the_client_is_the_peer_unless_a_trusted_proxy_names_it():
 def test_bad_limit_flags_are_refused_with_their_name(tmp_path):
     for fields, words in (({"trusted_proxies": "10.0.0.0/8,nope"}, "'nope' is not an IP"),
                           ({"max_streams_per_client": 0}, "--max-streams-per-client"),
-                          ({"probe_port": 70000}, "--probe-port 70000"),
+                          ({"probe_port": 70000}, "--probe-port must be >= 0 and <= 65535"),
                           ({"probe_port": 9000, "http_port": 9000}, "pick its own port")):
         with pytest.raises(ConfigError, match=words):
             GatewayConfig(model_dir=tmp_path, scheduler_address="127.0.0.1:1", **fields)

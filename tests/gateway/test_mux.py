@@ -211,19 +211,15 @@ def test_a_retiring_replicas_call_closes_once_its_streams_end(tmp_path):
 
 @pytest.mark.parametrize("age", [None, 0.2])
 def test_upstream_call_max_age_reaches_the_gateways_replicas(tokenizer, age):
-    """``--upstream-call-max-age`` (``python -m gateway`` and ``continuum serve`` alike)
-    reaches the gateway's replicas: with it, a request after the call's age opens a
-    new call; without it, every request rides the one call."""
-    from continuum.cli import build_parser
+    """``--upstream-call-max-age`` (``python -m gateway`` and ``continuum serve`` alike:
+    tests/continuum/test_serve_config.py) reaches the gateway's replicas: with it, a
+    request after the call's age opens a new call; without it, every request rides the
+    one call."""
     from gateway.__main__ import parse_args
-    from gateway.edge import edge_flags
 
     argv = [] if age is None else ["--upstream-call-max-age", str(age)]
     config = parse_args(["--model-dir", "m", "--scheduler", "127.0.0.1:1", *argv])
     assert config.upstream_call_max_age_s == (age or 0.0)
-    parser, _ = build_parser()
-    assert ("--upstream-call-max-age" in edge_flags.to_argv(
-        parser.parse_args(["serve", *argv]))) is (age is not None)
     scheduler = FakeScheduler(events=[scheduler_pb2.TokenEvent(
         token_ids=[42], finish_reason=LENGTH)])
 

@@ -183,20 +183,14 @@ def test_tokenize_shows_no_control_token_inside_the_user_turn(tokenizer):
     assert trusted.count(im_end) == 2  # the flag restores the old behaviour
 
 
-def test_the_flag_is_off_by_default_and_continuum_serve_passes_it_on():
-    from continuum.cli import build_parser
+def test_the_flag_is_off_by_default():
+    # continuum serve passes it on as every field: tests/continuum/test_serve_config.py
     from gateway.__main__ import parse_args
-    from gateway.edge import edge_flags
 
     base = ["--model-dir", "m", "--scheduler", "127.0.0.1:1"]
     assert not parse_args(base).allow_special_tokens_in_content
     assert parse_args([*base, "--allow-special-tokens-in-content"]
                       ).allow_special_tokens_in_content
-    parser, _ = build_parser()
-    assert "--allow-special-tokens-in-content" not in edge_flags.to_argv(
-        parser.parse_args(["serve"]))
-    assert "--allow-special-tokens-in-content" in edge_flags.to_argv(
-        parser.parse_args(["serve", "--allow-special-tokens-in-content"]))
 
 
 def test_a_key_granted_special_tokens_keeps_them_and_others_do_not(tokenizer):

@@ -8,7 +8,6 @@ run over the ring too (``--plan-channel shm``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -21,10 +20,11 @@ import pytest
 from protos.continuum.v1 import sampling_pb2
 from runtime import shm_ring
 from runtime.plan_ring import MIN_CPUS_TO_SPIN
-from scheduler_svc import metrics, plan_channel_flags
+from scheduler_svc import metrics
 from scheduler_svc.core import Request, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
 from scheduler_svc.plan_channel import PlanChannel, ring_unavailable
+from scheduler_svc.process_config import SchedulerProcessConfig
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shm_ring.available() is not None,
@@ -148,9 +148,7 @@ def test_auto_takes_the_ring_where_its_reader_has_a_core_to_spin_on():
     assert "2 CPUs" in ring_unavailable("auto", ipc, num_cpus=2)
     assert ring_unavailable("shm", ipc, num_cpus=2) is None  # shm forces it
     assert "ipc" in ring_unavailable("auto", "tcp://127.0.0.1:5555", num_cpus=16)
-    args = argparse.ArgumentParser()
-    plan_channel_flags.add_flag(args)
-    assert args.parse_args([]).plan_channel == "auto"
+    assert SchedulerProcessConfig(ipc=ipc).plan_channel == "auto"
 
 
 def test_no_ring_without_ipc_or_when_turned_off():

@@ -47,7 +47,8 @@ def wait_for(predicate, what: str, timeout: float = READY_S):
 @pytest.fixture
 def replica(tmp_path, model_dir):
     ipc, port = f"ipc://{tmp_path}/replica.sock", free_port()
-    procs = [spawn("scheduler_svc", "--ipc", ipc, "--port", str(port), "--plan-channel", "shm"),
+    procs = [spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port),
+                   "--plan-channel", "shm"),
              spawn("executor_svc", "--model", str(model_dir), "--ipc", ipc, "--device", "cpu",
                    "--kv-cache-bytes", "8MiB", "--warmup-tokens", "16", "--threads", "2")]
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -121,8 +122,8 @@ def test_a_drain_past_its_grace_period_ends_each_stream_with_unavailable(tmp_pat
     """No executor: the request can never finish, so the drain's grace period passes;
     its stream ends with a status and a message, not a cut connection."""
     port = free_port()
-    scheduler = spawn("scheduler_svc", "--ipc", f"ipc://{tmp_path}/s.sock", "--port", str(port),
-                      "--grace-period", "0.5")
+    scheduler = spawn("scheduler_svc", "--ipc", f"ipc://{tmp_path}/s.sock",
+                      "--scheduler-port", str(port), "--grace-period", "0.5")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)

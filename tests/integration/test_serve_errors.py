@@ -48,7 +48,7 @@ def test_port_in_use_is_one_clear_error():
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--gpu-memory-utilization", "0"), "--gpu-memory-utilization must be a fraction"),
+    (("--gpu-memory-utilization", "0"), "--gpu-memory-utilization must be > 0 and <= 1"),
     (("--device", "gpu"), "--device must be auto, cpu, cuda or cuda:N"),
     (("--kv-cache-bytes", "lots"), "not a byte size: 'lots'"),
 ])

@@ -64,8 +64,8 @@ def test_tls_flags_that_do_not_fit_stop_serve_and_the_scheduler_at_once(tmp_path
     assert done.returncode == 2 and "--scheduler-tls-ca-file" in done.stderr, done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{tmp_path}/e.sock",
-         "--port", "0", "--tls-cert-file", str(pki.cert_file),
-         "--tls-key-file", str(tmp_path / "missing.pem")],
+         "--scheduler-port", "0", "--scheduler-tls-cert-file", str(pki.cert_file),
+         "--scheduler-tls-key-file", str(tmp_path / "missing.pem")],
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1].startswith("scheduler: cannot read the TLS")

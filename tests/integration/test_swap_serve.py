@@ -1,5 +1,5 @@
 """Swap through `continuum serve`: ``--swap-space-bytes`` gives the executor a host KV
-pool (its ``--host-kv-cache-bytes``), so a device pool too small for the batch preempts
+pool (its ``--swap-space-bytes``), so a device pool too small for the batch preempts
 by swapping (copying a few blocks out and back costs less than re-prefilling them), and
 every stream still finishes with the tokens of a run without pressure."""
 

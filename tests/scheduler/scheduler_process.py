@@ -18,7 +18,7 @@ START_TIMEOUT_S = 60
 
 def scheduler_cmd(ipc_dir, port: int) -> list[str]:
     return [sys.executable, "-m", "scheduler_svc", "--ipc", f"ipc://{ipc_dir}/executor.sock",
-            "--port", str(port), "--grace-period", "0"]
+            "--scheduler-port", str(port), "--grace-period", "0"]
 
 
 def wait_serving(port: int, proc: subprocess.Popen) -> None:

@@ -219,7 +219,7 @@ def test_a_dead_task_makes_the_scheduler_process_exit_1(tmp_path):
             "main(sys.argv[1:])\n")
     proc = subprocess.run(
         [sys.executable, "-c", code, "--ipc", f"ipc://{tmp_path}/s.sock",
-         "--port", str(free_port())],
+         "--scheduler-port", str(free_port())],
         env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 1

@@ -4,7 +4,6 @@ user's state directory), and say which store they read."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ import grpc
 import pytest
 
 from continuum import local_state
-from continuum.serve_argv import telemetry_flags
+from continuum.serve_config import telemetry_dsn
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 from tests.integration.conftest import start_server, stop_server
@@ -60,8 +59,7 @@ def test_serve_and_the_readers_resolve_the_store_the_same_way(tmp_path):
         str(tmp_path / "continuum" / "telemetry.sqlite"), "continuum serve's default")
     os.environ[local_state.ENV_TELEMETRY_DSN] = "postgresql://u:pw@db/t"
     try:  # serve passes the same store on to its scheduler
-        assert telemetry_flags(argparse.Namespace(telemetry_dsn=None)) == [
-            "--telemetry-dsn", "postgresql://u:pw@db/t"]
+        assert telemetry_dsn(None) == "postgresql://u:pw@db/t"
     finally:
         del os.environ[local_state.ENV_TELEMETRY_DSN]
     assert local_state.describe("postgresql://u:pw@db/t") == "postgresql://u:***@db/t"
