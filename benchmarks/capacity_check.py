@@ -12,7 +12,7 @@ sources judge the same load:
   tier) through ``sim.engine.Simulation`` with the profile as its cost model.
 * **real**: the same requests (token ids, lengths, arrival times) sent by ``continuum
   bench``'s client to a ``continuum serve`` started here on loopback, with its own
-  internal secret (``benchmarks.sim_server.Server``).
+  internal secret (``benchmarks.sim_server.start``).
 
 The simulator and the server run one scheduler config: the chunked policy,
 ``max_num_seqs`` = the contract's active-sequence bound, ``chunk_size`` = the audit's
@@ -288,12 +288,11 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
 
 
 def _start(k: BatchingContract, config: SchedulerConfig, tmp: str, log):
-    from benchmarks.sim_server import Server
+    from benchmarks import sim_server
     from benchmarks.sim_validate import Workload
 
     started = time.perf_counter()
-    server = Server(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
-    server.wait_ready()
+    server = sim_server.start(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
     log(f"continuum serve ready ({time.perf_counter() - started:.0f} s): chunked, "
         f"{config.max_num_seqs} sequences, chunk {config.chunk_size}, budget "
         f"{config.max_num_batched_tokens} tokens/step")

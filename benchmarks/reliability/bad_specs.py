@@ -27,9 +27,9 @@ import time
 
 import grpc
 
-from benchmarks.reliability import procs
 from benchmarks.reliability.hostile_load import Kind, Sender
-from benchmarks.reliability.streams import Outcome, grpc_stream, request
+from harness import servers
+from harness.streams import Outcome, grpc_stream, request
 from sim.metrics import percentile
 
 SIZES = {"ci": dict(seconds=8.0, rate=20.0, streams=16),
@@ -67,7 +67,7 @@ def bad_kinds(vocab_size: int, count: int) -> list[Kind]:
     return kinds
 
 
-async def _client(serve: procs.Serve, k: int, end: float, outputs: dict,
+async def _client(serve: servers.Serve, k: int, end: float, outputs: dict,
                   itls: list[float], seen: collections.Counter) -> None:
     """Stream ``k``'s completions back to back until ``end``: its i-th prompt is the same
     in every phase, so outputs compare by (k, i)."""
@@ -86,7 +86,7 @@ async def _client(serve: procs.Serve, k: int, end: float, outputs: dict,
             i += 1
 
 
-async def _phase(serve: procs.Serve, sender: Sender, cfg: dict, bad: list[Kind] | None):
+async def _phase(serve: servers.Serve, sender: Sender, cfg: dict, bad: list[Kind] | None):
     seconds = cfg["seconds"] / 2
     end = time.monotonic() + seconds  # the sender's clock too (every process shares it)
     outputs: dict = {}
@@ -100,7 +100,7 @@ async def _phase(serve: procs.Serve, sender: Sender, cfg: dict, bad: list[Kind] 
     return outputs, itls, seen
 
 
-def run(serve: procs.Serve, size: str = "default") -> dict:
+def run(serve: servers.Serve, size: str = "default") -> dict:
     cfg = SIZES[size]
     stats = serve.stats()
     bad = bad_kinds(stats.vocab_size or 49152, int(cfg["rate"] * cfg["seconds"] * 2))
@@ -118,7 +118,7 @@ def run(serve: procs.Serve, size: str = "default") -> dict:
         after = serve.stats()
     finally:
         sender.close()
-    return _row(cfg, quiet, loud, before, after, procs.wait_idle(serve.scheduler_port, 120))
+    return _row(cfg, quiet, loud, before, after, servers.wait_idle(serve.scheduler_port, 120))
 
 
 def _row(cfg: dict, quiet, loud, before, after, idle) -> dict:

@@ -29,8 +29,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import Outcome, grpc_stream_accepted, request
+from harness import servers
+from harness.streams import Outcome, grpc_stream_accepted, request
 
 SIZES = {"ci": dict(streams=4, max_tokens=12, hang_s=10.0),
          "short": dict(streams=6, max_tokens=24, hang_s=20.0),
@@ -69,7 +69,7 @@ def reference(addrs: list[str], reqs: list) -> list[list[int]]:
     outs = asyncio.run(_run(addrs, reqs, None))
     bad = [o for o in outs if o.status != "ok"]
     if bad:
-        raise procs.ServerError(f"the reference run failed: {bad[0].status} {bad[0].detail}")
+        raise servers.ServerError(f"the reference run failed: {bad[0].status} {bad[0].detail}")
     return [o.token_ids for o in outs]
 
 
@@ -184,7 +184,7 @@ def executor_faults(pid_fn, stats_fn, phase: str, ready) -> list[Fault]:
             Fault("executor SIGSTOP", phase, stop, ready, stats_fn, undo=_cont(stop))]
 
 
-def run_serve(serve: procs.Serve, size: str = "short") -> list[dict]:
+def run_serve(serve: servers.Serve, size: str = "short") -> list[dict]:
     """The CI form: executor kill -9 during decode, on a ``continuum serve``."""
     cfg = SIZES[size]
     reqs = requests(cfg["streams"], cfg["max_tokens"])
@@ -192,6 +192,6 @@ def run_serve(serve: procs.Serve, size: str = "short") -> list[dict]:
     fault = executor_faults(lambda: serve.pid("executor_svc"), serve.stats, "decode",
                             in_decode)[0]
     row = run_fault([serve.addr], reqs, ref, fault, cfg["hang_s"])
-    procs.wait_idle(serve.scheduler_port, 60)
+    servers.wait_idle(serve.scheduler_port, 60)
     return [row]
 

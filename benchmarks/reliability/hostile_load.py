@@ -25,7 +25,7 @@ import time
 import aiohttp
 import grpc
 
-from benchmarks.reliability.streams import grpc_stream, http_stream, request
+from harness.streams import grpc_stream, http_stream, request
 from protos.continuum.v1 import generation_pb2_grpc
 
 HOSTILE_TIMEOUT_S = 20.0

@@ -19,8 +19,8 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import (
+from harness import servers
+from harness.streams import (
     Outcome,
     completion_body,
     grpc_stream,
@@ -35,7 +35,7 @@ FD_TOLERANCE = 8  # per process: a reconnecting channel or a lazily opened file
 RSS_TOLERANCE_KIB = 32 << 10  # per process: allocator noise after the warm-up half
 
 
-async def _action(serve: procs.Serve, session: aiohttp.ClientSession, rng: random.Random,
+async def _action(serve: servers.Serve, session: aiohttp.ClientSession, rng: random.Random,
                   i: int) -> tuple[str, Outcome]:
     action = rng.choice(ACTIONS)
     max_tokens = rng.randint(4, 40)
@@ -62,7 +62,7 @@ async def _action(serve: procs.Serve, session: aiohttp.ClientSession, rng: rando
         return action, Outcome("grpc" if not use_http else "http", status="cancelled")
 
 
-async def _soak(serve: procs.Serve, clients: int, seconds: float, seed: int) -> list:
+async def _soak(serve: servers.Serve, clients: int, seconds: float, seed: int) -> list:
     results: list[tuple[str, Outcome]] = []
     end = time.monotonic() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -79,18 +79,18 @@ async def _soak(serve: procs.Serve, clients: int, seconds: float, seed: int) -> 
     return results
 
 
-def _idle_point(serve: procs.Serve) -> dict:
-    stats = procs.wait_idle(serve.scheduler_port, 60)
+def _idle_point(serve: servers.Serve) -> dict:
+    stats = servers.wait_idle(serve.scheduler_port, 60)
     deadline = time.monotonic() + 15  # the executor reports its state in heartbeats
     while stats.executor_num_sequences and time.monotonic() < deadline:
         time.sleep(0.5)
         stats = serve.stats()
     time.sleep(1.0)  # let closed connections' fds go
-    pids = {role: serve.pid(role) for role in procs.ROLES}
+    pids = {role: serve.pid(role) for role in servers.ROLES}
     return {
         "stats": stats,
-        "fds": {r: procs.num_fds(p) for r, p in pids.items()},
-        "rss": {r: procs.rss_kib(p) for r, p in pids.items()},
+        "fds": {r: servers.num_fds(p) for r, p in pids.items()},
+        "rss": {r: servers.rss_kib(p) for r, p in pids.items()},
     }
 
 
@@ -100,7 +100,7 @@ def _clean(stats) -> bool:
             and stats.executor_num_sequences == 0)
 
 
-def run(serve: procs.Serve, size: str = "short") -> dict:
+def run(serve: servers.Serve, size: str = "short") -> dict:
     cfg = SIZES[size]
     half = cfg["seconds"] / 2
     first = asyncio.run(_soak(serve, cfg["clients"], half, 1))
@@ -108,8 +108,8 @@ def run(serve: procs.Serve, size: str = "short") -> dict:
     second = asyncio.run(_soak(serve, cfg["clients"], half, 2))
     idle2 = _idle_point(serve)
     results = first + second
-    fd_growth = {r: idle2["fds"][r] - idle1["fds"][r] for r in procs.ROLES}
-    rss_growth = {r: round((idle2["rss"][r] - idle1["rss"][r]) / 1024, 1) for r in procs.ROLES}
+    fd_growth = {r: idle2["fds"][r] - idle1["fds"][r] for r in servers.ROLES}
+    rss_growth = {r: round((idle2["rss"][r] - idle1["rss"][r]) / 1024, 1) for r in servers.ROLES}
     completes = [o for a, o in results if a == "complete"]
     by_action = {a: sum(1 for b, _ in results if b == a) for a in ACTIONS}
     s = idle2["stats"]

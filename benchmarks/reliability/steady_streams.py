@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import streams
+from harness import streams
 
 PROMPTS = ("Tell me about the sea.", "Count to ten.", "Name three colors.",
            "What is a cat?")

@@ -17,8 +17,9 @@ import time
 import grpc
 import pytest
 
+from continuum.procs import free_port
 from protos.continuum.v1 import sampling_pb2
-from tests.integration.conftest import Server, free_port, start_server, stop_server
+from tests.integration.conftest import Server, start_server
 from tests.integration.test_serve import chat, collect
 
 pytestmark = pytest.mark.integration
@@ -75,7 +76,7 @@ def two_replicas(tmp_path, model_dir):
         log.close()
         a.proc.kill()
         a.proc.wait()
-        stop_server(b)
+        b.stop()
 
 
 def test_streams_of_a_hung_replica_continue_on_another(tmp_path, model_dir):
