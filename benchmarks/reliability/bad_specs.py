@@ -30,7 +30,7 @@ import grpc
 from benchmarks.reliability.hostile_load import Kind, Sender
 from harness import servers
 from harness.streams import Outcome, grpc_stream, request
-from sim.metrics import percentile
+from sim.metrics import itl_gaps, percentile
 
 SIZES = {"ci": dict(seconds=8.0, rate=20.0, streams=16),
          "short": dict(seconds=12.0, rate=20.0, streams=16),
@@ -81,8 +81,7 @@ async def _client(serve: servers.Serve, k: int, end: float, outputs: dict,
             seen[f"normal: {out.status} {out.code}".strip()] += 1
             if out.status == "ok":
                 outputs[(k, i)] = out.token_ids
-                itls += [b - a for a, b in zip(out.token_times, out.token_times[1:],
-                                               strict=False)]
+                itls += itl_gaps(out.token_times)
             i += 1
 
 

@@ -56,7 +56,7 @@ from benchmarks.reliability.hostile_load import (
 from harness import servers
 from harness.streams import Outcome, grpc_stream, request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from sim.metrics import percentile
+from sim.metrics import itl_gaps, percentile
 
 SIZES = {"short": dict(seconds=12.0, rate=20.0, kind_seconds=5.0),
          "default": dict(seconds=30.0, rate=20.0, kind_seconds=10.0),
@@ -102,7 +102,7 @@ async def _normal(serve: servers.Serve, end: float, seen: collections.Counter) -
                     max(0.1, end - time.monotonic()))
             except TimeoutError:
                 out.status = "cancelled"  # the phase ended, not the stream
-            itls += [b - a for a, b in zip(out.token_times, out.token_times[1:], strict=False)]
+            itls += itl_gaps(out.token_times)
             if out.status not in ("ok", "cancelled"):
                 seen[f"normal stream: {out.status} {out.code}"] += 1
                 await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
