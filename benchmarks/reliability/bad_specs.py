@@ -28,8 +28,9 @@ import time
 import grpc
 
 from benchmarks.reliability.hostile_load import Kind, Sender
+from continuum.bench_clients import Outcome, grpc_stream
 from harness import servers
-from harness.streams import Outcome, grpc_stream, request
+from harness.streams import request
 from sim.metrics import itl_gaps, percentile
 
 SIZES = {"ci": dict(seconds=8.0, rate=20.0, streams=16),
@@ -75,13 +76,13 @@ async def _client(serve: servers.Serve, k: int, end: float, outputs: dict,
             ("grpc.use_local_subchannel_pool", 1),)) as ch:
         i = 0
         while time.monotonic() < end:
-            out = Outcome("grpc")
+            out = Outcome()
             await grpc_stream(serve.addr, request(f"Stream {k}, story {i}: once upon a",
                                                   NORMAL_TOKENS), channel=ch, out=out)
             seen[f"normal: {out.status} {out.code}".strip()] += 1
             if out.status == "ok":
                 outputs[(k, i)] = out.token_ids
-                itls += itl_gaps(out.token_times)
+                itls += itl_gaps(out.chunk_times)
             i += 1
 
 

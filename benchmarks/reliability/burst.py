@@ -27,8 +27,8 @@ import time
 
 import aiohttp
 
+from continuum.bench_clients import http_stream
 from harness import servers
-from harness.streams import http_stream
 from sim.metrics import percentile
 
 SIZES = {"ci": 100, "short": 300, "default": 1000, "long": 2000}
@@ -113,7 +113,7 @@ def _run_form(serve: servers.Serve, size: str, form: str, idle: int) -> dict:
     results = sent["results"]
     idle_after = servers.wait_idle(serve.scheduler_port, 120)
     seen = collections.Counter(f"{status} {code}".strip() for status, code, _, _ in results)
-    refused = [s for status, code, s, _ in results if code == "429"]
+    refused = [s for status, code, s, _ in results if code == "HTTP_429"]
     served = [s for status, code, s, _ in results if status == "ok"]
     unanswered = sum(1 for status, code, _, _ in results if not code)
     return {

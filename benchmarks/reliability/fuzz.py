@@ -26,11 +26,11 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from continuum.bench_clients import SERVER_ERROR_CODES
 from gateway.api import openai_schema
 from harness import proto_strategies
 from harness.body_strategies import ANY_JSON, LENGTH_KEYS, SCALAR, splice
 from harness.fuzz_common import PHASES, Tally, run_property
-from harness.streams import SERVER_ERROR_CODES
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 

@@ -53,8 +53,9 @@ from benchmarks.reliability.hostile_load import (
     costly_kinds,
     heavy_kinds,
 )
+from continuum.bench_clients import Outcome, grpc_stream
 from harness import servers
-from harness.streams import Outcome, grpc_stream, request
+from harness.streams import request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sim.metrics import itl_gaps, percentile
 
@@ -95,14 +96,14 @@ async def _normal(serve: servers.Serve, end: float, seen: collections.Counter) -
     async with grpc.aio.insecure_channel(serve.addr) as ch:
         i = 0
         while time.monotonic() < end:
-            out = Outcome("grpc")
+            out = Outcome()
             try:
                 await asyncio.wait_for(grpc_stream(serve.addr, request(
                     f"Describe city number {i}.", NORMAL_TOKENS), channel=ch, out=out),
                     max(0.1, end - time.monotonic()))
             except TimeoutError:
                 out.status = "cancelled"  # the phase ended, not the stream
-            itls += itl_gaps(out.token_times)
+            itls += itl_gaps(out.chunk_times)
             if out.status not in ("ok", "cancelled"):
                 seen[f"normal stream: {out.status} {out.code}"] += 1
                 await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))

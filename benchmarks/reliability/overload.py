@@ -18,14 +18,9 @@ import time
 
 import aiohttp
 
+from continuum.bench_clients import Outcome, grpc_stream, http_stream
 from harness import servers
-from harness.streams import (
-    Outcome,
-    completion_body,
-    grpc_stream,
-    http_stream,
-    request,
-)
+from harness.streams import completion_body, request
 from sim.metrics import percentile
 
 SIZES = {  # closed-loop concurrency, capacity seconds, offer seconds, most offered, deadline

@@ -19,14 +19,9 @@ import time
 
 import aiohttp
 
+from continuum.bench_clients import Outcome, grpc_stream, http_stream
 from harness import servers
-from harness.streams import (
-    Outcome,
-    completion_body,
-    grpc_stream,
-    http_stream,
-    request,
-)
+from harness.streams import completion_body, request
 
 SIZES = {"ci": dict(clients=4, seconds=8.0), "short": dict(clients=6, seconds=16.0),
          "default": dict(clients=12, seconds=60.0), "long": dict(clients=24, seconds=600.0)}
@@ -59,7 +54,7 @@ async def _action(serve: servers.Serve, session: aiohttp.ClientSession, rng: ran
     try:
         return action, await asyncio.wait_for(task, rng.uniform(0.05, 1.5))
     except TimeoutError:
-        return action, Outcome("grpc" if not use_http else "http", status="cancelled")
+        return action, Outcome(api="http" if use_http else "grpc", status="cancelled")
 
 
 async def _soak(serve: servers.Serve, clients: int, seconds: float, seed: int) -> list:
