@@ -347,12 +347,16 @@ class Gateway:
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def generation_stub(self, channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(channel)
 
-def start_gateway(scheduler_ports: list[int]) -> Gateway:
+
+def start_gateway(scheduler_ports: list[int],
+                  model: pathlib.Path | str | None = None) -> Gateway:
     """A gateway process in front of the given scheduler replicas (gRPC and HTTP)."""
     ensure_secret()
     port, http_port = free_port(), free_port()
-    proc = spawn("gateway", ["--model-dir", str(model_dir()), "--port", str(port),
+    proc = spawn("gateway", ["--model-dir", str(model or model_dir()), "--port", str(port),
                              "--http-port", str(http_port), "--scheduler",
                              ",".join(f"127.0.0.1:{p}" for p in scheduler_ports)],
                  stderr=subprocess.DEVNULL)
