@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
+from sim.metrics import percentile
 
 _BLOCK = 10  # plans per channel before switching to the other
 
@@ -117,12 +118,7 @@ def fanout(tp: int, steps: int, gap_s: float) -> dict[tuple[str, str], tuple[flo
     names = [name for name, _ in sizes()]
     for (i, channel), ns in zip(schedule, worst, strict=True):
         by.setdefault((names[i], channel), []).append(ns / 1e3)
-    return {k: (statistics.median(v), _p99(v)) for k, v in by.items()}
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {k: (statistics.median(v), percentile(v, 99)) for k, v in by.items()}
 
 
 def run_fanout(tps: list[int], steps: int, gap_s: float) -> None:

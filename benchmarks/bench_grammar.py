@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # a 49k-row mask is too small to split; threads only add noise
     from tokenizers import Tokenizer
 
-    from benchmarks.reliability.procs import model_dir
+    from harness.servers import model_dir
 
     mdir = model_dir()
     config = json.loads((mdir / "config.json").read_text())

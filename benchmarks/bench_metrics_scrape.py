@@ -27,7 +27,7 @@ import time
 
 import grpc
 
-from benchmarks.reliability import procs
+from harness import servers
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 from sim.metrics import percentile
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.scrape_only:  # the scraper process
         print(json.dumps(scrape(a.scrape_only, a.seconds, not a.no_keep_alive)))
         return 0
-    port = procs.free_port()
-    serve = procs.start_serve(pathlib.Path(tempfile.mkdtemp()), "--metrics-port", str(port),
+    port = servers.free_port()
+    serve = servers.start_serve(pathlib.Path(tempfile.mkdtemp()), "--metrics-port", str(port),
                               "--telemetry-dsn", "off")
     stop = threading.Event()
     try:

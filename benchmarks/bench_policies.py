@@ -23,62 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import pathlib
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-
-import grpc
 
 from continuum.bench import add_arguments
 from continuum.bench_clients import GrpcClient, run_workload
 from continuum.bench_report import summarize_outcomes as summarize
 from continuum.bench_workload import build_workload
-from continuum.procs import free_port
+from harness import servers
 from protos import tiers
-from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from runtime import internal_auth
 from scheduler_svc.core import policy as registry
 
 # The core's registry; a policy that uses TPOT targets (chunked-slo) gets --tpot-target-ms
 # for every tier.
 POLICIES = tuple(registry.POLICIES)
-
-
-class Server:
-    """``continuum serve --policy P`` on free ports, stopped with Ctrl-C semantics."""
-
-    def __init__(self, policy: str, engine_args: list[str], workdir: pathlib.Path):
-        self.port, self.scheduler_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "continuum", "serve", "--policy", policy,
-               "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
-               "--http-port", "-1", "--ipc", f"ipc://{workdir}/{policy}.sock", *engine_args]
-        # Our own secret for serve's internal planes, so that Stats can show it.
-        secret = internal_auth.new_secret()
-        self.metadata = internal_auth.metadata(secret.encode("ascii"))
-        env = {**os.environ, internal_auth.ENV_SECRET: secret}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        if not self.proc.stdout.readline():  # "ready", or EOF if it died
-            raise SystemExit(f"{policy}: server failed to start:\n" + "".join(self.log[-20:]))
-
-    def stats(self) -> scheduler_pb2.StatsResponse:
-        with grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}") as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            return stub.Stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=self.metadata)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
@@ -94,8 +54,8 @@ def engine_args(policy: str, args: argparse.Namespace) -> list[str]:
 
 
 def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
-    engine = engine_args(policy, args)
-    server = Server(policy, engine, workdir)
+    server = servers.start_serve(workdir / policy, "--policy", policy,
+                                 *engine_args(policy, args), http=False)
     try:
         before = server.stats()
         specs = build_workload(args, args.request_rate)
@@ -110,7 +70,7 @@ def run_policy(policy: str, args: argparse.Namespace, workdir: pathlib.Path) -> 
         outcomes, duration = asyncio.run(go())
         after = server.stats()
     finally:
-        server.stop()
+        server.stop(grace_s=60)
     report = summarize(outcomes, duration, {})["overall"]
     decode_steps = after.num_decode_steps - before.num_decode_steps
     stalled = after.num_stalled_decode_steps - before.num_stalled_decode_steps

@@ -1,7 +1,7 @@
 """Lower precision against fp32 on the bundled model (or ``--model``): bf16 and fp16
-weights and activations read fp32's greedy continuations of tests/executor/test_runner.py's
-prompts (teacher forcing), and at each position the next-token distributions are compared
-(tests/executor/precision.py: top-1 agreement, KL, how near a tie each disagreement was),
+weights and activations read fp32's greedy continuations of harness/prompts.py's prompts
+(teacher forcing), and at each position the next-token distributions are compared
+(harness/precision.py: top-1 agreement, KL, how near a tie each disagreement was),
 against the tolerance the tests hold bf16 to.
 
     .venv/bin/python -m benchmarks.bench_precision [--device cuda] [--max-new 32]
@@ -16,8 +16,8 @@ import torch
 from executor_svc.model_files import resolve_model
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.settings import Switches
-from tests.executor import precision
-from tests.executor.test_runner import MORE_PROMPTS, PROMPTS
+from harness import precision
+from harness.prompts import MORE_PROMPTS, PROMPTS
 
 
 def main(argv: list[str] | None = None) -> None:

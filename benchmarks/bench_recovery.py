@@ -41,16 +41,15 @@ import tempfile
 import time
 
 import grpc
-import pytest
 
 from continuum.serve_config import ServeConfig
+from harness import servers
+from harness.streams import request
 from sim.metrics import percentile
-from tests.integration.conftest import start_server, stop_server
-from tests.integration.test_serve import chat
 
 DETACH_LOGS = ("executor missed its step deadline", "executor stopped answering heartbeats",
                "executor disconnected")
-GUARD_FLAG = "--max-executor-restarts"  # serve's crash-loop line names it
+GUARD_FLAG = servers.GUARD_FLAG
 
 
 def restart_budget(repeats: int, given: int | None = None) -> tuple[int, list[str]]:
@@ -58,32 +57,6 @@ def restart_budget(repeats: int, given: int | None = None) -> tuple[int, list[st
     faults unless ``given``, so that a replacement a busy machine loses too still fits."""
     faults = 2 * repeats
     return faults, [GUARD_FLAG, str(2 * faults if given is None else given)]
-
-
-def _guard_line(server) -> str | None:
-    return next((line.strip() for line in server.stderr_lines
-                 if GUARD_FLAG in line and "crash loop" in line), None)
-
-
-def why_stopped(server, exc: grpc.RpcError, wait_s: float = 15.0) -> str:
-    """One message for a call the server refused: the crash-loop guard's line when that is
-    what stopped it, the exit code when something else did, else the call's error."""
-    deadline = time.monotonic() + wait_s
-    exited_at = None
-    while (guard := _guard_line(server)) is None and time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            exited_at = exited_at or time.monotonic()
-            if time.monotonic() - exited_at > 1:  # its last lines have been read by now
-                break
-        time.sleep(0.1)
-    if guard is not None:
-        return ("bench_recovery: the server stopped: its crash-loop guard tripped before the "
-                f"bench was done ({guard}). Rerun with a larger {GUARD_FLAG} (this bench "
-                "passes it to serve; by default twice its fault count).")
-    if server.proc.poll() is not None:
-        return (f"bench_recovery: the server exited with code {server.proc.returncode} "
-                f"mid-run (its last lines are above); a call got {exc.code().name}")
-    return f"bench_recovery: a call to the server failed: {exc.code().name}: {exc.details()}"
 
 
 def stream(server, request, arrivals: list[float]) -> None:
@@ -141,8 +114,8 @@ def describe_standby(server, idle_s: float = 10.0) -> None:
 def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float], float]:
     """Returns (per stream: fault → first token after it, in s; detach logged after s)."""
     arrivals: list[list[float]] = [[] for _ in range(streams)]
-    requests = [chat(f"Tell a long story about the number {i}.", max_tokens=max_tokens,
-                     ignore_eos=True) for i in range(streams)]
+    requests = [request(f"Tell a long story about the number {i}.", max_tokens)
+                for i in range(streams)]
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         futures = [pool.submit(stream, server, r, a) for r, a in zip(requests, arrivals,
                                                                         strict=True)]
@@ -150,13 +123,13 @@ def run_fault(server, streams: int, max_tokens: int, fault) -> tuple[list[float]
         while (min(len(a) for a in arrivals) < 8 and time.monotonic() < deadline
                and not any(f.done() for f in futures)):  # one ended early: an error
             time.sleep(0.01)
-        log_mark = len(server.stderr_lines)
+        log_mark = len(server.log)
         at = time.monotonic()
         fault()
         detected = math.nan
         while not all(f.done() for f in futures):
             if math.isnan(detected) and any(
-                    m in line for line in server.stderr_lines[log_mark:] for m in DETACH_LOGS):
+                    m in line for line in server.log[log_mark:] for m in DETACH_LOGS):
                 detected = time.monotonic() - at
             time.sleep(0.005)
         for f in futures:
@@ -215,33 +188,30 @@ def main() -> None:
                    help="serve's crash-loop budget (default: twice this run's faults)")
     p.add_argument("--server-log", default=None, help="write the server's stderr here")
     args = p.parse_args()
-    from executor_svc.model_files import resolve_model
-    from executor_svc.settings import Switches
     faults, guard = restart_budget(args.repeats, args.max_executor_restarts)
     print(f"{faults} faults; serve's crash-loop guard: {' '.join(guard)} within "
           f"--restart-window-s {ServeConfig().restart_window_s:g} (its default)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            server = start_server(
-                pathlib.Path(tmp), resolve_model(None, Switches.from_env().cache_dir),
-                "--kv-cache-bytes", str(96 << 20),
+            server = servers.start_serve(
+                pathlib.Path(tmp), "--kv-cache-bytes", str(96 << 20),
                 "--standby-executors", str(args.standby_executors), *guard,
                 # every stream must run: none shed for its queue time
                 "--max-queue-time-standard-s", "0")
-        except pytest.fail.Exception as exc:  # start_server is the test suite's
+        except servers.ServerError as exc:
             raise SystemExit(f"bench_recovery: {exc}") from None
         try:
             try:
                 measure(server, args)
             except grpc.RpcError as exc:
-                raise SystemExit(why_stopped(server, exc)) from None
+                raise SystemExit(f"bench_recovery: {server.why_stopped(exc)}") from None
         except BaseException:
-            print("".join(server.stderr_lines[-60:]), file=sys.stderr)  # the server's side
+            print("".join(server.log[-60:]), file=sys.stderr)  # the server's side
             raise
         finally:
-            stop_server(server)
+            server.stop()
             if args.server_log:
-                pathlib.Path(args.server_log).write_text("".join(server.stderr_lines))
+                pathlib.Path(args.server_log).write_text("".join(server.log))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import grpc
 from gateway.routing.mux import Mux
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc import streams as scheduler_streams
+from sim.metrics import percentile
 
 
 async def _read_to_end(stream, cpu: list[float]) -> None:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                                                      args.interval))
         mean = statistics.fmean(fan)
         print(f"{n:>7} {statistics.median(fan):>11.2f} "
-              f"{statistics.quantiles(fan, n=10)[8]:>6.2f} {mean:>6.2f} "
+              f"{percentile(fan, 90):>6.2f} {mean:>6.2f} "
               f"{mean * 1e3 / n:>9.1f} {messages / args.steps:>13.0f} "
               f"{cpu * 1e3 / args.steps:>19.2f}")
 

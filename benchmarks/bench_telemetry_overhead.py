@@ -18,8 +18,8 @@ import pathlib
 import statistics
 import tempfile
 
-from benchmarks.reliability import procs
 from continuum.bench import add_arguments, run_point
+from harness import servers
 
 
 def _point(addr: str, args: argparse.Namespace) -> dict:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("off", "on"):
             tmp = pathlib.Path(tempfile.mkdtemp())
             dsn = "off" if mode == "off" else str(tmp / "telemetry.sqlite")
-            serve = procs.start_serve(tmp, "--telemetry-dsn", dsn)
+            serve = servers.start_serve(tmp, "--telemetry-dsn", dsn)
             try:
                 results[mode] = _point(serve.addr, args)
             finally:

@@ -12,7 +12,7 @@ sources judge the same load:
   tier) through ``sim.engine.Simulation`` with the profile as its cost model.
 * **real**: the same requests (token ids, lengths, arrival times) sent by ``continuum
   bench``'s client to a ``continuum serve`` started here on loopback, with its own
-  internal secret (``benchmarks.sim_server.Server``).
+  internal secret (``benchmarks.sim_server.start``).
 
 The simulator and the server run one scheduler config: the chunked policy,
 ``max_num_seqs`` = the contract's active-sequence bound, ``chunk_size`` = the audit's
@@ -165,33 +165,6 @@ def sim_row(profile: ExecutorProfile, config: SchedulerConfig, reqs: list[TraceR
             "requests": len(reqs), "completed": len(fin), "refused": len(res.rejected)}
 
 
-def _timed_client(addr: str, queue_s: dict):
-    """``continuum bench``'s gRPC client, also keeping each request's queue time (the
-    server's ``Timing`` on the last message)."""
-    from continuum.bench_clients import GrpcClient, _on_chunk
-
-    class Timed(GrpcClient):
-        async def run(self, spec, outcome, clock) -> None:
-            request = self._pb.GenerateRequest(
-                max_tokens=spec.max_tokens, tenant=spec.tenant,
-                priority=self._priorities[spec.tier],
-                sampling={"temperature": 0.0, "ignore_eos": True})
-            request.token_ids.ids.extend(spec.prompt_ids)
-            try:
-                async for response in self._stub.Generate(request, timeout=3600,
-                                                          metadata=self._metadata):
-                    if response.token_ids:
-                        outcome.output_tokens += len(response.token_ids)
-                        _on_chunk(outcome, clock())
-                    if response.HasField("timing"):
-                        queue_s[spec.index] = response.timing.queue_time_s
-                outcome.finish_s = clock()
-            except self._grpc.aio.AioRpcError as exc:
-                outcome.status, outcome.detail = exc.code().name, exc.details() or ""
-
-    return Timed(addr, None)
-
-
 async def _send(client, specs, deadline_s: float):
     """Each spec at its arrival time (``run_workload``'s loop, with a deadline: a request
     still streaming at ``deadline_s`` is cancelled and counts as unfinished)."""
@@ -217,15 +190,14 @@ async def _send(client, specs, deadline_s: float):
 
 def real_row(server, reqs: list[TraceRequest], served_per_s: float, deadline_s: float,
              log=print) -> dict:
+    from continuum.bench_clients import GrpcClient
     from continuum.bench_workload import Spec
 
     specs = [Spec(index=i, arrival_s=r.arrival_s, prompt_ids=list(r.prompt_ids),
                   max_tokens=r.num_output_tokens, tenant=r.tenant, tier=r.priority_tier)
              for i, r in enumerate(reqs)]
-    queue_s: dict[int, float] = {}
-
     async def go():
-        client = _timed_client(server.addr, queue_s)
+        client = GrpcClient(server.addr, None)  # its outcomes keep the server's queue time
         try:
             return await _send(client, specs, deadline_s)
         finally:
@@ -235,7 +207,7 @@ def real_row(server, reqs: list[TraceRequest], served_per_s: float, deadline_s: 
     errors: dict[str, str] = {}
     for o in outcomes:
         if o.status not in ("ok", "cancelled"):
-            errors.setdefault(o.status, o.detail)
+            errors.setdefault(o.code or o.status, o.detail)
     for status, detail in errors.items():  # what a refused request was told, once a code
         log(f"refused: {status}: {detail}")
     done = [o for o in outcomes if o.completed and o.first_token_s is not None]
@@ -243,8 +215,8 @@ def real_row(server, reqs: list[TraceRequest], served_per_s: float, deadline_s: 
     tokens = sum(o.prompt_tokens + o.output_tokens for o in done)
     return {"source": "real", "utilization %": 100 * tokens / duration / served_per_s
             if duration and served_per_s else float("nan"),
-            "queue p50 ms": percentile([queue_s[o.index] * 1e3 for o in done
-                                        if o.index in queue_s], 50),
+            "queue p50 ms": percentile([o.queue_s * 1e3 for o in done
+                                        if o.queue_s is not None], 50),
             "TTFT p99 ms": s["ttft_p99_ms"], "TPOT p99 ms": s["tpot_p99_ms"],
             "requests": len(specs), "completed": len(done),
             "refused": sum(o.status not in ("ok", "cancelled") for o in outcomes)}
@@ -288,12 +260,11 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
 
 
 def _start(k: BatchingContract, config: SchedulerConfig, tmp: str, log):
-    from benchmarks.sim_server import Server
+    from benchmarks import sim_server
     from benchmarks.sim_validate import Workload
 
     started = time.perf_counter()
-    server = Server(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
-    server.wait_ready()
+    server = sim_server.start(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
     log(f"continuum serve ready ({time.perf_counter() - started:.0f} s): chunked, "
         f"{config.max_num_seqs} sequences, chunk {config.chunk_size}, budget "
         f"{config.max_num_batched_tokens} tokens/step")

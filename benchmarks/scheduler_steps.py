@@ -19,6 +19,7 @@ from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc.core import Request
 from scheduler_svc.core.config import QUEUE_TIME_FIELDS
 from scheduler_svc.gc_pacing import GcPacer
+from sim.metrics import percentile
 
 SYSTEM_PROMPT = list(range(1000, 1064))
 BLOCK_SIZE = 16  # the executor's default (--block-size)
@@ -202,8 +203,7 @@ class Stepper:
         med = {k: statistics.median(v) for k, v in timings.items()}
         med["total"] = med["schedule"] + med["plan"] + med["serialize"] + med["update"]
         med["mean_total"] = statistics.mean(self.totals)
-        med["p99"] = (statistics.quantiles(self.totals, n=100)[98] if len(self.totals) > 1
-                      else self.totals[0])
+        med["p99"] = percentile(self.totals, 99)
         med["max"] = max(self.totals)
         med["running"] = len(sched.running)
         med["tokens_per_step"] = self.tokens / steps

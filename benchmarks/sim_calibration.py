@@ -11,7 +11,8 @@ import math
 import random
 import statistics
 
-from benchmarks.sim_server import Server, measured, step_figures
+from benchmarks.sim_server import measured, step_figures
+from harness.servers import Serve
 from scheduler_svc.core import SchedulerConfig
 from sim.engine import Simulation
 from sim.metrics import summarize
@@ -43,7 +44,7 @@ CALIBRATION_PROMPTS = (32, 256)  # lone prefills: their TTFTs' difference gives 
 CALIBRATION_REPEATS = 3  # each calibration's figure is the median of this many runs
 
 
-def calibration(server: Server, profile: ExecutorProfile, config: SchedulerConfig,
+def calibration(server: Serve, profile: ExecutorProfile, config: SchedulerConfig,
                 stats, output_tokens: int = 24, speed: bool = True) -> ExecutorProfile:
     """``profile`` calibrated on the running server (the calibrations also warm it up):
 

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import sim_server
 from benchmarks.sim_calibration import (
     CALIBRATION_BATCH,
     CALIBRATION_PROMPTS,
@@ -37,7 +38,8 @@ from benchmarks.sim_calibration import (
     run_speed,
     simulated,
 )
-from benchmarks.sim_server import Server, measured
+from benchmarks.sim_server import measured
+from harness.servers import Serve
 from scheduler_svc.core import SchedulerConfig
 from sim.profile import ExecutorProfile
 
@@ -123,10 +125,11 @@ def _calibration_line(profile: ExecutorProfile, calibrate_speed: bool) -> str:
             f"the simulated TTFT of {CALIBRATION_BATCH} together meets the measured)")
 
 
-def _at_run_speed(server: Server, real: dict, profile: ExecutorProfile,
+def _at_run_speed(server: Serve, real: dict, profile: ExecutorProfile,
                   config: SchedulerConfig, specs, stats, log) -> dict | None:
     """The rate simulated at the speed its own decode-only steps ran (None without any)."""
-    timed = server.timed_steps(*real["window"], stats.num_total_blocks, stats.block_size)
+    timed = sim_server.timed_steps(server, *real["window"], stats.num_total_blocks,
+                                   stats.block_size)
     scale, with_prompts = run_speed(profile, timed), run_speed(profile, timed, True)
     nan = float("nan")
     log(f"  its decode-only steps ran at x{scale or nan:.3f} the fit's speed, its steps "
@@ -166,9 +169,8 @@ def validate(profile: ExecutorProfile, w: Workload, rates: list[float] | None = 
     config = SchedulerConfig(max_num_seqs=w.max_num_seqs)  # serve's defaults otherwise
     rows, counts = [], []
     with tempfile.TemporaryDirectory(prefix="sim-validate-") as tmp:
-        server = Server(w, config, tmp)
+        server = sim_server.start(w, config, tmp)
         try:
-            server.wait_ready()
             stats = server.stats()
             log(f"server ready: {stats.num_total_blocks} KV blocks of {stats.block_size} tokens "
                 f"({time.perf_counter() - started:.0f} s)")

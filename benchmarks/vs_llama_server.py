@@ -32,8 +32,8 @@ import pathlib
 import tempfile
 import time
 
-from benchmarks.reliability import procs
 from continuum.bench import add_arguments, run_point, validate_args
+from harness import servers
 
 # What we aim for: our output tok/s over llama-server's, at least, by streams.
 TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
@@ -68,12 +68,12 @@ def _ours(url: str | None, extra: list[str]):
         return
     with tempfile.TemporaryDirectory(prefix="continuum-vs-llama-") as tmp:
         try:
-            serve = procs.start_serve(pathlib.Path(tmp), "--policy", "chunked", *extra)
-        except procs.ServerError as exc:
+            serve = servers.start_serve(pathlib.Path(tmp), "--policy", "chunked", *extra)
+        except servers.ServerError as exc:
             raise SystemExit(str(exc)) from None
         try:
             yield (f"http://127.0.0.1:{serve.http_port}/v1",
-                   procs.children_by_role(serve.proc.pid))
+                   servers.children_by_role(serve.proc.pid))
         finally:
             serve.stop()
 
@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             order = [("ours", ours_url), ("theirs", args.llama_url)]
             results, cores = {}, {}
             for name, url in (order if i % 2 == 0 else order[::-1]):
-                before, started = procs.cpu_seconds(pids or {}), time.monotonic()
+                before, started = servers.cpu_seconds(pids or {}), time.monotonic()
                 results[name] = _point(url, n, args)
                 if name == "ours" and pids:  # which of our processes the run kept busy
-                    used = procs.cpu_seconds(pids)
+                    used = servers.cpu_seconds(pids)
                     used.subtract(before)
                     cores = {role: round(s / (time.monotonic() - started), 2)
                              for role, s in sorted(used.items())}

@@ -34,7 +34,6 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from continuum.bench_clients import GrpcClient, OpenAIClient, run_workload
 from continuum.bench_report import format_report, plot_sweep, summarize_outcomes
 from continuum.bench_workload import BenchError, build_workload
 from protos import tiers
@@ -147,6 +146,9 @@ async def run_point(args: argparse.Namespace, rate: float, point: int = 0) -> tu
     slos = _parse_slos(args.goodput)
     specs = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + point}),
                            rate)
+    # grpc and aiohttp load here, not when the CLI parses its flags
+    from continuum.bench_clients import GrpcClient, OpenAIClient, run_workload
+
     client = (OpenAIClient(args.base_url, args.api_key) if args.api == "openai"
               else GrpcClient(args.addr, args.api_key))
     try:

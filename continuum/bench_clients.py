@@ -1,10 +1,28 @@
-"""``continuum bench``'s clients: send one request, record when each token came back.
+"""The client side of every load: one stream (gRPC ``Generate`` or the OpenAI API over
+HTTP+SSE) and one ``Outcome`` of it, for ``continuum bench``, the benchmarks and the
+tests alike.
 
-Two clients with one interface (``run(spec, outcome, clock)``, ``close()``): gRPC
-``Generate`` with token-id prompts, and the OpenAI API's streamed ``/v1/completions``
-over SSE. Both request greedy decoding with ``ignore_eos``, so a request that is not
-cancelled produces exactly ``max_tokens`` tokens. ``run_workload`` sends every request
-at its arrival time, or as slots free up under ``--max-concurrency``.
+``grpc_stream`` and ``http_stream`` send one request and fill its Outcome as tokens
+arrive. ``continuum bench``'s two clients (``run(spec, outcome, clock)``, ``close()``)
+wrap them: gRPC with token-id prompts, and streamed ``/v1/completions``; both ask for
+greedy decoding with ``ignore_eos``, so a request that is not cancelled produces exactly
+``max_tokens`` tokens. ``run_workload`` sends every request at its arrival time, or as
+slots free up under ``--max-concurrency``.
+
+A stream ends in exactly one ``status``:
+
+* ``ok``: a finish reason arrived (the terminal answer);
+* ``refused``: 429 / RESOURCE_EXHAUSTED (``retry_hint`` says whether it carried one);
+* ``client_error``: a 4xx / INVALID_ARGUMENT-like status (bad input, correctly refused);
+* ``unavailable``: 503 / UNAVAILABLE (no replica could serve: an answer, not an error);
+* ``cancelled``: the client cancelled or disconnected on purpose;
+* ``deadline``: the client's own deadline passed (a server that answers nothing by
+  then has *lost* the stream when the row did not ask for a short deadline);
+* ``server_error``: 5xx other than 503/504, INTERNAL, UNKNOWN, an SSE error event of
+  type ``server_error``, or a broken connection: what the targets say must never happen.
+
+``code`` keeps what was said: the gRPC code's name, ``HTTP_429``, an SSE error's type,
+or ``CONNECTION`` when no response came at all.
 """
 
 from __future__ import annotations
@@ -14,64 +32,234 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import aiohttp
+import grpc
 
 from continuum.bench_workload import Spec
 from protos import tiers
+from protos.continuum.v1 import generation_pb2 as gen
+from protos.continuum.v1 import generation_pb2_grpc, sampling_pb2
+
+SERVER_ERROR_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNIMPLEMENTED})
+RETRY_KEY = "retry-after-ms"
+LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What happened to one request; times are seconds from the start of the run."""
+    """What happened to one request, as its client saw it. Times are seconds on the clock
+    the stream was given: ``continuum bench``'s counts from the start of the run, the
+    reliability rows' is ``time.monotonic``. The first five fields label a load
+    generator's request; a single stream leaves them at their defaults."""
 
-    index: int
-    tenant: str
-    tier: int
-    prompt_tokens: int
-    max_tokens: int
-    sent_s: float
+    index: int = 0
+    tenant: str = ""
+    tier: int = 0
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    sent_s: float = 0.0
     first_token_s: float | None = None
-    finish_s: float | None = None
-    chunk_times: list[float] = dataclasses.field(default_factory=list)
+    finish_s: float | None = None  # when the stream ended, however it ended
+    chunk_times: list[float] = dataclasses.field(default_factory=list)  # each with tokens
     output_tokens: int = 0
-    status: str = "ok"  # ok | cancelled | error code (RESOURCE_EXHAUSTED, HTTP_429, ...)
+    status: str = "ok"
     detail: str = ""
+    api: str = "grpc"
+    code: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    retry_hint: bool = False
+    retry_after_s: float | None = None  # the hint's value, when there was one
+    queue_s: float | None = None  # the server's queue time (gRPC ``timing``), if it said
 
     @property
     def completed(self) -> bool:
         return self.status == "ok" and self.finish_s is not None
 
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token (sim/metrics.py's TTFT: first token − send)."""
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
 
-class GrpcClient:
-    def __init__(self, addr: str, api_key: str | None):
-        import grpc
+    @property
+    def elapsed_s(self) -> float:
+        return 0.0 if self.finish_s is None else self.finish_s - self.sent_s
 
-        from protos.continuum.v1 import generation_pb2, generation_pb2_grpc
+    def on_chunk(self, now: float) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = now
+        self.chunk_times.append(now)
 
-        self._grpc = grpc
-        self._pb = generation_pb2
-        self._channel = grpc.aio.insecure_channel(addr)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
-    async def run(self, spec: Spec, outcome: Outcome, clock) -> None:
-        request = self._pb.GenerateRequest(
-            max_tokens=spec.max_tokens, tenant=spec.tenant, priority=tiers.to_priority(spec.tier),
-            sampling={"temperature": 0.0, "ignore_eos": True})
-        request.token_ids.ids.extend(spec.prompt_ids)
-        call = self._stub.Generate(request, metadata=self._metadata, timeout=3600)
+def grpc_status(code: grpc.StatusCode) -> str:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "refused"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return "unavailable"
+    if code == grpc.StatusCode.CANCELLED:
+        return "cancelled"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "deadline"
+    return "server_error" if code in SERVER_ERROR_CODES else "client_error"
+
+
+def http_status(status: int) -> str:
+    if status == 429:
+        return "refused"
+    if status == 503:
+        return "unavailable"
+    if status == 504:
+        return "deadline"
+    return "server_error" if status >= 500 else "client_error"
+
+
+async def grpc_stream(addr: str | None, req: gen.GenerateRequest, *, timeout: float = 120.0,
+                      cancel_after: int | None = None,
+                      channel: grpc.aio.Channel | None = None, out: Outcome | None = None,
+                      clock: Callable[[], float] = time.monotonic, metadata=None) -> Outcome:
+    """Runs one Generate call; ``cancel_after`` tokens: call.cancel() there. ``out``:
+    fill this Outcome as tokens arrive (a row watching progress passes its own)."""
+    out = out or Outcome(api="grpc")
+    out.sent_s = clock()
+    own = channel is None
+    # A channel of its own is a connection of its own (grpc shares one between channels
+    # unless told not to, and the gateway caps the streams on one connection).
+    ch = grpc.aio.insecure_channel(addr, options=LOCAL_POOL) if own else channel
+    try:
+        call = generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout,
+                                                               metadata=metadata)
         try:
             async for response in call:
                 if response.token_ids:
-                    outcome.output_tokens += len(response.token_ids)
-                    _on_chunk(outcome, clock())
-                if spec.cancel_after is not None and outcome.output_tokens >= spec.cancel_after:
+                    out.on_chunk(clock())
+                    out.output_tokens += len(response.token_ids)
+                    out.token_ids.extend(response.token_ids)
+                    out.text += response.text
+                if response.finish_reason:
+                    out.finish_reason = sampling_pb2.FinishReason.Name(response.finish_reason)
+                if response.HasField("timing"):
+                    out.queue_s = response.timing.queue_time_s
+                if cancel_after is not None and out.output_tokens >= cancel_after:
                     call.cancel()
-                    outcome.status = "cancelled"
-                    return
-            outcome.finish_s = clock()
-        except self._grpc.aio.AioRpcError as exc:
-            outcome.status, outcome.detail = exc.code().name, exc.details() or ""
+                    out.status = "cancelled"
+                    break
+        except grpc.aio.AioRpcError as exc:
+            out.code = exc.code().name
+            out.status = grpc_status(exc.code())
+            out.detail = exc.details() or ""
+            trailing = exc.trailing_metadata() or ()
+            hints = [int(v) / 1000 for k, v in trailing if k == RETRY_KEY and str(v).isdigit()]
+            out.retry_hint = bool(hints)
+            out.retry_after_s = hints[0] if hints else None
+        except asyncio.CancelledError:  # the caller gave up on it: not completed
+            call.cancel()
+            out.status = "cancelled"
+            raise
+        if out.status == "ok" and not out.finish_reason:
+            out.status, out.detail = "server_error", "stream ended without a finish reason"
+    finally:
+        out.finish_s = clock()
+        if own:
+            await ch.close()
+    return out
+
+
+async def http_stream(session: aiohttp.ClientSession, url: str, body: dict | bytes, *,
+                      timeout: float = 120.0, close_after: int | None = None,
+                      headers: dict | None = None, out: Outcome | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> Outcome:
+    """POSTs ``body``; streams SSE when the response is an event stream.
+    ``close_after`` chunks with text: drop the connection there (a client disconnect)."""
+    out = out or Outcome(api="http")
+    out.sent_s = clock()
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    try:
+        async with session.post(url, data=data, headers=hdrs,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            out.code = f"HTTP_{resp.status}"
+            retry_after = resp.headers.get("Retry-After", "")
+            out.retry_hint = retry_after.isdigit()
+            out.retry_after_s = float(retry_after) if out.retry_hint else None
+            if resp.status != 200:
+                out.status = http_status(resp.status)
+                out.detail = (await resp.text())[:300]
+                return out
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                _apply_json(out, await resp.json(), clock)
+                return out
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                _apply_chunk(out, json.loads(line[6:]), clock)
+                if out.status != "ok":
+                    return out
+                if close_after is not None and len(out.chunk_times) >= close_after:
+                    resp.close()
+                    out.status = "cancelled"
+                    return out
+    except TimeoutError:
+        out.status = "deadline"
+    except asyncio.CancelledError:  # the caller gave up on it: not completed
+        out.status = "cancelled"
+        raise
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        out.code = out.code or "CONNECTION"  # CONNECTION: no response came at all
+        out.status, out.detail = "server_error", f"connection broke: {exc!r}"
+    finally:
+        out.finish_s = clock()
+    if out.status == "ok" and not out.finish_reason:
+        out.status, out.detail = "server_error", "stream ended without a finish reason"
+    return out
+
+
+def _apply_chunk(out: Outcome, chunk: dict, clock: Callable[[], float]) -> None:
+    if "error" in chunk:
+        kind = chunk["error"].get("type", "")
+        out.status = "server_error" if kind == "server_error" else {
+            "rate_limit_error": "refused", "service_unavailable_error": "unavailable",
+            "timeout_error": "deadline"}.get(kind, "client_error")
+        out.code, out.detail = kind or "STREAM_ERROR", chunk["error"].get("message", "")
+        return
+    for choice in chunk.get("choices", []):
+        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        if text:
+            out.on_chunk(clock())
+            out.output_tokens += 1  # one streamed message per token (held-back text merges)
+            out.text += text
+        if choice.get("finish_reason"):
+            out.finish_reason = choice["finish_reason"]
+    if chunk.get("usage"):
+        out.output_tokens = chunk["usage"]["completion_tokens"]
+
+
+def _apply_json(out: Outcome, body: dict, clock: Callable[[], float]) -> None:
+    out.first_token_s = clock()
+    for choice in body.get("choices", []):
+        out.text += choice.get("text") or (choice.get("message") or {}).get("content") or ""
+        out.finish_reason = out.finish_reason or choice.get("finish_reason") or ""
+    if not out.finish_reason:
+        out.status, out.detail = "server_error", "response without a finish reason"
+
+
+class GrpcClient:
+    def __init__(self, addr: str, api_key: str | None):
+        self._channel = grpc.aio.insecure_channel(addr)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    async def run(self, spec: Spec, outcome: Outcome, clock) -> None:
+        request = gen.GenerateRequest(
+            max_tokens=spec.max_tokens, tenant=spec.tenant, priority=tiers.to_priority(spec.tier),
+            sampling={"temperature": 0.0, "ignore_eos": True})
+        request.token_ids.ids.extend(spec.prompt_ids)
+        await grpc_stream(None, request, timeout=3600, cancel_after=spec.cancel_after,
+                          channel=self._channel, out=outcome, clock=clock,
+                          metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -81,14 +269,9 @@ class OpenAIClient:
     """Streams /v1/completions with token-id prompts over SSE (aiohttp, one session)."""
 
     def __init__(self, base_url: str, api_key: str | None):
-        import aiohttp
-
-        self._aiohttp = aiohttp
         self._url = base_url.rstrip("/") + "/completions"
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session = aiohttp.ClientSession(
-            headers=headers, timeout=aiohttp.ClientTimeout(total=3600),
-            connector=aiohttp.TCPConnector(limit=0))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     # A request whose connection failed before any response came (a keep-alive connection
     # the server closed just as it was reused: llama-server's does, ~1 request in 6 under
@@ -100,55 +283,18 @@ class OpenAIClient:
         body = {"prompt": spec.prompt_ids, "max_tokens": spec.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "tenant": spec.tenant, "priority": tiers.NAMES[spec.tier]}
+        outcome.api, sent = "http", outcome.sent_s
         for attempt in range(self.RETRIES + 1):
-            responded = await self._attempt(body, spec, outcome, clock)
-            if responded or outcome.status != "CONNECTION" or attempt == self.RETRIES:
+            await http_stream(self._session, self._url, body, timeout=3600,
+                              close_after=spec.cancel_after, headers=self._headers,
+                              out=outcome, clock=clock)
+            outcome.sent_s = sent
+            if outcome.code != "CONNECTION" or attempt == self.RETRIES:
                 return
-            outcome.status, outcome.detail = "ok", ""
-
-    async def _attempt(self, body: dict, spec: Spec, outcome: Outcome, clock) -> bool:
-        """One POST; whether any response came (False: a connection error before it)."""
-        responded = False
-        try:
-            async with self._session.post(self._url, json=body) as response:
-                responded = True
-                if response.status != 200:
-                    outcome.status = f"HTTP_{response.status}"
-                    outcome.detail = (await response.text())[:200]
-                    return True
-                chunks = 0
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        outcome.status, outcome.detail = "STREAM_ERROR", event["error"]["message"]
-                        return True
-                    if event.get("usage"):
-                        outcome.output_tokens = event["usage"]["completion_tokens"]
-                    elif event["choices"] and event["choices"][0]["text"]:
-                        chunks += 1  # one streamed message per token (held-back text merges)
-                        outcome.output_tokens = chunks
-                        _on_chunk(outcome, clock())
-                        if spec.cancel_after is not None and chunks >= spec.cancel_after:
-                            outcome.status = "cancelled"
-                            return True  # leaving the block closes the connection
-                outcome.finish_s = clock()
-        except self._aiohttp.ClientError as exc:
-            outcome.status, outcome.detail = "CONNECTION", str(exc)
-        return responded
+            outcome.status, outcome.code, outcome.detail = "ok", "", ""
 
     async def close(self) -> None:
         await self._session.close()
-
-
-def _on_chunk(outcome: Outcome, now: float) -> None:
-    if outcome.first_token_s is None:
-        outcome.first_token_s = now
-    outcome.chunk_times.append(now)
 
 
 async def run_workload(client, specs: Sequence[Spec], max_concurrency: int | None,

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 import pathlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from continuum.bench_clients import Outcome
 from protos import tiers
 from sim.metrics import cost_per_million, summarize
+
+if TYPE_CHECKING:  # the clients load grpc and aiohttp, which a report does not need
+    from continuum.bench_clients import Outcome
 
 
 def summarize_outcomes(outcomes: Sequence[Outcome], duration_s: float,
@@ -40,7 +43,7 @@ def _summaries(outcomes: Sequence[Outcome], duration_s: float, slos: dict[str, f
         errors: dict[str, int] = {}
         for o in items:
             if o.status not in ("ok", "cancelled"):
-                errors[o.status] = errors.get(o.status, 0) + 1
+                errors[o.code or o.status] = errors.get(o.code or o.status, 0) + 1
         result["errors"] = errors
         return result
 

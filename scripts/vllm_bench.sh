@@ -21,7 +21,7 @@ if [ ! -x "$ENV/bin/vllm" ]; then
     uvicorn llguidance watchfiles orjson einops
 fi
 # The served model's tokenizer (a local directory: no hub access needed).
-TOKENIZER=$(.venv/bin/python -c 'from benchmarks.reliability.procs import model_dir; print(model_dir())')
+TOKENIZER=$(.venv/bin/python -c 'from harness.servers import model_dir; print(model_dir())')
 for backend in "openai /v1/completions" "openai-chat /v1/chat/completions"; do
   set -- $backend
   # shellcheck disable=SC2086  # ARGS is a list of flags

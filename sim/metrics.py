@@ -6,8 +6,8 @@ measured one mean the same thing. Per request, in seconds from any common origin
 * TTFT = first token − arrival.
 * TPOT = (E2E − TTFT) ÷ (output tokens − 1): the mean gap after the first token,
   counted only for requests with more than one output token.
-* ITL = every gap between consecutive tokens (or streamed chunks) of a request,
-  pooled over all requests; needs the token times.
+* ITL = every gap between consecutive tokens (or streamed chunks) of a request
+  (``itl_gaps``), pooled over all requests; needs the token times.
 * E2E = finish − arrival.
 
 Percentiles interpolate linearly between closest ranks (numpy's default), so
@@ -49,6 +49,13 @@ def tpot(ttft_s: float, e2e_s: float, num_output_tokens: int) -> float | None:
     return (e2e_s - ttft_s) / (num_output_tokens - 1)
 
 
+def itl_gaps(token_times: Sequence[float]) -> list[float]:
+    """One request's inter-token latencies: every gap between consecutive token (or
+    streamed chunk) times. The one definition every table pools (simulator,
+    ``continuum bench``, the reliability rows)."""
+    return [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+
+
 def _stats(name: str, values_s: Sequence[float], percentiles: Iterable[float],
            into: dict[str, float]) -> None:
     """mean / median / pNN of ``values_s``, reported in milliseconds."""
@@ -70,7 +77,7 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
     token has no TPOT and meets any TPOT SLO), per second of ``duration_s``;
     ``goodput_fraction`` is their share of completed requests.
     """
-    ttfts, tpots, e2es, itls = [], [], [], []
+    ttfts, tpots, e2es, gaps = [], [], [], []
     num_good = num_output = 0
     first_arrival, last_finish = float("inf"), float("-inf")
     completed = 0
@@ -87,8 +94,7 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
         if per_token is not None:
             tpots.append(per_token)
         if len(req) > 4 and req[4]:
-            times = req[4]
-            itls.extend(b - a for a, b in zip(times, times[1:], strict=False))
+            gaps.extend(itl_gaps(req[4]))
         good = ((slo_ttft_ms is None or ttft * 1e3 <= slo_ttft_ms)
                 and (slo_tpot_ms is None or per_token is None
                      or per_token * 1e3 <= slo_tpot_ms)
@@ -106,7 +112,7 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
         "goodput": num_good * per_s,
         "goodput_fraction": num_good / completed if completed else float("nan"),
     }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2e", e2es)):
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", gaps), ("e2e", e2es)):
         _stats(name, values, percentiles, out)
     return out
 

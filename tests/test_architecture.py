@@ -13,13 +13,16 @@ whom"):
   ``protos/seq_columns.py``), nothing
   else (it runs in the simulator unchanged; tests/scheduler/test_core.py checks the same at
   run time);
-* ``kernels/`` is imported only by the executor (and benchmarks); ``protos/`` and
+* ``kernels/`` is imported only by the executor (and harness, benchmarks); ``protos/`` and
   ``kernels/`` import no other first-party package;
 * ``continuum/`` (CLI, supervisor, load generator) takes from the services only the
   modules listed in ``TOOL_IMPORTS``, each with its reason, and ``sim/`` only the core;
   nothing below them imports a tool (``MAY_IMPORT``);
-* torch is loaded, even through first-party imports, only by executor_svc, kernels and
-  benchmarks;
+* torch is loaded, even through first-party imports, only by executor_svc, kernels,
+  harness and benchmarks;
+* ``harness/`` (what tests and benchmarks drive the system with) is imported by tests and
+  benchmarks only, never by a service or the CLI; benchmarks never import tests, and tests
+  import benchmarks only where they test one (``tests/bench/``, ``tests/reliability/``);
 * the first-party import graph has no cycle;
 * docs/architecture.md names every module, and every path it names exists;
 * the repository explains itself (docs/style.md habit 15): no tracked file outside tests/
@@ -44,7 +47,7 @@ from collections.abc import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("gateway", "scheduler_svc", "executor_svc", "kernels", "protos", "runtime",
-            "telemetry", "continuum", "sim", "benchmarks")
+            "telemetry", "continuum", "sim", "harness", "benchmarks")
 FIRST_PARTY = (*PACKAGES, "tests")
 SERVICES = ("gateway", "scheduler_svc", "executor_svc")
 CORE = "scheduler_svc.core"
@@ -55,8 +58,9 @@ CORE_CONTRACTS = ("protos.tiers", "protos.limits", "protos.seq_columns",
                   "runtime.config_flags")  # a config field is a flag: stdlib only
 DOC = ROOT / "docs" / "architecture.md"
 
-# What each package may import from the first-party packages (itself always). benchmarks
-# may import anything: they measure the parts from outside.
+# What each package may import from the first-party packages (itself always). harness and
+# benchmarks drive the parts from outside, so they may import any of them; nothing imports
+# tests, and only tests and benchmarks import harness.
 MAY_IMPORT = {
     "protos": (),
     "runtime": (),
@@ -67,8 +71,13 @@ MAY_IMPORT = {
     "executor_svc": ("protos", "runtime", "kernels"),
     "sim": ("scheduler_svc.core",),
     "continuum": ("protos", "runtime", "telemetry", "sim"),
-    "benchmarks": FIRST_PARTY,
+    "harness": ("protos", "runtime", "telemetry", "continuum", "sim", *SERVICES, "kernels"),
+    "benchmarks": ("protos", "runtime", "telemetry", "continuum", "sim", *SERVICES, "kernels",
+                   "harness"),
 }
+# The test folders that test a benchmark, so import it; every other test takes what it
+# shares with the benchmarks from harness/.
+TESTS_OF_BENCHMARKS = ("tests/bench/", "tests/reliability/")
 # The service modules continuum/ may import besides MAY_IMPORT, and why. It starts the
 # services as processes (continuum/supervisor.py runs ``python -m gateway`` and friends); it
 # imports a service module only for a definition that must be the same on both sides.
@@ -217,7 +226,7 @@ def test_kernels_belong_to_the_executor_and_protos_imports_no_service():
     is below every service, so it imports none of them."""
     bad = [_where(mod, t) for mod, edges in GRAPH.items() for t in edges
            if _within(t, "kernels")
-           and mod.split(".")[0] not in ("kernels", "executor_svc", "benchmarks")]
+           and mod.split(".")[0] not in ("kernels", "executor_svc", "harness", "benchmarks")]
     bad += [_where(mod, t) for mod, edges in GRAPH.items() if _within(mod, "protos")
             for t in edges if t.split(".")[0] in SERVICES]
     assert not bad, "kernels/ outside the executor, or protos/ over a service:\n" + "\n".join(bad)
@@ -252,13 +261,29 @@ def _loads(mod: str) -> set[str]:
     return seen
 
 
+def test_tests_import_benchmarks_only_where_they_test_one():
+    """A test takes its servers, streams, fakes and fuzz strategies from harness/, as the
+    benchmarks do; only a test of a benchmark imports it (TESTS_OF_BENCHMARKS)."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith(TESTS_OF_BENCHMARKS):
+            continue
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        bad += [f"{rel}:{line} imports {target}" for target, line in
+                imports_of(path.read_text(), mod, path.name == "__init__.py", set())
+                if _within(target, "benchmarks")]
+    assert not bad, ("a test imports benchmarks/ (take it from harness/):\n"
+                     + "\n".join(bad))
+
+
 def test_only_the_executor_kernels_and_benchmarks_load_torch():
     """The gateway and scheduler are CPU processes (docs/design.md §1) and the CLI parses its
     flags before anything heavy loads: none of them reaches torch, even through a
     first-party import."""
     bad = []
     for mod in GRAPH:
-        if mod.split(".")[0] in ("executor_svc", "kernels", "benchmarks"):
+        if mod.split(".")[0] in ("executor_svc", "kernels", "harness", "benchmarks"):
             continue
         for loaded in sorted(_loads(mod)):
             bad += [f"{mod} loads {_where(loaded, t)}" for t in IMPORTS[loaded]

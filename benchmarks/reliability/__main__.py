@@ -32,12 +32,11 @@ from benchmarks.reliability import (
     fuzz,
     fuzz_schema,
     hostile,
-    openapi_run,
     overload,
-    procs,
     report,
     soak,
 )
+from harness import openapi_run, servers
 
 ROWS = ("overload", "burst", "hostile", "bad_specs", "soak", "chaos", "schema_fuzz", "openapi",
         "fuzz")
@@ -48,7 +47,7 @@ def run_rows(tmp: pathlib.Path, size: str, only: set[str], log=print,
     """Runs the chosen rows in order; a row that fails to run is reported, not fatal."""
     results: list[dict] = []
     on_serve = only - ({"chaos"} if size != "short" else set())
-    serve = procs.start_serve(tmp / "serve") if on_serve else None
+    serve = servers.start_serve(tmp / "serve") if on_serve else None
     try:
         steps = [("overload", lambda: [overload.run(serve, size)]),
                  ("burst", lambda: burst.run(serve, size)),
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - set(ROWS)
     if unknown:
         p.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
-    procs.ensure_secret()
+    servers.ensure_secret()
     os.environ.setdefault("PYTHONPATH", os.getcwd())  # children import the benchmarks too
     with tempfile.TemporaryDirectory(prefix="continuum-reliability-") as tmp:
         rows = run_rows(pathlib.Path(tmp), size, only, per_kind=a.per_kind)

@@ -27,10 +27,11 @@ import time
 
 import grpc
 
-from benchmarks.reliability import procs
 from benchmarks.reliability.hostile_load import Kind, Sender
-from benchmarks.reliability.streams import Outcome, grpc_stream, request
-from sim.metrics import percentile
+from continuum.bench_clients import Outcome, grpc_stream
+from harness import servers
+from harness.streams import request
+from sim.metrics import itl_gaps, percentile
 
 SIZES = {"ci": dict(seconds=8.0, rate=20.0, streams=16),
          "short": dict(seconds=12.0, rate=20.0, streams=16),
@@ -67,7 +68,7 @@ def bad_kinds(vocab_size: int, count: int) -> list[Kind]:
     return kinds
 
 
-async def _client(serve: procs.Serve, k: int, end: float, outputs: dict,
+async def _client(serve: servers.Serve, k: int, end: float, outputs: dict,
                   itls: list[float], seen: collections.Counter) -> None:
     """Stream ``k``'s completions back to back until ``end``: its i-th prompt is the same
     in every phase, so outputs compare by (k, i)."""
@@ -75,18 +76,17 @@ async def _client(serve: procs.Serve, k: int, end: float, outputs: dict,
             ("grpc.use_local_subchannel_pool", 1),)) as ch:
         i = 0
         while time.monotonic() < end:
-            out = Outcome("grpc")
+            out = Outcome()
             await grpc_stream(serve.addr, request(f"Stream {k}, story {i}: once upon a",
                                                   NORMAL_TOKENS), channel=ch, out=out)
             seen[f"normal: {out.status} {out.code}".strip()] += 1
             if out.status == "ok":
                 outputs[(k, i)] = out.token_ids
-                itls += [b - a for a, b in zip(out.token_times, out.token_times[1:],
-                                               strict=False)]
+                itls += itl_gaps(out.chunk_times)
             i += 1
 
 
-async def _phase(serve: procs.Serve, sender: Sender, cfg: dict, bad: list[Kind] | None):
+async def _phase(serve: servers.Serve, sender: Sender, cfg: dict, bad: list[Kind] | None):
     seconds = cfg["seconds"] / 2
     end = time.monotonic() + seconds  # the sender's clock too (every process shares it)
     outputs: dict = {}
@@ -100,7 +100,7 @@ async def _phase(serve: procs.Serve, sender: Sender, cfg: dict, bad: list[Kind] 
     return outputs, itls, seen
 
 
-def run(serve: procs.Serve, size: str = "default") -> dict:
+def run(serve: servers.Serve, size: str = "default") -> dict:
     cfg = SIZES[size]
     stats = serve.stats()
     bad = bad_kinds(stats.vocab_size or 49152, int(cfg["rate"] * cfg["seconds"] * 2))
@@ -118,7 +118,7 @@ def run(serve: procs.Serve, size: str = "default") -> dict:
         after = serve.stats()
     finally:
         sender.close()
-    return _row(cfg, quiet, loud, before, after, procs.wait_idle(serve.scheduler_port, 120))
+    return _row(cfg, quiet, loud, before, after, servers.wait_idle(serve.scheduler_port, 120))
 
 
 def _row(cfg: dict, quiet, loud, before, after, idle) -> dict:

@@ -27,8 +27,8 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import http_stream
+from continuum.bench_clients import http_stream
+from harness import servers
 from sim.metrics import percentile
 
 SIZES = {"ci": 100, "short": 300, "default": 1000, "long": 2000}
@@ -97,23 +97,23 @@ def _send(url: str, port: int, count: int, form: str, idle: int) -> dict:
     return asyncio.run(_burst(url, port, count, form, idle))
 
 
-def run(serve: procs.Serve, size: str = "default") -> list[dict]:
+def run(serve: servers.Serve, size: str = "default") -> list[dict]:
     """One row per form, on the same server, one after another."""
     return [_run_form(serve, size, form, idle)
             for form, idle in (("a connection each", 0), ("pooled", 0),
                                (f"a connection each, {IDLE[size]} idle beside", IDLE[size]))]
 
 
-def _run_form(serve: procs.Serve, size: str, form: str, idle: int) -> dict:
+def _run_form(serve: servers.Serve, size: str, form: str, idle: int) -> dict:
     count = SIZES[size]
-    procs.wait_idle(serve.scheduler_port, 60)
+    servers.wait_idle(serve.scheduler_port, 60)
     url = f"http://127.0.0.1:{serve.http_port}/v1/completions"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         sent = pool.apply(_send, (url, serve.http_port, count, form, idle))
     results = sent["results"]
-    idle_after = procs.wait_idle(serve.scheduler_port, 120)
+    idle_after = servers.wait_idle(serve.scheduler_port, 120)
     seen = collections.Counter(f"{status} {code}".strip() for status, code, _, _ in results)
-    refused = [s for status, code, s, _ in results if code == "429"]
+    refused = [s for status, code, s, _ in results if code == "HTTP_429"]
     served = [s for status, code, s, _ in results if status == "ok"]
     unanswered = sum(1 for status, code, _, _ in results if not code)
     return {

@@ -29,8 +29,9 @@ import signal
 import time
 from collections.abc import Callable
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import Outcome, grpc_stream_accepted, request
+from continuum.bench_clients import Outcome
+from harness import servers
+from harness.streams import grpc_stream_accepted, request
 
 SIZES = {"ci": dict(streams=4, max_tokens=12, hang_s=10.0),
          "short": dict(streams=6, max_tokens=24, hang_s=20.0),
@@ -55,7 +56,7 @@ def requests(n: int, max_tokens: int, long_prompts: bool = False) -> list:
 async def _run(addrs: list[str], reqs: list, watch: Callable | None) -> list[Outcome]:
     """Streams ``reqs`` (round-robin over ``addrs``); ``watch(outcomes)`` runs alongside
     and injects the fault; returns once every stream ended."""
-    outs = [Outcome("grpc") for _ in reqs]
+    outs = [Outcome() for _ in reqs]
     tasks = [asyncio.create_task(grpc_stream_accepted(addrs[i % len(addrs)], r, out=outs[i],
                                                       timeout=STREAM_TIMEOUT_S))
              for i, r in enumerate(reqs)]
@@ -69,7 +70,7 @@ def reference(addrs: list[str], reqs: list) -> list[list[int]]:
     outs = asyncio.run(_run(addrs, reqs, None))
     bad = [o for o in outs if o.status != "ok"]
     if bad:
-        raise procs.ServerError(f"the reference run failed: {bad[0].status} {bad[0].detail}")
+        raise servers.ServerError(f"the reference run failed: {bad[0].status} {bad[0].detail}")
     return [o.token_ids for o in outs]
 
 
@@ -131,9 +132,9 @@ def run_fault(addrs: list[str], reqs: list, ref: list[list[int]], fault: Fault,
     cols = dict.fromkeys(COLUMNS, 0)
     for i, (out, r) in enumerate(zip(outs, ref, strict=True)):
         cols[classify(out, r, fault.expect_end(i))] += 1
-    gaps = [next(t for t in o.token_times if t > at) - at for o in outs
-            if any(t > at for t in o.token_times) and any(t <= at for t in o.token_times)]
-    starts = [o.token_times[0] - at for o in outs if o.token_times and o.token_times[0] > at]
+    gaps = [next(t for t in o.chunk_times if t > at) - at for o in outs
+            if any(t > at for t in o.chunk_times) and any(t <= at for t in o.chunk_times)]
+    starts = [o.chunk_times[0] - at for o in outs if o.chunk_times and o.chunk_times[0] > at]
     recovery = max(gaps + starts, default=None)
     return {"row": "chaos", "fault": fault.name, "phase": fault.phase, "streams": len(outs),
             **cols,
@@ -184,7 +185,7 @@ def executor_faults(pid_fn, stats_fn, phase: str, ready) -> list[Fault]:
             Fault("executor SIGSTOP", phase, stop, ready, stats_fn, undo=_cont(stop))]
 
 
-def run_serve(serve: procs.Serve, size: str = "short") -> list[dict]:
+def run_serve(serve: servers.Serve, size: str = "short") -> list[dict]:
     """The CI form: executor kill -9 during decode, on a ``continuum serve``."""
     cfg = SIZES[size]
     reqs = requests(cfg["streams"], cfg["max_tokens"])
@@ -192,6 +193,6 @@ def run_serve(serve: procs.Serve, size: str = "short") -> list[dict]:
     fault = executor_faults(lambda: serve.pid("executor_svc"), serve.stats, "decode",
                             in_decode)[0]
     row = run_fault([serve.addr], reqs, ref, fault, cfg["hang_s"])
-    procs.wait_idle(serve.scheduler_port, 60)
+    servers.wait_idle(serve.scheduler_port, 60)
     return [row]
 

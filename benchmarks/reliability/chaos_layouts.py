@@ -10,7 +10,7 @@
 * gateways ``g`` and ``gk`` on replica ``b``: kill -9 of ``gk``; ``g``'s streams must not
   notice, ``gk``'s end (``ended``), and replica ``b`` frees their blocks.
 
-Each replica's executor is supervised like serve's (procs.Replica). After every row the
+Each replica's executor is supervised like serve's (servers.Replica). After every row the
 involved replicas must go idle with every block free (``blocks_free_after``).
 """
 
@@ -20,7 +20,6 @@ import contextlib
 import pathlib
 import signal
 
-from benchmarks.reliability import procs
 from benchmarks.reliability.chaos import (
     SIZES,
     Fault,
@@ -33,6 +32,7 @@ from benchmarks.reliability.chaos import (
     requests,
     run_fault,
 )
+from harness import servers
 
 BLOCK_BYTES = 16 * 46080  # SmolLM2-135M, float32 KV, 16-token blocks
 ROOMY = ("--kv-cache-bytes", str(256 << 20))
@@ -42,10 +42,10 @@ ROOMY = ("--kv-cache-bytes", str(256 << 20))
 TIGHT = ("--kv-cache-bytes", str(20 * BLOCK_BYTES), "--swap-space-bytes", str(64 << 20))
 
 
-def _idle_clean(*replicas: procs.Replica) -> bool:
+def _idle_clean(*replicas: servers.Replica) -> bool:
     for r in replicas:
         try:
-            s = procs.wait_idle(r.port, 60)
+            s = servers.wait_idle(r.port, 60)
         except Exception:
             return False
         if not (s.num_running == 0 and s.num_waiting == 0
@@ -54,13 +54,13 @@ def _idle_clean(*replicas: procs.Replica) -> bool:
     return True
 
 
-def _start_all(tmp: pathlib.Path) -> dict[str, procs.Replica]:
+def _start_all(tmp: pathlib.Path) -> dict[str, servers.Replica]:
     """All three at once (they load the model in parallel), from this thread."""
     specs = {"a": ((), ROOMY), "b": ((), ROOMY), "tight": (("--max-num-seqs", "8"), TIGHT)}
-    launched = {n: procs.launch_replica(tmp / n, s, e) for n, (s, e) in specs.items()}
+    launched = {n: servers.launch_replica(tmp / n, s, e) for n, (s, e) in specs.items()}
     try:
-        return {n: procs.ready(r) for n, r in launched.items()}
-    except procs.ServerError:
+        return {n: servers.ready(r) for n, r in launched.items()}
+    except servers.ServerError:
         for r in launched.values():
             r.close()
         raise
@@ -75,17 +75,17 @@ def run_matrix(tmp: pathlib.Path, size: str = "default") -> list[dict]:
 def matrix(tmp: pathlib.Path, cfg: dict) -> list[dict]:
     replicas = _start_all(tmp)
     a, b, tight = replicas["a"], replicas["b"], replicas["tight"]
-    gateways: list[procs.Gateway] = []
+    gateways: list[servers.Gateway] = []
     rows: list[dict] = []
     hang = cfg["hang_s"]
     try:
-        g, gt = procs.start_gateway([a.port]), procs.start_gateway([tight.port])
+        g, gt = servers.start_gateway([a.port]), servers.start_gateway([tight.port])
         gateways += [g, gt]
         short = requests(cfg["streams"], cfg["max_tokens"])
         long = requests(cfg["streams"], cfg["max_tokens"], long_prompts=True)
         ref, long_ref = reference([g.addr], short), reference([g.addr], long)
 
-        def executor_of(r: procs.Replica):
+        def executor_of(r: servers.Replica):
             return lambda: r.executor.pid
 
         for fault in executor_faults(executor_of(a), a.stats, "prefill", in_prefill):
@@ -96,21 +96,21 @@ def matrix(tmp: pathlib.Path, cfg: dict) -> list[dict]:
             fault.ready = _preempted_since(_safe_preemptions(tight))  # this row's base
             rows.append(_row(lambda f=fault: run_fault([gt.addr], short, ref, f, hang), tight))
 
-        g2 = procs.start_gateway([a.port, b.port])
+        g2 = servers.start_gateway([a.port, b.port])
         gateways.append(g2)
         kill = Fault("scheduler kill -9 (1 of 2)", "decode",
                      _signal(lambda: a.scheduler.pid, signal.SIGKILL), _holding, a.stats)
         rows.append(_row(lambda: run_fault([g2.addr], short, ref, kill, hang), b))
         a.close()
-        a = replicas["a"] = procs.start_replica(tmp / "a2", (), ROOMY, port=a.port)
+        a = replicas["a"] = servers.start_replica(tmp / "a2", (), ROOMY, port=a.port)
         stop = _signal(lambda: a.scheduler.pid, signal.SIGSTOP)
         hung = Fault("scheduler SIGSTOP (1 of 2)", "decode", stop, _holding, a.stats,
                      undo=_cont(stop))
         rows.append(_row(lambda: run_fault([g2.addr], short, ref, hung, hang), a, b))
 
-        gk = procs.start_gateway([b.port])
+        gk = servers.start_gateway([b.port])
         gateways.append(gk)
-        gb = procs.start_gateway([b.port])
+        gb = servers.start_gateway([b.port])
         gateways.append(gb)
         gone = Fault("gateway kill -9 (1 of 2)", "decode",
                      _signal(lambda: gk.proc.pid, signal.SIGKILL), in_decode, b.stats,
@@ -132,7 +132,7 @@ def _holding(outs, stats) -> bool:
     return in_decode(outs, stats) and stats.num_running > 0
 
 
-def _row(run, *replicas: procs.Replica) -> dict:
+def _row(run, *replicas: servers.Replica) -> dict:
     """Runs one row (``run()``), then adds the idle check and the executor restarts it
     caused (one per executor fault is the design; more means a restarted executor was
     declared lost again)."""
@@ -143,7 +143,7 @@ def _row(run, *replicas: procs.Replica) -> dict:
     return row
 
 
-def _safe_preemptions(r: procs.Replica) -> int:
+def _safe_preemptions(r: servers.Replica) -> int:
     with contextlib.suppress(Exception):
         return r.stats().num_preemptions
     return 0

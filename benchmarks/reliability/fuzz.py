@@ -26,11 +26,11 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import proto_strategies
-from benchmarks.reliability.body_strategies import ANY_JSON, LENGTH_KEYS, SCALAR, splice
-from benchmarks.reliability.fuzz_common import PHASES, Tally, run_property
-from benchmarks.reliability.streams import SERVER_ERROR_CODES
+from continuum.bench_clients import SERVER_ERROR_CODES
 from gateway.api import openai_schema
+from harness import proto_strategies
+from harness.body_strategies import ANY_JSON, LENGTH_KEYS, SCALAR, splice
+from harness.fuzz_common import PHASES, Tally, run_property
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 
@@ -194,7 +194,7 @@ SIZES = {"ci": 8, "short": 25, "default": 100, "long": 1000}  # examples per tar
 def run(serve, tmp, size: str = "short") -> dict:
     """Every target against ``serve`` (a procs.Serve), then the executor end on its own."""
     from benchmarks.reliability import fuzz_zmq
-    from benchmarks.reliability.streams import request
+    from harness.streams import request
 
     examples = SIZES[size]
     tally = Tally()

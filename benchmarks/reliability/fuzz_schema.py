@@ -39,11 +39,12 @@ from google.protobuf import text_format
 from hypothesis import HealthCheck, Phase, find, given, seed, settings
 from hypothesis.errors import NoSuchExample
 
-from benchmarks.reliability import body_strategies, proto_strategies, steady_streams
+from benchmarks.reliability import steady_streams
 from benchmarks.reliability.fuzz import TIMEOUT_S, grpc_code, grpc_failed, http_failed, http_raw
-from benchmarks.reliability.fuzz_common import PHASES, Tally
 from gateway.api import openai_schema
 from gateway.config import default_body_limit
+from harness import body_strategies, proto_strategies
+from harness.fuzz_common import PHASES, Tally
 from protos.continuum.v1 import generation_pb2_grpc
 
 SIZES = {"ci": 1, "short": 2, "default": 5, "long": 100}  # inputs per field
@@ -219,7 +220,7 @@ def body_cap(http_port: int) -> int:
 
 def health(serve, pids: dict[str, int]) -> dict:
     """/health, one normal request, and whether every process is the one we started."""
-    from benchmarks.reliability.streams import request
+    from harness.streams import request
 
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{serve.http_port}/health",

@@ -26,8 +26,8 @@ from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.fuzz_common import PHASES, UINT32, UINT64, Tally, run_property
+from harness import servers
+from harness.fuzz_common import PHASES, UINT32, UINT64, Tally, run_property
 from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
@@ -147,7 +147,7 @@ def _settings(examples: int):
                     phases=PHASES, suppress_health_check=list(HealthCheck))
 
 
-def fuzz_scheduler_end(serve: procs.Serve, tally: Tally, examples: int,
+def fuzz_scheduler_end(serve: servers.Serve, tally: Tally, examples: int,
                        check_serving) -> None:
     """Rogue frames into a live scheduler's ROUTER; ``check_serving()`` afterwards."""
     target = "zmq -> scheduler"
@@ -156,7 +156,7 @@ def fuzz_scheduler_end(serve: procs.Serve, tally: Tally, examples: int,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(serve.ipc)
-    pids = {r: serve.pid(r) for r in procs.ROLES}
+    pids = {r: serve.pid(r) for r in servers.ROLES}
 
     @_settings(examples)
     @given(parts=frames(executor_messages(before)))
@@ -166,7 +166,7 @@ def fuzz_scheduler_end(serve: procs.Serve, tally: Tally, examples: int,
             while sock.poll(0):
                 sock.recv_multipart(zmq.NOBLOCK)  # whatever the scheduler answers a rogue
         tally.add(target, f"{len(parts)} frame(s)")
-        assert serve.proc.poll() is None and procs.children_by_role(serve.proc.pid) == pids, (
+        assert serve.proc.poll() is None and servers.children_by_role(serve.proc.pid) == pids, (
             f"a process died after frames {parts!r}")
 
     try:
@@ -191,9 +191,9 @@ def fuzz_executor_end(tmp: pathlib.Path, tally: Tally, examples: int) -> None:
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind(address)
-    procs.ensure_secret()
-    proc = procs.spawn("executor_svc", [
-        "--model", str(procs.model_dir()), "--ipc", address, "--device", "cpu",
+    servers.ensure_secret()
+    proc = servers.spawn("executor_svc", [
+        "--model", str(servers.model_dir()), "--ipc", address, "--device", "cpu",
         "--kv-cache-bytes", "8MiB", "--warmup-tokens", "16", "--threads", "1"],
         stderr=subprocess.DEVNULL)
     try:
@@ -225,14 +225,14 @@ def fuzz_executor_end(tmp: pathlib.Path, tally: Tally, examples: int) -> None:
 
 
 def _first_hello(router) -> tuple[bytes, pb.Hello]:
-    deadline = time.monotonic() + procs.READY_TIMEOUT_S
+    deadline = time.monotonic() + servers.READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if router.poll(1000):
             parts = router.recv_multipart()
             kind, msg = wire.decode_from_executor(parts[-1])
             if kind == "hello":
                 return parts[0], msg
-    raise procs.ServerError("the executor sent no Hello")
+    raise servers.ServerError("the executor sent no Hello")
 
 
 def _serves_a_plan(router, peer: bytes, incarnation: str) -> bool:

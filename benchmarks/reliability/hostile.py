@@ -46,7 +46,6 @@ import urllib.request
 import aiohttp
 import grpc
 
-from benchmarks.reliability import procs
 from benchmarks.reliability.hostile_load import (
     Kind,
     Sender,
@@ -54,9 +53,11 @@ from benchmarks.reliability.hostile_load import (
     costly_kinds,
     heavy_kinds,
 )
-from benchmarks.reliability.streams import Outcome, grpc_stream, request
+from continuum.bench_clients import Outcome, grpc_stream
+from harness import servers
+from harness.streams import request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
-from sim.metrics import percentile
+from sim.metrics import itl_gaps, percentile
 
 SIZES = {"short": dict(seconds=12.0, rate=20.0, kind_seconds=5.0),
          "default": dict(seconds=30.0, rate=20.0, kind_seconds=10.0),
@@ -87,7 +88,7 @@ class Phase:
         return self
 
 
-async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> list[float]:
+async def _normal(serve: servers.Serve, end: float, seen: collections.Counter) -> list[float]:
     """The normal client's ITLs; a refusal is counted and waited out as its hint says.
     The stream running at ``end`` is cancelled there (its gaps so far count), so that a
     phase lasts ``seconds`` however slow the machine makes each stream."""
@@ -95,14 +96,14 @@ async def _normal(serve: procs.Serve, end: float, seen: collections.Counter) -> 
     async with grpc.aio.insecure_channel(serve.addr) as ch:
         i = 0
         while time.monotonic() < end:
-            out = Outcome("grpc")
+            out = Outcome()
             try:
                 await asyncio.wait_for(grpc_stream(serve.addr, request(
                     f"Describe city number {i}.", NORMAL_TOKENS), channel=ch, out=out),
                     max(0.1, end - time.monotonic()))
             except TimeoutError:
                 out.status = "cancelled"  # the phase ended, not the stream
-            itls += [b - a for a, b in zip(out.token_times, out.token_times[1:], strict=False)]
+            itls += itl_gaps(out.chunk_times)
             if out.status not in ("ok", "cancelled"):
                 seen[f"normal stream: {out.status} {out.code}"] += 1
                 await asyncio.sleep(min(5.0, out.retry_after_s or 1.0))
@@ -138,7 +139,7 @@ async def _probe_stats(scheduler_port: int, end: float) -> list[float]:
             started = time.monotonic()
             try:
                 await stub.Stats(scheduler_pb2.StatsRequest(), timeout=30,
-                                 metadata=procs.internal_metadata())
+                                 metadata=servers.internal_metadata())
             except grpc.RpcError:
                 pass
             else:
@@ -147,24 +148,24 @@ async def _probe_stats(scheduler_port: int, end: float) -> list[float]:
     return rtts
 
 
-async def _phase(serve: procs.Serve, sender: Sender, seconds: float, rate: float | None,
+async def _phase(serve: servers.Serve, sender: Sender, seconds: float, rate: float | None,
                  kinds: list[Kind]) -> Phase:
     end = time.monotonic() + seconds
     phase = Phase()
-    pids = procs.children_by_role(serve.proc.pid)
-    before = procs.cpu_seconds(pids)
+    pids = servers.children_by_role(serve.proc.pid)
+    before = servers.cpu_seconds(pids)
     normal = asyncio.create_task(_normal(serve, end, phase.seen))
     live = asyncio.create_task(_probe_live(serve.http_port, end))
     stats = asyncio.create_task(_probe_stats(serve.scheduler_port, end))
     if rate:
         phase.seen.update(await sender.send(kinds, end, rate))
     phase.itls, phase.live_rtts, phase.stats_rtts = await asyncio.gather(normal, live, stats)
-    phase.cpu_s = procs.cpu_seconds(pids)
+    phase.cpu_s = servers.cpu_seconds(pids)
     phase.cpu_s.subtract(before)
     return phase
 
 
-def _counter(serve: procs.Serve):
+def _counter(serve: servers.Serve):
     """``count_tokens(path, body)``: the served tokenizer's prompt token count."""
     def count(path: str, body: dict) -> int:
         data = json.dumps({"model": "", **{k: v for k, v in body.items()
@@ -176,7 +177,7 @@ def _counter(serve: procs.Serve):
     return count
 
 
-def run(serve: procs.Serve, size: str = "default", per_kind: bool = False) -> list[dict]:
+def run(serve: servers.Serve, size: str = "default", per_kind: bool = False) -> list[dict]:
     """The mix rows (or, ``per_kind``, one row per costly kind against its twin)."""
     cfg = SIZES[size]
     sender = Sender(serve.addr, serve.http_port)
@@ -193,7 +194,7 @@ def run(serve: procs.Serve, size: str = "default", per_kind: bool = False) -> li
         sender.close()
 
 
-def _mixes(serve: procs.Serve, sender: Sender, cfg: dict, costly: list[Kind],
+def _mixes(serve: servers.Serve, sender: Sender, cfg: dict, costly: list[Kind],
            twins: list[Kind]) -> list[dict]:
     """Three rows on one quiet baseline: the costly mix against its benign twin (the
     same paid work without what the caps bound; target ratio 1.2) and against quiet,
@@ -210,16 +211,16 @@ def _mixes(serve: procs.Serve, sender: Sender, cfg: dict, costly: list[Kind],
                                 ("costly", costly, half), ("benign", twins, half),
                                 ("heavy", heavy, cfg["seconds"])):
         loud[mix] += asyncio.run(_phase(serve, sender, seconds, cfg["rate"], kinds))
-        procs.wait_idle(serve.scheduler_port, 120)
+        servers.wait_idle(serve.scheduler_port, 120)
     for phase in loud.values():
         phase.seen.update(quiet.seen)
-    idle = procs.wait_idle(serve.scheduler_port, 120)
+    idle = servers.wait_idle(serve.scheduler_port, 120)
     return [_row("costly", "its benign twin", 1.2, cfg, loud["benign"], loud["costly"], idle),
             _row("costly", "quiet", None, cfg, quiet, loud["costly"], idle),
             _row("heavy", "quiet", None, cfg, quiet, loud["heavy"], idle)]
 
 
-def _one_kind(serve: procs.Serve, sender: Sender, cfg: dict, kind: Kind,
+def _one_kind(serve: servers.Serve, sender: Sender, cfg: dict, kind: Kind,
               twin: Kind) -> dict:
     """One costly kind alone at the row's rate against its twin alone: twin, kind,
     kind, twin, so that a drift of the machine's load weighs on both sides alike."""
@@ -227,9 +228,9 @@ def _one_kind(serve: procs.Serve, sender: Sender, cfg: dict, kind: Kind,
     for side, kinds in ((without, [twin]), (with_, [kind]), (with_, [kind]),
                         (without, [twin])):
         side += asyncio.run(_phase(serve, sender, cfg["kind_seconds"], cfg["rate"], kinds))
-        procs.wait_idle(serve.scheduler_port, 120)
+        servers.wait_idle(serve.scheduler_port, 120)
     row = _row(kind[0], "its benign twin", None, {**cfg, "seconds": 2 * cfg["kind_seconds"]},
-               without, with_, procs.wait_idle(serve.scheduler_port, 120))
+               without, with_, servers.wait_idle(serve.scheduler_port, 120))
     print(f"[hostile] {kind[0]}: ITL p99 {row['itl_p99_ms_without']} -> "
           f"{row['itl_p99_ms_with']} ms ({row['ratio_p99']}x); gateway /live p99 "
           f"{row['gateway_live_rtt_ms_p99']} ms; scheduler Stats p99 "

@@ -25,7 +25,8 @@ import time
 import aiohttp
 import grpc
 
-from benchmarks.reliability.streams import grpc_stream, http_stream, request
+from continuum.bench_clients import grpc_stream, http_stream
+from harness.streams import request
 from protos.continuum.v1 import generation_pb2_grpc
 
 HOSTILE_TIMEOUT_S = 20.0

@@ -18,14 +18,9 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import (
-    Outcome,
-    completion_body,
-    grpc_stream,
-    http_stream,
-    request,
-)
+from continuum.bench_clients import Outcome, grpc_stream, http_stream
+from harness import servers
+from harness.streams import completion_body, request
 from sim.metrics import percentile
 
 SIZES = {  # closed-loop concurrency, capacity seconds, offer seconds, most offered, deadline
@@ -39,7 +34,7 @@ SIZES = {  # closed-loop concurrency, capacity seconds, offer seconds, most offe
 MAX_TOKENS = 16
 
 
-async def _one(serve: procs.Serve, session: aiohttp.ClientSession, i: int,
+async def _one(serve: servers.Serve, session: aiohttp.ClientSession, i: int,
                deadline_s: float) -> Outcome:
     prompt = f"Count slowly from {i} to {i + 20}:"
     if i % 2:
@@ -50,7 +45,7 @@ async def _one(serve: procs.Serve, session: aiohttp.ClientSession, i: int,
                              timeout=deadline_s)
 
 
-async def capacity(serve: procs.Serve, concurrency: int, seconds: float) -> float:
+async def capacity(serve: servers.Serve, concurrency: int, seconds: float) -> float:
     """Completed requests per second with ``concurrency`` closed-loop clients."""
     done = 0
     end = time.monotonic() + seconds
@@ -70,7 +65,7 @@ async def capacity(serve: procs.Serve, concurrency: int, seconds: float) -> floa
     return done / (time.monotonic() - started)
 
 
-async def offer(serve: procs.Serve, rate: float, seconds: float, max_offered: int,
+async def offer(serve: servers.Serve, rate: float, seconds: float, max_offered: int,
                 deadline_s: float, rss: list[int]) -> list[Outcome]:
     rng = random.Random(15)
     tasks: list[asyncio.Task] = []
@@ -78,7 +73,7 @@ async def offer(serve: procs.Serve, rate: float, seconds: float, max_offered: in
 
     async def sample() -> None:
         while True:
-            rss.append(sum(procs.rss_kib(p) for p in pids))
+            rss.append(sum(servers.rss_kib(p) for p in pids))
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
@@ -94,17 +89,17 @@ async def offer(serve: procs.Serve, rate: float, seconds: float, max_offered: in
     return list(outcomes)
 
 
-def run(serve: procs.Serve, size: str = "short") -> dict:
+def run(serve: servers.Serve, size: str = "short") -> dict:
     cfg = SIZES[size]
     pids = [serve.pid("gateway"), serve.pid("scheduler_svc")]
-    rss_before = sum(procs.rss_kib(p) for p in pids)
+    rss_before = sum(servers.rss_kib(p) for p in pids)
     cap = asyncio.run(capacity(serve, cfg["concurrency"], cfg["capacity_s"]))
     rate = 10 * max(cap, 0.5)
     samples: list[int] = []
     outcomes = asyncio.run(offer(serve, rate, cfg["offer_s"], cfg["max_offered"],
                                  cfg["deadline_s"], samples))
-    idle = procs.wait_idle(serve.scheduler_port, 60)
-    rss_after = sum(procs.rss_kib(p) for p in pids)
+    idle = servers.wait_idle(serve.scheduler_port, 60)
+    rss_after = sum(servers.rss_kib(p) for p in pids)
     refused = [o for o in outcomes if o.status == "refused"]
     accepted = [o for o in outcomes if o.status == "ok"]
     return {

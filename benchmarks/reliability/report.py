@@ -9,7 +9,8 @@ import pathlib
 import platform
 import subprocess
 
-from benchmarks.reliability import bad_specs, burst, fuzz_schema, openapi_run
+from benchmarks.reliability import bad_specs, burst, fuzz_schema
+from harness import openapi_run
 
 
 def _machine() -> str:

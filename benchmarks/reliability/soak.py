@@ -19,14 +19,9 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import procs
-from benchmarks.reliability.streams import (
-    Outcome,
-    completion_body,
-    grpc_stream,
-    http_stream,
-    request,
-)
+from continuum.bench_clients import Outcome, grpc_stream, http_stream
+from harness import servers
+from harness.streams import completion_body, request
 
 SIZES = {"ci": dict(clients=4, seconds=8.0), "short": dict(clients=6, seconds=16.0),
          "default": dict(clients=12, seconds=60.0), "long": dict(clients=24, seconds=600.0)}
@@ -35,7 +30,7 @@ FD_TOLERANCE = 8  # per process: a reconnecting channel or a lazily opened file
 RSS_TOLERANCE_KIB = 32 << 10  # per process: allocator noise after the warm-up half
 
 
-async def _action(serve: procs.Serve, session: aiohttp.ClientSession, rng: random.Random,
+async def _action(serve: servers.Serve, session: aiohttp.ClientSession, rng: random.Random,
                   i: int) -> tuple[str, Outcome]:
     action = rng.choice(ACTIONS)
     max_tokens = rng.randint(4, 40)
@@ -59,10 +54,10 @@ async def _action(serve: procs.Serve, session: aiohttp.ClientSession, rng: rando
     try:
         return action, await asyncio.wait_for(task, rng.uniform(0.05, 1.5))
     except TimeoutError:
-        return action, Outcome("grpc" if not use_http else "http", status="cancelled")
+        return action, Outcome(api="http" if use_http else "grpc", status="cancelled")
 
 
-async def _soak(serve: procs.Serve, clients: int, seconds: float, seed: int) -> list:
+async def _soak(serve: servers.Serve, clients: int, seconds: float, seed: int) -> list:
     results: list[tuple[str, Outcome]] = []
     end = time.monotonic() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -79,18 +74,18 @@ async def _soak(serve: procs.Serve, clients: int, seconds: float, seed: int) -> 
     return results
 
 
-def _idle_point(serve: procs.Serve) -> dict:
-    stats = procs.wait_idle(serve.scheduler_port, 60)
+def _idle_point(serve: servers.Serve) -> dict:
+    stats = servers.wait_idle(serve.scheduler_port, 60)
     deadline = time.monotonic() + 15  # the executor reports its state in heartbeats
     while stats.executor_num_sequences and time.monotonic() < deadline:
         time.sleep(0.5)
         stats = serve.stats()
     time.sleep(1.0)  # let closed connections' fds go
-    pids = {role: serve.pid(role) for role in procs.ROLES}
+    pids = {role: serve.pid(role) for role in servers.ROLES}
     return {
         "stats": stats,
-        "fds": {r: procs.num_fds(p) for r, p in pids.items()},
-        "rss": {r: procs.rss_kib(p) for r, p in pids.items()},
+        "fds": {r: servers.num_fds(p) for r, p in pids.items()},
+        "rss": {r: servers.rss_kib(p) for r, p in pids.items()},
     }
 
 
@@ -100,7 +95,7 @@ def _clean(stats) -> bool:
             and stats.executor_num_sequences == 0)
 
 
-def run(serve: procs.Serve, size: str = "short") -> dict:
+def run(serve: servers.Serve, size: str = "short") -> dict:
     cfg = SIZES[size]
     half = cfg["seconds"] / 2
     first = asyncio.run(_soak(serve, cfg["clients"], half, 1))
@@ -108,8 +103,8 @@ def run(serve: procs.Serve, size: str = "short") -> dict:
     second = asyncio.run(_soak(serve, cfg["clients"], half, 2))
     idle2 = _idle_point(serve)
     results = first + second
-    fd_growth = {r: idle2["fds"][r] - idle1["fds"][r] for r in procs.ROLES}
-    rss_growth = {r: round((idle2["rss"][r] - idle1["rss"][r]) / 1024, 1) for r in procs.ROLES}
+    fd_growth = {r: idle2["fds"][r] - idle1["fds"][r] for r in servers.ROLES}
+    rss_growth = {r: round((idle2["rss"][r] - idle1["rss"][r]) / 1024, 1) for r in servers.ROLES}
     completes = [o for a, o in results if a == "complete"]
     by_action = {a: sum(1 for b, _ in results if b == a) for a in ACTIONS}
     s = idle2["stats"]

@@ -16,7 +16,8 @@ import time
 
 import aiohttp
 
-from benchmarks.reliability import streams
+from continuum.bench_clients import grpc_stream, http_stream
+from harness.streams import completion_body, request
 
 PROMPTS = ("Tell me about the sea.", "Count to ten.", "Name three colors.",
            "What is a cat?")
@@ -38,13 +39,13 @@ class SteadyStreams:
 
     async def _once(self) -> list[tuple]:
         addr, url = self.serve.addr, f"http://127.0.0.1:{self.serve.http_port}/v1/completions"
-        grpc_reqs = [streams.request(PROMPTS[0], self.max_tokens),
-                     streams.request(PROMPTS[1], self.max_tokens),
-                     streams.request(PROMPTS[2], self.max_tokens, chat=False)]
+        grpc_reqs = [request(PROMPTS[0], self.max_tokens),
+                     request(PROMPTS[1], self.max_tokens),
+                     request(PROMPTS[2], self.max_tokens, chat=False)]
         async with aiohttp.ClientSession() as session:
             outs = await asyncio.gather(
-                *[streams.grpc_stream(addr, r, timeout=60) for r in grpc_reqs],
-                streams.http_stream(session, url, streams.completion_body(
+                *[grpc_stream(addr, r, timeout=60) for r in grpc_reqs],
+                http_stream(session, url, completion_body(
                     PROMPTS[3], self.max_tokens), timeout=60))
         return [(o.api, o.status, tuple(o.token_ids), o.text) for o in outs]
 

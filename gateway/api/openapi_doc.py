@@ -8,7 +8,7 @@ key added to an answer and not here is a violation); every error is OpenAI's err
 object. A streamed answer's ``text/event-stream`` schema is that of each event's
 ``data``, as OpenAI's own document writes it.
 
-benchmarks/reliability/openapi_run.py runs schemathesis against the served document and
+harness/openapi_run.py runs schemathesis against the served document and
 against OpenAI's (docs/reliability.md, "Published schemas");
 tests/gateway/test_openapi_doc.py holds its paths to the app's routes.
 """

@@ -11,7 +11,7 @@ from continuum.bench_clients import OpenAIClient, Outcome
 from continuum.bench_workload import Spec
 
 _SSE = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (
-    {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+    {"choices": [{"text": "a"}]}, {"choices": [{"text": "b", "finish_reason": "length"}]},
     {"choices": [], "usage": {"completion_tokens": 2}})) + b"data: [DONE]\n\n"
 
 
@@ -63,7 +63,8 @@ def test_a_connection_dropped_before_any_response_is_retried():
 
 def test_retries_are_bounded_and_an_answer_is_never_resent():
     outcome, seen = _run(drops=OpenAIClient.RETRIES + 1)
-    assert outcome.status == "CONNECTION" and not outcome.completed
+    assert outcome.code == "CONNECTION" and not outcome.completed
     assert seen["connections"] == OpenAIClient.RETRIES + 1
     outcome, seen = _run(drops=0, status=429)
-    assert outcome.status == "HTTP_429" and seen == {"connections": 1, "answered": 1}
+    assert outcome.code == "HTTP_429" and outcome.status == "refused"
+    assert seen == {"connections": 1, "answered": 1}

@@ -23,7 +23,7 @@ import subprocess
 
 import pytest
 
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ EVERY_USAGE = {"include_usage": True, "continuous_usage_stats": True}
 def server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("vllm_bench"), model_dir)
     yield srv
-    assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
+    assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 def _post(server, path: str, body: dict, headers: dict | None = None):

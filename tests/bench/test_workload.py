@@ -128,7 +128,7 @@ def test_report_groups_by_tier_and_tenant_and_counts_errors():
         return o
 
     outcomes = [done(0, 0, "a", 0.1), done(1, 2, "b", 0.5),
-                Outcome(2, "b", 2, 10, 3, sent_s=0.0, status="RESOURCE_EXHAUSTED"),
+                Outcome(2, "b", 2, 10, 3, sent_s=0.0, status="refused", code="RESOURCE_EXHAUSTED"),
                 Outcome(3, "a", 0, 10, 3, sent_s=0.0, first_token_s=0.1, status="cancelled")]
     report = summarize_outcomes(outcomes, duration_s=2.0, slos={"ttft": 200})
     overall = report["overall"]

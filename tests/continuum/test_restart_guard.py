@@ -1,5 +1,5 @@
 """serve's crash-loop guard without a server: its flags, their validation, the budget and
-window it keeps, and the budget bench_recovery gives serve for its faults."""
+window it keeps (the budget bench_recovery gives serve: tests/bench/test_bench_recovery.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 
-from benchmarks.bench_recovery import restart_budget
 from continuum.cli import build_parser
 from continuum.restart_guard import RestartGuard
 from continuum.supervisor import ServeError, Supervisor
@@ -71,13 +70,3 @@ def test_deaths_older_than_the_window_no_longer_count():
     assert guard.record(10.0)  # the death at 0 is 10 s old: out of the window
     assert guard.count == 2
     assert not guard.record(14.0)  # 5, 10 and 14 are within 10 s
-
-
-def test_bench_recovery_gives_serve_a_budget_its_faults_fit():
-    faults, flags = restart_budget(3)
-    assert faults == 6
-    assert serve_args(*flags).max_executor_restarts == 12
-    burst = [float(t) for t in range(faults)]  # every fault within one window
-    assert all(map(RestartGuard(serve_args(*flags).max_executor_restarts, 120.0).record, burst))
-    assert not all(map(RestartGuard(5, 120.0).record, burst))  # serve's default would stop
-    assert restart_budget(1, given=1) == (2, ["--max-executor-restarts", "1"])

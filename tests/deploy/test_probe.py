@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from continuum.procs import free_port
 from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
-from tests.integration.conftest import free_port
 
 PROBE = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "probe.py"
 READY_S = 240

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.executor.harness import load_model
+from harness.mini_scheduler import load_model
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,13 @@ from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import profile_activation_bytes
 from executor_svc.sampler import Sampler, SampleRow, SamplingConfig
+from harness.mini_scheduler import MiniScheduler, hf_greedy, make_runner
+from harness.precision import compare, greedy_sequences
+from harness.prompts import PROMPTS
 from kernels import make_backend
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
-from tests.executor.harness import MiniScheduler, hf_greedy, make_runner
-from tests.executor.precision import compare, greedy_sequences
 from tests.executor.test_process import FakeScheduler, start_executor
-from tests.executor.test_runner import PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda", 0)
@@ -62,7 +62,7 @@ def test_greedy_tokens_on_cuda_equal_transformers_and_the_cpu_executor(
 
 def test_bf16_on_cuda_stays_within_the_stated_tolerance_of_fp32(cuda_model, model_dir, tok):
     """What --dtype auto serves on a GPU: bf16 weights and activations, within the tolerance
-    tests/executor/precision.py states (and the CPU's bf16 meets, test_precision.py)."""
+    harness/precision.py states (and the CPU's bf16 meets, test_precision.py)."""
     sequences = greedy_sequences(cuda_model, [tok.encode(t).ids for t in PROMPTS], 24)
     bf16 = DecoderModel.load(model_dir, dtype=torch.bfloat16, device=CUDA)
     try:

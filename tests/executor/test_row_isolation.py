@@ -18,12 +18,12 @@ import pytest
 
 from executor_svc.faults import ROW_STAGES, FaultInjector
 from executor_svc.guided import Guides
+from harness.mini_scheduler import INCARNATION, make_runner
 from protos import wire
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import ModelInfo, Request, Scheduler, SchedulerConfig
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.plan import build_plan
-from tests.executor.harness import INCARNATION, make_runner
 
 BAD_MARK = 48_000  # a token id no normal prompt holds: the fault injector's trigger
 NORMAL_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 314, 253, 1345],

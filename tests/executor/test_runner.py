@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.mini_scheduler import INCARNATION, MiniScheduler, hf_greedy, make_runner
+from harness.prompts import MORE_PROMPTS, PROMPTS
 from protos import seq_columns, wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
-from tests.executor.harness import INCARNATION, MiniScheduler, hf_greedy, make_runner
-
-PROMPTS = [
-    "The history of the Roman Empire",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "Paris is",
-    "List three colors:\n1.",
-]
 
 
 def chat_prompt(tok, question: str) -> list[int]:
@@ -46,23 +39,6 @@ def test_one_request_matches_transformers(model, hf_model, tok):
     sched.run()
     assert len(expected) >= 10
     assert sched.outputs(1)[: len(expected)] == expected
-
-
-# 16 prompts of 2 to 40-odd tokens for the concurrent test (16 requests at once).
-MORE_PROMPTS = [
-    "Hi",
-    "The quick brown fox",
-    "import numpy as np\nimport torch\n\nclass Model(torch.nn.Module):",
-    "Water boils at",
-    "Translate to French: good morning",
-    "A haiku about autumn leaves falling slowly onto a quiet pond at dusk, written by",
-    "SELECT name FROM users WHERE",
-    "The three laws of thermodynamics are",
-    "1, 1, 2, 3, 5, 8,",
-    "Dear hiring manager, I am writing to apply for the position of senior engineer at your "
-    "company, which I learned about from a colleague who has worked with your team for",
-    "Q: Why is the sky blue?\nA:",
-]
 
 
 def test_concurrent_chunked_requests_match_transformers(model, hf_model, tok):

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from executor_svc.tp_shard import split_heads
+from harness.mini_scheduler import MiniScheduler, make_runner
 from kernels import make_backend
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
-from tests.executor.harness import MiniScheduler, make_runner
 from tests.executor.test_process import FakeScheduler, start_executor
 
 LOGPROB_ATOL = 1e-4  # fp32; measured: <= 7e-6 at tp 2-4 (partial sums, other order)

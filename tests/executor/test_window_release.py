@@ -21,12 +21,12 @@ import torch
 from tokenizers import Tokenizer
 
 from executor_svc.models.decoder import DecoderModel
+from harness.mini_scheduler import INCARNATION, hf_greedy, make_runner
 from kernels import make_backend
 from protos import wire
 from protos.continuum.v1 import sampling_pb2
 from scheduler_svc.core import ModelInfo, Request, Scheduler, SchedulerConfig
 from scheduler_svc.plan import build_plan
-from tests.executor.harness import INCARNATION, hf_greedy, make_runner
 from tests.executor.test_models import CONFIGS, TOKENIZER_FILES, randomize
 
 transformers = pytest.importorskip("transformers")

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import proto_strategies
 from gateway.routing.mux import FINISHED, Mux
 from gateway.routing.upstream import ERROR_CODE_KEY, REPLICA_FAILURES, StreamEnd, client_status
+from harness import proto_strategies
 from protos.continuum.v1 import generation_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.servicer import SchedulerServicer
 from tests.gateway.harness import (

@@ -10,11 +10,11 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import body_strategies
 from gateway.api import openai_schema
 from gateway.api.json_body import decode_json
 from gateway.api.openai_api import CHAT, COMPLETION
 from gateway.validation import RequestError, ValidatedRequest, parse_request, validate
+from harness import body_strategies
 from protos.continuum.v1 import generation_pb2
 
 FIELDS = sorted(openai_schema.top_level_keys())  # every key a reader reads (its own test)
@@ -59,7 +59,7 @@ def test_any_body_is_validated_or_refused(tokenizer, body, chat):
 @settings(SETTINGS, max_examples=120)
 @given(data=st.data())
 def test_any_schema_body_is_validated_or_refused(tokenizer, data):
-    """The live fuzzer's bodies (benchmarks/reliability/body_strategies.py), each field
+    """The live fuzzer's bodies (harness/body_strategies.py), each field
     of each generation endpoint at its edges, through the same in-process path."""
     path = data.draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
     key = data.draw(st.sampled_from(body_strategies.field_names(path)))

@@ -13,13 +13,13 @@ import aiohttp
 import jsonschema
 import pytest
 
-from benchmarks.reliability import openapi_run
 from gateway.admit.auth import ApiKeys
 from gateway.api import openai_schema, openapi_doc
 from gateway.api import openai_schema as shapes
 from gateway.api.http_tokenize import detokenize, tokenize
 from gateway.api.openai_api import CHAT, COMPLETION
 from gateway.validation import RequestError
+from harness import openapi_run
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 
 from .harness import MODEL_NAME, FakeScheduler, fake_scheduler, gateway, run
@@ -154,7 +154,7 @@ def test_the_document_lists_every_route_the_app_serves_and_which_take_no_key(tok
 
 @pytest.fixture(scope="module")
 def documents() -> list[openapi_run.Document]:
-    """Ours, and OpenAI's where it lies (benchmarks/reliability/openapi_run.py)."""
+    """Ours, and OpenAI's where it lies (harness/openapi_run.py)."""
     found = [openapi_run.Document("ours", json.loads(json.dumps(DOCUMENT)), strict=True)]
     if openapi_run.openai_document().exists():
         found.append(openapi_run.load_openai(openapi_run.openai_document()))

@@ -15,7 +15,7 @@ import pytest
 
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("tools"), model_dir)
     yield srv
-    assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
+    assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")

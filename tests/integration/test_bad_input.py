@@ -23,7 +23,7 @@ from google.protobuf.internal.encoder import _VarintBytes
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
 
-from .conftest import start_server, stop_server
+from .conftest import start_server
 
 pytestmark = pytest.mark.integration
 BASIC = "sk-basic-0123456789"  # tenant acme, default tiers (standard, best_effort)
@@ -44,7 +44,7 @@ def server(tmp_path_factory, model_dir):
     srv = start_server(tmp, model_dir, "--api-keys-file", str(keys),
                        "--kv-cache-bytes", str(96 << 20))
     yield srv
-    assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
+    assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from continuum import local_state
 from runtime import internal_auth
 
-from .conftest import start_server, stop_server
+from .conftest import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -42,5 +42,5 @@ def test_config_get_reaches_a_serve_whose_secret_it_was_never_given(tmp_path, mo
             capture_output=True, text=True, timeout=60, env=env)
         assert other_port.returncode == 2 and "no internal secret" in other_port.stderr
     finally:
-        assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+        assert server.stop() == 0, "".join(server.log[-30:])
     assert not secret.exists()

@@ -1,7 +1,7 @@
 """serve's crash-loop guard on the real server: the death past ``--max-executor-restarts``
 within ``--restart-window-s`` stops the whole server with a line naming the flag, a
-standby takeover spends the budget like a cold restart, and bench_recovery turns the
-refused call that follows into one message naming the guard."""
+standby takeover spends the budget like a cold restart, and the harness turns the
+refused call that follows into one message naming the guard (``Serve.why_stopped``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import time
 import grpc
 import pytest
 
-from benchmarks.bench_recovery import why_stopped
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -29,22 +28,22 @@ def executor_pids(server, standby: bool = False, not_pid: int = 0) -> tuple[int,
         if stats.executor_pid not in (0, not_pid) and (stats.standby_executor_pid or not standby):
             return stats.executor_pid, stats.standby_executor_pid
         time.sleep(0.1)
-    raise AssertionError("no executor registered:\n" + "".join(server.stderr_lines[-30:]))
+    raise AssertionError("no executor registered:\n" + "".join(server.log[-30:]))
 
 
 def wait_for_line(server, text: str, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if found := [line for line in server.stderr_lines if text in line]:
+        if found := [line for line in server.log if text in line]:
             return found[-1]
         time.sleep(0.1)
-    raise AssertionError(f"no line with {text!r}:\n" + "".join(server.stderr_lines[-30:]))
+    raise AssertionError(f"no line with {text!r}:\n" + "".join(server.log[-30:]))
 
 
 def assert_stops_as_a_crash_loop(server) -> str:
     """Serve's line when it stops: it must, with exit code 1."""
     code = server.proc.wait(timeout=60)
-    assert code == 1, "".join(server.stderr_lines[-30:])
+    assert code == 1, "".join(server.log[-30:])
     return wait_for_line(server, "crash loop", timeout=5)
 
 
@@ -61,13 +60,13 @@ def test_a_second_death_past_a_budget_of_one_stops_serve_naming_the_flag(tmp_pat
         line = assert_stops_as_a_crash_loop(srv)
     finally:
         if srv.proc.poll() is None:
-            stop_server(srv)
+            srv.stop()
     assert "2 executor deaths" in line and "within 60 s" in line
     assert "--max-executor-restarts 1" in line and "--restart-window-s 60" in line
-    # What bench_recovery makes of the call the stopped server refuses.
+    # What the harness (and so bench_recovery) makes of the call the stopped server refuses.
     with pytest.raises(grpc.RpcError) as refused:
         srv.stats()
-    message = why_stopped(srv, refused.value)
+    message = srv.why_stopped(refused.value)
     assert "crash-loop guard tripped" in message and "larger --max-executor-restarts" in message
     assert "--max-executor-restarts 1 allows" in message  # it quotes serve's own line
 
@@ -88,7 +87,7 @@ def test_a_standby_takeover_spends_the_budget_like_a_cold_restart(tmp_path, mode
         line = assert_stops_as_a_crash_loop(srv)
     finally:
         if srv.proc.poll() is None:
-            stop_server(srv)
+            srv.stop()
     assert "2 executor deaths (restarts and standby takeovers)" in line
     assert "--max-executor-restarts 1" in line
-    assert sum("the standby (pid" in x for x in srv.stderr_lines) == 1  # serve's own line
+    assert sum("the standby (pid" in x for x in srv.log) == 1  # serve's own line

@@ -10,15 +10,14 @@ import contextlib
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 
+from harness import servers
 from protos.continuum.v1 import sampling_pb2
-from tests.integration.conftest import Server, free_port, start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_serve import chat, collect
 
 pytestmark = pytest.mark.integration
@@ -58,24 +57,17 @@ def two_replicas(tmp_path, model_dir):
         (tmp_path / name).mkdir()
     a = start_server(tmp_path / "a", model_dir)
     b = start_server(tmp_path / "b", model_dir)
-    port = free_port()
-    log = open(tmp_path / "gateway.log", "w+")  # noqa: SIM115 (closed below)
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--model-dir", str(model_dir), "--port", str(port),
-         "--http-port", "0",
-         "--scheduler", f"127.0.0.1:{a.scheduler_port},127.0.0.1:{b.scheduler_port}"],
-        stderr=log, stdout=log)
+    gateway = None
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            grpc.channel_ready_future(ch).result(timeout=60)
-        yield a, b, Server(gateway, port, 0, "", [])
+        gateway = servers.start_gateway([a.scheduler_port, b.scheduler_port], model_dir)
+        yield a, b, gateway
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=30)
-        log.close()
+        if gateway is not None:
+            gateway.proc.terminate()
+            gateway.proc.wait(timeout=30)
         a.proc.kill()
         a.proc.wait()
-        stop_server(b)
+        b.stop()
 
 
 def test_streams_of_a_hung_replica_continue_on_another(tmp_path, model_dir):

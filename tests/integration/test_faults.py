@@ -13,7 +13,7 @@ import time
 import pytest
 
 from protos.continuum.v1 import sampling_pb2
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_serve import chat, collect, wait_until_idle
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def rings_attached(server, more_than: int = 0, timeout_s: float = 30.0) -> int:
     (its default channel), once that is more than ``more_than``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        n = sum("plans go through shared memory" in line for line in server.stderr_lines)
+        n = sum("plans go through shared memory" in line for line in server.log)
         if n > more_than or time.monotonic() > deadline:
             return n
         time.sleep(0.1)
@@ -78,7 +78,7 @@ def fault_server(tmp_path_factory, model_dir):
     srv = start_server(tmp_path_factory.mktemp("faults"), model_dir,  # the faults over the ring
                        "--kv-cache-bytes", str(96 << 20), "--plan-channel", "shm")
     yield srv
-    assert stop_server(srv) == 0
+    assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")

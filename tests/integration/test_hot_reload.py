@@ -22,7 +22,7 @@ from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
 from telemetry import TelemetryStore
 from tests.conftest import TEST_METADATA
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_serve import chat
 
 pytestmark = pytest.mark.integration
@@ -73,7 +73,7 @@ def served(tmp_path_factory, model_dir):
                           str(tmp / "telemetry.sqlite"))
     server.store = tmp / "telemetry.sqlite"
     yield server
-    assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+    assert server.stop() == 0, "".join(server.log[-30:])
 
 
 def test_serve_passes_the_config_file_and_a_live_change_takes_effect(served, capsys):

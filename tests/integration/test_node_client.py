@@ -23,7 +23,7 @@ import pytest
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
-from .conftest import start_server, stop_server
+from .conftest import start_server
 
 pytestmark = pytest.mark.integration
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def capped_server(tmp_path_factory, model_dir, node):
     srv = start_server(tmp_path_factory.mktemp("node"), model_dir,
                        "--kv-cache-bytes", str(96 << 20), "--max-streams-per-client", "1")
     yield srv
-    assert stop_server(srv) == 0
+    assert srv.stop() == 0
 
 
 def _node_client(node: str, server, request: dict) -> subprocess.Popen:

@@ -1,7 +1,7 @@
 """The HTTP API of a live `continuum serve` against published OpenAPI documents, with
 schemathesis: OpenAI's own (openai/openai-openapi, restricted to the operations served
 here; skipped when it is not in the data directory) and the gateway's GET /openapi.json.
-The driver is benchmarks/reliability/openapi_run.py, whose `openapi` row of `make
+The driver is harness/openapi_run.py, whose `openapi` row of `make
 reliability` runs the same at length (docs/reliability.md, "Published schemas").
 
 Per document: no 5xx, every answer valid under the document (streams chunk by chunk),
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.reliability import openapi_run
+from harness import openapi_run
 
 pytestmark = pytest.mark.integration
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -20,7 +20,7 @@ from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2
 from protos.pushback import PUSHBACK_KEY, RETRY_AFTER_KEY
 
-from .conftest import start_server, stop_server
+from .conftest import start_server
 
 pytestmark = pytest.mark.integration
 CONCURRENCY = 6
@@ -34,7 +34,7 @@ def tiny_server(tmp_path_factory, model_dir):
                        "--max-num-batched-tokens", "256", "--chunk-size", "256",
                        "--max-num-waiting", "1")
     yield srv
-    assert stop_server(srv) == 0
+    assert srv.stop() == 0
 
 
 def _http_attempt(server) -> tuple[str, float, str | None]:
@@ -103,7 +103,7 @@ def bounded_server(tmp_path_factory, model_dir):
                        "--kv-cache-bytes", str(96 << 20), "--max-num-seqs", "2",
                        "--max-queue-time-standard-s", "1")
     yield srv
-    assert stop_server(srv) == 0
+    assert srv.stop() == 0
 
 
 async def _attempt(stub, max_tokens: int, priority=gen.PRIORITY_STANDARD):

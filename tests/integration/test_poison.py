@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from executor_svc.faults import ENV_FAULT_INJECT
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +45,8 @@ def server(tmp_path_factory, model_dir):
         srv = start_server(tmp_path_factory.mktemp("poison"), model_dir)
     assert os.environ.get(ENV_FAULT_INJECT) is None
     yield srv
-    assert srv.proc.poll() is None, "the server stopped:\n" + "".join(srv.stderr_lines[-30:])
-    stop_server(srv)
+    assert srv.proc.poll() is None, "the server stopped:\n" + "".join(srv.log[-30:])
+    srv.stop()
 
 
 def complete(server, prompt: str) -> str:

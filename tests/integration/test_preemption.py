@@ -7,7 +7,7 @@ import concurrent.futures
 
 import pytest
 
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_serve import chat, collect, wait_until_idle
 
 pytestmark = pytest.mark.integration
@@ -33,5 +33,5 @@ def test_recompute_preemption_keeps_greedy_outputs_identical(server, tmp_path, m
         assert stats.num_preemptions > 0, "the small pool should have forced preemption"
         assert stats.num_free_blocks == stats.num_total_blocks
     finally:
-        assert stop_server(small) == 0
+        assert small.stop() == 0
     assert tight == roomy

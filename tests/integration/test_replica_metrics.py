@@ -11,10 +11,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from continuum.procs import free_port
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 
-from .conftest import free_port, start_server, stop_server
+from .conftest import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -73,4 +74,4 @@ def test_gauges_follow_a_running_request_and_histograms_count_it(tmp_path, model
         info = after["vllm:cache_config_info"][0].labels
         assert int(info["block_size"]) > 0 and int(info["num_gpu_blocks"]) > 0
     finally:
-        assert stop_server(server) == 0
+        assert server.stop() == 0

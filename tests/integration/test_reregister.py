@@ -16,12 +16,12 @@ import grpc
 import pytest
 import zmq
 
+from continuum.procs import free_port
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
-from tests.integration.conftest import free_port
 from tests.scheduler.submit_client import Stream, StreamFailed, submit
 
 pytestmark = pytest.mark.integration

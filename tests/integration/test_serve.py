@@ -91,7 +91,7 @@ def test_every_process_freezes_its_start_up_heap_and_the_scheduler_paces_collect
 
 def _log_lines(server) -> list[dict]:
     """The JSON lines the processes wrote (serve's own lines are plain text)."""
-    return [json.loads(line) for line in server.stderr_lines if line.startswith("{")]
+    return [json.loads(line) for line in server.log if line.startswith("{")]
 
 
 def test_every_process_logs_one_json_format(server):

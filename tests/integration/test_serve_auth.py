@@ -13,7 +13,7 @@ import pytest
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 from tests.conftest import TEST_SECRET
-from tests.integration.conftest import processes_mentioning, start_server, stop_server
+from tests.integration.conftest import processes_mentioning, start_server
 from tests.integration.test_serve import chat, collect
 
 pytestmark = pytest.mark.integration
@@ -53,4 +53,4 @@ def test_serve_generates_a_per_run_secret_and_keeps_it_off_argv(tmp_path, model_
                                metadata=internal_auth.metadata(secret.encode()))
             assert stats.executor_ready
     finally:
-        assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+        assert server.stop() == 0, "".join(server.log[-30:])

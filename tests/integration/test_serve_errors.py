@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import free_port
+from continuum.procs import free_port
 
 pytestmark = pytest.mark.integration
 

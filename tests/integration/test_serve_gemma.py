@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 
 pytestmark = pytest.mark.integration
 PLACE = {"type": "object",
@@ -34,7 +34,7 @@ def server(tmp_path_factory, gemma_gguf):
     srv = start_server(tmp_path_factory.mktemp("gemma"), gemma_gguf,
                        "--kv-cache-bytes", str(128 << 20))
     yield srv
-    assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
+    assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")

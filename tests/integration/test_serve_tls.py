@@ -15,7 +15,7 @@ import pytest
 
 from protos.continuum.v1 import generation_pb2
 from runtime import tls
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.pki import make_pki
 
 pytestmark = pytest.mark.integration
@@ -52,7 +52,7 @@ def test_serve_with_mutual_tls_on_every_port(tmp_path, model_dir):
                     generation_pb2.GenerateRequest(prompt="Hello", max_tokens=2), timeout=10))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+        assert server.stop() == 0, "".join(server.log[-30:])
 
 
 def test_tls_flags_that_do_not_fit_stop_serve_and_the_scheduler_at_once(tmp_path):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from protos.continuum.v1 import sampling_pb2
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_faults import rings_attached
 from tests.integration.test_serve import chat, collect, wait_until_idle
 
@@ -41,7 +41,7 @@ def executors(server, standby: bool = True) -> tuple[int, int]:
             return stats.executor_pid, stats.standby_executor_pid
         time.sleep(0.1)
     raise AssertionError("no executor and standby registered:\n"
-                         + "".join(server.stderr_lines[-30:]))
+                         + "".join(server.log[-30:]))
 
 
 def run_all(server, fault=None) -> list[list[int]]:
@@ -68,7 +68,7 @@ def standby_server(tmp_path_factory, model_dir):
                        "--max-queue-time-standard-s", "0", "--threads", "1",
                        "--plan-channel", "shm")
     yield srv
-    assert stop_server(srv) == 0, "".join(srv.stderr_lines[-30:])
+    assert srv.stop() == 0, "".join(srv.log[-30:])
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_kill_9_hands_the_streams_to_the_standby(standby_server, baseline):
     stats = srv.stats()  # (a busy box may see a step miss its deadline too: "at least")
     assert stats.executor_pid != active and stats.num_standby_takeovers >= takeovers + 1
     assert any(f'"pid": {standby}' in line and "standby executor takes over" in line
-               for line in srv.stderr_lines)
+               for line in srv.log)
     assert wait_until_idle(srv).num_free_blocks == stats.num_total_blocks
 
 
@@ -102,7 +102,7 @@ def test_a_hung_executor_is_replaced_by_the_standby(standby_server, baseline):
     assert tokens == baseline
     stats = srv.stats()
     assert stats.executor_pid != hung and stats.num_standby_takeovers >= 2
-    assert any("executor missed its step deadline" in line for line in srv.stderr_lines)
+    assert any("executor missed its step deadline" in line for line in srv.log)
 
 
 def test_both_dying_is_survived_by_a_new_executor_and_standby(standby_server, baseline):

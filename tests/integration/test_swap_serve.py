@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 from tests.integration.test_preemption import QUESTIONS, answers
 from tests.integration.test_serve import wait_until_idle
 
@@ -51,5 +51,5 @@ def test_serve_swaps_under_kv_pressure_and_outputs_stay_identical(server, tmp_pa
         swaps, _ = _swaps(store, len(QUESTIONS))
         assert swaps > 0, "a host pool was given, yet every preemption recomputed"
     finally:
-        assert stop_server(small) == 0
+        assert small.stop() == 0
     assert tight == roomy

@@ -6,14 +6,14 @@ import pytest
 
 from benchmarks.reliability import burst, overload
 from benchmarks.reliability.chaos import classify, duplicated
-from benchmarks.reliability.streams import Outcome
+from continuum.bench_clients import Outcome
 from sim.metrics import percentile
 
 REF = [1, 2, 3, 4, 5, 6]
 
 
 def ok(tokens: list[int]) -> Outcome:
-    return Outcome("grpc", token_ids=tokens, finish_reason="FINISH_REASON_LENGTH")
+    return Outcome(token_ids=tokens, finish_reason="FINISH_REASON_LENGTH")
 
 
 def test_a_stream_equal_to_its_reference_is_identical():
@@ -32,10 +32,10 @@ def test_a_missing_or_wrong_token_is_diverged_not_duplicated():
 
 
 def test_no_terminal_answer_is_lost_and_an_error_status_is_errored_or_ended():
-    assert classify(Outcome("grpc", status="deadline"), REF) == "lost"
-    assert classify(Outcome("grpc", status="unavailable"), REF) == "errored"
-    assert classify(Outcome("grpc", status="unavailable"), REF, expect_end=True) == "ended"
-    assert classify(Outcome("grpc", status="deadline"), REF, expect_end=True) == "lost"
+    assert classify(Outcome(status="deadline"), REF) == "lost"
+    assert classify(Outcome(status="unavailable"), REF) == "errored"
+    assert classify(Outcome(status="unavailable"), REF, expect_end=True) == "ended"
+    assert classify(Outcome(status="deadline"), REF, expect_end=True) == "lost"
 
 
 def test_the_rows_use_the_one_percentile_and_report_no_figure_as_none():

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.reliability import burst, chaos, fuzz, fuzz_schema, overload, procs, report, soak
+from benchmarks.reliability import burst, chaos, fuzz, fuzz_schema, overload, report, soak
+from harness import servers
 from tests.tiers import spawns_processes
 
 pytestmark = pytest.mark.integration
@@ -24,7 +25,7 @@ CI = "ci"
 @pytest.fixture(scope="module")
 @spawns_processes
 def serve(tmp_path_factory):
-    srv = procs.start_serve(tmp_path_factory.mktemp("reliability"))
+    srv = servers.start_serve(tmp_path_factory.mktemp("reliability"))
     yield srv
     assert srv.stop() == 0, "".join(srv.log[-30:])
 

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
+from continuum.procs import free_port
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc import link as link_module
 from scheduler_svc.core import FinishReason, SchedulerConfig
 from scheduler_svc.loop import HEARTBEAT_S, EngineLoop
-from tests.integration.conftest import free_port
 from tests.scheduler.factories import make_request
 from tests.scheduler.fake_peer import SECRET, FakePeer, linked_peers, make_hello
 

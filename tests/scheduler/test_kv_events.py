@@ -18,11 +18,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from continuum.procs import free_port
 from scheduler_svc.core import SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.kv_events import KVEventPublisher, endpoint_problem
 from scheduler_svc.loop import EngineLoop
-from tests.integration.conftest import free_port
 from tests.scheduler.factories import fake_execute, make_model, make_request, make_scheduler
 from tests.scheduler.fake_peer import SECRET, FakePeer, make_hello
 from tests.scheduler.test_engine_faults import drain

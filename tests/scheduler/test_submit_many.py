@@ -13,7 +13,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import proto_strategies
+from harness import proto_strategies
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2
 from scheduler_svc.streams import MESSAGE_EVENTS, RESPONSE_BYTES, ManyCall
 from tests.scheduler.factories import make_request

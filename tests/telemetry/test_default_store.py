@@ -16,7 +16,7 @@ from continuum import local_state
 from continuum.serve_config import telemetry_dsn
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 
 
 def _continuum(env: dict, *argv: str) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def test_report_and_gate_read_what_serve_wrote_by_default(tmp_path, model_dir):
         with grpc.insecure_channel(server.addr) as channel:
             list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120))
     finally:
-        assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])
+        assert server.stop() == 0, "".join(server.log[-30:])
     store = tmp_path / "state" / "continuum" / "telemetry.sqlite"
     out = _continuum(env, "report", "--since", "1h", "--format", "json")
     assert out.returncode == 0, out.stderr

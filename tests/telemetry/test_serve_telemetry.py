@@ -14,7 +14,7 @@ import pytest
 
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import start_server
 
 pytestmark = pytest.mark.integration
 TENANTS = {"acme": 3, "globex": 2}
@@ -48,7 +48,7 @@ def test_the_report_of_a_replayed_workload_matches_what_the_clients_saw(
             for i in range(count):
                 seen[tenant].append(_stream(server.addr, tenant, i))
     finally:
-        assert stop_server(server) == 0, "".join(server.stderr_lines[-30:])  # flushes
+        assert server.stop() == 0, "".join(server.log[-30:])  # flushes
     out = subprocess.run([sys.executable, "-m", "continuum", "report", "--store", store_target,
                           "--since", "1h", "--format", "json"],
                          capture_output=True, text=True, timeout=60)

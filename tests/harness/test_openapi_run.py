@@ -1,11 +1,11 @@
-"""The published-schema run's own rules (benchmarks/reliability/openapi_run.py), on a
+"""The published-schema run's own rules (harness/openapi_run.py), on a
 small document of our making: no server, no OpenAI document."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.reliability import openapi_run
+from harness import openapi_run
 
 CHUNK = {"type": "object", "required": ["choices"], "properties": {"choices": {
     "type": "array", "items": {"type": "object", "required": ["finish_reason"],

@@ -3,7 +3,7 @@ sequences in one prefill each (teacher forcing: the fp32 model's greedy continua
 an early difference does not compound), and at every continuation position we compare the
 next-token distributions. Used by the bf16 tolerance tests (tests/executor/test_precision.py
 on the CPU, tests/executor/test_cuda.py on a GPU) and printed by
-``python -m benchmarks.bf16_quality``."""
+``python -m benchmarks.bench_precision``."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import torch
 
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.models.decoder import DecoderModel
+from harness.mini_scheduler import MiniScheduler, make_runner
 from kernels import make_backend
 from kernels.attention import AttentionMetadata
-from tests.executor.harness import MiniScheduler, make_runner
 
 BLOCK_SIZE = 16
 # The tolerance stated for bf16 weights and activations against fp32 (docs/gpu.md), over
-# the continuations of tests/executor/test_runner.py's prompts: the greedy choice agrees
+# the continuations of harness/prompts.py's prompts: the greedy choice agrees
 # at nearly every position, and where it does not the two were near ties.
 MIN_TOP1_AGREEMENT = 0.95
 MAX_MEAN_KL = 0.01  # nats, mean over positions of KL(fp32 || low precision)

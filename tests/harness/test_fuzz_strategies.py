@@ -12,9 +12,9 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.reliability import body_strategies as bodies
-from benchmarks.reliability import proto_strategies as protos
 from gateway.api import openai_schema
+from harness import body_strategies as bodies
+from harness import proto_strategies as protos
 from protos import sampling_checks
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import sampling_pb2

@@ -1,4 +1,5 @@
-"""Servers for the reliability rows, and what a row reads from their processes.
+"""The servers tests and benchmarks start, and what they read from their processes: the
+one place that starts ``continuum serve``, a replica or a gateway and waits for it.
 
 Two layouts: ``start_serve`` runs ``continuum serve`` whole (what a user runs; its
 supervisor restarts a dead or hung executor), and ``start_replica`` / ``start_gateway``
@@ -28,11 +29,12 @@ import time
 import grpc
 
 from continuum.procs import free_port, spawn
-from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
+from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 
 READY_TIMEOUT_S = 240.0
 ROLES = ("gateway", "scheduler_svc", "executor_svc")
+GUARD_FLAG = "--max-executor-restarts"  # serve's crash-loop line names it
 
 
 class ServerError(RuntimeError):
@@ -137,21 +139,32 @@ def _collect(proc: subprocess.Popen, lines: list[str]) -> None:
 
 @dataclasses.dataclass
 class Serve:
-    """One ``continuum serve``: gateway (gRPC + HTTP), scheduler and executor."""
+    """One ``continuum serve``: gateway (gRPC + HTTP), scheduler and executor. ``log``:
+    its stderr lines as they come; ``workdir``: its socket (and whatever else the caller
+    put there, such as a telemetry store)."""
 
     proc: subprocess.Popen
     port: int
     scheduler_port: int
     http_port: int
     ipc: str
+    workdir: pathlib.Path
     log: list[str]
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stats(self) -> scheduler_pb2.StatsResponse:
-        return scheduler_stats(self.scheduler_port)
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL (what `openai.OpenAI(base_url=...)` takes)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def generation_stub(self, channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(channel)
+
+    def stats(self, timeout: float = 10.0) -> scheduler_pb2.StatsResponse:
+        return scheduler_stats(self.scheduler_port, timeout)
 
     def pid(self, role: str) -> int:
         pid = children_by_role(self.proc.pid).get(role)
@@ -159,8 +172,35 @@ class Serve:
             raise ServerError(f"no {role} child of continuum serve {self.proc.pid}")
         return pid
 
-    def stop(self) -> int | None:
-        return stop(self.proc)
+    def cpu_seconds(self) -> collections.Counter:
+        """CPU seconds so far of serve's processes, by role (``cpu_seconds``)."""
+        return cpu_seconds(children_by_role(self.proc.pid))
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        return stop(self.proc, grace_s)
+
+    def why_stopped(self, exc: grpc.RpcError, wait_s: float = 15.0) -> str:
+        """One message for a call the server refused: the crash-loop guard's line when that
+        is what stopped it, the exit code when something else did, else the call's error."""
+        deadline = time.monotonic() + wait_s
+        exited_at = None
+        while (guard := self._guard_line()) is None and time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                exited_at = exited_at or time.monotonic()
+                if time.monotonic() - exited_at > 1:  # its last lines have been read by now
+                    break
+            time.sleep(0.1)
+        if guard is not None:
+            return (f"the server stopped: its crash-loop guard tripped before the run was done "
+                    f"({guard}). Rerun with a larger {GUARD_FLAG}.")
+        if self.proc.poll() is not None:
+            return (f"the server exited with code {self.proc.returncode} mid-run (its last "
+                    f"lines are above); a call got {exc.code().name}")
+        return f"a call to the server failed: {exc.code().name}: {exc.details()}"
+
+    def _guard_line(self) -> str | None:
+        return next((line.strip() for line in self.log
+                     if GUARD_FLAG in line and "crash loop" in line), None)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int | None:
@@ -177,26 +217,34 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> int | None:
     return proc.returncode
 
 
-def start_serve(tmp: pathlib.Path, *extra: str) -> Serve:
-    """``continuum serve`` on free loopback ports; returns once it printed ``ready``."""
+def start_serve(tmp: pathlib.Path, *extra: str, model: pathlib.Path | str | None = None,
+                env: dict[str, str] | None = None, http: bool = True,
+                timeout_s: float = READY_TIMEOUT_S) -> Serve:
+    """``continuum serve`` on free loopback ports; returns once it printed ``ready``.
+
+    ``extra``: serve's flags (default: a 96 MiB KV pool); ``model``: default the bundled
+    one; ``env``: serve's environment (default this process's, given an internal secret);
+    ``http=False``: no OpenAI HTTP port. Raises ServerError with its last log lines."""
     ensure_secret()
-    port, sched_port, http_port = free_port(), free_port(), free_port()
+    tmp.mkdir(parents=True, exist_ok=True)
+    port, sched_port, http_port = free_port(), free_port(), free_port() if http else -1
     ipc = f"ipc://{tmp}/executor.sock"
-    cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model_dir()),
+    cmd = [sys.executable, "-m", "continuum", "serve", "--model", str(model or model_dir()),
            "--port", str(port), "--scheduler-port", str(sched_port), "--ipc", ipc,
            "--http-port", str(http_port), *(extra or ("--kv-cache-bytes", str(96 << 20)))]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     lines: list[str] = []
     _collect(proc, lines)
     ready = threading.Event()
     threading.Thread(target=lambda: ready.set() if proc.stdout.readline() else None,
                      daemon=True).start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not ready.wait(0.5):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise ServerError("continuum serve did not become ready:\n" + "".join(lines[-30:]))
-    return Serve(proc, port, sched_port, http_port, ipc, lines)
+            raise ServerError("continuum serve did not become ready:\n" + "".join(lines[-40:]))
+    return Serve(proc, port, sched_port, http_port, ipc, tmp, lines)
 
 
 @dataclasses.dataclass
@@ -300,12 +348,16 @@ class Gateway:
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def generation_stub(self, channel: grpc.Channel) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(channel)
 
-def start_gateway(scheduler_ports: list[int]) -> Gateway:
+
+def start_gateway(scheduler_ports: list[int],
+                  model: pathlib.Path | str | None = None) -> Gateway:
     """A gateway process in front of the given scheduler replicas (gRPC and HTTP)."""
     ensure_secret()
     port, http_port = free_port(), free_port()
-    proc = spawn("gateway", ["--model-dir", str(model_dir()), "--port", str(port),
+    proc = spawn("gateway", ["--model-dir", str(model or model_dir()), "--port", str(port),
                              "--http-port", str(http_port), "--scheduler",
                              ",".join(f"127.0.0.1:{p}" for p in scheduler_ports)],
                  stderr=subprocess.DEVNULL)

@@ -25,8 +25,8 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
-from benchmarks.reliability import fuzz_values as values
 from gateway.api.openai_schema import Text
+from harness import fuzz_values as values
 from protos.continuum.v1 import generation_pb2 as gen
 
 F = FieldDescriptor

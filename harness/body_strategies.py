@@ -23,9 +23,9 @@ import json
 
 from hypothesis import strategies as st
 
-from benchmarks.reliability import fuzz_values as values
 from gateway.api import openai_schema as schema
 from gateway.api.openai_schema import Shape, Text
+from harness import fuzz_values as values
 
 RAW = {  # JSON text no json.dumps writes: spliced in where a string "\x00RAW<k>\x00" stands
     0: "1e999", 1: "-1e999", 2: "1" + "0" * 400, 3: '"\\ud800"', 4: '"\\udfff x"',

@@ -53,7 +53,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode, checks
 
-from benchmarks.reliability.fuzz_common import PHASES
+from harness.fuzz_common import PHASES
 from sim.data import data_dir
 
 OPENAI_ENV = "CONTINUUM_OPENAI_OPENAPI"
