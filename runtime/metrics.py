@@ -4,8 +4,8 @@ for it, and the histogram. A page is its families' ``lines``, joined.
 
 Ours rather than prometheus_client's because both paths it sits on are hot: an observe
 is a bisect and two adds (the gateway observes every token gap), and the replica renders
-its whole page on the scheduling loop every 50 ms. docs/usage.md "Metrics" has the
-figures. The families themselves (names, labels, help, buckets) are declared once, in
+its whole page on the scheduling loop every 50 ms (figures: docs/facts.md "Metrics
+exposition"). The families themselves (names, labels, help, buckets) are declared once, in
 runtime/metric_names.py.
 
 A family renders from ``(label values, value)`` pairs, label values in the order the

@@ -59,8 +59,16 @@ def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
     req = make_request(8, 4, request_id="done")
     req.arrival_time, req.first_scheduled_time = 10.0, 10.5
     hist.request_ended(req, [11.0, 11.1, 11.3], 2)
-    families = _families(render(loop, hist, "smollm2"))
+    page = render(loop, hist, "smollm2")
+    families = _families(page)
     assert GIE_NAMES | PERF_NAMES <= set(families)
+    for line in (b"# TYPE vllm:num_requests_waiting gauge",  # what GIE pickers read, bytewise
+                 b'vllm:num_requests_waiting{model_name="smollm2"} 3.0',
+                 b'vllm:num_requests_running{model_name="smollm2"} 0.0',
+                 b'vllm:kv_cache_usage_perc{model_name="smollm2"} 0.0',
+                 b'vllm:cache_config_info{model_name="smollm2",block_size="4",'
+                 b'num_gpu_blocks="64"} 1.0'):
+        assert b"\n" + line + b"\n" in page, line
     value = {f.name: f.samples[0] for f in families.values() if f.samples}
     assert value["vllm:num_requests_waiting"].value == 3
     assert value["vllm:num_requests_waiting"].labels == {"model_name": "smollm2"}
