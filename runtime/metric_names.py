@@ -1,20 +1,7 @@
-"""Every metric family Continuum exports, once: which process exports it, its name, type,
-labels, help and buckets. docs/usage.md "Metrics" lists them for readers; a test holds
-each page to its table here and the docs to both.
-
-Names, by who measures:
-
-* ``vllm:`` on the replica's page (``REPLICA``, scheduler_svc/metrics.py), where vLLM has
-  the family: vLLM's name, ``model_name`` label and buckets, so endpoint pickers, load
-  tools and vLLM's dashboards read us unchanged. The Gateway API Inference Extension's
-  endpoint picker and llm-d read the first four below: their names and labels are a
-  contract, byte for byte.
-* ``continuum:`` on the replica's page for what vLLM has no name for; on the gateway's
-  page (``GATEWAY``, gateway/metrics.py) for each replica's Stats as the gateway last
-  read them, labelled ``replica`` (the autoscaler reads ``continuum:num_requests_waiting``).
-* ``continuum_gateway_`` for what the gateway measures itself, as its clients see it, so
-  its latencies never shadow the replica's. They use the replica's buckets, so the two
-  compare bucket for bucket.
+"""Every metric family Continuum exports, once: name, type, labels, help and buckets, in
+the table of the process that exports it (``REPLICA``: scheduler_svc/metrics.py;
+``GATEWAY``: gateway/metrics.py). The naming rule and the readers of each family are in
+docs/usage.md "Metrics"; tests/test_metric_names.py holds the pages and the docs to this.
 """
 
 from __future__ import annotations
@@ -29,7 +16,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
-# -- the replica's page: vLLM's families ------------------------------------------------------
+# -- the replica's page: vLLM's families, names and buckets ----------------------------------
+# The GIE endpoint picker and llm-d read the first four: their bytes are a contract.
 
 RUNNING = Family("vllm:num_requests_running", GAUGE, "Requests running on the executor.")
 WAITING = Family("vllm:num_requests_waiting", GAUGE, "Requests waiting to start.")

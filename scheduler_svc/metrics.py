@@ -32,9 +32,9 @@ from protos import tiers
 from runtime import metric_names as names
 from runtime.metrics import Histogram
 from scheduler_svc import metrics_server
+from scheduler_svc.telemetry import FINISH_NAMES
 
 PUBLISH_S = 0.05
-FINISHED = {1: "stop", 2: "length", 3: "abort", 4: "error"}
 
 
 class Histograms:
@@ -49,13 +49,13 @@ class Histograms:
         self.queue = Histogram(names.QUEUE.buckets)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.success = {name: 0 for name in FINISHED.values()}
+        self.success = {name: 0 for name in FINISH_NAMES.values()}
 
     def request_ended(self, req, token_times: list[float], finish_reason: int | None) -> None:
         """A stream ended: ``token_times`` (monotonic) of its tokens as they were sent."""
         self.prompt_tokens += req.num_prompt_tokens
         self.generation_tokens += len(token_times)
-        name = FINISHED.get(finish_reason or 0)
+        name = FINISH_NAMES.get(finish_reason or 0)
         if name is not None:
             self.success[name] += 1
         if req.first_scheduled_time is not None:
