@@ -1,6 +1,6 @@
 """The one metrics layer: runtime/metrics.py writes what Prometheus' own parser reads back,
-each page exports exactly its table in runtime/metric_names.py, and docs/usage.md names
-exactly those families."""
+the gateway's page exports exactly its table in runtime/metric_names.py (the replica's:
+tests/scheduler/test_replica_metrics.py), and docs/usage.md names exactly those families."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from gateway.metrics import GatewayMetrics
 from protos.continuum.v1 import scheduler_pb2
 from runtime import metric_names as names
 from runtime.metrics import COUNTER, GAUGE, HISTOGRAM, Family, Metric
-from scheduler_svc.metrics import Histograms, render
-from tests.scheduler.test_replica_metrics import _loop
 
 USAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 
@@ -44,20 +42,12 @@ def test_what_we_write_prometheus_reads_back():
     assert "# TYPE c_total counter\n" in page and 'h_bucket{model_name="m",le="0.1"} 2.0' in page
 
 
-def _table(families: tuple[Family, ...]) -> dict[str, str]:
-    return {f.name: f.kind for f in families}
-
-
-def test_the_replica_page_exports_exactly_its_table():
-    page = render(_loop(None), Histograms(), "m").decode()
-    assert {n: f.type for n, f in _parsed(page).items()} == _table(names.REPLICA)
-
-
 def test_the_gateway_page_exports_exactly_its_table():
     stats = scheduler_pb2.StatsResponse(num_total_blocks=8, num_free_blocks=4)
     replica = types.SimpleNamespace(healthy=True, stats=stats)
     page = GatewayMetrics("m", lambda: [("10.0.0.1:50061", replica)], 4096).render().decode()
-    assert {n: f.type for n, f in _parsed(page).items()} == _table(names.GATEWAY)
+    assert {n: f.type for n, f in _parsed(page).items()} == {f.name: f.kind
+                                                             for f in names.GATEWAY}
 
 
 def test_no_name_is_on_both_pages_or_declared_twice():

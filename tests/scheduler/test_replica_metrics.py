@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime import metric_names as names
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.executors import ExecutorInfo
@@ -84,6 +85,13 @@ def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
     waiting = {s.labels["tier"]: s.value
                for s in families["continuum:num_requests_waiting_by_tier"].samples}
     assert waiting == {"premium": 1, "standard": 1, "best_effort": 1}
+
+
+def test_the_page_exports_exactly_its_table(tmp_path):
+    """Every family runtime/metric_names.py declares for the replica, of its type, and
+    nothing else."""
+    families = _families(render(_loop(tmp_path), Histograms(), "m"))
+    assert {n: f.type for n, f in families.items()} == {f.name: f.kind for f in names.REPLICA}
 
 
 def test_the_kv_configuration_is_never_an_empty_pool(tmp_path):
