@@ -7,7 +7,8 @@ modules are grouped by role (docs/architecture.md maps each one):
     app.py        start_gateway: binds the ports, wires gRPC + HTTP + probes, drains
     config.py     GatewayConfig, the one frozen config
     validation.py GenerateRequest → ValidatedRequest, or RequestError (status + message)
-    metrics.py    Prometheus metrics; log_sampling.py: a repeated line once a second
+    metrics.py    its /metrics (families: runtime/metric_names.py); log_sampling.py: a
+                  repeated line once a second
     rpc/          the gRPC front: Generation servicer, interceptors, the cap on calls
     api/          the OpenAI-compatible HTTP API: routes, dialects, fields, schema
     edge/         connection-level defences, per-client caps, their flags, probes

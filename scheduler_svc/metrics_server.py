@@ -36,9 +36,10 @@ import sys
 import threading
 import time
 
+from runtime.metrics import CONTENT_TYPE
+
 HEADER = struct.Struct("<QQ")
 CAPACITY = 16 << 20  # page bytes (a sparse file: only what is written takes memory)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The readers are a few scrapers and routers, each with a connection or two: 32 is room
 # for them all (and for bench tools) while a flood costs at most 32 threads.
 MAX_CONNECTIONS = 32

@@ -7,7 +7,7 @@ protobuf), the key's rights (tenant, priority tier), and `validation.validate`
 (cheap caps, then chat template and tokenization). An inference gateway's tenant and
 tier headers (gateway/admit/routing_headers.py) fill what the request leaves unset before the
 key's rights are checked, so they grant nothing a body field could not. A refusal is logged once and
-counted once in `continuum:request_errors_total{code=...}`, whichever API it
+counted once in `continuum_gateway_request_errors_total{code=...}`, whichever API it
 came from, then re-raised as the `RequestError` for the front end to map to its
 status (gRPC code, or HTTP status with an OpenAI error body). Anything else the step
 raises is the client's input too, reaching what no check foresaw: gateway/admit/parse_guard.py

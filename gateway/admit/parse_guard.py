@@ -7,7 +7,7 @@ template, tokenization; `/tokenize` and `/detokenize` alike), so an input no che
 foresaw (a RecursionError, a UnicodeError, a ValueError from deep in a library) is
 still INVALID_ARGUMENT / 400 "could not parse the request", never a 500. Each is
 logged once with its traceback and counted in
-`continuum:request_parse_errors_total{api}`: a gap in the checks, to be closed there.
+`continuum_gateway_request_parse_errors_total{api}`: a gap in the checks, to be closed there.
 
 A structured-output compile that found no free CPU or worker in time
 (gateway/structured/guided_check.py ``CompileBusy``) is overload instead: 429 / RESOURCE_EXHAUSTED.

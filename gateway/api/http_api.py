@@ -47,7 +47,7 @@ from gateway.api.openai_api import (
 from gateway.edge import http_edge
 from gateway.edge.http_edge import HttpLimits, read_body
 from gateway.edge.probes import Probes
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import GatewayMetrics
 from gateway.routing.relay import END_S, Relay, RelayError, end_after_grace
 from gateway.routing.replicas import ReplicaSet
 from gateway.routing.upstream import ClientStatus
@@ -60,6 +60,7 @@ from gateway.validation import (
     check_identifier,
 )
 from protos.echo import clip
+from runtime.metrics import CONTENT_TYPE
 
 _log = structlog.get_logger("gateway.http")
 _OPEN_PATHS = frozenset({"/health", "/live"})

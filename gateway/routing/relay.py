@@ -193,7 +193,7 @@ class Relay:
                  priority_tier=request.tier, n=request.n,
                  prompt_tokens=len(request.prompt_token_ids), max_tokens=request.max_tokens)
         labels = self.metrics.labels(request.tier)
-        self.metrics.prompt_tokens.labels(*labels).inc(len(request.prompt_token_ids))
+        self.metrics.prompt_tokens.inc(labels, len(request.prompt_token_ids))
         watch = Stream(asyncio.current_task(), request.request_id)
         self.watchdog.add(watch)
         try:
@@ -260,7 +260,7 @@ class Relay:
         """One completion, continued on another replica if its replica fails or stalls."""
         output = OutputStream(request, self._tokenizer)
         metrics, labels = self.metrics, self.metrics.labels(request.tier)
-        timing = _Timing(accepted, metrics.ttft.labels(*labels), metrics.itl.labels(*labels))
+        timing = _Timing(accepted, metrics.ttft.child(labels), metrics.itl.child(labels))
         leg = Completion()
         watch.completions.append(leg)
         tried: set[str] = set()
@@ -337,10 +337,10 @@ class Relay:
                   timing: _Timing, num_replicas: int, log) -> None:
         metrics, labels = self.metrics, self.metrics.labels(request.tier)
         finished = time.monotonic()
-        metrics.e2e.labels(*labels).observe(finished - timing.accepted)
-        metrics.queue.labels(*labels).observe(timing.queue_time_s)
-        metrics.generation_tokens.labels(*labels).inc(output.num_generated_tokens)
-        metrics.success.labels(*labels, finish_name(output.finish_reason)).inc()
+        metrics.e2e.child(labels).observe(finished - timing.accepted)
+        metrics.queue.child(labels).observe(timing.queue_time_s)
+        metrics.generation_tokens.inc(labels, output.num_generated_tokens)
+        metrics.success.inc((*labels, finish_name(output.finish_reason)))
         log.info(
             "completion finished",
             index=index,

@@ -21,6 +21,7 @@ import urllib.parse
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from continuum.cli import build_parser
 from continuum.serve_config import Configs
@@ -420,8 +421,8 @@ def _exported_metric_names() -> set[str]:
         stats = scheduler_pb2.StatsResponse(num_total_blocks=8, num_free_blocks=4,
                                             num_waiting_by_tier=[1, 2, 3])
 
-    metrics = GatewayMetrics("m", lambda: [("10.0.0.1:50061", Replica())])
-    return {family.name for family in metrics.registry.collect()}
+    page = GatewayMetrics("m", lambda: [("10.0.0.1:50061", Replica())]).render().decode()
+    return {family.name for family in text_string_to_metric_families(page)}
 
 
 def test_replicas_scale_on_a_queue_depth_the_gateway_exports(rendered):

@@ -44,8 +44,8 @@ def test_the_parse_guard_makes_any_exception_a_counted_400(raised):
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
     assert error.message.startswith(f"could not parse the request: {type(raised).__name__}")
     assert len(error.message) < 300
-    assert metrics.registry.get_sample_value(
-        "continuum:request_parse_errors_total", {"model_name": "m", "api": "chat"}) == 1
+    page = metrics.render().decode()
+    assert 'continuum_gateway_request_parse_errors_total{model_name="m",api="chat"} 1.0' in page
     assert len(logs) == 1 and "traceback" in logs[0] and len(repr(logs[0])) < 4000
 
 
@@ -55,8 +55,7 @@ def test_the_parse_guard_passes_request_errors_through_uncounted():
     with pytest.raises(RequestError) as caught, parse_guard("chat", metrics):
         raise refusal
     assert caught.value is refusal
-    assert metrics.registry.get_sample_value(
-        "continuum:request_parse_errors_total", {"model_name": "m", "api": "chat"}) is None
+    assert "continuum_gateway_request_parse_errors_total{" not in metrics.render().decode()
 
 
 _HUGE_BODIES = [  # (path, body, status)
@@ -140,5 +139,5 @@ def test_an_unexpected_error_while_parsing_is_a_counted_400_on_both_apis(tokeniz
     assert error.details().startswith("could not parse the request: RuntimeError")
     assert tokenize == 400
     for api in ("completion", "grpc", "tokenize"):
-        assert (f'continuum:request_parse_errors_total{{api="{api}",model_name="smollm2"}} 1.0'
-                in metrics), api
+        assert (f'continuum_gateway_request_parse_errors_total{{model_name="smollm2",api="{api}"}}'
+                ' 1.0' in metrics), api

@@ -397,13 +397,14 @@ def test_metrics_use_the_documented_names_and_tiers(tokenizer):
     label = f'model_name="{MODEL_NAME}",priority="premium"'
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):
-        assert f"continuum:{name}_count{{{label}}} 1.0" in text, name
+        assert f"continuum_gateway_{name}_count{{{label}}} 1.0" in text, name
     gaps = float(len(events) - 1)  # one inter-token gap per token after the first
-    assert f"continuum:inter_token_latency_seconds_count{{{label}}} {gaps}" in text
-    assert f"continuum:request_queue_time_seconds_sum{{{label}}} 0.25" in text
-    assert f"continuum:generation_tokens_total{{{label}}} {float(len(events))}" in text
-    assert f"continuum:prompt_tokens_total{{{label}}} 1.0" in text
-    assert 'continuum:request_errors_total{code="INVALID_ARGUMENT"' in text
+    assert f"continuum_gateway_inter_token_latency_seconds_count{{{label}}} {gaps}" in text
+    assert f"continuum_gateway_request_queue_time_seconds_sum{{{label}}} 0.25" in text
+    assert f"continuum_gateway_generation_tokens_total{{{label}}} {float(len(events))}" in text
+    assert f"continuum_gateway_prompt_tokens_total{{{label}}} 1.0" in text
+    assert ('continuum_gateway_request_errors_total{model_name="smollm2",'
+            'code="INVALID_ARGUMENT"}') in text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "num_preemptions_total", "scheduler_update_fallbacks_total"):
         assert f"# TYPE continuum:{name.removesuffix('_total')}" in text, name

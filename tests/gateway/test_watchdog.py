@@ -179,8 +179,8 @@ def test_a_client_that_stops_reading_is_cancelled_and_frees_upstream(tokenizer):
 
     normal, metrics = run(scenario())
     assert normal[-1].usage.completion_tokens == 5  # served while the other was stuck
-    assert 'continuum:stream_interventions_total{model_name="smollm2",reason="slow_reader"} 1.0' \
-        in metrics
+    assert ('continuum_gateway_stream_interventions_total{model_name="smollm2",'
+            'reason="slow_reader"} 1.0') in metrics
 
 
 def test_drain_past_its_grace_period_ends_streams_with_an_error(tokenizer):

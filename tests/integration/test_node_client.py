@@ -33,8 +33,8 @@ PUSHBACK_MS = 1000  # the gateway's per-client cap refusal (gateway/edge/client_
 PROMPT = "The capital of France is"
 GREEDY = {"prompt": PROMPT, "max_tokens": 16,
           "sampling": {"temperature": 0.0, "ignore_eos": True}}
-REFUSALS = re.compile(r'^continuum:request_errors_total\{[^}]*code="RESOURCE_EXHAUSTED"[^}]*\}'
-                      r" (\S+)$", re.M)
+REFUSALS = re.compile(r'^continuum_gateway_request_errors_total'
+                      r'\{[^}]*code="RESOURCE_EXHAUSTED"[^}]*\} (\S+)$', re.M)
 
 
 @pytest.fixture(scope="module")

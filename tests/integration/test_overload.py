@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import re
 import statistics
 import time
 import urllib.request
@@ -87,11 +88,14 @@ def test_full_queue_is_resource_exhausted_over_grpc(tiny_server):
 def test_metrics_count_what_happened(tiny_server):
     url = f"http://127.0.0.1:{tiny_server.http_port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    assert 'continuum:request_errors_total{code="RESOURCE_EXHAUSTED"' in text
+    assert re.search(r'^continuum_gateway_request_errors_total\{[^}]*code="RESOURCE_EXHAUSTED"',
+                     text, re.M)
     for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
-                 "prompt_tokens_total", "generation_tokens_total", "num_requests_running",
-                 "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
+                 "prompt_tokens_total", "generation_tokens_total"):
+        assert f"continuum_gateway_{name}{{" in text, name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total"):  # each replica's Stats, as the gateway read them
         assert f"continuum:{name}{{" in text, name
 
 

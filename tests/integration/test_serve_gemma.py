@@ -49,7 +49,8 @@ def test_models_and_metrics_name_the_model_and_its_context(client, server):
     metrics = f"http://127.0.0.1:{server.http_port}/metrics"
     with urllib.request.urlopen(metrics, timeout=30) as response:
         text = response.read().decode()
-    assert f'continuum:model_info{{max_model_len="32768",model_name="{model.id}"}} 1.0' in text
+    assert (f'continuum_gateway_model_info{{model_name="{model.id}",max_model_len="32768"}} 1.0'
+            in text)
 
 
 def test_a_completion_is_transformers_greedy_text(client, gemma_reference):

@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from runtime import metric_names as names
 from scheduler_svc.core import Scheduler, SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.executors import ExecutorInfo
@@ -59,8 +60,16 @@ def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
     req = make_request(8, 4, request_id="done")
     req.arrival_time, req.first_scheduled_time = 10.0, 10.5
     hist.request_ended(req, [11.0, 11.1, 11.3], 2)
-    families = _families(render(loop, hist, "smollm2"))
+    page = render(loop, hist, "smollm2")
+    families = _families(page)
     assert GIE_NAMES | PERF_NAMES <= set(families)
+    for line in (b"# TYPE vllm:num_requests_waiting gauge",  # what GIE pickers read, bytewise
+                 b'vllm:num_requests_waiting{model_name="smollm2"} 3.0',
+                 b'vllm:num_requests_running{model_name="smollm2"} 0.0',
+                 b'vllm:kv_cache_usage_perc{model_name="smollm2"} 0.0',
+                 b'vllm:cache_config_info{model_name="smollm2",block_size="4",'
+                 b'num_gpu_blocks="64"} 1.0'):
+        assert b"\n" + line + b"\n" in page, line
     value = {f.name: f.samples[0] for f in families.values() if f.samples}
     assert value["vllm:num_requests_waiting"].value == 3
     assert value["vllm:num_requests_waiting"].labels == {"model_name": "smollm2"}
@@ -76,6 +85,13 @@ def test_the_page_has_every_name_gateways_and_load_tools_read(tmp_path):
     waiting = {s.labels["tier"]: s.value
                for s in families["continuum:num_requests_waiting_by_tier"].samples}
     assert waiting == {"premium": 1, "standard": 1, "best_effort": 1}
+
+
+def test_the_page_exports_exactly_its_table(tmp_path):
+    """Every family runtime/metric_names.py declares for the replica, of its type, and
+    nothing else."""
+    families = _families(render(_loop(tmp_path), Histograms(), "m"))
+    assert {n: f.type for n, f in families.items()} == {f.name: f.kind for f in names.REPLICA}
 
 
 def test_the_kv_configuration_is_never_an_empty_pool(tmp_path):
