@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from protos import tiers
-from runtime.config_flags import knob
+from runtime.config_flags import check_bounds, knob
 from scheduler_svc.core.policy import POLICIES
 
 # Per priority tier (protos/tiers.py, premium first): its queue-time bound field, and its
@@ -138,6 +138,7 @@ class SchedulerConfig:
                                   f"target), got {value!r}")
         if self.aging_s <= 0 or self.preemption_window_s <= 0:
             raise ConfigError("aging_s and preemption_window_s must be > 0 seconds")
+        check_bounds(self, ConfigError)  # a field's own lo / hi / above
 
 
 def queue_time_bound(cfg: SchedulerConfig, tier: int) -> float:
