@@ -1,22 +1,12 @@
 """``python -m executor_svc --model PATH --ipc ipc:///run/continuum/replica.sock``
 
-Loads the model, sizes the KV cache (a byte budget on the CPU; on a GPU, what
---gpu-memory-utilization leaves once the model and one full step fit: executor_svc/device.py),
-measures prefill throughput and copy bandwidth (for the scheduler's preemption cost model),
-connects to the scheduler and serves plans until SIGTERM/SIGINT (exit 0). A model or device
-that cannot be served exits 2 with one line on stderr.
-
-``--tp-size N`` (N > 1): this process is rank 0. It spawns ranks 1..N-1 (the same command
-with ``--tp-rank``; executor_svc/tp_ranks.py), each loads its slice of the model
-(tp_shard.py) and its own KV pool, and rank 0 alone talks to the scheduler, passing every
-plan on (tp_serve.py). When any rank is lost, rank 0 exits 3 (EXIT_RANK_LOST).
-
-Rank 0 signs its Hello with the deployment's internal secret (runtime/internal_auth.py:
-``CONTINUUM_INTERNAL_SECRET`` or ``_FILE``); without one, and without the explicit opt-out,
-it exits 2 before loading anything.
-
-``--standby``: a warm standby (executor_svc/standby.py): its Hello asks the scheduler
-to keep it aside until its executor dies or hangs.
+Loads the model, sizes the KV cache (executor_svc/device.py), measures prefill throughput
+and copy bandwidth (the preemption cost model's), connects to the scheduler and serves
+plans until SIGTERM/SIGINT (exit 0). A model or device that cannot be served exits 2 with
+one line on stderr; so does a missing internal secret (runtime/internal_auth.py) without
+the explicit opt-out. ``--tp-size N``: this is rank 0; it spawns ranks 1..N-1
+(executor_svc/tp_ranks.py) and alone talks to the scheduler (tp_serve.py); a lost rank
+exits 3 (EXIT_RANK_LOST). ``--standby``: a warm standby (executor_svc/standby.py).
 """
 
 from __future__ import annotations

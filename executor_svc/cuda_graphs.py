@@ -1,29 +1,13 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed instead of
-launching a step's hundreds of kernels one by one.
+"""CUDA graphs for decode steps: one graph per batch-size bucket (docs/gpu.md, "Decode
+CUDA graphs").
 
-A decode step of B sequences (every sequence computes one token and samples) is padded up
-to the smallest bucket >= B (``BUCKETS``) and replayed from that bucket's graph; anything
-else — a prefill or chunk in the step, a batch above the largest bucket, a block table
-wider than the captured one, tensor parallelism — runs eagerly (``choose`` says why). The
-graph reads its inputs from static buffers that each step overwrites on the device (no
-host sync), and writes its logits into a static [bucket, V] buffer; the sampler then runs
-on those rows, on the device, and the sampled ids are the step's one device-to-host copy.
-
-Padding repeats the batch's last real row (``pad_rows``): the same token, position, KV
-slot, block table and context. Such a row computes bit-identical K/V (a GEMM, RMSNorm and
-attention give identical rows identical results) and writes them into the real row's slot,
-so the cache is as without padding, and no slot outside the step is touched; its logits
-are dropped.
-
-Attention inside a graph must launch the same kernels whatever the contexts: the Triton
-backend with a fixed split count (kernels/triton_attention.py; its split-K cuts each row's
-own context), with the step's index tensors prepared once into static buffers
-(``_StaticBackend``). Capture happens at start, before any sequence exists (warm-up steps
-write into the pool), and the graphs share one memory pool, the largest captured first.
-
-``replay=False`` runs the same static-buffer path eagerly, with no graph: how the tests
-check padding and buffers on the CPU (under TRITON_INTERPRET), where nothing can be
-captured.
+A decode step of B sequences is padded to the smallest bucket >= B (``BUCKETS``) and
+replayed; anything else runs eagerly (``choose`` says why). Inputs come from static
+buffers each step overwrites on the device; logits go to a static [bucket, V] buffer,
+sampled on the device. Padding repeats the last real row (``pad_rows``), which writes
+bit-identical K/V into that row's own slot, so the cache is as without padding. Attention
+uses Triton at a fixed split count with static index buffers (``_StaticBackend``).
+``replay=False`` runs the same path eagerly: how the CPU tests check it.
 """
 
 from __future__ import annotations

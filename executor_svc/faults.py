@@ -14,8 +14,7 @@ one or more ``ACTION=TOKEN`` separated by commas, ACTION one of:
   samples, as for a grammar matcher or sampler row that fails: the step goes on for every
   other sequence and only that request ends with an error.
 
-The poison-request tests (tests/integration/test_poison.py) use it to prove that such a
-request is ended alone after ``max_step_failures`` and that the rest of its batch goes on.
+tests/integration/test_poison.py uses it.
 """
 
 from __future__ import annotations

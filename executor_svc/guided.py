@@ -1,19 +1,12 @@
 """Structured output in the executor: one llguidance matcher per guided sequence.
 
-A guided sequence's matcher has consumed exactly its output tokens so far; before
-each sample the sampler masks every token the grammar does not allow next (so the
-choice, greedy or drawn, is always a legal one), and after it the chosen token is
-consumed. A sequence the scheduler resends (after a preemption by recompute, an
-executor restart, a continuation on another replica) arrives with its earlier
-output in its tokens; the matcher catches up by consuming them first, so the state
-never depends on this executor's history. When the grammar is complete the mask
-allows only EOS.
-
-The tokenizer llguidance needs (~0.4 s to build from tokenizer.json) is built by a
-background thread started with the executor (``warm``), so the first guided request
-does not stall the step it joins; compiled grammars are cached by their text (an LRU
-of GRAMMAR_CACHE). A matcher for a cached grammar takes under a millisecond, a mask
-~0.2 ms per guided row and step (the bundled model, 49,152 tokens).
+A matcher has consumed exactly its sequence's output tokens: the sampler masks what the
+grammar does not allow next (so any choice is legal) and the chosen token is consumed. A
+resent sequence (recompute, restart, another replica) catches up by consuming its earlier
+output first, so the state never depends on this executor's history. A complete grammar
+allows only EOS. The llguidance tokenizer (~0.4 s to build) is built by a background
+thread at start (``warm``); compiled grammars are cached by text (LRU, GRAMMAR_CACHE). A
+matcher for a cached grammar takes under 1 ms, a mask ~0.2 ms per guided row and step.
 """
 
 from __future__ import annotations

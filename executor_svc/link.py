@@ -1,27 +1,17 @@
 """The executor's end of the scheduler channel, and the loop that serves it.
 
-A zmq DEALER connects to the scheduler's ROUTER (ipc://). Each frame is one ExecutorMessage /
-SchedulerMessage (protos/wire.py). The loop is the only owner of the Runner: it answers a
-plan with its StepResult and a heartbeat with a heartbeat, in arrival order.
+A zmq DEALER connects to the scheduler's ROUTER (ipc://); each frame is one message of
+protos/wire.py. The loop alone owns the Runner and answers in arrival order.
 
-Introductions: Hello goes out every time the connection is (re)established — zmq reconnects
-by itself when the scheduler restarts, and the new scheduler knows nobody — and again if the
-first one got no answer within ``hello_retry_s``, or a scheduler heartbeat names another
-incarnation. The scheduler treats every Hello as an empty executor, so sending one also
-drops this executor's sequence state. A scheduler heartbeat marked ``detached`` (it no longer
-counts this executor as its own, e.g. after a stall past its deadline: SIGSTOP/SIGCONT)
-makes it re-register at once, under a new incarnation unless tensor-parallel ranks share the
-old one.
+Hello goes out at every (re)connect (a restarted scheduler knows nobody), again after
+``hello_retry_s`` without answer, or when a heartbeat names another incarnation; the
+scheduler treats every Hello as an empty executor, so it drops this executor's sequence
+state. A ``detached`` heartbeat makes it re-register at once. Every Hello is signed
+(``auth_tag``, runtime/internal_auth.py); undecodable frames are dropped and counted.
 
-Every Hello carries ``auth_tag``, the HMAC of the Hello under the deployment's secret
-(runtime/internal_auth.py); the scheduler ignores an executor that cannot sign. Frames that
-are not one decodable SchedulerMessage are dropped and counted (``num_dropped_frames``).
-
-Plans may come through a shared-memory ring instead (runtime/plan_ring.py): the scheduler
-offers one in a heartbeat to this incarnation; the loop attaches it (once per offer) and
-names it in its heartbeats, then reads plans there: it spins on the ring for a moment after
-each plan, then sleeps on ZeroMQ, where a ``ring_bell`` wakes it. A ring frame that fails
-its checks is dropped and counted like a bad frame. Every Hello drops the ring.
+Plans may come through a shared-memory ring (runtime/plan_ring.py) offered in a
+heartbeat: the loop attaches it, names it in its heartbeats, spins on it a moment after
+each plan, then sleeps on ZeroMQ until a ``ring_bell``. Every Hello drops the ring.
 """
 
 from __future__ import annotations

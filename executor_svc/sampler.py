@@ -1,19 +1,13 @@
 """Turning each sampling row's logits into a token.
 
-Order per row: penalties (repetition on prompt + output, presence/frequency on output),
-then min_tokens (EOS and stop ids banned until enough output), then greedy argmax when
-temperature == 0, else temperature -> softmax -> min_p / top_k / top_p / typical_p -> one
-draw with a uniform number derived from (request seed, token position)
-(executor_svc/sampling_ops.py).
-Rows are batched; only penalties and logprobs loop over the rows that ask for them.
+Order per row: penalties, min_tokens bans, then greedy argmax at temperature 0, else
+temperature -> softmax -> min_p / top_k / top_p / typical_p -> one draw from a uniform
+derived from (seed, position) (executor_svc/sampling_ops.py). Rows are batched; only
+penalties and logprobs loop over the rows that ask.
 
-Each row's own work (its grammar mask, logit bias, penalties, bans, draw, matcher advance,
-logprobs) can fail that row alone: ``sample`` catches it, gives the row a placeholder token
-and reports it in ``SampleOutput.failed`` (stage and message), and every other row's token is
-the one it would have had without it. A failure of the batched draw is retried row by row to
-find its row. The runner turns ``failed`` into StepResult.row_failures.
-
-The scheduler, not this module, decides when a sequence stops.
+A row's own work can fail that row alone: ``sample`` gives it a placeholder token and
+reports it in ``SampleOutput.failed``; every other row's token is unchanged (a failed
+batched draw is retried row by row to find its row). The scheduler decides stops.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The executor's one frozen config: its flags (``ExecutorConfig``, whose fields are the flags
-of ``python -m executor_svc`` and ``continuum serve``: runtime/config_flags.py) and its
-environment switches (``Switches``), read here, once, and nowhere else.
+"""The executor's one frozen config: its flags (``ExecutorConfig``; runtime/config_flags.py)
+and its environment switches (``Switches``), read here, once, and nowhere else.
 
-``executor_svc/__main__.py`` reads the switches into its ExecutorConfig at start (and the
-other entry points that load a model the same way, e.g. ``python -m executor_svc.model_files``
-and benchmarks/bench_executor.py, call the same ``Switches.from_env``); every component gets
-the values it needs as keyword arguments whose defaults are "nothing set", so tests and
-benchmarks that build a model, a KV cache or a backend directly need no environment.
-
-Imports neither torch nor the kernels (``model_files``' command line, which ``continuum
-serve`` runs at every start, reads ``cache_dir`` here in milliseconds).
+Entry points read the switches with ``Switches.from_env``; components get values as
+keyword arguments whose defaults mean "nothing set", so tests need no environment.
+Imports neither torch nor the kernels (``continuum serve`` reads ``cache_dir`` here).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``python -m executor_svc --standby``: a warm standby executor.
 
 It loads and warms up like any executor, then says a Hello marked ``standby``: the
-scheduler keeps it aside (scheduler_svc/link.py) and answers only its heartbeat probes,
-so it sits in a blocking poll that costs no CPU. When the scheduler loses its executor
-it switches to the standby and sends it the next plan, which resumes every sequence by
-recompute: no process start and no model load on the way.
-
-What it shares with the executor in service is the checkpoint's page cache and the code;
-its weights are its own (the load fuses and packs them into new tensors) and so is its KV
-pool: a standby costs about one more executor's resident memory.
+scheduler keeps it aside (scheduler_svc/link.py) until it loses its executor, then sends
+it the next plan, which resumes every sequence by recompute. Idle, it blocks in a poll
+(no CPU); it costs about one more executor's resident memory (weights and KV pool are
+its own, only the page cache is shared).
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """One rank's end of the tensor-parallel group: the collectives of the sharded forward, and
 the commands rank 0 sends the other ranks.
 
-Backend: gloo for CPU tensors; with the model on CUDA, NCCL for device tensors (one group,
-``cpu:gloo,cuda:nccl``) while commands and sampled tokens stay on gloo. Ranks join after
-loading their shards (a load may take minutes), with a generous join timeout; every
-collective after that has ``--tp-timeout-s``: when a rank hangs, the others' next collective
-raises instead of waiting forever, and when a rank dies it raises at once (gloo sees the
-connection close). Either way the group is unusable afterwards; callers treat it as fatal.
-
-Collectives pair up by call order, so every rank must make the same calls in the same order.
-That holds because all ranks run the same plans through the same code; the only
-rank-dependent branches are inside this class.
-
-Commands (the plans) go through a shared-memory ring (runtime/shm_ring.py: one copy
-into /dev/shm, a ZeroMQ doorbell) rather than a gloo broadcast, which costs a TCP send per
-rank; gloo keeps the tensors. A reader waits at most ``--tp-timeout-s`` for a command, as it
-waited in the broadcast, and a ring failure is a RuntimeError like gloo's. Where no ring can
-be set up (not x86-64, no writable /dev/shm, any rank failing to attach) every rank falls
-back to the broadcast together, and says so in the log.
+gloo for CPU tensors, NCCL for device ones (``cpu:gloo,cuda:nccl``); commands and sampled
+tokens stay on gloo. After a generous join, every collective has ``--tp-timeout-s``: a hung
+or dead peer raises, and the group is then unusable (callers treat it as fatal).
+Collectives pair up by call order, so every rank makes the same calls; the only
+rank-dependent branches are in this class. Commands go through a shared-memory ring
+(runtime/shm_ring.py; a gloo broadcast costs a TCP send per rank); where no ring can be
+set up every rank falls back to the broadcast together and logs it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Rank 0's worker processes: started bound to its life, watched, stopped.
 
-Ranks 1..N-1 run ``python -m executor_svc --config-json DOC``, DOC rank 0's config with the
-model directory it resolved and the worker's rank: the same config, parsed by the same code.
-Each gets PR_SET_PDEATHSIG, so the kernel SIGTERMs it when rank 0 dies by any means, SIGKILL
-included: no orphan keeps memory or a device.
-
-A watcher thread polls the workers. One that exits non-zero (a worker exits 0 only on rank
-0's STOP) has broken the group: its peers would fail or time out in their next collective.
-So rank 0 kills the rest and exits EXIT_RANK_LOST from the thread at once, wherever its main
-thread is blocked (rendezvous, model load, the scheduler socket). The supervisor restarts
-the executor; the scheduler recomputes (docs/design.md §5).
+Ranks 1..N-1 run ``python -m executor_svc --config-json DOC`` (rank 0's config, resolved
+model directory and the worker's rank), each with PR_SET_PDEATHSIG so no orphan outlives
+rank 0. A worker exiting non-zero (0 only on rank 0's STOP) has broken the group, so a
+watcher thread kills the rest and exits EXIT_RANK_LOST at once, wherever the main thread
+is blocked; the executor restarts and the scheduler recomputes (docs/design.md §5).
 """
 
 from __future__ import annotations

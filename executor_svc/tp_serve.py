@@ -1,19 +1,13 @@
 """Serving under tensor parallelism: rank 0's Runner front, the other ranks' loop, and the
 samplers that keep every rank's sequences identical.
 
-Rank 0 alone talks to the scheduler (executor_svc/link.py, unchanged). Before it executes a
-plan or forgets its sequences, it broadcasts the same command to the other ranks
-(tp_comm.Command), which run the same Runner code in lockstep: the same plan check, the same
-batch, the same collectives in the same order. Only rank 0 samples, from the gathered
-logits, and broadcasts the tokens, so every rank appends the same token ids (decode plans
-carry none) and no rank draws a seed of its own.
+Rank 0 alone talks to the scheduler; before it executes a plan or forgets sequences it
+broadcasts the command (tp_comm.Command), and the other ranks run the same Runner code in
+lockstep. Only rank 0 samples and broadcasts the tokens, so every rank appends the same ids.
 
-Failure: under tp a step that fails — a collective that timed out or lost its peer, or any
-exception mid-forward, after which the ranks' collectives no longer pair up — cannot be
-resynchronized in-process the way a tp 1 executor resyncs (runner.py). Rank 0 raises
-RankLost; another rank exits EXIT_RANK_LOST; either way the executor restarts whole and the
-scheduler recomputes (docs/design.md §5). A refused plan is not a failure: every rank refuses it
-identically before any collective.
+A failed step under tp cannot be resynchronized in-process (the collectives no longer pair
+up): rank 0 raises RankLost, another rank exits EXIT_RANK_LOST, the executor restarts whole
+(docs/design.md §5). A refused plan is refused identically by every rank first.
 """
 
 from __future__ import annotations

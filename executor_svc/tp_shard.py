@@ -15,18 +15,15 @@ tensors' splits (executor_svc/models/base.py, ``Tensor.split``), for every one h
 | lm_head                | vocabulary rows         | gather of logits to rank 0  |
 | norms (q/k norms too)  | replicated              |                             |
 
-Heads are split by GQA group, so that a query head and its KV head always share a rank:
+Heads are split by GQA group, so a query head and its KV head always share a rank:
 
-* N <= KV heads: each rank takes a contiguous run of whole groups, as even as the counts
-  allow (SmolLM2's 3 KV heads over 2 ranks: 1 and 2 groups, i.e. 3 and 6 query heads). No KV
-  head is stored twice; the price is imbalance, and every rank's KV pool is sized by the
-  largest share so that block ids mean the same on every rank.
-* N > KV heads: ranks are spread over the groups and split a group's query heads between
-  them, each holding a replica of the group's KV head (vLLM does the same). Needs
-  ceil(N / KV heads) <= query heads per group.
+* N <= KV heads: each rank takes a contiguous run of whole groups, as even as possible
+  (SmolLM2's 3 KV heads over 2 ranks: 1 and 2). No KV head is stored twice; every rank's
+  KV pool is sized by the largest share so block ids mean the same on every rank.
+* N > KV heads: ranks split a group's query heads, each holding a replica of its KV head
+  (as vLLM). Needs ceil(N / KV heads) <= query heads per group.
 
-Padding (zero heads to make N divide the counts) was the alternative: it computes and caches
-heads that do nothing. Uneven splits cost nothing extra and keep the math exact.
+Uneven splits, not zero-head padding: padding computes and caches heads that do nothing.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
-"""The executor's weight formats (``CONTINUUM_WEIGHT_FORMAT``, executor_svc/settings.py):
+"""The executor's weight formats (``CONTINUUM_WEIGHT_FORMAT``, executor_svc/settings.py);
+measurements: docs/executor-performance.md.
 
-* ``native``: a converted GGUF's own tensors in their block formats (Q4_0, Q4_1, Q8_0, Q4_K,
-  Q6_K, F16, BF16), read raw from the GGUF (``gguf.GGUFReader``) and multiplied by
-  kernels/cpu_qgemm.cpp, dequantized inside the GEMM. Every weight value equals what
-  ``gguf.quants.dequantize`` gives (so what transformers loads from the converted directory):
-  greedy outputs stay token-exact. A batch-1 step streams ~4.5-8.5 bits per weight instead
-  of 32 (the bundled Q4_1 model: 101 MB instead of 540 MB).
-* ``hybrid``: ``native``, plus each projection and the LM head dequantized once at load and
-  packed as ``fp32`` packs them; a GEMM over more than 8 tokens (larger decode batches,
-  prefill) reads that copy instead of the blocks. Its tile reads the same values in the
-  same order, so the outputs are the same bits as ``native``'s (tests/kernels/
-  test_qgemm.py); it skips the blocks' dequantization per panel and 128 columns, ~5-8 % of
-  those compute-bound GEMMs. Costs 4 bytes a weight more (the bundled model: +540 MB).
-* ``bf16``: an HF directory's fp32 weights rounded to bfloat16 (half the bytes; the values
-  change, so outputs are close to, not equal to, the fp32 model's).
-* ``fp32``: as before: dequantized / safetensors fp32, packed for cpu_gemm.cpp.
-* ``auto`` (the default): ``hybrid`` where ``native`` applies (a GGUF source, fp32
-  activations on an AVX2 CPU, the native GEMM on, no tensor parallelism) and the fp32 copy
-  takes at most 1/8 of the memory available at load (``HYBRID_MEMORY_SHARE``), ``native``
-  where it does not fit (a 7B model's copy would be ~28 GB), else ``fp32``. Chosen by
-  measurement: docs/executor-performance.md (A/B in one run).
+* ``native``: a converted GGUF's own block tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16,
+  BF16), dequantized inside kernels/cpu_qgemm.cpp. Values equal ``gguf.quants.dequantize``'s,
+  so greedy outputs stay token-exact; ~4.5-8.5 bits a weight streamed instead of 32.
+* ``hybrid``: ``native`` plus an fp32 packed copy of each projection and the LM head for
+  GEMMs over 8 tokens; the same bits as ``native`` (tests/kernels/test_qgemm.py), 4 bytes
+  a weight more.
+* ``bf16``: an HF directory's fp32 weights rounded (outputs close to, not equal to, fp32).
+* ``fp32``: dequantized / safetensors fp32, packed for cpu_gemm.cpp.
+* ``auto``: ``hybrid`` where ``native`` applies and the copy takes at most
+  ``HYBRID_MEMORY_SHARE`` of memory at load, ``native`` where it does not fit, else fp32.
 
-A converted directory keeps its GGUF's blocks in ``gguf_blocks.st`` (``save_native``,
-which executor_svc/model_files.py calls once per conversion), which is how ``native`` finds
-them behind an HF directory.
+A converted directory keeps its GGUF's blocks in ``gguf_blocks.st`` (``save_native``).
 """
 
 from __future__ import annotations

@@ -11,22 +11,12 @@ backend sees one kind of batch. Backends: ``torch_backend`` (CPU/any device),
 ``reference`` (slow, trusted by tests); Triton / flash-attn ones plug in behind the same
 two methods.
 
-Sliding windows: ``forward(..., window=W)`` restricts one layer's call to local attention,
-so a model passes each layer its own window within one step (Gemma 3 interleaves windowed
-and global layers; Mistral windows every layer). A query at absolute position ``p`` then
-attends to key positions ``k`` with ``p - W < k <= p``: the last ``W`` positions, itself
-included. That is transformers' rule (masking_utils.py, 5.x: ``sliding_window_overlay``
-keeps ``kv_idx > q_idx - sliding_window``, and ``sliding_window_causal_mask_function`` ands
-it with ``causal_mask_function``'s ``kv_idx <= q_idx``). ``window`` None or 0 is full causal
-attention, with the values it had before windows existed, bit for bit, and no added work;
-``W >= context`` gives the same values as full attention. ``prepare`` stays window-free and
-shared by every layer: a backend that precomputes something per window (masks, gather
-indices) caches it in its prepared object, keyed by the window, on the first layer that
-asks for that window. Where a step's layers run in one native call
-(kernels/native_decoder.py), the windows are fixed per layer instead: ``NativeDecoder(...,
-windows=[W or 0 per layer])``. Every backend takes the keyword: reference, torch, numba (its
-AVX2 and numba kernels skip the blocks before a window), triton, flash-attn
-(``window_size=(W - 1, 0)``).
+Sliding windows: ``forward(..., window=W)`` makes one layer's call local (Gemma 3
+interleaves windowed and global layers): a query at position ``p`` attends to keys
+``p - W < k <= p``, transformers' rule (masking_utils.py ``sliding_window_overlay``).
+``window`` None or 0 is full causal attention, bit for bit as without windows; ``prepare``
+stays window-free, and a backend caches per-window work in its prepared object. The
+native decoder fixes windows per layer instead (``NativeDecoder(..., windows=...)``).
 """
 
 from __future__ import annotations

@@ -5,17 +5,10 @@ the metadata's query_start, ``cu_seqlens_k`` the running sum of context lengths,
 flash-attn's causal mask is aligned to the bottom right (since 2.1), which is exactly "row j
 of a chunk sees positions <= ctx - n + j". K/V are read through the block table in place.
 
-A sliding window W (kernels/attention.py: position p sees p - W < k <= p) is flash-attn's
-``window_size=(W - 1, 0)``: its docstring has query i attend keys in [i + seqlen_k - seqlen_q
-- window_size[0], i + seqlen_k - seqlen_q + window_size[1]], i.e. with the bottom-right
-alignment p - (W - 1) <= k <= p. (transformers passes (W - 1, W - 1) with causal=True, the
-same keys: the right side is cut by causality.) Full attention leaves ``window_size`` out,
-flash-attn's default (-1, -1).
-
-What it cannot take goes to a fallback backend (Triton where it runs, else torch), logged
-once per reason: flash-attn 2 pages must hold a multiple of 256 tokens (the default
-``--block-size 16`` does not), q and the pool must share one 16-bit dtype, and head dims stop
-at 256. flash-attn is imported here only; kernels/__init__.py checks it is importable first.
+A sliding window W (p - W < k <= p) is flash-attn's ``window_size=(W - 1, 0)`` under its
+bottom-right alignment; full attention leaves it out. What it cannot take goes to a
+fallback (Triton, else torch), logged once per reason: pages not a multiple of 256 tokens
+(the default ``--block-size 16``), q and pool not one 16-bit dtype, head dims over 256.
 """
 
 from __future__ import annotations

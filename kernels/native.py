@@ -4,13 +4,11 @@ kernels/cpu_ops.cpp (fused residual add + RMSNorm, RoPE + q/k/v layout, KV write
 kernels/cpu_gemm.cpp (small-batch GEMM over pre-packed weights) and kernels/cpu_decoder.cpp
 (a step's decoder layers in one call, driven by kernels/native_decoder.py), one library.
 
-Plain C++ with no torch headers: g++ builds it in ~8 s, once per source version, into
-``kernels/__pycache__/`` (or ``NativeOptions.cache_dir``, or a temporary directory where
-neither is writable); later processes load the cached library in milliseconds. ``load()``
-returns None — and the numba kernel stays in use — when the CPU lacks AVX2/FMA/F16C, there is
-no compiler, the build fails or ``NativeOptions.enabled`` is False; it never raises. This
-module reads no environment: the executor reads its switches once (executor_svc/settings.py)
-and passes them in a ``NativeOptions``.
+Plain C++ with no torch headers: built once per source version (~8 s) into
+``kernels/__pycache__/`` (or ``NativeOptions.cache_dir``, or a temp dir); later processes
+load it in milliseconds. ``load()`` returns None (the numba kernel stays in use) when the
+CPU lacks AVX2/FMA/F16C, there is no compiler, the build fails or ``NativeOptions.enabled``
+is False; it never raises. No environment is read here (executor_svc/settings.py).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Attention that reads K/V blocks in place through a compiled kernel (the CPU default).
 
-Single-token rows (decodes, 1-token chunks) go to ``kernels/cpu_attention.cpp`` (AVX2,
-built and loaded by ``kernels/native.py``) or, where that cannot be built or the head dim
-is not a multiple of 8, to ``kernels/numba_kernels.py``. Either way one task per sequence
-walks its block table, so each K/V row is read from memory once per step and nothing is
-gathered (docs/facts.md: the gather alone costs ~2x the attention); under a sliding window
-(kernels/attention.py) the blocks before a row's window are not read at all. Multi-token
-chunks keep the torch path (SDPA's flash kernel is a matmul there, which beats a scalar
-loop). The
-constructor builds or loads the kernels so that cost lands at start-up, not on a request.
-Only float32 runs in the kernels; other dtypes (and non-contiguous pools) fall back to the
-torch backend.
+Single-token rows go to ``kernels/cpu_attention.cpp`` (AVX2, kernels/native.py) or, where
+that cannot run (or head dim % 8 != 0), ``kernels/numba_kernels.py``: one task per sequence
+walks its table, each K/V row read once and nothing gathered (the gather alone costs ~2x
+the attention, docs/facts.md); blocks before a sliding window are not read. Multi-token
+chunks take torch's SDPA (a matmul beats a scalar loop). The constructor builds or loads
+the kernels, so that cost lands at start-up. float32 only; other dtypes and
+non-contiguous pools fall back to the torch backend.
 """
 
 from __future__ import annotations

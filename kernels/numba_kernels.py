@@ -25,17 +25,11 @@ import torch
 def _share_torch_openmp() -> str:
     """Makes numba's parallel kernels run on torch's own OpenMP threads; returns the layer.
 
-    numba's "omp" layer links the system libgomp, a second OpenMP runtime beside the one
-    torch bundles; each keeps its own workers, and torch's spin for a few ms after every op,
-    stealing a core from numba's. Measured at batch 64 on the 2 idle cores: 250 ms of
-    attention per step with numba's "workqueue" layer (sleeping workers; the "omp" layer
-    was worse still, 5 ms per call at batch 1 on a busy machine), 150-185 ms with one
-    shared pool. Promoting torch's libgomp to the global symbol scope before numba loads
-    its OpenMP pool makes that pool's GOMP_* calls bind to torch's runtime: one team of
-    threads for both. Without a bundled libgomp (e.g. a torch built with Intel or LLVM
-    OpenMP) numba gets "workqueue", which cannot be entered from two threads at once: the
-    runner has one. A layer the user chose (NUMBA_THREADING_LAYER, which numba reads into
-    its config) wins.
+    numba's "omp" layer links a second libgomp whose workers fight torch's spinning ones
+    for the cores; binding numba's pool to torch's libgomp (promoted to the global symbol
+    scope before numba loads it) gives one team for both: attention 250 -> 150-185 ms a
+    step at batch 64 (docs/executor-performance.md). Without a bundled libgomp numba gets
+    "workqueue" (not re-entrant: the runner has one thread). NUMBA_THREADING_LAYER wins.
     """
     if numba.config.THREADING_LAYER != "default":
         return numba.config.THREADING_LAYER

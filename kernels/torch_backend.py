@@ -1,18 +1,11 @@
-"""Paged attention in plain torch: runs anywhere torch does (the CPU default).
+"""Paged attention in plain torch: runs anywhere torch does.
 
-Single-token rows (decodes, and 1-token chunks) are batched into one SDPA call over their
-gathered blocks; longer chunks run one SDPA call per sequence. A chunk that starts at
-position 0 attends to its own fresh K/V and reads nothing from the cache.
-
-Sliding windows (kernels/attention.py): decode rows gather only the blocks their window
-touches (each row's table shifted to its window's first block), chunks only the positions
-[first window start, context); the masks and gather indices of each window are built on the
-first layer that asks for it and cached in the step's plan.
-
-Cost note (docs/facts.md): gathering blocks into a dense tensor costs about 2x the attention
-itself at long contexts. The kernels that read blocks in place: numba/native on the CPU,
-Triton and flash-attn on CUDA (kernels/triton_attention.py, kernels/flash_attn_backend.py);
-on a GPU this backend is the fallback when neither package is importable.
+Single-token rows are batched into one SDPA call over their gathered blocks; longer chunks
+run one SDPA call per sequence (a chunk at position 0 reads nothing from the cache). Under
+a sliding window only the blocks a window touches are gathered; each window's masks and
+indices are built on the first layer that asks and cached in the step's plan. Gathering
+costs ~2x the attention at long contexts (docs/facts.md): the in-place kernels are the
+other backends; on a GPU this one is the fallback.
 """
 
 from __future__ import annotations

@@ -3,14 +3,11 @@
     python -m kernels.triton_check    # on CUDA: one table; rc 0 ok, 1 a miss, 2 cannot run
     TRITON_INTERPRET=1 python -m kernels.triton_check --device cpu --quick   # the CI smoke run
 
-Small steps are checked against kernels/reference.py (float64, on CPU copies); 8B-shaped
-steps (32 query heads, 8 KV heads, head dim 128, contexts to 8k) against the torch backend
-on the device, which the suite checks against the reference (bf16 and fp16 only; float32
-pools are checked on the small steps). Every step has block tables with holes and blocks
-out of order, partial last blocks, and NaN in every slot no sequence owns; the windowed
-cases (a sliding window, kernels/attention.py) add NaN before every window. On CUDA each row
-also gives the mean time of one layer's attention call. Never run on a GPU yet: its first
-run compiles some 40 kernel variants (seconds each; ~/.triton/cache keeps them).
+Small steps are checked against kernels/reference.py (float64); 8B-shaped steps (bf16,
+fp16) against the torch backend on the device, which the suite checks against the
+reference. Every step has tables with holes and blocks out of order, partial last blocks,
+NaN in every unowned slot (and before every window). On CUDA each row also times one
+layer's attention call. Its first run compiles some 40 kernel variants.
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ gathered a tile at a time through the table, so any block size and any table (ho
 out of order) work, and no tile reads a slot past the sequence's context.
 
 Numerics: scores and the softmax run in float32 (exp2 with the scale folded into log2 e).
-``DOT_F32`` picks the matmul inputs: float32 (for float32 pools or a float32 model) or the
-cache's own 16-bit type (tensor cores). float32 dots run as "tf32x3" (three TF32 tensor-core
-products, float32-level error): "ieee" FMA dots took minutes to build per prefill variant
-on this project's loaded CPU machine, where tf32x3 takes tens of seconds. Triton's
-interpreter cannot do bfloat16 arithmetic, so under TRITON_INTERPRET the launchers ask for
-float32 there.
+``DOT_F32`` picks the matmul inputs: float32 or the cache's own 16-bit type (tensor cores).
+float32 dots run as "tf32x3" (float32-level error; "ieee" FMA dots took minutes to build
+per prefill variant). The interpreter cannot do bfloat16, so under TRITON_INTERPRET the
+launchers ask for float32.
 
 Sliding windows (kernels/attention.py): ``SLIDING`` is a constexpr, so full attention
 compiles to the kernels it always was; a windowed launch passes ``window`` W and each row

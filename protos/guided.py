@@ -1,20 +1,13 @@
 """What a ``Guided`` message (structured output) means: one llguidance grammar, and the
 matcher that enforces it against the model's tokenizer.
 
-The gateway compiles it to refuse a bad spec with a 400 before anything runs; the
-executor compiles the same text into a matcher per sequence whose token mask the
-sampler applies. Both read it here (``grammar_of``, ``load_tokenizer``,
-``new_matcher``, the same ``PARSER_LIMITS``), so they cannot disagree on what a request
-asked for or on whether it compiles. llguidance (Microsoft's guidance engine; the
-grammar library of vLLM's and SGLang's structured output) computes a mask in tens of
-microseconds and needs nothing but the model's tokenizer.json.
-
-Some specs only fail against a tokenizer: a lark token range past the vocabulary
-(``<[50000-60000]>``), a special token the tokenizer lacks (``<|no_such_token|>``), a
-regex whose lexer outgrows llguidance's limits once it runs (``a{1000000}``: its first
-mask takes 0.4 s and the first token consumed then fails). ``probe`` finds those the
-way the executor would meet them: it builds the matcher and walks its first
-PROBE_TOKENS tokens.
+The gateway compiles it to refuse a bad spec with a 400; the executor compiles the same
+text into a matcher per sequence. Both read it here (``grammar_of``, ``load_tokenizer``,
+``new_matcher``, ``PARSER_LIMITS``), so they cannot disagree. Some specs fail only against
+a tokenizer (a token range past the vocabulary, a missing special token, a regex whose
+lexer outgrows the limits: ``a{1000000}``'s first mask takes 0.4 s, then fails): ``probe``
+builds the matcher and walks its first PROBE_TOKENS tokens, as the executor would.
+llguidance (vLLM's and SGLang's grammar library) masks in tens of µs from tokenizer.json.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """When a refused call may be tried again: the trailing metadata that says so, in one place.
 
-A RESOURCE_EXHAUSTED or UNAVAILABLE the gateway answers a client carries two trailers with
-the same number of milliseconds:
-
-* ``grpc-retry-pushback-ms``, gRFC A6's: gRPC's own retry policy (a channel given
-  protos/continuum/v1/service_config.json) waits exactly that long before its next
-  attempt instead of its backoff. A6 reads a negative or unparsable value as "do not
-  retry"; nothing here sends one, since every refusal these trailers go on is worth
-  retrying (docs/grpc.md says why for each);
-* ``retry-after-ms``, the name clients read before the standard one was sent, kept as an
-  alias. The scheduler tells the gateway its retry hint under it too (in a SubmitMany
-  stream's StreamError trailers).
-
-Standard library only: the gateway, the scheduler and the clients read the names here.
+A RESOURCE_EXHAUSTED or UNAVAILABLE to a client carries the same milliseconds twice:
+``grpc-retry-pushback-ms`` (gRFC A6: gRPC's retry policy waits that long; never negative
+here, every such refusal is worth retrying, docs/grpc.md) and ``retry-after-ms`` (the older
+name, also the scheduler's hint in StreamError trailers). Standard library only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The checks of a request's sampling values and request-level caps, in one place.
 
-Every edge that takes these values calls here: the OpenAI field readers on the raw JSON
-value (gateway/api/openai_fields.py), the gateway's validation of a `GenerateRequest`
-(gateway/validation.py, both APIs) and the scheduler's of a `SubmitRequest`
-(scheduler_svc/validation.py, which trusts no caller). So each limit is stated once
-(its number in protos/limits.py, its interval in ``NUMBERS``) and each refusal reads the
-same wherever it is raised; only the field's path differs (``sampling.top_p`` on the
-wire, ``top_p`` in an OpenAI body).
-
-A new sampling parameter is one ``Bound`` in ``NUMBERS``: the OpenAI readers, the schema
-the fuzzers draw from (gateway/api/openai_schema.py) and both validations take it from there.
-
-Each check answers a message (or ``(message, param)``, ``param`` being the OpenAI field
-to name) for a refusal, None to accept; the caller raises its own error type. Standard
-library and protobuf messages only: no service code.
+Every edge calls here (gateway/api/openai_fields.py, gateway/validation.py,
+scheduler_svc/validation.py), so each limit is stated once (protos/limits.py, ``NUMBERS``)
+and a refusal reads the same wherever raised, only the field path differs. A new sampling
+parameter is one ``Bound`` in ``NUMBERS``. A check returns a message (or ``(message,
+param)``) to refuse, None to accept. Standard library and protobuf messages only.
 """
 
 from __future__ import annotations

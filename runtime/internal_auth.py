@@ -1,24 +1,14 @@
 """The per-deployment secret that authenticates the internal planes.
 
-Two planes are internal: the scheduler's gRPC service (Submit/Abort/Stats,
-called by gateways) and the executor channel (an executor's Hello to its
-scheduler). Both are deny by default: a caller that cannot show the secret is
-refused (gRPC UNAUTHENTICATED; a Hello without a valid tag is dropped).
+The scheduler's gRPC service and the executor channel are deny by default: a caller
+without the secret is refused (gRPC UNAUTHENTICATED; a Hello without a valid tag is
+dropped). The secret, first match wins: ``CONTINUUM_INTERNAL_SECRET`` (``continuum serve``
+hands its children one per run), or ``CONTINUUM_INTERNAL_SECRET_FILE`` (a mounted Secret;
+surrounding whitespace ignored); at least ``MIN_SECRET_CHARS`` printable ASCII characters.
+With none a service refuses to start, unless ``CONTINUUM_INSECURE_NO_INTERNAL_AUTH=1``.
 
-Where the secret comes from, first match wins:
-
-* ``CONTINUUM_INTERNAL_SECRET`` — the secret itself (``continuum serve``
-  generates one per run and hands it to its children this way);
-* ``CONTINUUM_INTERNAL_SECRET_FILE`` — a file holding it (Kubernetes mounts a
-  Secret as a file; surrounding whitespace is ignored).
-
-A secret is at least ``MIN_SECRET_CHARS`` printable ASCII characters. With
-none configured a service refuses to start, unless the operator opts out with
-``CONTINUUM_INSECURE_NO_INTERNAL_AUTH=1`` (loopback-only development).
-
-gRPC callers send the secret as metadata ``x-continuum-internal-auth``. The
-executor proves it in Hello with an HMAC-SHA256 tag over the serialized Hello
-(tag field empty), so the secret itself never crosses the executor channel.
+gRPC callers send it as metadata ``x-continuum-internal-auth``; an executor proves it by
+an HMAC-SHA256 tag over its serialized Hello, so the secret never crosses the channel.
 All comparisons are constant time.
 """
 

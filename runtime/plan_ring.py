@@ -1,30 +1,21 @@
-"""Plans from the scheduler to its executor through shared memory (docs/design.md §4).
+"""Plans from the scheduler to its executor through shared memory (docs/design.md §4,
+docs/gpu.md).
 
-The scheduler creates one ring (runtime/shm_ring.py: ``/dev/shm``, mode 0600, a random
-name) per executor incarnation and offers it in its heartbeats (``Heartbeat.plan_ring``);
-the executor attaches and names it in its own heartbeats, after which the scheduler writes
-plans there and unlinks the name (only the two mappings remain). ZeroMQ stays the signal
-and everything else: the results, the heartbeats, the Hello, and a plan the ring cannot
-take (larger than a slot, or the ring full because the reader is gone or hung).
-
+One ring (runtime/shm_ring.py, mode 0600, random name) per executor incarnation, offered in
+heartbeats (``Heartbeat.plan_ring``); once the executor names it back, plans go there and
+the name is unlinked. ZeroMQ carries everything else, and any plan the ring cannot take.
 Every frame is authenticated, so a process that opens the ring cannot inject a plan::
 
     tag (32 bytes) | generation, number, zmq_before, length (int64 each) | payload
 
-``tag`` is keyed BLAKE2b-256 (a MAC by design: RFC 7693's keyed mode) under the ring's key
-of everything after it. Not HMAC-SHA256, which the link uses elsewhere: the executor checks
-a frame just after a forward pass has flushed its caches, and there OpenSSL's HMAC costs
-~55 µs against BLAKE2b's ~17 (the code it runs is that much larger). The key is derived
-from the deployment's internal secret, the incarnation, the ring's name and its random
-``generation`` (runtime/internal_auth.py); with the insecure opt-out it is random and
-travels in the offer. ``number`` is the ring's message number (a frame copied into a later
-slot is refused), ``generation`` the ring's (a frame of another ring is refused).
-``zmq_before`` is how many plans went over ZeroMQ before this one: plans run in the order
-they were sent, so the reader takes a ring frame only once it has received that many.
-
-The writer never waits (``try_write``: False, and the caller sends over ZeroMQ); the reader
-spins on the ring for a while after each plan, then says it sleeps and waits on ZeroMQ,
-where the writer rings a doorbell (a ``ring_bell`` frame) for a plan written while it sleeps.
+``tag``: keyed BLAKE2b-256 (RFC 7693) of everything after it, not HMAC-SHA256: checked
+right after a forward pass flushed the caches it is ~3x cheaper (docs/gpu.md). The key
+derives from the internal secret, incarnation, ring name and ``generation``
+(runtime/internal_auth.py; random, sent in the offer, under the insecure opt-out).
+``number`` refuses a frame copied into a later slot, ``generation`` one of another ring;
+``zmq_before``: plans sent over ZeroMQ before it, so the reader keeps the send order.
+The writer never waits (``try_write`` False: use ZeroMQ); a sleeping reader is woken by a
+``ring_bell`` frame.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """A shared-memory broadcast ring: one writer, N readers, one mapping in ``/dev/shm``.
 
-Rank 0 of a tensor-parallel executor writes each command (a serialized BatchPlan) once;
-ranks 1..N-1 copy it out of the same pages (docs/design.md §4: "the executor's ranks read each
-plan from one shared-memory broadcast rather than from N sends"), as vLLM's shm_broadcast
-does. A ZeroMQ PUB/SUB pair over ipc:// is the doorbell that wakes a reader which stopped
-spinning; it carries no data. The scheduler writes its plans to the executor through a ring
-too (runtime/plan_ring.py), without this doorbell and without ever waiting: ``reserve`` and
-``publish`` never block, and the reader's ``sleeping`` flag tells the writer when its own
-channel must wake the reader.
+Rank 0 of a tensor-parallel executor writes each command once; ranks 1..N-1 copy it out of
+the same pages (docs/design.md §4), as vLLM's shm_broadcast does. A ZeroMQ PUB/SUB pair is
+the doorbell for a reader that stopped spinning. runtime/plan_ring.py uses it without the
+doorbell: ``reserve``/``publish`` never block, and a reader's ``sleeping`` flag tells the
+writer to wake it through its own channel.
 
 Layout (int64 words, every field naturally aligned)::
 
@@ -24,12 +21,10 @@ least m - S (it never overwrites an unread slot); it writes the chunk's bytes an
 before ``seq`` (a reader that sees ``seq == m`` sees the bytes: x86-64 keeps stores in
 order, so the ring refuses other machines and the caller keeps the gloo broadcast).
 
-Robustness: every wait is bounded (``timeout_s``) and checks the peer's pid, so a dead or
-hung writer or reader raises RingError (a RuntimeError, as gloo's failures are: the tp
-code's existing handling then treats the group as lost) instead of wedging anyone. The
-writer unlinks the name as soon as every reader has mapped it (``unlink``): from then on a
-SIGKILL of any rank leaks nothing; a writer that dies before that is swept by the next
-writer (names carry the pid).
+Robustness: every wait is bounded (``timeout_s``) and checks the peer's pid; a dead or
+hung peer raises RingError (a RuntimeError, as gloo's: the tp code treats the group as
+lost). The name is unlinked once every reader mapped it (``unlink``), so a SIGKILL then
+leaks nothing; a writer dead before that is swept by the next (names carry the pid).
 """
 
 

@@ -1,16 +1,11 @@
 """TLS on every port: certificate files read, checked and reloaded, for grpc and ssl.
 
-Shared by both services and the CLI: the gateway's gRPC and HTTP ports, the
-scheduler's gRPC port, and the channels the gateway and ``continuum serve`` open to a
-scheduler. Files are read at startup, so a missing, unreadable or unparsable file,
-or a key that does not match its certificate, is a one-line startup error
-(``TlsError``). A server's files are looked at again (their inode, size and
-modification time, a few stat calls) each time a connection arrives; when they
-changed, the new pair is checked and that connection and every later one get it,
-while connections already open keep theirs. A pair caught half-replaced (the new
-certificate before its key) fails the check and the previous pair stays in force
-until the files change again. Kubernetes swaps a mounted Secret's files at once
-(a symlink flip), so rotating the Secret rotates the certificate without a restart.
+Shared by both services and the CLI. A missing, unreadable or unparsable file, or a key
+that does not match its certificate, is a one-line startup error (``TlsError``). A
+server's files are stat'ed again as each connection arrives; a changed pair is checked,
+then used for that and later connections (open ones keep theirs). A half-replaced pair
+fails the check and the previous one stays, so rotating a mounted Kubernetes Secret (a
+symlink flip) rotates the certificate without a restart.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """A ZeroMQ context and its sockets, released when their owner is, even if nobody calls close.
 
-Why: ``zmq.Context.__del__`` closes the sockets it still tracks and then calls ``term()``,
-which blocks until every socket of the context is closed. The context tracks its sockets
-through weak references. When an owner that was never closed (a link left behind by an
-error path, or by a test) is collected as part of a reference cycle together with its
-context and sockets, CPython clears those weak references before any finalizer runs. The
-context then sees no sockets to close, and its ``term()`` waits forever on sockets whose own
-finalizers have not run yet. That hung a whole test run inside an unrelated test, wherever
-the collector happened to run.
+Why: a context tracks its sockets by weak reference, and ``Context.__del__`` closes those
+it still tracks, then ``term()`` blocks until every socket is closed. When an unclosed
+owner is collected in a cycle with its context and sockets, CPython clears the weak
+references first, so ``term()`` waits forever (it hung a whole test run).
 
-``release_on_collect(owner, ctx, *sockets)`` registers a ``weakref.finalize`` on the owner.
-It holds the context and the sockets strongly, so they are never part of the owner's
-garbage. The owner's death runs the callback before any finalizer of the cycle: it closes
-the sockets (linger 0: nobody is left to flush for) and then terminates the context. The
-returned finalizer is also the owner's close: after its own orderly shutdown (monitors off,
-its own linger), the owner calls it, and it runs at most once.
+``release_on_collect(owner, ctx, *sockets)`` registers a ``weakref.finalize`` on the owner
+that holds them strongly: the owner's death closes the sockets (linger 0) and terminates
+the context. The returned finalizer is also the owner's close; it runs at most once.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """The scheduler's admin plane: its config changed live, block tables on demand.
 
-Every live change takes the one validated path of docs/design.md §6a.
+Every live change takes the one validated path of docs/design.md §6a. ``ConfigAdmin``
+owns the config's versions (author, time, reason; in ``history`` and the telemetry
+store). A change is validated by building a new SchedulerConfig; a refused one raises
+ConfigError (``LiveChangeError`` for a field that cannot change while running) and
+changes nothing; an accepted one goes to ``EngineLoop.reconfigure`` on the loop's own
+event loop, so the next plan is the first built with it.
 
-``ConfigAdmin`` owns the config's versions: the first is the startup config, every
-change that alters a value is the next version, with its author, time and reason,
-kept in memory (``history``) and written to the telemetry store when there is one.
-A change is validated by building a new SchedulerConfig (the same checks as at
-start); a refused one raises ConfigError (``LiveChangeError`` for a field that cannot
-change while running) and changes nothing. An accepted one is handed to the loop
-(EngineLoop.reconfigure): handlers run on the loop's own event loop, never inside a
-``schedule()``, so the next plan is the first built with it.
-
-What may change live, field by field: everything the core reads at each step
-(limits, queue caps and bounds, policy, preemption and failure limits, async
-scheduling). Lowering ``max_num_seqs`` below the running count admits nobody until
-the running sequences finish (the core admits only below the cap); they are not
-preempted. Two fields are refused live: ``enable_prefix_caching`` (the KV pool is
-built with it when an executor registers) and ``max_num_batched_tokens`` above its
-startup value (the executor sized its memory for the startup step).
-
-``SchedulerAdminServicer`` is the gRPC face (``continuum.v1.SchedulerAdmin``, same
-port and same internal-secret interceptor as the Scheduler service).
+Everything the core reads each step may change live; lowering ``max_num_seqs`` below the
+running count preempts nobody. Refused live: ``enable_prefix_caching`` (the KV pool is
+built with it) and ``max_num_batched_tokens`` above its startup value (the executor
+sized its memory for it). ``SchedulerAdminServicer`` is the gRPC face.
 """
 
 from __future__ import annotations

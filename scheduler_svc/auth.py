@@ -1,11 +1,10 @@
 """Deny by default: the scheduler's gRPC service answers only callers that show
 the per-deployment secret (``runtime/internal_auth.py``).
 
-Every method but gRPC health checking (kubelet probes and load balancers carry
-no secret, and health reveals nothing) needs the metadata
-``x-continuum-internal-auth``; a call without it, or with a wrong one, ends with
-UNAUTHENTICATED before its request is even parsed. Refusals are counted and
-logged at most once per ``LOG_EVERY_S`` so that a scanner cannot flood the log.
+Every method but gRPC health checking (probes carry no secret; health reveals nothing)
+needs ``x-continuum-internal-auth``; without it, or with a wrong one, a call ends
+UNAUTHENTICATED before its request is parsed. Refusals are logged at most once per
+``LOG_EVERY_S``, so a scanner cannot flood the log.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """SchedulerConfig values as text and as a file (the live config reload).
 
-Two sources change the scheduler's config from outside, and both go through here:
-
-* the admin RPC (``continuum config set max_num_seqs=96``) sends each value as text:
-  ``parse_value`` turns it into the field's type, or raises ConfigError naming the field;
-* ``--config-file PATH`` (a Kubernetes ConfigMap mounted as a volume) is a TOML or JSON
-  table of fields: ``load`` reads it, ``overlay`` puts it over the command-line config.
-  The file wins over the flags, as a ConfigMap should: it is the deployment's declared
-  state, and a field it does not name keeps its command-line value.
-
-``watch`` polls the path every ``POLL_S``: a ConfigMap volume is updated by swapping a
-symlink (``..data``), so the path is re-stat'ed and re-read each time, never held open.
+``parse_value`` turns an admin RPC's text value into the field's type (ConfigError naming
+the field otherwise). ``--config-file PATH`` (a mounted ConfigMap, TOML or JSON): ``load``
+reads it, ``overlay`` puts it over the flags (the file is the declared state, so it wins;
+fields it does not name keep their flag values). ``watch`` re-stats and re-reads the path
+every ``POLL_S``, never holding it open: a ConfigMap volume updates by swapping a symlink.
 """
 
 from __future__ import annotations

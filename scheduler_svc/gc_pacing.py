@@ -1,26 +1,17 @@
 """Python's cyclic garbage collector, run while the executor computes instead of inside a
 step.
 
-Left automatic, a collection starts at whichever allocation crosses generation 0's
-threshold, and the step's own work allocates the most (``schedule()``, ``update()``), so
-that is where collections land. A full collection traverses every request's lists: on a
-replica with thousands of long contexts it stalls a step for milliseconds. bench_scheduler's
-mix at 256 running measured 535-749 µs at p99 and a worst step of 2.8-4.4 ms with automatic
-collection, 441 µs and 0.67 ms without (``benchmarks/bench_scheduler.py --gc``).
+Left automatic, collections land in the step's own work (it allocates the most), and a
+full one traverses every request's lists: bench_scheduler's mix at 256 running measured
+p99 535-749 µs and a worst step of 2.8-4.4 ms with it, 441 µs and 0.67 ms without
+(``benchmarks/bench_scheduler.py --gc``).
 
-The scheduler process hands collection to a ``GcPacer`` (``take_over``): what start-up
-allocated is frozen (it lives as long as the process and need not be traversed again),
-automatic collection is off, and the loop calls ``collect_if_due`` where nothing waits on
-the scheduler's CPU: with its plans sent and their answer not back yet (the executor is
-computing), and as it goes idle. Which generation it collects follows CPython's own rule
-(generation 0 past its threshold of net allocations, 1 every ``threshold1`` collections of
-0, a full one every ``threshold2`` of 1 once the old generation grew by a quarter since
-the last), so garbage is freed as often as before, only elsewhere. Where the answers are
-always back first (an executor faster than this process), ``collect_if_due(False)``
-collects anyway once allocations pass ``OVERDUE`` times the threshold: memory stays bounded.
-
-Only the scheduler's entry point takes over: tests that build a loop in their own process
-keep the interpreter's automatic collection.
+``GcPacer.take_over`` freezes what start-up allocated, turns automatic collection off,
+and the loop calls ``collect_if_due`` where nothing waits on this CPU (plans sent, answer
+not back; going idle). Which generation follows CPython's own rule, so garbage is freed
+as often as before. If answers are always back first, ``collect_if_due(False)`` collects
+anyway past ``OVERDUE`` thresholds: memory stays bounded. Only the scheduler's entry
+point takes over; tests keep automatic collection.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Waiting for a step's answer: a late step is a hang only if the executor is not working.
 
-The step deadline (scheduler_svc/step_deadline.py) is tight, 3x the p99 step time, so
-that a hang costs about a second; on a shared, overloaded CPU a healthy executor that
-was starved of CPU for a moment misses it too, and calling that a hang would recompute
-every sequence for nothing (and restart a healthy process). So at the deadline the
-executor's process is looked at, where it can be (the same host or PID namespace: the
-Hello's pid names a live process whose command line is an executor's):
-
-* stopped (SIGSTOP, a debugger: state T/t) or no CPU used since the step was sent (a
-  deadlock, a wait that never ends): hung, at the deadline;
-* it used CPU: slow, not hung; checked again every FLOOR_S, up to StepDeadlines.limit
-  (twice the old fixed-floor rule's deadline), after which even a busy executor (a
-  loop that never ends) is hung.
-
-Where the process cannot be seen (another pod's PID namespace), the deadline alone
-decides.
+The step deadline is tight (scheduler_svc/step_deadline.py), and on an overloaded CPU a
+healthy executor misses it too; calling that a hang would recompute every sequence for
+nothing. So at the deadline the executor's process is looked at where it can be (its
+Hello's pid is a live executor): stopped (state T/t) or no CPU used since the step was
+sent is hung; CPU used is slow, checked again every FLOOR_S up to
+StepDeadlines.limit, then hung anyway. Where it cannot be seen, the deadline decides.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Plans sent to the executor and not yet answered, oldest first.
 
-With async scheduling the loop keeps two: the executor runs step N while step N+1
-already waits in its socket, so it starts N+1 the moment N is done, and the
-scheduler folds N's result in and builds N+2 while N+1 runs. The executor answers
-in order; an answer matches the oldest plan with its step id.
+With async scheduling there are two (step N+1 waits in the executor's socket while N
+runs); the executor answers in order, and an answer matches the oldest plan's step id.
 """
 
 from __future__ import annotations

@@ -17,15 +17,11 @@ is that stream, frame for frame (vllm/distributed/kv_events.py, ZmqEventPublishe
 
 What the hashes are and why they are stable: scheduler_svc/core/kv_events.py.
 
-Off the step path: the block manager only appends records to the core's KVEventLog;
-after each step (a callback the log makes when its first record lands, run by the
-event loop once the step is built) the records go, as one batch, into a bounded queue
-that a thread encodes and sends. A full queue drops the batch and counts its events
-(``continuum:kv_events_dropped_total``); the batch's sequence number is still spent, so
-a subscriber sees the gap (and may ask the replay socket, or resynchronize).
-
-PUB has no authentication: the endpoint must be loopback, ipc:// or inproc://
-unless ``allow_remote`` (``--kv-events-allow-remote``) says a NetworkPolicy guards it.
+Off the step path: after each step the log's records go, as one batch, into a bounded
+queue a thread encodes and sends. A full queue drops the batch and counts its events
+(``continuum:kv_events_dropped_total``); its sequence number is still spent, so a
+subscriber sees the gap. PUB has no authentication: the endpoint must be loopback,
+ipc:// or inproc:// unless ``allow_remote`` (``--kv-events-allow-remote``).
 """
 
 from __future__ import annotations

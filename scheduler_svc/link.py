@@ -1,25 +1,16 @@
 """The scheduler's end of the executor channel: a ZeroMQ ROUTER on ipc://.
 
-Executors connect DEALER sockets and introduce themselves with ``Hello``.
-The link only moves typed messages; what they mean is the loop's business.
+The link only moves typed messages; what they mean is the loop's business. Nothing a
+peer sends can stop the reader: a malformed frame, or a Hello with impossible fields or
+no valid auth tag (runtime/internal_auth.py), is dropped and counted
+(``num_dropped_frames``). A peer that is not the current executor never becomes it
+without a valid Hello; its messages get a ``detached`` heartbeat (at most once per
+``DETACHED_REPLY_EVERY_S``), which tells a real executor to re-register.
 
-Nothing a peer sends can stop the reader: a frame that is malformed, has the
-wrong number of parts, or is a Hello with impossible fields or without a valid
-auth tag (runtime/internal_auth.py) is dropped and counted
-(``num_dropped_frames``). A peer that is not the current executor (a forged
-one, or one detached after a stall) never becomes it without a valid Hello;
-its results and heartbeats are answered with a ``detached`` heartbeat (at most
-once per ``DETACHED_REPLY_EVERY_S`` each), which tells a real executor to
-re-register. Should a task of the link die anyway, ``on_fatal`` hears it.
-
-A warm standby (a Hello marked ``standby`` while another executor is the peer) is
-kept aside, not made the peer: ``promote_standby`` switches to it when the loop loses
-its executor, with no process start, model load or handshake on the critical path.
-Its heartbeats keep ``standby_last_seen`` fresh; a newer standby Hello replaces it.
-
-Plans go through the peer's shared-memory ring where there is one (scheduler_svc/plan_channel.py:
-a fresh ring for every peer, offered in the heartbeats to it until it names the ring), with
-a ``ring_bell`` frame when the executor sleeps on ZeroMQ, and over ZeroMQ otherwise.
+A warm standby's Hello is kept aside; ``promote_standby`` switches to it when the loop
+loses its executor, with no process start or model load on the critical path. Plans go
+through the peer's shared-memory ring where there is one (scheduler_svc/plan_channel.py),
+over ZeroMQ otherwise.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The one loop that owns the scheduler core (docs/style.md habit 7).
 
-RPC handlers never touch the core directly while a step is being built:
-they call ``submit``/``abort`` (which only queue work and wake the loop) and
-read their request's event queue. Everything runs on one asyncio event loop,
-so there are no locks.
-
-Faults: a step the executor fails or refuses, and a row that fails inside a step,
-are blamed and resynchronized by scheduler_svc/step_faults.py. A step is late by the
-deadline its planned work and the executor's measured step times give
-(scheduler_svc/step_deadline.py), and hung if its process is not working then
-(scheduler_svc/hang_check.py).
-A lost executor is replaced at once by the link's warm standby when one is
-registered (the same recompute as after a restart, minus the process start and the
-model load). A task the loop depends on that dies resolves ``fatal``: the process
-must report NOT_SERVING and exit non-zero.
+RPC handlers only queue work (``submit``/``abort``) and read their request's event queue;
+everything runs on one asyncio loop, so there are no locks. Faults: failed or refused
+steps and failing rows are handled by scheduler_svc/step_faults.py, lateness by
+step_deadline.py, hangs by hang_check.py; a lost executor is replaced at once by a warm
+standby when one is registered. A dead task the loop depends on resolves ``fatal``: the
+process must report NOT_SERVING and exit non-zero.
 """
 
 from __future__ import annotations
@@ -56,12 +48,9 @@ _FROM_ENV = object()
 
 
 
-# Where each request's events go as steps produce them: a SubmitMany call
-# (scheduler_svc/streams.py) gives each of its streams a sink that gathers them for the
-# call's next write (a test or benchmark driving the loop alone reads an asyncio.Queue).
-# ``Streams`` maps request ids to those sinks (``submit`` registers one, ``dispatch`` hands
-# each event to its request's and forgets a request at its end) and counts SubmitMany's
-# calls and streams for /metrics.
+# Where each request's events go: a sink per SubmitMany stream (scheduler_svc/streams.py)
+# or, for a test driving the loop alone, an asyncio.Queue; ``Streams`` maps request ids
+# to them and counts SubmitMany's calls and streams for /metrics.
 class EventSink(Protocol):
     """A request's events go here, on the loop; must not block."""
 

@@ -1,22 +1,14 @@
 """The replica's own ``/metrics``, in vLLM's names, for inference gateways and load tools.
 
-The Gateway API Inference Extension's endpoint picker and llm-d scrape every model-server
-pod for ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-``vllm:kv_cache_usage_perc`` and ``vllm:cache_config_info`` (every 50 ms; a pod whose
-metrics are older than 200 ms counts as saturated), and inference-perf reads vLLM's
-latency histograms and preemption counters. This module serves them, with vLLM's names,
-``model_name`` label and histogram buckets; ``continuum:`` names only for what is ours
-(the families: runtime/metric_names.py ``REPLICA``).
+The Inference Extension's endpoint picker and llm-d scrape every pod for vLLM's queue and
+KV gauges (every 50 ms; metrics older than 200 ms read as saturated), inference-perf its
+latency histograms and preemption counters: served here with vLLM's names, labels and
+buckets; ``continuum:`` only for what is ours (runtime/metric_names.py ``REPLICA``).
 
-Never by waiting on the loop: the loop renders the whole page every ``PUBLISH_S`` into
-bytes (``publish``) and copies them into a shared file; a stdlib HTTP server in a child
-process answers every scrape with the last bytes (``MetricsServer``,
-scheduler_svc/metrics_server.py), so a scrape never waits for this process's GIL either.
-A blocked loop makes the page stale, never the scrape slow;
-``continuum:metrics_published_timestamp_seconds`` says how stale.
-
-Latency histograms are fed when a request's stream ends (``Histograms.request_ended``,
-from the servicer), in the request's own coroutine, not per step.
+Never by waiting on the loop: the loop renders the page every ``PUBLISH_S`` into a shared
+file, and a child process answers scrapes from it (scheduler_svc/metrics_server.py). A
+blocked loop makes the page stale (``continuum:metrics_published_timestamp_seconds``),
+never the scrape slow. Latency histograms are fed as a stream ends, not per step.
 """
 
 from __future__ import annotations

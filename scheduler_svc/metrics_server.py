@@ -1,26 +1,20 @@
 """The replica's ``/metrics`` HTTP server, in a process of its own.
 
-Why a process: a scrape answered by a thread of the scheduler process needs the GIL a
-few times (accept, read the request, write the page), and each time waits for the busy
-event loop to give it up (up to the 5 ms switch interval), so under full load the p99
-passed 10 ms though the answer was prebuilt bytes. Here the loop only copies the
-rendered page into a shared file (``PageFile.write``: a memcpy, every 50 ms); this
-stdlib-only process answers every scrape from it and never waits on the scheduler.
+Why a process: a scrape served by a thread of the scheduler needs the GIL a few times
+and waits each time for the busy loop (up to the 5 ms switch interval): p99 passed 10 ms
+under load for prebuilt bytes. Here the loop only copies the page into a shared file
+(``PageFile.write``, every 50 ms), and this stdlib-only process serves it.
 
-The page file: a seqlock header ``<QQ`` (sequence, length) then the bytes. The writer
+The page file: a seqlock header ``<QQ`` (sequence, length) then the bytes; the writer
 makes the sequence odd, writes, makes it even; a reader retries while it is odd or
-changed under it, so it never serves a torn page.
+changed, so it never serves a torn page.
 
     python -m scheduler_svc.metrics_server --page-file F --host H --port P --parent-pid N
 
-prints ``listening <port>`` (or ``error <errno> <message>``) on stdout, then serves
-until the parent is gone.
-
-Bounded, since the port is reachable off loopback in a pod: at most ``MAX_CONNECTIONS``
-connections are served at once (a thread each); one more is answered 503 and closed
-without a thread. A connection has ``REQUEST_TIMEOUT_S`` in all for its next request
-head, idle keep-alive wait included, so a client that sends nothing or trickles a byte
-at a time is closed then, and ``WRITE_TIMEOUT_S`` to take the page.
+prints ``listening <port>`` (or ``error <errno> <message>``), then serves until the parent
+is gone. Bounded (the port is reachable in a pod): ``MAX_CONNECTIONS`` at once (one more
+gets 503 without a thread), ``REQUEST_TIMEOUT_S`` for a request head (idle keep-alive
+included), ``WRITE_TIMEOUT_S`` to take the page.
 """
 
 from __future__ import annotations

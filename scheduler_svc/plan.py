@@ -1,14 +1,10 @@
 """SchedulerOutput (pure Python, columnar) → BatchPlan (wire).
 
-Columnar on purpose: per-sequence sub-messages cost ~14× more to encode
-(docs/facts.md: 337 µs vs 24 µs at 256 sequences). Only sequences the
-executor has never seen travel in full.
-A SchedulerOutput field named as a BatchPlan field travels as it is (``_AS_IS``, read
-from the proto's descriptor): a new plan field is its proto field and a SchedulerOutput
-field of the same name, nothing here. The rest are framed by hand below, where bytes
-beat protobuf's conversion: the packed ids, the small counts, the prepared prompts.
-The plan is built in place inside its SchedulerMessage envelope, so sending
-it is one ``SerializeToString`` (no copy of the plan into the envelope).
+Columnar because per-sequence sub-messages cost ~14× more to encode (docs/facts.md). Only
+sequences new to the executor travel in full. A SchedulerOutput field named as a
+BatchPlan field travels as it is (``_AS_IS``, from the proto's descriptor); the rest are
+framed by hand where bytes beat protobuf's conversion. The plan is built inside its
+envelope, so sending it is one ``SerializeToString``.
 """
 
 from __future__ import annotations
@@ -94,20 +90,13 @@ def _small_column(name: str, values: list[int]) -> bytes:
 
 
 class PlanBuilder:
-    """Encodes plans. Owns the wire form of each request's prompt (``prepare``), built
-    as the request arrives, and serialized then, so that the step that admits it
-    appends bytes (~8 µs less per admission than converting a 300-token prompt) instead
-    of converting the prompt's ints, and reused when a preempted request is sent in
-    full again.
+    """Encodes plans. Owns each request's prompt in wire form (``prepare``), serialized
+    as it arrives, so the admitting step appends bytes (~8 µs less than converting a
+    300-token prompt) and a preempted request reuses them.
 
-    ``frame`` writes a plan's bytes itself around protobuf's: the wire format is
-    concatenable (a message's fields may come in any order; a packed column may come in
-    pieces; a sub-message's pieces merge), so a prepared prompt, the columns of small
-    counts and the envelope are joined as bytes, never built as messages.
-
-    A finished request's entry is dropped by a sweep every ``sweep_every`` arrivals
-    (amortized over Submits, never in a step; a weak-keyed map would run a callback
-    per finished request inside the step that drops it)."""
+    ``frame`` joins a prepared prompt, the small-count columns and the envelope as bytes
+    (protobuf's wire format is concatenable), never building them as messages. Finished
+    requests' entries are swept every ``sweep_every`` arrivals, never in a step."""
 
     def __init__(self, sweep_every: int = 1024) -> None:
         # by seq id: the request, its template's bytes and number of token ids

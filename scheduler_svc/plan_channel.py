@@ -1,16 +1,10 @@
 """Which way each plan goes to the current executor: its shared-memory ring or ZeroMQ.
 
-``--plan-channel shm`` (and ``auto``, the default, on a host of 4 CPUs or more: with fewer
-the ring's reader has no core to spin on and the ring is no faster, docs/gpu.md) gives every
-executor incarnation that becomes the peer a fresh ring (runtime/plan_ring.py), offered in
-the scheduler's heartbeats to it. Plans go over ZeroMQ until the executor's heartbeat names
-the ring (it attached: the same host and /dev/shm), then through the ring, each one the
-ring cannot take at once (larger than a slot, or the slot it would reuse still unread: the
-reader is gone or hung) over ZeroMQ.
-Without shared memory (``--plan-channel zmq``, a ``tcp://`` channel, not x86-64, no
-writable /dev/shm) there is no ring and everything is as before.
-
-Nothing here ever waits: a ring write either fits now or the plan takes ZeroMQ.
+With ``--plan-channel shm`` (and ``auto`` on 4+ CPUs: with fewer the ring's reader has no
+core to spin on, docs/gpu.md) every executor incarnation that becomes the peer gets a
+fresh ring (runtime/plan_ring.py), offered in heartbeats; plans take it once the
+executor's heartbeat names it, and ZeroMQ for any plan the ring cannot take now (too
+large, or its slot still unread). Nothing here ever waits.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """How long the scheduler waits for a step before it calls the executor hung.
 
-A fixed floor (5 s, as this once was) makes every hang cost seconds of stalled streams;
-a deadline from the measured step-time distribution detects one within
-``max(FLOOR_S, FACTOR × p99 step time)`` while the work planned for a step still
-stretches its own deadline, so a long prefill is never mistaken for a hang:
+A fixed floor makes every hang cost seconds of stalled streams; a deadline from the
+measured step times detects one sooner, while the step's planned work stretches its own
+deadline so a long prefill is never mistaken for a hang:
 
     deadline(n) = max(FLOOR_S, FACTOR × (p99 step time + max(0, n - m) × per-token cost))
 
-``n`` is the step's planned tokens and ``m`` the median tokens of the recent steps: a
-step like the recent ones gets 3x the p99 of those like the median one (at most
-2m + PREFILL_MIN_TOKENS tokens), a bigger one (a long prefill) also its
-extra tokens at the per-token cost. That cost is the p99 of seconds per token over the
-recent steps of at least PREFILL_MIN_TOKENS tokens (a decode step's time is mostly its
-fixed cost, so small steps would overstate it) once MIN_COST_SAMPLES were seen, else
-what the executor's own prefill measurement (its Hello) says. Until an incarnation has completed
-WARMUP_STEPS steps there is no distribution to trust (first steps may compile or fault
-pages in): then the deadline is the old rule's, COLD_FLOOR_S + COLD_FACTOR × the same
-expected time. The history
-starts again with each executor: another process may be slower than the last.
-
-Pure Python (no asyncio, torch or zmq): the loop feeds it, tests drive it directly.
+``n``: the step's planned tokens, ``m``: the recent steps' median. The p99 is of steps
+like the median one (at most 2m + PREFILL_MIN_TOKENS tokens); the per-token cost is the
+p99 of seconds per token over recent steps of at least PREFILL_MIN_TOKENS (small steps
+are mostly fixed cost), else the executor's Hello's prefill rate. Before WARMUP_STEPS
+(compiles, page faults) it is COLD_FLOOR_S + COLD_FACTOR × the expected time. History
+restarts with each executor. Pure Python: the loop feeds it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """The requests' streams from this replica to a gateway: many on one SubmitMany call.
 
 Each ``SubmitManyRequest`` opens (``submit``) or cancels (``cancel``) a stream by the
-gateway's stream id. A request is refused before it is queued with a ``StreamError``
-(``refusal``, ``queue_full``), becomes a ``Request`` (``to_request``), and its events go
-to the call (``_Sink``, no task per stream), which writes one ``SubmitManyResponse`` with
-every stream's messages after each step: one gRPC write for all of them
-(docs/benchmarks.md §4). A stream's events are gathered per ``stream_interval`` (its first
-message and its end at once); a server-ended request's tokens go, then the status that
-says why (``server_end``); its end goes into the metrics and telemetry.
+gateway's stream id. Refusals before queueing are ``StreamError``s; events gather in a
+``_Sink`` (no task per stream), and after each step one ``SubmitManyResponse`` carries
+every stream's messages: one gRPC write for all (docs/benchmarks.md §4).
 
-One stream's trouble stays its own: a malformed message (no action, a stream id already
-open) ends only that stream id, with INVALID_ARGUMENT. The call's end (the gateway gone,
-or done sending and every stream ended) aborts whatever is still open, so the blocks are
-free by the next step.
-
-A request id is scoped to its tenant: the loop and the core know a request by
-``request_key(tenant, request_id)``, so one tenant can neither abort another's
-request nor learn (from ALREADY_EXISTS) that an id is in use.
+One stream's trouble stays its own: a malformed message ends only that stream id, with
+INVALID_ARGUMENT. The call's end aborts whatever is still open, so the blocks are free
+by the next step. A request id is scoped to its tenant (``request_key``), so one tenant
+can neither abort another's request nor learn that an id is in use.
 """
 
 from __future__ import annotations
@@ -266,11 +258,9 @@ class ManyCall:
 
     def take(self) -> list[scheduler_pb2.SubmitManyResponse]:
         """What goes out now: the errors, and the messages of every stream with events
-        (held back under a stream interval until it has that many), in
-        responses of about RESPONSE_BYTES at most, a stream's events MESSAGE_EVENTS at
-        most to a message (a gateway that fell behind must not get one message over
-        gRPC's limit: it would break the call, and every stream on it). Built in place:
-        a message made apart and copied in costs 3x."""
+        (held back under a stream interval), in responses of about RESPONSE_BYTES, at most
+        MESSAGE_EVENTS of a stream's events to a message (one message over gRPC's limit
+        would break the call and every stream on it). Built in place: copying costs 3x."""
         response = scheduler_pb2.SubmitManyResponse()
         responses = [response]
         if self.errors:

@@ -1,18 +1,9 @@
 """The scheduler process's telemetry (docs/operations.md): what it records, and when.
 
-Every record goes to a ``telemetry.TelemetryWriter``, whose ``put`` never
-blocks (a full queue drops the record and counts it): telemetry can lose rows, never
-slow serving. Two places record:
-
-* the loop, once per applied step (``step``): tokens, sequences, the KV pool after
-  it, its latency, its preemptions — one record built from counters the loop has;
-* the servicer, once per request when its stream ends (``Stream``): the request's
-  own times as its stream saw them (queue wait, TTFT, the median gap between its
-  tokens), its status and finish reason — off the step loop, in the request's own
-  coroutine; refusals at Submit are rows too (status ``rejected``).
-
-Times in the store are Unix seconds; the core's clock is monotonic, so each record
-converts with the offset taken when the recorder starts.
+Records go to a ``telemetry.TelemetryWriter`` whose ``put`` never blocks (telemetry can
+lose rows, never slow serving): the loop writes one per applied step (``step``), the
+servicer one per request as its stream ends (``Stream``; refusals too, ``rejected``).
+Times are Unix seconds, converted from the core's monotonic clock by a start offset.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Every field of a SubmitRequest, checked at the scheduler.
 
-The internal plane does not trust its caller: a request the executor would
-refuse or choke on (``logprobs: 100000`` once held a batch for 19 s while the
-loop resynchronized 2,380 times) is refused here with INVALID_ARGUMENT and a
-message naming the field and its limit. The limits and the checks of the sampling
-values are the gateway's (``protos/limits.py``, ``protos/sampling_checks.py``), so a
-refusal reads the same at either door; those that depend on the model (vocabulary,
-context, KV pool) are checked once an executor has registered; before that the request
-waits, as it would for a restarting executor.
+The internal plane does not trust its caller: a request the executor would refuse or
+choke on (``logprobs: 100000`` held a batch 19 s, 2,380 resyncs) is refused with
+INVALID_ARGUMENT naming the field and its limit. Limits and sampling checks are the
+gateway's (``protos/limits.py``, ``protos/sampling_checks.py``), so a refusal reads the
+same at either door; model-dependent ones wait until an executor has registered.
 """
 
 from __future__ import annotations

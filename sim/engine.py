@@ -1,28 +1,16 @@
 """The discrete-event loop: the real scheduler core, a virtual clock, a cost model.
 
-Each iteration: requests that arrived by ``now`` are submitted (a full queue
-refuses them with ``QueueFull``, as in the service); ``Scheduler.schedule()``
-builds the step; the cost model prices it; the clock jumps by that much; every
-sequence the step completes samples a token, fed back through
-``Scheduler.update()`` exactly as the executor's StepResult would be. When
-nothing is running or waiting the clock jumps to the next arrival. No sleeping,
-no processes, no threads.
+Each iteration submits the requests that arrived by ``now`` (``QueueFull`` refuses, as
+in the service), ``Scheduler.schedule()`` builds the step, the cost model prices it, the
+clock jumps by that much, and every sampling sequence's token goes back through
+``Scheduler.update()`` as a StepResult would; idle, the clock jumps to the next arrival.
+No sleeping, processes or threads. Tokens are a fixed non-EOS id and ``max_tokens`` the
+trace's output length. ``pipeline_depth=2`` keeps two plans in flight as
+``async_scheduling`` does; the scheduler's own CPU time is in the per-step overhead.
 
-Sampled tokens are a fixed non-EOS id and ``max_tokens`` is the trace's output
-length, so each request stops by length after exactly its traced output.
-By default scheduling is synchronous (one plan in flight); ``pipeline_depth=2`` keeps
-two in flight as the service does with ``async_scheduling`` (each plan is built when the
-one before it is sent, so it cannot see what that one samples or who arrives during it).
-The simulator models the device, and the scheduler's own CPU time is inside the cost
-model's per-step overhead.
-
-Prefix caching is on, as in the server: a request's prompt is its trace row's
-``prompt_ids`` when given (``sim.prefix_trace`` synthesizes shared system prompts and
-multi-turn continuations; the validation replays ``continuum bench``'s own ids), else
-ids unique to the request, which share nothing. Swap preemption runs when the cost
-model has a host pool (``host_kv_blocks``): the core picks swap or recompute with the
-cost model's ``core_cost_model`` (as with the executor's Hello), and a step that swaps
-blocks out or in costs their copy time (``swap_time``) on top of its compute.
+Prefix caching is on, as in the server: prompts are the trace row's ``prompt_ids`` when
+given (``sim.prefix_trace``), else unique ids. Swap preemption runs when the cost model
+has a host pool (``host_kv_blocks``), priced by ``swap_time``.
 """
 
 from __future__ import annotations

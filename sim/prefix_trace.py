@@ -1,21 +1,10 @@
 """Token contents for a length-only trace: shared system prompts and multi-turn chats.
 
-The Azure trace gives each request's prompt and output lengths, nothing of what the
-prompts share, and prefix caching needs token ids. ``with_prefixes`` keeps every length
-and arrival and decides the contents, stated (docs/simulator.md §10):
-
-* **Continuations** (``continuation_share``, default 30 %): a request continues an
-  earlier conversation when one fits: a request that arrived at least ``think_s``
-  earlier, among the last ``window`` arrivals, whose prompt plus output is shorter
-  than this prompt. Its prompt is then that request's prompt, its answer (the
-  simulator's sampled ids, exactly what the earlier request generated) and a fresh
-  user turn filling the rest of the traced length.
-* **System prompts** (``system_share``, default 50 % of the others): one of
-  ``len(SYSTEM_PROMPT_LENS)`` system prompts, drawn with Zipf weights 1/k (the first
-  is the most common), when the prompt is longer than it; then a fresh user turn.
-* Everything else is fresh: ids unique to the request.
-
-Deterministic in ``seed``.
+The Azure trace has lengths, not token ids, and prefix caching needs ids. ``with_prefixes``
+keeps every length and arrival and decides the contents (docs/simulator.md §10):
+continuations of an earlier request that fits (``continuation_share``, within ``window``
+arrivals, at least ``think_s`` earlier), else one of ``SYSTEM_PROMPT_LENS`` system prompts
+drawn Zipf 1/k (``system_share``), else fresh ids. Deterministic in ``seed``.
 """
 
 from __future__ import annotations

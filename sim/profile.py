@@ -6,21 +6,17 @@ interface the simulator prices steps with (``StepCostModel``'s: ``step_time(seqs
 num_sampled)``, ``num_kv_blocks``, ``decode_step_time``, ``prefill_time``, plus the swap
 cost and the scheduler's preemption ``CostModel``).
 
-The model is linear in a handful of counts of the plan, so it is explainable (each
-coefficient is "seconds per one of these") and cheap enough for a scheduler policy to ask
-"how long would this plan take" every step (``predict``: a dot product of seven numbers):
+Linear in a handful of counts of the plan, so each coefficient is "seconds per one of
+these" and ``predict`` is a dot product of seven numbers, cheap enough for every step:
 
     step = c_step + c_tok·T + Σ_k c_k·max(0, T − k) + c_seq·S + c_smp·sampled
            + c_kv·(KV tokens the decodes read) + c_att·(prefill query×key pairs ÷ 1000)
            + c_mix·[the step holds a prefill]
 
-T = tokens computed in the step, S = sequences in it; the hinge terms make the token
-cost piecewise linear (knots ``TOKEN_KNOTS``: small batches are bound by reading the
-weights, large ones by the GEMMs' FLOPs); ``mixed`` is the switch from the one-call native
-decoder (decode-only steps) to the layer-by-layer forward. Coefficients are fitted by
-non-negative least squares, so no term can be a negative cost.
-
-Pure Python (no torch, numpy or grpc): the scheduler may import it.
+T = tokens in the step, S = sequences; hinges at ``TOKEN_KNOTS`` (small batches read
+weights, large ones are FLOP-bound); ``mixed``: the native decoder does decode-only steps.
+Fitted by non-negative least squares (no negative cost). Pure Python: the scheduler may
+import it.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ Times are Unix seconds in double precision (not TIMESTAMPTZ) so both backends
 store and compare the same numbers; in PostgreSQL ``to_timestamp(completed_at)``
 reads them as timestamps.
 
-History: 1 is the seed's data model; 2 adds the fields docs/operations.md reports on (preemptions by
-kind, scheduler version, cached blocks, preemptions per step), the per-minute
-iteration rollup that bounds the store's size, and a per-tenant index.
+Versions: 1 the seed's data model; 2 the fields docs/operations.md reports on, the
+per-minute iteration rollup and a per-tenant index.
 """
 
 from __future__ import annotations

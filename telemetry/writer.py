@@ -1,15 +1,10 @@
 """The background writer: records go in from the step loop, rows come out in a thread.
 
-``TelemetryWriter.put`` is what the scheduler's step loop calls. It never blocks
-and never raises for a slow or broken store: the record goes into a bounded queue
-(``put_nowait``), and when the queue is full it is dropped and counted
-(``num_dropped``, for a metric), because telemetry must never slow serving. The
-writer thread takes records in batches (one transaction per batch, gathered for
-up to ``linger_s`` so it wakes a few times a second, not once a step), and every
-``retention.interval_s`` runs a retention pass. A batch the store refuses (server
-gone, disk full) is dropped and counted in ``num_failed``; the thread lives on,
-reconnects a dropped PostgreSQL connection and tries the next batch, so a
-database restart costs the records sent while it was down, not the writer.
+``TelemetryWriter.put`` (the step loop's) never blocks or raises: a full bounded queue
+drops and counts (``num_dropped``), since telemetry must never slow serving. The thread
+writes batches (one transaction, gathered up to ``linger_s``), runs retention every
+``retention.interval_s``, and drops and counts a refused batch (``num_failed``), then
+reconnects: a database restart costs the records sent meanwhile, not the writer.
 """
 
 from __future__ import annotations

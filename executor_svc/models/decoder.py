@@ -1,20 +1,13 @@
 """The forward pass of every registered architecture (executor_svc/models/registry.py) over
 a flattened (varlen) batch with a paged KV cache: a pre-norm decoder (RMSNorm, rotate-half
-RoPE, GQA, SwiGLU) whose layer takes what its architecture declares (base.py): q/k/v
-biases and per-head q/k RMSNorm are the hooks of ``DecoderLayer.adjust_qkv``; a layer's
-sliding window (ModelConfig.layer_windows) goes to its attention call.
+RoPE, GQA, SwiGLU); q/k/v biases and q/k RMSNorm are ``DecoderLayer.adjust_qkv``'s hooks, a
+layer's sliding window (ModelConfig.layer_windows) goes to its attention call.
 
-gpt-fast style: weights as plain tensors, q/k/v fused into one matmul and gate/up into
-another, shapes in comments. T = tokens this step (all sequences, concatenated), S = rows
-that sample. Between layers the activations are hidden-major, [H, T]: each projection is
-then ``W @ x`` with no transposing copy (ops.project), and only q/k/v are turned into the
-token-major [T, heads, D] rows that the attention backends and the KV cache take. The math
-follows transformers op for op (executor_svc/models/ops.py) so greedy outputs match it
-token for token.
-
-Tensor parallelism (executor_svc/tp_shard.py, tp_comm.py): a rank holds a slice of the
-heads, of the FFN and of the vocabulary, and ``tp`` supplies the collectives that join the
-slices. With ``tp`` None (tp_size 1) the forward makes no collective call and no extra copy.
+gpt-fast style, shapes in comments: T = tokens this step (all sequences), S = rows that
+sample. Between layers activations are hidden-major [H, T], so each projection is
+``W @ x`` with no transposing copy; only q/k/v become token-major [T, heads, D]. The math
+follows transformers op for op (models/ops.py), so greedy outputs match it token for
+token. With ``tp`` None (tp_size 1) the forward makes no collective call and no copy.
 """
 
 from __future__ import annotations

@@ -5,13 +5,10 @@ scaled by sqrt(hidden), norm weights that act as 1 + w, an attention scale of it
 (query_pre_attn_scalar), a tied 262k-entry LM head, and local sliding-window layers
 interleaved with global ones, each kind with its own RoPE base (10k local, 1M global).
 
-The norms, activation and per-layer RoPE keep it off the native fused decoder; it runs the
-per-op path. Its GGUF files (llama.cpp's ``gemma3``) hold a SentencePiece vocabulary, norm
-weights with the 1 already added, no chat template and no layer pattern: llama.cpp's
-Gemma 3 puts a global layer after every five local ones, with a local RoPE base of 10k;
-the converter writes the same (executor_svc/gguf_convert.py). The multimodal checkpoint
-(model_type ``gemma3``, a vision tower beside the text model) is refused by name: serve
-its text model's checkpoint (``gemma3_text``).
+The norms, activation and per-layer RoPE keep it off the native fused decoder. Its GGUF
+files hold no chat template and no layer pattern (llama.cpp: a global layer after every
+five local ones, local RoPE base 10k; the converter writes the same). The multimodal
+checkpoint (``gemma3``) is refused by name: serve its text model's (``gemma3_text``).
 """
 
 from __future__ import annotations

@@ -1,58 +1,35 @@
 """Overload is refused at Submit, from measured throughput, before anyone waits.
 
-A request that cannot start within its tier's queue-time bound is refused at
-once (QueueFull -> RESOURCE_EXHAUSTED / HTTP 429 with a retry hint) instead of
-joining a queue it would time out in. The estimate, for a request of tier t:
+A request that cannot start within its tier's queue-time bound is refused at once
+(QueueFull -> RESOURCE_EXHAUSTED / HTTP 429 with a retry hint). For a tier-t request:
 
-    ahead = requests waiting in tiers 0..t     (a premium request counts only
-                                                premium; best effort counts all)
+    ahead = requests waiting in tiers 0..t     (premium counts only premium;
+                                                best effort counts all)
     free  = max_num_seqs - running, or 0 while the last admission step left
-            requests waiting (the KV pool, the slots or the prefill budget hold
-            them back; a burst into a queue it emptied waits only for one step)
+            requests waiting (the KV pool, slots or prefill budget hold them back)
     wait  = 0                                  if ahead < free
             (ahead - free + 1) / departures_per_s   otherwise
 
-``departures_per_s`` is the smaller of two estimates (either alone when only one
-exists): how fast requests leave (finish or are aborted),
-measured only while the scheduler is saturated — something waiting, or every
-slot taken, at both ends of a sampling interval — so an idle spell does not
-read as a slow server. It is an
-exponentially weighted ratio of departures to time (time constant TAU_S),
-sampled on the core's own clock at Submit, once MIN_DEPARTURES were measured; and
-Little's law, L / W: how many ran beside finished requests / how long they ran (first step
-to finish; measured in any regime, so a server that was never saturated still has an
-estimate when a flood arrives; aborted requests, which leave without being served,
-do not count). With neither (a cold start: a burst into a server that has finished
-nothing yet) the running requests' token budgets stand in: a running request leaves
-within its remaining ``max_tokens`` steps, and a step takes what the last admission
-steps took (``StepPace``), so departures_per_s = running / (mean remaining tokens x
-seconds per step). That is rough (the first steps are the cheapest: short KV, no
-queued prefills, and a burst's intake takes the CPU the later ones need: 0.09 s a step
-measured where 0.2 s followed), so until a rate is measured, at most one more batch
-(max_num_seqs requests) waits beyond the free slots (``cold_refusal``), whatever the
-estimate. Before the first steps there is no estimate at all: that batch is admitted
-*blind*, judged again at the first admission step that has one, and those it would
-have refused are refused then (``rejudge``), not shed at twice their bound.
+``departures_per_s`` is the smaller of two estimates (core/departures.py): departures
+over time measured only while saturated (so an idle spell does not read as a slow
+server), and Little's law over finished requests (aborted ones do not count). With
+neither (a cold start), running requests' remaining ``max_tokens`` x seconds per step
+(``StepPace``) stand in; that is rough (the first steps are cheapest: 0.09 s a step
+measured where 0.2 s followed), so until a rate is measured at most one more batch waits
+beyond the free slots (``cold_refusal``). Before the first steps there is no estimate:
+that batch is admitted *blind* and judged again at the first step that has one
+(``rejudge``), not shed at twice its bound.
 
-The estimate counts requests, not their work: a queue whose head holds out for a
-prompt as long as the KV pool drains far slower than the departures of short
-requests say. Two checks on what the queue actually does close that gap:
+The estimate counts requests, not their work, so two checks on the queue close the gap:
 
-* **head of line**: a request is also refused while the longest-waiting request
-  of its tier or higher has already waited past its bound (nobody overtakes the
-  head, so the newcomer would wait at least as long);
-* **shedding**: a request the estimate let in that has waited SHED_FACTOR times
-  its bound without starting is ended with the same refusal (RESOURCE_EXHAUSTED /
-  429 with a retry hint) instead of being left to its client's deadline. Only
-  requests whose client has seen no token are shed (never a preempted stream or
-  a continuation from another replica).
+* **head of line**: refused while the oldest request of its tier or higher has already
+  waited past its bound (nobody overtakes the head);
+* **shedding**: a request let in that has waited SHED_FACTOR x its bound without
+  starting gets the same refusal. Only requests whose client has seen no token are shed.
 
-Because lower tiers count everything ahead of them, they are refused first:
-in a queue full of best effort a premium request still sees an empty queue,
-while new best-effort work is refused. The retry hint is the time until the
-estimated wait fits the bound again (the backlog above the bound drained at
-the measured rate). Bounds come from the config (``max_queue_time_*_s``, 0
-disables a tier's): see SchedulerConfig for the defaults and why.
+Lower tiers count everything ahead of them, so they are refused first. The retry hint is
+the time until the estimated wait fits the bound again. Bounds: ``max_queue_time_*_s``
+(0 disables a tier's); see SchedulerConfig.
 """
 
 from __future__ import annotations
@@ -167,9 +144,7 @@ class Admission:
         self._next_shed_check = 0.0
         self.now = 0.0  # the clock at the last admission step (step-granular timestamps)
         # The last admission step left requests waiting (for a slot, KV blocks or the
-        # step's token budget): only then do queued requests wait for departures. A
-        # burst that arrives between two steps (n = 16, many clients at once) into a
-        # queue the last step emptied waits only for the next step, slots allowing.
+        # step's token budget): only then do queued requests wait for departures.
         self.blocked = False
         # When the current executor attached (Scheduler.attach_executor): queue waits for
         # shedding and the head-of-line check count from here, not through an outage.

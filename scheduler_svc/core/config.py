@@ -30,36 +30,24 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one iteration, of the queues, and the scheduling policy. Each field is a
-    flag of the scheduler and of ``continuum serve`` (its help says what it does) and a key
-    of the live config file; why the defaults are what they are:
+    flag of the scheduler and of ``continuum serve`` and a key of the live config file;
+    why the defaults are what they are:
 
-    policy: "chunked" (long prompts prefill in chunks beside decodes), "chunked-slo"
-        (chunked with the SLO-aware budget of tpot_target_*_ms), "continuous" (a prompt
-        prefills in as few steps as the budget allows), "static" (a batch runs to
-        completion), "sjf" (chunked, shortest prompt first within a tier), ...
-    aging_s: a request of tier t is "starving" after (t + 1) x aging_s and then goes
-        before every request that is not (queue.py states the bound).
-    max_queue_time_*_s: admission (core/admission.py) refuses at Submit, with a retry
-        hint, a request expected to wait longer, and sheds one that waited twice its bound;
-        before any throughput is measured only max_num_waiting applies. Premium's 2 s is
-        the queue share of the 3 s TTFT SLO of the capacity contract (docs/simulator.md);
-        standard 5 s keeps an interactive answer interactive; best effort 20 s stays below
-        the 30 s at which aging makes it starving (3 x aging_s) and so passes everyone.
-    prefill_alert_tokens: ``Scheduler.num_prefill_alerts``, logged at the first and every
-        1000th; pick it from the TPOT SLO and the measured prefill rate.
+    policy: one of core/policy.py's POLICIES ("chunked", "chunked-slo", "continuous",
+        "static", "sjf", ...).
+    aging_s: a request of tier t is "starving" after (t + 1) x aging_s (queue.py's bound).
+    max_queue_time_*_s (core/admission.py): premium's 2 s is the queue share of the 3 s
+        TTFT SLO of the capacity contract (docs/simulator.md); standard 5 s keeps an
+        interactive answer interactive; best effort 20 s stays below the 30 s at which
+        aging makes it starving (3 x aging_s) and so passes everyone.
+    prefill_alert_tokens: pick it from the TPOT SLO and the measured prefill rate.
     max_swapped: swap-ins compete with the step for the copy bandwidth.
-    tpot_target_*_ms: an online fit of the measured step time (core/step_cost.py) sizes
-        each step's prompt tokens so the step holds the tightest target of a tier with
-        running sequences (chunked with a target is chunked-slo): spare time goes to
-        prefill when decodes are few, and chunk_size no longer caps a prompt.
-    max_step_failures: a request that failed runs in steps of its own until one succeeds,
-        so the culprit of a poisoned batch is found in this many failures and healthy
-        requests fail at most once.
-    stream_interval: each gRPC message costs the scheduler's event loop ~20 µs, so at 256
-        streams one token per message takes ~5 ms of it a step; 4 sends a quarter of the
-        messages. Not read by the core: the servicer reads it per message.
-    The other guards against overload: a client that went silent is cancelled by the
-    gateway's watchdog (gateway/routing/watchdog.py), a vanished gateway by gRPC keepalive.
+    tpot_target_*_ms: sizes each step's prompt tokens to hold the tightest running tier's
+        target (core/step_cost.py); chunked with a target is chunked-slo.
+    max_step_failures: a failed request runs in steps of its own until one succeeds, so a
+        poisoned batch's culprit is found in this many failures, healthy ones fail once.
+    stream_interval: each gRPC message costs the event loop ~20 µs (~5 ms a step at 256
+        streams, one token a message); 4 sends a quarter. Read by the servicer only.
     """
 
     policy: str = knob("chunked", "scheduling policy (core/policy.py's POLICIES; benchmarks "

@@ -1,21 +1,14 @@
 """The decodes of a step: every running sequence rides the step clock, and the decoding
 ones are the plan's bulk.
 
-One rule for progress (docs/design.md §2): a request's ``num_computed_tokens`` is
-``computed_base + clock.epoch``, ``clock`` being the one it rides: the scheduler's step
-clock while it runs, ``IDLE`` (which never ticks) otherwise. Its base moves only when it
-starts or stops running (rebased onto the other clock), when a prefill chunk or a step of
-its own computes tokens (``num_computed_tokens += n``), and when a tick found it not
-decoding (it gives that token back).
-
-Each batched step the clock ticks once: every running sequence gains a computed token.
-The decoding ones are ``ids``/``tokens`` (two dicts in one order, which become the plan's
-bulk columns as they are) and are not touched for it; the rest (``others``: prefilling,
-or their last sample pending) give the token back. A sequence in ``others`` that has a
-decode to do joins the bulk at the next step. A calendar keyed by epoch names the few
-riders that need a look at a step: their token starts a block (they get it, or room is
-made for it), or their sample is their last by length (``StepRecord.length_ends``: the
-answer ends them, and they leave the bulk).
+The progress rule is docs/design.md §2 (``num_computed_tokens = computed_base +
+clock.epoch``). A base moves only when its sequence starts or stops running (rebased onto
+the other clock), when a prefill chunk or a step of its own computes tokens, and when a
+tick found it not decoding (it gives that token back). The decoding ones are
+``ids``/``tokens`` (two dicts in one order, the plan's bulk columns as they are); the
+rest (``others``) join the bulk at the next step that they decode. A calendar keyed by
+epoch names the riders that need a look: their token starts a block, or their sample is
+their last by length (``StepRecord.length_ends``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """What happened to the prefix-cache index, for routers that track it (KV events).
 
-The block manager records here, in order, every change to its hash index: a run of
-full blocks registered (``stored``), blocks evicted from it (``removed``) and the
-whole index dropped (``cleared``: a new executor's empty pool, a lost executor, a
-resync). ``scheduler_svc/kv_events.py`` takes the records after each step and
-publishes them as vLLM's ``KVEventBatch`` so llm-d's precise prefix-cache scorer can
-route a prompt to the replica holding its prefix. Pure data: no zmq, no encoding.
+The block manager records here, in order, every change to its hash index (``stored``,
+``removed``, ``cleared``); ``scheduler_svc/kv_events.py`` publishes them as vLLM's
+``KVEventBatch`` for llm-d's prefix-cache scorer. Pure data: no zmq, no encoding.
 
-Hash values are the block manager's chain hashes, ``hash((parent_hash, tokens))`` of
-ints, the root's parent being 0 (published as None). CPython hashes ints and tuples of
-ints without the per-process seed (PYTHONHASHSEED salts only str/bytes), so the values
-are the same in every process of one CPython version; subscribers use them only to
-pair a removal or a parent with an earlier ``stored`` on the same stream, and llm-d
-recomputes its own keys from ``token_ids`` and ``block_size``.
-
-With no log configured (``BlockManager(events=None)``, the default) nothing is
-recorded: the hooks cost an ``is None`` test per registration call, block registered or
-eviction (``make bench-scheduler --against``: no change beyond noise).
+Hashes are the chain hashes ``hash((parent_hash, tokens))`` of ints (root parent 0,
+published as None); CPython does not seed int/tuple hashes, so they agree across
+processes of one CPython version, and subscribers only pair them with earlier records.
+With no log (``BlockManager(events=None)``) the hooks cost an ``is None`` test (no
+change in ``make bench-scheduler --against`` beyond noise).
 """
 
 from __future__ import annotations

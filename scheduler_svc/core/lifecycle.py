@@ -1,12 +1,9 @@
 """Transitions: a request moves between the waiting queue, the running set and its end.
 
-The Lifecycle owns where each request is (the waiting queue, the running set and its
-decodes, the registry of live requests) and the executor it runs on (its ``model`` and the
-``block_manager`` of its KV pool: ``attach``/``detach``, None while there is none), so
-each transition keeps every one of them in step, and keeps what the executor must hear
-of it in the next plan (``take_owed``): the sequences whose state it must drop (finished,
-aborted, preempted) and the blocks to swap out. Who leaves the queue in a step is the
-scheduler's admission stage.
+The Lifecycle owns where each request is and the executor it runs on (``model``,
+``block_manager``; None while detached), so each transition keeps all of them in step and
+records what the next plan must tell the executor (``take_owed``: sequences to drop,
+blocks to swap out). Who leaves the queue in a step is the scheduler's admission stage.
 """
 
 from __future__ import annotations

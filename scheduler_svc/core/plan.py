@@ -1,13 +1,10 @@
 """What one iteration produces: the plan that is sent, the record kept, the events.
 
-* ``SchedulerOutput`` is the plan of one step, columnar, and immutable once
-  ``Scheduler.schedule()`` returns it: the plan builder (``scheduler_svc/plan.py``)
-  encodes it and the loop keeps it until the answer comes; nothing changes it after.
-* ``StepRecord`` is the scheduler's own bookkeeping for that step: it is filled while
-  the step is built (its lists become the plan's) and holds what ``update`` needs to
-  apply the answer (which seq ids should answer, the bulk's token lists, which
-  sequences left the running set meanwhile, the isolated suspect).
-* ``Event`` is what a client must hear: one shape from the core to the servicer.
+* ``SchedulerOutput``: one step's plan, columnar, immutable once ``schedule()`` returns
+  it (``scheduler_svc/plan.py`` encodes it; the loop keeps it until the answer comes).
+* ``StepRecord``: the scheduler's bookkeeping for that step, filled while it is built,
+  holding what ``update`` needs to apply the answer.
+* ``Event``: what a client must hear, one shape from the core to the servicer.
 """
 
 from __future__ import annotations
@@ -22,16 +19,12 @@ from scheduler_svc.core.request import FinishReason, Request
 
 
 class Event(NamedTuple):
-    """A new token (or none) and the finish reason (or None) for ``request``'s client.
-    ``logprob`` is the token's TokenLogprob when the client asked for logprobs (the
-    loop attaches it; the core knows nothing about logprobs).
+    """A new token (or none) and the finish reason (or None) for ``request``'s client;
+    ``logprob`` the token's TokenLogprob when asked for (the loop attaches it).
 
-    Read an event by unpacking its four fields (``req, token, reason, logprob = ev``),
-    not by attribute: the events of sampled tokens (``Scheduler.update``,
-    core/results.py) are plain 4-tuples of the same fields, equal to the Event they
-    stand for, because building a NamedTuple costs three times a tuple (~0.25 µs per
-    decode on the benchmark machine, a quarter of a step at 1,024 running
-    sequences). The rest (aborts, ends decided by the scheduler) are Events."""
+    Read it by unpacking (``req, token, reason, logprob = ev``), not by attribute: sampled
+    tokens' events (core/results.py) are plain equal 4-tuples, because a NamedTuple costs
+    three times a tuple (~0.25 µs per decode, a quarter of a step at 1,024 running)."""
 
     request: Request
     token: int | None

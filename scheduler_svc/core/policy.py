@@ -1,20 +1,13 @@
 """Scheduling policies: what differs between them, behind one interface and one registry.
 
-Each step a policy answers: how many prompt tokens one sequence may compute
-(``prefill_cap``) and how many the step may carry in all (``prompt_bounds``: the
-prefill clamp, or the SLO-aware budget of core/step_cost.py), whether new requests may
-join now (``admission_open``), which request of a waiting lane goes first (``pick``)
-and which running sequence is preempted first (``victim_key``). ``Policy`` answers as
-the default does: the waiting queue's order (core/queue.py: starving first, tier aged
-by waiting, resumed before fresh, tenant fairness, arrival), the victim order of
-core/preemption.py. A policy overrides only what it changes.
-
-``POLICIES`` is the one list of them: the config's validation, ``continuum serve
---policy``, the simulator and the benchmarks read it, so a new policy is a class here,
-its line in ``POLICIES`` and its tests.
-
-This module reads the config through ``Limits`` and does not import core/config.py,
-which imports it for the registry.
+Each step a policy answers: the prompt tokens one sequence may compute (``prefill_cap``)
+and the step may carry (``prompt_bounds``), whether new requests may join
+(``admission_open``), which request of a waiting lane goes first (``pick``) and which
+running sequence is preempted first (``victim_key``). ``Policy`` is the default (the
+queue's order, core/queue.py; the victim order of core/preemption.py); a policy
+overrides only what it changes. ``POLICIES`` is the one registry (config, CLI,
+simulator, benchmarks read it). It reads the config through ``Limits``: core/config.py
+imports this module for the registry.
 """
 
 from __future__ import annotations
@@ -104,8 +97,7 @@ class ChunkedPolicy(Policy):
 
     @classmethod
     def for_config(cls, config: Limits) -> type[Policy]:
-        # A TPOT target on "chunked" has meant the SLO-aware budget since before that
-        # budget had a name of its own: the name keeps its meaning.
+        # A TPOT target on "chunked" keeps meaning the SLO-aware budget.
         if cls is ChunkedPolicy and any(config.tpot_targets()):
             return ChunkedSloPolicy
         return cls

@@ -1,27 +1,18 @@
 """The prefix cache's index: full device blocks by chain hash, with their tokens.
 
 A full block is keyed by ``hash((parent_hash, block_tokens))``; a sequence's hashes
-are cached in its ``block_hashes`` list and computed once in its lifetime, beside the
-token tuples they were computed from (``block_chunks``), which the index keeps. The index
-maps a hash to the block holding those tokens, and keeps each block's hash and tokens
-(the tokens are compared on a hit: a hash collision is not a hit). Which blocks are
-free, cached-free or owned is the block manager's (core/block_manager.py); it asks the
-index to ``evict`` a cached-free block it hands out again, and ``forget`` everything
-when the executor's cache is void. Every change is recorded in ``events`` when given
-(core/kv_events.py).
+(``block_hashes``) and the token tuples behind them (``block_chunks``) are computed once
+in its lifetime. The index maps a hash to its block and keeps each block's tokens, which
+are compared on a hit (a collision is not a hit). Free, cached-free or owned is the block
+manager's business; it asks the index to ``evict`` a block it hands out again and to
+``forget`` everything when the executor's cache is void. Changes go to ``events``.
 
-Indexing is lazy where nobody listens to the events: registering a sequence's blocks
-records them as one run (``_Run``), found by its first block's hash, and marks each
-block with it (``hashes[block] is run``: its content is kept as an indexed block's is,
-cached-free once released). The run's blocks enter ``by_hash`` (their hashes computed
-then, for decoded ones) only when a lookup reaches that first hash. Most runs are never
-looked up (a prompt's own tokens, an answer nobody continues) and their blocks are
-handed out again unindexed, so a step pays per block only for what is reused. A run
-whose first hash is not computed yet (an answer's blocks, registered as its sequence
-leaves) is found instead by the hash before it (``following``): a lookup that reaches
-that hash and misses the next indexes it, and nothing is hashed until then. Where the
-run before it is the same sequence's and still lazy (its prompt's, nobody looked it up),
-that run grows to the answer's blocks instead: one run per sequence, one key.
+Indexing is lazy where nobody listens to the events, so a step pays per block only for
+what is reused: registering a sequence's blocks records one run (``_Run``), found by its
+first block's hash (``hashes[block] is run``). Its blocks enter ``by_hash`` only when a
+lookup reaches that first hash. A run whose first hash is not computed yet (an answer's
+blocks) is found by the hash before it (``following``); where the run before is the same
+sequence's and still lazy, it grows instead: one run per sequence, one key.
 """
 
 from __future__ import annotations

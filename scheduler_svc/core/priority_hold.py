@@ -1,30 +1,22 @@
 """Priority that holds when the batch is full (vllm-project/vllm#40004 in vLLM).
 
-Without it a premium request waits behind ``max_num_seqs`` best-effort sequences (or
-behind a pool they filled) until one of them finishes: its time to first token is
-the best-effort answers' length. So at the start of a step, before any decode is
+Without it a premium request waits behind ``max_num_seqs`` best-effort sequences (or a
+pool they filled) until one finishes. So at the start of a step, before any decode is
 planned (a victim chosen later would already hold a token of this step), the waiting
 queue's best request may preempt running sequences of a strictly worse tier when it
-cannot start for lack of a slot or of KV blocks:
+lacks a slot or KV blocks:
 
-* victims in the policy's victim order (by default core/preemption.py ``victim_key``:
-  lowest tier, then one that has shown no token, then the most recently admitted),
-  recompute or swap by the cost model as for any preemption (reason ``priority``);
-* never a protected sequence (the thrash guard: max_preemptions in
-  preemption_window_s), never one that, queued again, would be admitted before the
-  request it made room for (a starving one: it would take its slot straight back);
-* only as many as the request needs, and none when even all of them would not make
-  it fit (a preemption that admits nobody is pure loss);
-* one waiting request per step: each step admits the best one, so a burst of N
-  premium requests starts within N steps; a victim does not resume in the same step.
+* victims in the policy's victim order (core/preemption.py ``victim_key``), recompute or
+  swap by the cost model (reason ``priority``);
+* never a protected sequence (the thrash guard), never one that, queued again, would be
+  admitted before the request it made room for (it would take its slot straight back);
+* only as many as it needs, and none when all of them would not make it fit;
+* one waiting request per step (a burst of N premium requests starts within N steps);
+  a victim does not resume in the same step.
 
 Triggered only when the last admission left a request without room, or a better tier
-arrived to full slots: a premium request that finds no slot starts in the step it
-arrives; one that finds no KV in the next (the admission that finds it short records
-its need). The check costs the bench_scheduler step 0-2 %.
-
-The step's KV preemptions (step 2) come after this and still close admission for the
-step (core/scheduler.py): priority preemption does not add to a pool already short.
+arrived to full slots; it costs the bench_scheduler step 0-2 %. The step's KV
+preemptions (step 2) still close admission for the step (core/scheduler.py).
 """
 
 from __future__ import annotations

@@ -1,36 +1,26 @@
 """The waiting queue: tiers, aging, and fair sharing between tenants.
 
-Order of admission (best first), computed for the head of each
-(tier, tenant) FIFO:
+Order of admission (best first), computed for the head of each (tier, tenant) FIFO:
 
-1. **Starving** requests — waited at least ``(tier + 1) × aging_s`` — in
-   arrival order, before everything else.
-2. Then by **effective tier** ``max(min(tier, 1), tier − ⌊waited / aging_s⌋)``:
-   waiting lifts a request one tier per ``aging_s``, but only up to standard —
-   premium (tier 0) is passed only through starvation (1.). Lifting all the way
-   let a sustained overload of best-effort requests, each waiting 20 s, share
-   premium's tier: interactive p99 TTFT 7.2 s instead of 2.3 s in the simulator
-   (docs/simulator.md §5);
+1. **Starving** requests — waited at least ``(tier + 1) × aging_s`` — in arrival order.
+2. Then by **effective tier** ``max(min(tier, 1), tier − ⌊waited / aging_s⌋)``: aging
+   lifts a request one tier per ``aging_s``, but only up to standard — premium is passed
+   only through starvation (lifting all the way let a best-effort flood share premium's
+   tier: p99 TTFT 7.2 s instead of 2.3 s, docs/simulator.md §5);
 3. within a tier, **resumed** (preempted) requests before fresh ones;
-4. then the tenant that has been **served the fewest tokens** (a virtual
-   token counter: a tenant that starts waiting is lifted to the smallest
-   counter among waiting tenants, so idling banks no credit);
+4. then the tenant **served the fewest tokens** (a virtual token counter: a tenant that
+   starts waiting is lifted to the smallest counter among waiting ones, so idling banks
+   no credit);
 5. then arrival time.
 
-Per-tenant state lives only while a tenant has requests: its FIFOs and its
-count go when its last waiting request leaves, and ``prune`` drops the served
-counters of tenants neither waiting nor running. A tenant that comes back is
-lifted to the smallest counter among waiting tenants anyway (4.), so what is
-forgotten is at most the credit idling may not bank — and a stream of unique
+Per-tenant state lives only while a tenant has requests (``prune`` drops idle served
+counters; by 4. that forgets only credit idling may not bank), so a stream of unique
 tenant names costs neither memory nor per-step time.
 
-Bound on waiting: a request of tier t is starving after (t + 1) × aging_s;
-from then on only starving requests that arrived before it, and the resumed
-requests at the front of a lane holding it or one of those (3.: they keep
-their place; the lane then ranks as starving), can go ahead of it. With at most
-``max_num_waiting`` requests queued, it waits at most (t + 1) × aging_s plus
-the time to admit the requests queued before it —
-however much higher-priority traffic keeps arriving.
+Bound on waiting: a tier-t request is starving after (t + 1) × aging_s; from then on only
+earlier starving requests and the resumed ones at the front of their lanes go ahead of
+it, so it waits at most (t + 1) × aging_s plus the time to admit the at most
+``max_num_waiting`` requests queued before it, whatever higher-priority traffic arrives.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A step's answer: what the unanswered steps still owe (``Unanswered``), and applying an
 answer (``ResultApplier``): the sampled tokens become history and client events.
 
-The executor answers a plan with the seq ids that sampled and their tokens. When the
-ids are exactly the ones the scheduler expected (``StepRecord.sampler_ids``: nothing
-lost, nothing unasked), the answer is applied column-wise: the new sequences and the
-prefill chunks one by one, the decode-mode bulk as columns (``_apply_bulk``). Any
-other answer goes through the per-sequence checks (``apply_samples``).
+When the answer's seq ids are exactly those expected (``StepRecord.sampler_ids``), it is
+applied column-wise (``_apply_bulk``); any other answer goes through the per-sequence
+checks (``apply_samples``).
 """
 
 from __future__ import annotations

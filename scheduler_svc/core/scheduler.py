@@ -1,36 +1,17 @@
 """The iteration scheduler: one call to ``schedule()`` is one batch plan.
 
-Order of one iteration (docs/design.md §3):
-
-1. aborts and finishes that arrived since the last step were applied
-   already (``abort`` is immediate and idempotent);
-2. running decodes, in priority order, one token each — preempting the
-   lowest-priority unscheduled sequence (or itself) when no block is free;
-3. running partial prefills continue, each capped by the policy's chunk;
-4. resumed (preempted) sequences, then fresh admissions, in the waiting
-   queue's order (tier, aging, tenant fairness), while ``max_num_seqs``, the
-   token budget and the KV watermark allow; no admissions in a step that
-   had to preempt for KV. Before step 2, a waiting request of a better tier
-   that lacks a slot or KV preempts the worst running (core/priority_hold.py).
-
-``schedule()`` lists the stages (hold, decodes, prefills, admission; preemption is
-how a stage makes room), each writing its part of one StepRecord; it returns the plan
-(immutable, core/plan.py) and keeps the record until its answer (core/results.py);
-``update()`` applies the answer to that record (core/results.py). Each piece of state
-has one owner: where a request is and the executor's model and block manager
-(core/lifecycle.py, over the waiting queue, the running set and its decodes), admission
-at Submit (core/admission.py), priority hold (core/priority_hold.py), the suspects
-(core/isolation.py), what differs between policies (core/policy.py). This module keeps
-the iteration (``schedule`` → stages → ``update``), the request API and the executor's
+The order of one iteration is docs/design.md §3. ``schedule()`` runs the stages (hold,
+decodes, prefills, admission; preemption is how a stage makes room), each writing its
+part of one StepRecord; it returns the immutable plan (core/plan.py), and ``update()``
+applies the answer to that record (core/results.py). Each piece of state has one owner:
+where a request is (core/lifecycle.py), admission (core/admission.py), priority hold
+(core/priority_hold.py), suspects (core/isolation.py), policy differences
+(core/policy.py). This module keeps the iteration, the request API and the executor's
 attach, detach and resync.
 
-The output is columnar (lists of ids and counts) because the per-step path
-is hot: at 256 running sequences the whole schedule + update must stay in
-the low hundreds of microseconds. For the same reason a sequence that just
-decodes is not touched each step (it rides the step clock), the answer's samples for those
-are applied column-wise, a prompt's block hashes are computed when it arrives, and
-the blocks a sequence decodes are indexed in the prefix cache once, when it leaves
-the running set.
+The output is columnar and a sequence that just decodes is not touched each step (it
+rides the step clock) because the per-step path is hot: at 256 running sequences
+schedule + update must stay in the low hundreds of microseconds.
 """
 
 from __future__ import annotations
@@ -171,12 +152,10 @@ class Scheduler:
         """The executor refused a plan: drop everything it holds and recompute
         every running sequence from the authoritative token history.
 
-        The refused plan wrote no KV and copied no block, yet building it
-        registered the blocks it was to fill in the prefix cache, sent its
-        swap-outs and its drop list: so the cache forgets every block, swapped
-        sequences are recomputed too, and the drop list is sent again. Plans built
-        after it (scheduling ahead) are void too: answers to them must not be applied
-        (the caller ignores them), and their drop lists are sent again as well."""
+        Building the refused plan registered blocks in the prefix cache and sent
+        swap-outs and a drop list that never happened: so the cache forgets every
+        block, swapped sequences are recomputed too, and the drop lists of it and of
+        the plans built after it (void: the caller ignores their answers) are resent."""
         self.lifecycle.resync()
 
     # -- poison requests (core/isolation.py) -------------------------------------------
@@ -243,21 +222,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Builds the next step: a suspect's step of its own (core/isolation.py), or the
-        batched stages, in this order (docs/design.md §3):
-
-        1b. hold: a better tier waiting for a slot or KV preempts the worst running,
-            before any of them is given this step's decode (core/priority_hold.py);
-        2.  decodes: one token for every running decode (core/decodes.py: the step
-            clock's tick), preempting when no block is free;
-        3.  prefills: running partial prefills continue, within the policy's bounds;
-        4–5. admission: resumed, then fresh requests start, unless the policy closes
-            admission or the step had to preempt for KV.
+        batched stages in the order of docs/design.md §3: 1b hold (core/priority_hold.py),
+        2 decodes (core/decodes.py: the step clock's tick), 3 prefills, 4–5 admission
+        (closed by the policy, or in a step that had to preempt for KV).
 
         Called while earlier steps are unanswered (scheduling ahead), it assumes every
-        sequence they sample gets one more token and gives it its next decode now,
-        unless that sample is certainly its last; the executor computes it from the
-        token it sampled itself. A sequence that turns out to have finished (a stop
-        token) is dropped by the next plan and its extra sample ignored."""
+        sequence they sample gets one more token, unless that sample is certainly its
+        last; the executor computes it from the token it sampled itself. A sequence that
+        turns out to have finished is dropped by the next plan, its extra sample ignored."""
         assert self.block_manager is not None, "schedule() without an executor"
         self._step_id += 1
         rec = StepRecord(self._step_id)
@@ -338,13 +310,11 @@ class Scheduler:
         running set, in the queue's order (the policy picks within a lane), while the
         slots, the budget and the KV pool allow; returns the budget left.
 
-        The blocks kept free for the running ones are the watermark, and at least a block
-        for each running decode's next one (admitting into that block would preempt a
-        stream mid-answer at its next block boundary), plus the blocks the running
-        prefills will still take. The best request that does not fit stops admission:
-        nobody overtakes it. What the step left waiting, and why, is recorded for
-        Submit's estimate (core/admission.py) and for priority hold. What admission
-        refuses on the way (``Admission.rejudge``, ``overdue``) is shed."""
+        Kept free: the watermark, a block for each running decode's next one (else a
+        stream is preempted mid-answer at its next block boundary), and what running
+        prefills will still take. The best request that does not fit stops admission
+        (nobody overtakes it). What was left waiting, and why, is recorded for Submit's
+        estimate and priority hold; what ``rejudge``/``overdue`` refuse is shed."""
         lc, admission, hold = self.lifecycle, self.admission, self.hold
         bm = lc.block_manager
         running = self.running

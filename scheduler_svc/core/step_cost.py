@@ -1,29 +1,21 @@
 """A step-time model fitted online, and the prefill budget that holds a TPOT target.
 
-The executor's step time is close to linear in what the plan carries:
-
     step_ms ≈ a + b · decodes + c · prefill_tokens + d · kv_tokens
 
-(weights streamed once per step, a per-sequence cost, a per-prompt-token cost, and the
-KV the attention reads). ``StepCost`` fits a, b, c, d by recursive least squares with
-forgetting (each step's measured time updates the fit in O(1), about 1,000 steps of
-memory, so it follows the machine it runs on: no profile file to keep in step), and
-keeps the spread of its residuals. Pure Python, no clock of its own: the service loop
-(or the simulator's virtual clock) calls ``observe`` with each answered step.
+(weights streamed once per step, a per-sequence cost, a per-prompt-token cost, the KV
+attention reads). ``StepCost`` fits it by recursive least squares with forgetting (O(1)
+a step, about 1,000 steps of memory, so it follows the machine: no profile file) and
+keeps the spread of its residuals. No clock of its own: the caller ``observe``s each
+answered step.
 
-``prefill_limit`` inverts the fit: the most prompt tokens a step with ``decodes``
-running sequences may carry so that its predicted time, plus two residual standard
-deviations, stays within the target. Spare time is spent on prefill when decodes are
-few; decodes are protected when they are many. Until the fit has seen enough steps
-with and without prompt work (``ready``) it answers None and the static chunk applies.
+``prefill_limit`` inverts the fit: the most prompt tokens a step with ``decodes`` running
+may carry so that its predicted time plus two residual SDs stays within the target.
+Until ``ready`` it answers None and the static chunk applies.
 
-``TtftGuard`` spends a ration of long steps on the TTFT tail: a TPOT target caps every
-step's prompt work, so under a queue the prompts that arrived in a burst wait many steps
-for their first token, and a policy that prefills a prompt in one step (continuous)
-reaches it sooner by stalling every decode. ITL p99 is the 1 % tail of the gaps, TTFT
-p99 the 1 % tail of the requests: a step given the whole budget at most once in
-``BOOST_EVERY_STEPS`` (0.5 % of steps, so 0.5 % of the gaps) for a prompt that has
-waited as long as the recent TTFTs' p95 shortens that tail without reaching the gaps'.
+``TtftGuard``: a TPOT cap makes a burst's prompts wait many steps for their first token.
+ITL p99 is the 1 % tail of the gaps, TTFT p99 that of the requests, so a step given the
+whole budget at most once in ``BOOST_EVERY_STEPS`` (0.5 % of the gaps), for a prompt that
+has waited the recent TTFTs' p95, shortens the TTFT tail without reaching the gaps'.
 """
 
 from __future__ import annotations
