@@ -20,7 +20,8 @@ import pathlib
 import tempfile
 import time
 
-from continuum.bench import add_arguments, run_point, validate_args
+from benchmarks.bench_serve import parse_bench
+from continuum.bench import run_point
 from harness import servers
 
 # What we aim for: our output tok/s over llama-server's, at least, by streams.
@@ -28,15 +29,11 @@ TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
 
 
 def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    bench = p.parse_args([
+    bench = parse_bench(
         "--api", "openai", "--base-url", base_url, "--dataset", "fixed",
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--num-prompts", str(max(streams * args.prompts_per_stream, 2)),
-        "--max-concurrency", str(streams), "--seed", str(args.seed + streams),
-        "--no-progress"])
-    validate_args(bench)
+        "--max-concurrency", str(streams), "--seed", str(args.seed + streams))
     report, _ = asyncio.run(run_point(bench, float("inf"), 0))
     overall = report["overall"]
     if not overall["num_completed"]:
