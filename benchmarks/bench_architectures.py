@@ -1,16 +1,10 @@
 """Decode speed per architecture, beside Llama's: step time and share of the roofline.
 
-Every registered architecture at one shape (SmolLM2-135M's) with random fp32 weights and
-its own features switched on (Qwen2's q/k/v biases, Qwen3's q/k norms, Mistral's sliding
-window, Gemma 3's sandwich norms, GELU, scaled embeddings and local/global layers), so
-that what differs between rows is the architecture's code path, not the model's size or
-weight format; then the real checkpoints shipped here (the bundled Llama GGUF, the Gemma 3
-270M GGUF when its package is installed) and any ``--model`` given. Per row and batch:
-ms per decode step at ``--context``, the roofline bound (max of FLOPs over the measured
-matmul ceiling and bytes over the measured read bandwidth, both measured just before and
-after the point: bench_executor.py says why), the share of it reached, and that share
-against Llama's at the same shape and format. The target is every architecture within
-15 % of Llama's share (ratio >= 0.85).
+Every registered architecture at SmolLM2-135M's shape with random fp32 weights and its own
+features on (``features``), then the checkpoints shipped here and any ``--model``. Per row
+and batch: ms per decode step, the roofline bound (ceilings measured around the point, as
+bench_executor does), the share of it reached, and that share against Llama's at the same
+shape and format; the target is a ratio >= 0.85 (docs/executor-performance.md).
 
     make bench-architectures   # or: .venv/bin/python -m benchmarks.bench_architectures
 """
@@ -22,12 +16,11 @@ import dataclasses
 import gc
 import math
 import pathlib
-import time
 
 import torch
 
-from benchmarks.bench_decode import DecodeRun
-from benchmarks.bench_executor import load, machine_ceilings, model_flops_per_token, step_bytes
+from benchmarks.bench_decode import DecodeRun, add_point_args, clock_of, load
+from benchmarks.bench_executor import machine_ceilings, model_flops_per_token, step_bytes
 from executor_svc.model_files import resolve_model
 from executor_svc.models import decoder, registry
 from executor_svc.models.decoder import DecoderModel
@@ -119,14 +112,9 @@ def measure(model: DecoderModel, backend, args, clock) -> dict[int, tuple[float,
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per point")
+    add_point_args(p, batches=[1, 64], steps=8)
     p.add_argument("--model", action="append", default=[],
                    help="another checkpoint to time (HF directory or .gguf); repeatable")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with this process's CPU time (bench_executor.py's --cpu-time)")
     args = p.parse_args()
     args.switches = Switches.from_env()
     return args
@@ -134,7 +122,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    clock = time.process_time if args.cpu_time else time.perf_counter
+    clock = clock_of(args)
     torch.manual_seed(0)
     backend = make_backend(DEFAULT_BACKEND, native_options=decoder.native_options(args.switches))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "

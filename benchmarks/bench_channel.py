@@ -1,24 +1,10 @@
-"""Per-step cost of the scheduler ⇄ executor channel, and of the plan's fan-out to the
-tensor-parallel ranks, excluding compute.
+"""Per-step cost of the scheduler ⇄ executor channel, excluding compute: a decode plan for
+N running sequences built, sent to an echo executor process over ipc:// and its result
+applied, with the plan over ZeroMQ (``zmq``) or the shared-memory ring (``shm``, spinning
+as executor_svc/link.py does), alternating in blocks of ``--block`` plans. Prints the round
+trip's p50 and p90 in µs (docs/benchmarks.md, docs/gpu.md).
 
-Round trip: a real ZeroMQ ROUTER/DEALER pair over ipc:// in two processes: the scheduler
-side builds a decode plan for N running sequences (core + build_plan), encodes and sends
-it; an echo executor decodes it, builds a StepResult with one token per sequence, encodes
-and sends it back; the scheduler decodes it and applies it (update). Two transports for
-the plan, each with its own echo process, alternating in blocks of ``--block`` plans so
-both see the same machine phases: ``zmq`` (the plan over ZeroMQ) and ``shm`` (the plan
-written into the shared-memory ring by the scheduler's own PlanChannel, read in place by
-the executor's own PlanRingReader, spinning after each plan as executor_svc/link.py does
-where the host has a core to spare (plan_ring.spin_budget), a RingBell over ZeroMQ when it
-sleeps). The result comes back over ZeroMQ in both. Prints
-the median round trip in microseconds (and p90).
-
-Fan-out (``--fanout``, benchmarks/bench_fanout.py): rank 0 hands real serialized plans to
-tp - 1 other ranks (CPU processes) through TPComm's two command channels, the
-shared-memory ring and the gloo broadcast, alternating, and prints p50/p99 of the time
-until the last rank has the plan.
-
-    .venv/bin/python -m benchmarks.bench_channel [--sizes 64 256 1024] [--fanout [--tp 2 4]]
+    .venv/bin/python -m benchmarks.bench_channel [--sizes 64 256 1024]
 """
 
 from __future__ import annotations
@@ -37,6 +23,7 @@ from runtime import plan_ring
 from scheduler_svc.core import Request
 from scheduler_svc.plan import build_plan
 from scheduler_svc.plan_channel import PlanChannel
+from sim.metrics import percentile
 
 
 def echo_executor(address: str) -> None:
@@ -151,7 +138,7 @@ def round_trips(sizes: list[int], steps: int, block: int) -> None:
                     for t in transports:
                         times[t] += measure(executors[t], scheds[t], block)
                 p50 = {t: statistics.median(v) * 1e6 for t, v in times.items()}
-                p90 = {t: sorted(v)[int(0.9 * len(v))] * 1e6 for t, v in times.items()}
+                p90 = {t: percentile(v, 90) * 1e6 for t, v in times.items()}
                 ring = executors["shm"].channel
                 print(f"{n:>15} {p50['zmq']:>11.0f} {p50['shm']:>11.0f} "
                       f"{p50['shm'] / p50['zmq']:>8.2f} {p90['zmq']:>8.0f} {p90['shm']:>8.0f} "
@@ -165,24 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fanout", action="store_true",
-                        help="plan fan-out to tp ranks: shared-memory ring vs gloo broadcast")
-    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=0,
-                        help="plans per size and channel (default: 600; 200 with --fanout)")
+    parser.add_argument("--steps", type=int, default=600, help="plans per size and channel")
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024],
                         help="running decodes per plan")
     parser.add_argument("--block", type=int, default=50,
                         help="plans in a row on one transport before switching")
-    parser.add_argument("--gap-ms", type=float, default=2.0,
-                        help="pause between plans (a step's compute, during which ranks wait)")
     args = parser.parse_args(argv)
-    if args.fanout:
-        from benchmarks.bench_fanout import run_fanout
-
-        run_fanout(args.tp, args.steps or 200, args.gap_ms / 1e3)
-        return
-    round_trips(args.sizes, args.steps or 600, args.block)
+    round_trips(args.sizes, args.steps, args.block)
 
 
 if __name__ == "__main__":

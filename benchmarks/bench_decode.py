@@ -1,9 +1,11 @@
-"""The bench's decode run (``DecodeRun``: batch sequences at a context, one token per step
-through real BatchPlans and the Runner) and its one-prompt prefill, shared by
-benchmarks/bench_executor.py and benchmarks/bench_formats.py."""
+"""What the executor benches share: the decode run (``DecodeRun``: batch sequences at a
+context, one token per step through real BatchPlans and the Runner), its one-prompt
+prefill, the bytes a step streams, the read bandwidth, and their common flags."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 
@@ -12,10 +14,63 @@ import torch
 from executor_svc.kv_cache import KVCache, KVCacheSpec
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.runner import Runner
+from executor_svc.weight_formats import streamed_bytes
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2
 
 INCARNATION = "bench"
+
+
+def load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def add_point_args(p: argparse.ArgumentParser, batches: list[int], steps: int) -> None:
+    """The flags of a decode point: batches, context, warm-up and timed steps, threads and
+    the clock (``clock_of``)."""
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=batches)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps, help="timed decode steps per point")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch (and numba) threads; default torch's (one per core)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with this process's CPU time, not wall time: robust on a busy "
+                        "shared machine with --threads 1 (with more threads it counts spinning)")
+
+
+def clock_of(args: argparse.Namespace):
+    """Sets ``--threads``; the clock ``--cpu-time`` asks for."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return time.process_time if args.cpu_time else time.perf_counter
+
+
+def best_seconds(fn, clock, repeats: int) -> float:
+    """The fastest of ``repeats`` calls after one warm-up call, by ``clock``."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
+
+
+def read_gbs(clock, repeats: int = 10) -> float:
+    """Streaming read bandwidth: the best sum over 256 MiB (more than any cache)."""
+    big = torch.ones(64 << 20)
+    return big.numel() * 4 / best_seconds(big.sum, clock, repeats) / 1e9
+
+
+def weight_bytes(model: DecoderModel, batch: int = 1) -> int:
+    """What one step of ``batch`` tokens reads of the weights: every projection and the LM
+    head as stored (a tied embedding once: the lookup reads only the step's rows; hybrid's
+    fp32 copy past 8 tokens), plus the norms."""
+    total = sum(streamed_bytes(w, batch) for layer in model.layers
+                for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
+    total += sum(layer.attn_norm.numel() + layer.ffn_norm.numel() for layer in model.layers) * 4
+    return total + streamed_bytes(model.lm_head, batch) + model.norm.numel() * 4
 
 
 class DecodeRun:

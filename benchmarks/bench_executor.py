@@ -1,12 +1,11 @@
 """Executor decode and prefill speed on the bundled model, against transformers and the roofline.
 
-In one process, on the same cores: (1) the machine's fp32 matmul GFLOP/s and streaming read
-bandwidth, (2) our Runner executing real BatchPlans (plan check, batch building, forward,
-sampling) for ``B`` sequences decoding at ``--context`` tokens, (3) transformers'
-``generate()`` decoding the same batch (static batch, fp32, greedy) from a cache already
-holding the context, (4) one 512-token prefill each, (5) where our step time goes at the
-breakdown batch. The KV of the context is not computed (it does not change the cost of a
-step), so a point takes seconds instead of a batch-sized prefill.
+In one process, on the same cores: the machine's fp32 matmul GFLOP/s and read bandwidth;
+our Runner executing real BatchPlans for ``B`` sequences decoding at ``--context`` tokens;
+transformers' ``generate()`` decoding the same batch (static, fp32, greedy) from a cache
+already holding the context (zeros: the KV of the context is not computed, it does not
+change a step's cost); one 512-token prefill each; where our step time goes at the
+breakdown batch; then the weight formats A/B (benchmarks/bench_formats.py).
 
     make bench-executor      # or: .venv/bin/python -m benchmarks.bench_executor [--no-hf]
 """
@@ -16,24 +15,33 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
+from collections import defaultdict
 
+import numpy as np
 import torch
 
-from benchmarks.bench_breakdown import breakdown
-from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
-from benchmarks.bench_formats import format_ab, weight_bytes
-from benchmarks.hf_baseline import best_seconds, hf_decode_seconds, hf_prefill_tokens_per_s
+import executor_svc.models.decoder as model_mod  # the names its forward looks up
+import executor_svc.runner as runner_mod
+from benchmarks.bench_decode import (
+    DecodeRun,
+    add_point_args,
+    best_seconds,
+    clock_of,
+    load,
+    ours_prefill_tokens_per_s,
+    read_gbs,
+    weight_bytes,
+)
+from benchmarks.bench_formats import format_ab
 from executor_svc.model_files import resolve_model
 from executor_svc.models import decoder
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.models.ops import project
 from executor_svc.settings import Switches
-from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native
-
-
-def load() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+from kernels import BACKEND_NAMES, DEFAULT_BACKEND, make_backend, native, quant
+from kernels.native_decoder import NativeDecoder
 
 
 def machine_ceilings(hidden: int, inter: int, clock, native_options=None) -> dict[str, float]:
@@ -51,8 +59,7 @@ def machine_ceilings(hidden: int, inter: int, clock, native_options=None) -> dic
                                    repeats=20)
             out[f"gflops_{name}_{rows}"] = 2 * rows * hidden * inter / seconds / 1e9
     out["gflops_peak"] = max(out.values())
-    big = torch.ones(64 << 20)  # 256 MiB
-    out["read_gbs"] = big.numel() * 4 / best_seconds(big.sum, clock, repeats=10) / 1e9
+    out["read_gbs"] = read_gbs(clock)
     return out
 
 
@@ -78,7 +85,7 @@ def model_flops_per_token(model: DecoderModel, context: int) -> float:
 
 
 def step_bytes(model: DecoderModel, batch: int, context: int, kv_bytes: int = 4) -> float:
-    """Weights as the model's weight format stores them (bench_formats.weight_bytes; tied
+    """Weights as the model's weight format stores them (bench_decode.weight_bytes; tied
     embedding counted once) + every KV (``kv_bytes`` per element: 2 with --kv-cache-dtype
     float16 / bfloat16)."""
     c = model.config
@@ -118,13 +125,9 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_point_args(p, batches=[1, 8, 32, 64, 128], steps=8)
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="float32",
                    help="our KV pool's element type (transformers keeps float32)")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[1, 8, 32, 64, 128])
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per point")
     p.add_argument("--backends", type=lambda s: s.split(","), default=[DEFAULT_BACKEND, "torch"],
                    help=f"attention backends to time, first is the headline ({BACKEND_NAMES})")
     p.add_argument("--breakdown-batch", type=int, default=64)
@@ -132,11 +135,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--formats", type=lambda s: [f for f in s.split(",") if f],
                    default=["native", "hybrid", "fp32"],
                    help="weight formats to A/B at batch 1 and 64 at the end ('' to skip)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch (and numba) threads; default torch's (one per core)")
-    p.add_argument("--cpu-time", action="store_true",
-                   help="time with this process's CPU time, not wall time: robust on a busy "
-                        "shared machine with --threads 1 (with more threads it counts spinning)")
     args = p.parse_args()
     args.switches = Switches.from_env()  # CONTINUUM_NATIVE_* etc., as the executor reads them
     return args
@@ -144,9 +142,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.process_time if args.cpu_time else time.perf_counter
+    clock = clock_of(args)
     torch.manual_seed(0)
     env = " ".join(f"{k}={os.environ[k]}" for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
                                                      "NUMBA_THREADING_LAYER") if k in os.environ)
@@ -204,7 +200,8 @@ def main() -> None:
     if args.formats:
         del model
         gc.collect()
-        format_ab(path, args.switches, args.formats, [1, 64], args.context, 4, args.steps, clock)
+        format_ab(path, args.switches, args.formats, [1, 64], args.context, 4, args.steps, clock,
+                  args.warmup)
 
 
 def report(model, ceil, point_ceilings, args, step_s, hf_s, headline: str) -> None:
@@ -239,6 +236,119 @@ def report(model, ceil, point_ceilings, args, step_s, hf_s, headline: str) -> No
               f"| {c['gflops_peak']:.0f} · {c['read_gbs']:.1f} | {bound:.0f} ({compute:.0f}/"
               f"{memory:.0f}) | {batch / bound * 1e3:.0f} | {bound / ms:.0%} "
               f"| {at_start / ms:.0%} |")
+
+
+class Breakdown:
+    """Wall time per component, by wrapping the functions a step calls (instrumentation
+    only: the bench restores every wrapped attribute)."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner, attr: str, name_of) -> None:
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = self.clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name_of(*args)] += self.clock() - start
+
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+
+
+def breakdown(run: DecodeRun, model: DecoderModel, steps: int) -> dict[str, float]:
+    """ms per step: plan check + apply, batch building, layer matmuls, LM head, attention,
+    KV write, norms/rope/other forward ops, sampling, the rest of Runner.execute. A
+    step's layers run in one native call (kernels/cpu_decoder.cpp): its phases
+    come from the decoder's own clock, the rest from wrapped Python functions."""
+    b, r = Breakdown(run.clock), run.runner
+    decoder = model._decoder
+    phases = np.zeros(len(NativeDecoder.PHASES)) if decoder is not None else None
+    if decoder is not None:
+        decoder.phase_seconds = phases
+    head = model.lm_head
+    b.wrap(runner_mod, "check_plan", lambda *a: "plan check + apply")
+    b.wrap(r, "_apply", lambda *a: "plan check + apply")
+    b.wrap(runner_mod, "build_inputs", lambda *a: "batch building")
+    b.wrap(model_mod, "linear", lambda x, w: "LM head" if w is head else "layer matmuls")
+    b.wrap(model_mod, "project", lambda w, x: "layer matmuls")  # tensor or packed weight
+    b.wrap(native.PackedWeight, "mm_t", lambda w, x: "LM head")
+    b.wrap(quant.QuantWeight, "mm_t", lambda w, x: "LM head")
+    b.wrap(r.backend, "forward", lambda *a: "attention")
+    b.wrap(r.backend, "prepare", lambda *a: "attention")
+    b.wrap(r.kv, "write", lambda *a: "KV write")
+    b.wrap(r, "forward", lambda *a: "forward")
+    b.wrap(r.sampler, "sample", lambda *a: "sampling")
+    total = 0.0
+    try:
+        for _ in range(steps):
+            total += run.step()
+    finally:
+        b.restore()
+        if decoder is not None:
+            decoder.phase_seconds = None
+    ms = {k: v * 1e3 / steps for k, v in b.seconds.items()}
+    for name, seconds in zip(NativeDecoder.PHASES, phases if phases is not None else (),
+                             strict=False):
+        ms[name] = ms.get(name, 0.0) + seconds * 1e3 / steps
+    inner = sum(ms.setdefault(k, 0.0) for k in ("layer matmuls", "LM head", "attention",
+                                                 "KV write"))
+    inner += sum(ms.get(k, 0.0) for k in ("norms + residual", "rope + q/k/v layout", "SwiGLU"))
+    ms["other forward ops"] = ms.pop("forward") - inner
+    ms["total"] = total * 1e3 / steps
+    ms["rest of execute"] = ms["total"] - ms["other forward ops"] - inner - sum(
+        ms[k] for k in ("plan check + apply", "batch building", "sampling"))
+    return ms
+
+
+def hf_decode_seconds(hf, batch: int, context: int, warmup: int, steps: int, clock) -> float:
+    """Median seconds per generate() step, timed per token with a streamer, from a
+    DynamicCache that already holds ``context`` positions (zeros: the cost is the same)."""
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    class Ticks(BaseStreamer):
+        def __init__(self) -> None:
+            self.ticks: list[float] = []
+
+        def put(self, value) -> None:
+            self.ticks.append(clock())
+
+        def end(self) -> None:
+            pass
+
+    c = hf.config
+    shape = (batch, c.num_key_value_heads, context, c.hidden_size // c.num_attention_heads)
+    cache = DynamicCache(config=c)
+    for layer in range(c.num_hidden_layers):
+        cache.update(torch.zeros(shape), torch.zeros(shape), layer)
+    ids = torch.randint(3, c.vocab_size, (batch, context + 1), generator=torch.Generator())
+    streamer, n = Ticks(), warmup + steps
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                    max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)
+    intervals = [b - a for a, b in zip(streamer.ticks, streamer.ticks[1:], strict=False)]
+    return statistics.median(intervals[warmup:])
+
+
+def hf_prefill_tokens_per_s(hf, num_tokens: int, clock) -> float:
+    ids = torch.randint(3, hf.config.vocab_size, (1, num_tokens), generator=torch.Generator())
+
+    def once():
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                        do_sample=False)
+
+    return num_tokens / best_seconds(once, clock, repeats=2)
 
 
 if __name__ == "__main__":

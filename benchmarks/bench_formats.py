@@ -1,56 +1,38 @@
 """Weight formats A/B in one run (executor_svc/weight_formats.py): decode steps at batch 1
-and 64 and one 512-token prefill per format, rounds alternating between the formats so a
-busy machine's minute-to-minute drift hits each the same; each step against the roofline of
-the bytes that format actually streams (weights as stored + the KV it reads) over the read
-bandwidth measured in the same round.
+and 64 and one 512-token prefill per format, rounds alternating between the formats; each
+step against the roofline of the bytes that format streams over the best read bandwidth.
+``make bench-executor`` runs it after its own table.
 
     .venv/bin/python -m benchmarks.bench_formats [--formats native,fp32] [--batches 1,64]
-
-``make bench-executor`` runs it after its own table (benchmarks/bench_executor.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import time
 
 import torch
 
-from benchmarks.bench_decode import DecodeRun, ours_prefill_tokens_per_s
+from benchmarks.bench_decode import (
+    DecodeRun,
+    add_point_args,
+    clock_of,
+    load,
+    ours_prefill_tokens_per_s,
+    read_gbs,
+    weight_bytes,
+)
 from executor_svc.model_files import resolve_model
 from executor_svc.models import decoder
 from executor_svc.models.decoder import DecoderModel
 from executor_svc.settings import Switches
-from executor_svc.weight_formats import streamed_bytes
 from kernels import make_backend
 
 
-def weight_bytes(model: DecoderModel, batch: int = 1) -> int:
-    """What one step of ``batch`` tokens reads of the weights: every projection and the LM
-    head as stored (a tied embedding once: the lookup reads only the step's rows; hybrid's
-    fp32 copy past 8 tokens), plus the norms."""
-    total = sum(streamed_bytes(w, batch) for layer in model.layers
-                for w in (layer.wqkv, layer.wo, layer.w13, layer.w2))
-    total += sum(layer.attn_norm.numel() + layer.ffn_norm.numel() for layer in model.layers) * 4
-    return total + streamed_bytes(model.lm_head, batch) + model.norm.numel() * 4
-
-
-def read_gbs(clock) -> float:
-    """Streaming read bandwidth, best of 5 sums over 256 MiB (more than any cache)."""
-    big = torch.ones(64 << 20)
-    best = float("inf")
-    for _ in range(5):
-        start = clock()
-        big.sum()
-        best = min(best, clock() - start)
-    return big.numel() * 4 / best / 1e9
-
-
 def format_ab(path, switches: Switches, formats: list[str], batches: list[int], context: int,
-              rounds: int, steps: int, clock=time.perf_counter) -> None:
+              rounds: int, steps: int, clock=time.perf_counter, warmup: int = 2) -> None:
     """Prints the A/B table: per format and batch the median over rounds of each round's
     median step, bytes per step, GB/s achieved and the share of the memory roofline."""
     options = {**decoder.model_options(switches)}
@@ -68,19 +50,18 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
     prefill: dict[str, list[float]] = {f: [] for f in formats}
     bandwidth: list[float] = []
     for r in range(rounds):
-        bandwidth.append(read_gbs(clock))
+        bandwidth.append(read_gbs(clock, repeats=5))
         order = formats if r % 2 == 0 else formats[::-1]  # ABBA: drift hits both alike
         for fmt in order:
             for batch in batches:
-                run = DecodeRun(models[fmt], backend, batch, context, steps + 2, clock)
-                times[fmt, batch].append(run.timed(2, steps))
+                run = DecodeRun(models[fmt], backend, batch, context, steps + warmup, clock)
+                times[fmt, batch].append(run.timed(warmup, steps))
                 del run
             prefill[fmt].append(ours_prefill_tokens_per_s(models[fmt], backend, 512, clock))
             gc.collect()
         print(f"  round {r + 1}/{rounds}: " + ", ".join(
             f"{f} b{b} {statistics.median(times[f, b][-1:]) * 1e3:.1f} ms" for f in formats
-            for b in batches) + f"; read {bandwidth[-1]:.1f} GB/s; load "
-            + " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
+            for b in batches) + f"; read {bandwidth[-1]:.1f} GB/s; {load()}", flush=True)
     gbs = max(bandwidth)
     print(f"\nweight formats, A/B over {rounds} alternating rounds (median of per-round "
           f"medians of {steps} steps), context {context}, {torch.get_num_threads()} threads; "
@@ -104,21 +85,13 @@ def format_ab(path, switches: Switches, formats: list[str], batches: list[int], 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--formats", type=lambda s: s.split(","), default=["native", "hybrid", "fp32"])
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
-    p.add_argument("--context", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--cpu-time", action="store_true",
-                   help="this process's CPU time, not wall time (robust on a busy machine "
-                        "with --threads 1)")
+    add_point_args(p, batches=[1, 64], steps=6)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    clock = clock_of(args)
     switches = Switches.from_env()
     format_ab(resolve_model(None, switches.cache_dir), switches, args.formats, args.batches,
-              args.context, args.rounds, args.steps,
-              time.process_time if args.cpu_time else time.perf_counter)
+              args.context, args.rounds, args.steps, clock, args.warmup)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,10 @@
-"""Structured output's grammar engines side by side: llguidance (what the executor uses)
-against xgrammar, on the bundled model's tokenizer (49,152 tokens), the same schemas.
-
-Per engine: the tokenizer build (once per model), each schema's compile (once per
-distinct schema; both engines cache by text), and per generated token the cost the
-sampler pays: the next-token mask, applied to a logits row, then the chosen token
-consumed (one torch thread). The tokens are a valid instance of the schema, tokenized by the model's
-tokenizer, so each engine walks the same path. Alternating engines per schema, one run.
+"""Structured output's grammar engines side by side, llguidance (the executor's) against
+xgrammar (measured only where installed), on the bundled model's tokenizer: the tokenizer
+build, each schema's compile, and per generated token the mask, its application to a
+logits row and the token consumed (one torch thread), walking a valid instance of each
+schema, engines alternating per schema.
 
     .venv/bin/python -m benchmarks.bench_grammar [--rounds 5]
-
-xgrammar is not a dependency (it is measured only where installed: ``pip install
-xgrammar``); without it the xgrammar column says so.
 """
 
 from __future__ import annotations

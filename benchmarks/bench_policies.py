@@ -1,19 +1,10 @@
 """Static vs continuous vs continuous + chunked prefill on the real engine, one workload.
 
-For each policy a fresh ``continuum serve --policy P`` runs the *same* requests (same
-seed: arrival times, prompt and output lengths, token ids) through ``continuum bench``'s
-client; then the scheduler's Stats say how many decode steps carried prefill work. Prints
-requests done, output tokens/s, TTFT p50/p99, TPOT p50/p99, the share of decode steps
-stalled by a prefill, and ratios against static batching; ``--output`` writes JSON.
-
-The servers run without their queue-time bound (``--queue-time-bound-s 0``), so that every
-policy serves every request: with the default bounds an overloaded server refuses some with
-RESOURCE_EXHAUSTED, each policy others, and their throughputs then count different work
-(on 2026-12-02, 19-24 of 40 requests done at 2 req/s).
-
-The default workload is the Azure conversation trace's length mix scaled by 0.15 to this
-machine (a 135M model on 2 CPU cores), plus 15 % long prompts (768 tokens) so that
-chunking matters, Poisson arrivals at 0.8 requests/s.
+Each policy gets a fresh ``continuum serve --policy P`` and the same requests through
+``continuum bench``'s client (Azure lengths x 0.15 plus 15 % 768-token prompts, Poisson
+0.8 req/s); prints requests done, output tokens/s, TTFT and TPOT p50/p99, the share of
+decode steps a prefill stalled (Stats), and ratios against static; ``--output`` writes
+JSON. No queue-time bound by default, so every policy serves every request.
 
     make bench-policies          # or: .venv/bin/python -m benchmarks.bench_policies --help
 """

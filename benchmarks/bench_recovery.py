@@ -1,30 +1,14 @@
-"""What a client sees when the executor dies or hangs under load (``make bench-recovery``).
+"""What a client sees when the executor dies or hangs under load (docs/reliability.md).
 
-Starts the real server (``continuum serve`` with the bundled model, as the integration
-tests do; ``--standby-executors 1`` unless told otherwise), streams N greedy requests
-over gRPC, and once they all have tokens, ``--repeats`` times each:
+``continuum serve`` (``--standby-executors 1`` unless told otherwise), N greedy gRPC
+streams, then ``--repeats`` times each, once a standby is registered again: kill -9 the
+executor (per stream, the kill to its first token after it), and SIGSTOP it (the time
+until the scheduler logs the detach, and per stream the stop to its first token after).
+Percentiles are over every stream of every repeat. Serve's crash-loop guard gets twice the
+bench's fault count; if the server stops anyway the bench says so and exits non-zero.
 
-* kill -9 the executor: per stream, the time from the kill to its first token after it
-  (with a warm standby, the scheduler switches to it and resumes every sequence by
-  recompute; without one, the supervisor starts a new executor, which loads the model);
-* SIGSTOP the executor (a hang): the time until the scheduler logs the detach (step
-  deadline missed, or heartbeats unanswered), and per stream the time to its first
-  token after the stop.
-
-Before each fault it waits until a standby is registered again, so every repeat
-measures a takeover (with ``--standby-executors 0``, a cold restart). Percentiles are
-over every stream of every repeat. The figures depend on the machine and on what else
-runs on it: compare runs made one after the other.
-
-Each fault is an executor death, and serve's crash-loop guard stops the whole server
-after ``--max-executor-restarts`` deaths within ``--restart-window-s`` (5 in 120 s by
-default): fewer than this bench's 2 x ``--repeats`` faults on a slow machine. So the
-bench starts serve with a budget of twice its fault count (room for a replacement a
-busy machine loses too), prints it, and if the server stops anyway says so and exits
-non-zero.
-
-    .venv/bin/python -m benchmarks.bench_recovery [--streams 16] [--max-tokens 96]
-        [--repeats 3] [--standby-executors 1] [--max-executor-restarts N]
+    make bench-recovery   # or: .venv/bin/python -m benchmarks.bench_recovery [--streams 16]
+        [--max-tokens 96] [--repeats 3] [--standby-executors 1] [--max-executor-restarts N]
 """
 
 from __future__ import annotations

@@ -1,35 +1,18 @@
-"""Cost of the scheduler's per-step control path, without any model.
+"""Cost of the scheduler's per-step control path, without any model (docs/benchmarks.md §3).
 
-Steady state with N running sequences and a realistic mix: every request
-shares a 64-token system prompt (prefix cache), has its own 16–400-token
-prompt (chunked prefill) and 8–200 output tokens, so each step has decodes,
-prefill chunks, finishes and admissions. Two KV pool sizes: 85 % of what the
-running set needs at its mean length (admission keeps the running set full and no
-decode has to preempt: the step the targets are about), and 65 % (the "tight"
-rows: the pool, not max_num_seqs, limits the running set, and decodes preempt).
-Per step it times schedule(), the plan frame's encoding (PlanBuilder.frame: core output
-→ wire bytes; "serialize" is 0 since it writes them itself, and protobuf's
-SerializeToString for a revision whose builder has no ``frame``), and update()
-(applying the result); the executor side
-(parsing the frame) is timed separately. "preempt" counts the timed steps only.
-The "decode-only" row is the floor of the same path: N sequences that only decode
-(no admission, finish or prefill), i.e. what the columnar per-decode work costs.
-Garbage is collected between steps, as the scheduler process does it
-(scheduler_svc/gc_pacing.py); ``--gc auto`` leaves the interpreter's automatic collection
-on, which lands inside steps: compare the mean, p99 and max columns.
+N running sequences on a mix that shares a 64-token system prompt (prefix cache), with
+16–400-token own prompts (chunked prefill) and 8–200 output tokens, in a pool of 85 % of
+what the running set needs (65 %: the "tight" rows, which preempt), and decode-only (N
+sequences that only decode: the floor of the same path). Per step: schedule(), the plan
+frame's encoding, update(), and the executor's parse apart. "x ref" is this machine's speed
+against docs/facts.md's reference encode, timed before and after each row; "@ref" is TOTAL
+scaled by it. Garbage is collected between steps as the scheduler process does
+(``--gc auto``: inside them).
 
-This machine's speed drifts by up to 2x between consecutive runs of the same code, so
-each row also times a reference the way docs/facts.md's figure was taken (best of repeated
-runs), before and after the row: the columnar plan encode at 256 sequences, 24 us on the
-machine docs/facts.md describes. "x ref" is the mean of the two over 24 us (how much slower
-this machine is right now), and "@ref" is TOTAL divided by it: the figure scaled to that
-machine.
-
-Comparing two versions: alternating whole runs is not enough here (a machine phase
-can fake a 20 % gain). ``--against REV`` loads the scheduler package of git revision
-REV beside the working tree's and runs both on the same workload in lockstep, steps
-interleaved (order alternating), so both see the same phases; it prints each one's
-per-phase p50 and the median of the per-step time ratios (new / REV).
+``--against REV`` runs git revision REV's scheduler package beside the working tree's on
+the same workload, steps interleaved, and prints each one's per-phase p50 and the median
+per-step ratio; ``--nano-vllm DIR`` times nano-vllm's decode-only step beside ours
+(benchmarks/nano_vllm_ref.py).
 
     make bench-scheduler      # or: .venv/bin/python -m benchmarks.bench_scheduler
     .venv/bin/python -m benchmarks.bench_scheduler --against HEAD~3 --sizes 256 --repeats 3
@@ -38,16 +21,30 @@ per-phase p50 and the median of the per-step time ratios (new / REV).
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib
+import io
+import itertools
 import os
 import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import timeit
+import types
 
-from benchmarks import nano_vllm_ref, scheduler_compare
+from benchmarks import nano_vllm_ref
 from benchmarks.scheduler_steps import (
     BLOCK_SIZE,
     PACER,
     WARMUP,
     Stepper,
+    Workload,
+    scheduler_api,
 )
 from protos.continuum.v1 import executor_pb2 as pb
 from sim.workload import default_trace, load_trace
@@ -116,6 +113,108 @@ HEADER = (f"{'seqs':>5} {'kv':>11} {'running':>7} {'tok/step':>8} {'schedule':>9
           f"{'exec parse':>10} {'preempt':>7} {'prefix hits':>11}")
 
 
+def load_revision(rev: str) -> types.SimpleNamespace:
+    """The scheduler package of git revision ``rev``, imported beside the working tree's
+    under another name (its files copied to a temporary directory, the package name in
+    its imports rewritten)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run(["git", "archive", rev, "scheduler_svc"], cwd=root,
+                          capture_output=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"--against {rev}: git archive failed: "
+                         f"{done.stderr.decode().strip()}")
+    name = "scheduler_svc_" + re.sub(r"\W", "_", rev)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="continuum-ab-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(done.stdout)) as archive:
+        archive.extractall(tmp, filter="data")
+    (tmp / "scheduler_svc").rename(tmp / name)
+    for path in (tmp / name).rglob("*.py"):
+        path.write_text(re.sub(r"\bscheduler_svc\b", name, path.read_text()))
+    sys.path.insert(0, str(tmp))
+    core = importlib.import_module(f"{name}.core")
+    plan = importlib.import_module(f"{name}.plan")
+    return scheduler_api(core, plan)
+
+
+def lockstep(num_seqs: int, steps: int, kv_fraction: float, other,
+             trace: list[tuple[int, int]] | None = None,
+             decode_only: bool = False) -> dict[str, float]:
+    """``other``'s scheduler and the working tree's on the same workload (the mix with a
+    ``kv_fraction`` pool, or with ``decode_only`` every step all decodes once the prompts
+    are in), steps interleaved (which goes first alternates). Per-phase p50s of both, and
+    the median of the per-step ratios working tree / other."""
+    theirs = Stepper(num_seqs, kv_fraction, api=other, trace=trace, decode_only=decode_only)
+    ours = Stepper(num_seqs, kv_fraction, trace=trace, decode_only=decode_only)
+    for stepper in (theirs, ours) if decode_only else ():
+        while stepper.last_prefill_tokens or not stepper.sched.running:
+            stepper.step(record=False)
+    ratios = []
+    for i in range(steps + WARMUP):
+        record = i >= WARMUP
+        if i % 2:
+            a = theirs.step(record)
+            b = ours.step(record)
+        else:
+            b = ours.step(record)
+            a = theirs.step(record)
+        if record:
+            ratios.append(b / a)
+    return {"theirs": theirs.summary(), "ours": ours.summary(),
+            "ratio": statistics.median(ratios)}
+
+
+def against_nano_vllm(num_seqs: int, steps: int, nano,
+                      trace: list[tuple[int, int]] | None = None,
+                      block_size: int = BLOCK_SIZE) -> dict[str, float]:
+    """Ours on the mix (85 % pool) and decode-only, and nano-vllm's decode-only step
+    (benchmarks/nano_vllm_ref.py), all with ``block_size``-token blocks, interleaved:
+    each one's p50 in µs."""
+    mix = Stepper(num_seqs, 0.85, trace=trace, block_size=block_size)
+    decode = Stepper(num_seqs, decode_only=True, trace=trace, block_size=block_size)
+    while decode.last_prefill_tokens or not decode.sched.running:
+        decode.step(record=False)
+    work = Workload(trace=trace)
+    lens = [len(work.request().token_ids) for _ in range(num_seqs)]
+    theirs = nano_vllm_ref.DecodeOnly(nano, num_seqs, lens, steps + WARMUP, block_size)
+    p50s = nano_vllm_ref.interleaved_p50s((mix.step, decode.step, lambda _: theirs.step()),
+                                          steps, WARMUP)
+    return dict(zip(("mix", "decode", "nano"), p50s, strict=True))
+
+
+def print_lockstep(rev: str, sizes: list[int], steps: dict[int, int], repeats: int,
+                    trace) -> None:
+    other = load_revision(rev)
+    print(f"lockstep: working tree vs {rev} (µs per step, p50)")
+    for workload, decode_only in (("mix", False), ("decode-only", True)):
+        for n in sizes:
+            for _ in range(repeats):
+                r = lockstep(n, steps[n], 0.85, other, trace, decode_only)
+                for who, label in (("theirs", rev), ("ours", "working tree")):
+                    x = r[who]
+                    print(f"{workload:>11} {n:>5} {label:>14}: schedule "
+                          f"{x['schedule']:>6.0f}  plan {x['plan']:>5.0f}  serialize "
+                          f"{x['serialize']:>4.0f}  update {x['update']:>5.0f}  TOTAL "
+                          f"{x['total']:>6.0f}")
+                print(f"{workload:>11} {n:>5} per-step ratio working tree / {rev}: "
+                      f"{r['ratio']:.3f}")
+
+
+def print_against_nano(checkout: pathlib.Path, sizes: list[int], steps: dict[int, int],
+                        repeats: int, trace, block_sizes: list[int]) -> None:
+    nano = nano_vllm_ref.load(checkout)
+    print("against nano-vllm's decode-only step, interleaved, both with the same block "
+          "size (µs per step, p50)")
+    for bs, n in itertools.product(block_sizes, sizes):
+        for _ in range(repeats):
+            r = against_nano_vllm(n, steps[n], nano, trace, bs)
+            print(f"{n:>5} bs {bs:>3}  ours mix {r['mix']:>6.0f}  ours decode-only "
+                  f"{r['decode']:>5.0f}  "
+                  f"nano-vllm decode-only {r['nano']:>5.0f}  |  decode-only / nano "
+                  f"{r['decode'] / r['nano']:.2f} (target <= 0.5)  mix / nano decode-only "
+                  f"{r['mix'] / r['nano']:.2f} (target <= 1)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scheduler",
                                      description=__doc__.split("\n")[0])
@@ -153,11 +252,11 @@ def main(argv: list[str] | None = None) -> None:
         PACER.take_over()
     trace = load_trace_lengths() if args.lengths == "trace" else None
     if args.against:
-        scheduler_compare.print_lockstep(args.against, sizes, steps, args.repeats, trace)
+        print_lockstep(args.against, sizes, steps, args.repeats, trace)
         return
     if args.nano_vllm:
-        scheduler_compare.print_against_nano(pathlib.Path(args.nano_vllm), sizes, steps,
-                                             args.repeats, trace, block_sizes)
+        print_against_nano(pathlib.Path(args.nano_vllm), sizes, steps, args.repeats, trace,
+                           block_sizes)
         return
     print(f"lengths: {args.lengths}")
     print(HEADER + f" {'x ref':>6} {'@ref':>5}   (µs per step)")

@@ -26,18 +26,22 @@ from continuum.bench import add_arguments, run_point, validate_args
 from continuum.bench_workload import BenchError
 
 
+def parse_bench(*flags: str) -> argparse.Namespace:
+    """``continuum bench``'s arguments from ``flags``, validated as it validates them."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*flags, "--no-progress"])
+    validate_args(args)
+    return args
+
+
 def bench_args(api: str, addr: str, base_url: str, concurrency: int, rounds: int,
                max_tokens: int, input_len: int, seed: int) -> argparse.Namespace:
     """The ``continuum bench`` flags of one row: a closed loop of ``concurrency`` clients."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args([
+    return parse_bench(
         "--api", api, "--addr", addr, "--base-url", base_url,
         "--num-prompts", str(concurrency * rounds), "--max-concurrency", str(concurrency),
-        "--input-len", str(input_len), "--output-len", str(max_tokens),
-        "--seed", str(seed), "--no-progress"])
-    validate_args(args)
-    return args
+        "--input-len", str(input_len), "--output-len", str(max_tokens), "--seed", str(seed))
 
 
 def main(argv: list[str] | None = None) -> int:

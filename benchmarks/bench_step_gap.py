@@ -1,35 +1,27 @@
 """The executor's idle gap between steps, with and without async scheduling.
 
-Runs the scheduler's engine loop in this process against a real executor process
-(the bundled model, over ipc://) and streams N concurrent greedy requests to the
-end. Each StepResult carries ``idle_ms``: how long the executor waited between
-sending its previous result and receiving the plan it then ran, i.e. the scheduler
-overhead the device sees (result transit + update + schedule + encode + plan
-transit). With async scheduling the next plan is already queued when a step ends.
+The scheduler's engine loop in this process, a real executor process (over ipc://), N
+concurrent greedy requests streamed to the end; each StepResult's ``idle_ms`` is how long
+the executor waited for its next plan. Each ``--plan-channel`` (ZeroMQ, the shared-memory
+ring) runs with async scheduling off and on.
 
-    .venv/bin/python -m benchmarks.bench_step_gap [--streams 64] [--max-tokens 48]
-        [--plan-channel zmq shm]
-
-``--plan-channel``: the plans over ZeroMQ, or through the shared-memory ring
-(scheduler_svc/plan_channel.py); each channel is run with async scheduling off and on.
+    make bench-step-gap   # or: .venv/bin/python -m benchmarks.bench_step_gap [--streams 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from runtime import internal_auth
+from harness import servers
 from scheduler_svc.core import Request, SchedulerConfig
 from scheduler_svc.loop import EngineLoop
+from sim.metrics import percentile
 
 
 async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
@@ -40,9 +32,9 @@ async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
                                  async_scheduling=async_on)
         loop = EngineLoop(config, ipc, plan_channel=channel)
         loop.start()
-        executor = subprocess.Popen(
-            [sys.executable, "-m", "executor_svc", "--model", model_dir, "--ipc", ipc,
-             "--kv-cache-bytes", str(256 << 20)], stderr=subprocess.DEVNULL)
+        executor = servers.spawn("executor_svc", [
+            "--model", model_dir, "--ipc", ipc, "--kv-cache-bytes", str(256 << 20)],
+            stderr=subprocess.DEVNULL)
         try:
             while loop.executor is None:
                 if executor.poll() is not None:
@@ -62,16 +54,14 @@ async def run(model_dir: str, async_on: bool, streams: int, max_tokens: int,
                     "steps": loop.steps.num_steps - steps,
                     "idle_p50_ms": statistics.median(idle),
                     "idle_mean_ms": statistics.mean(idle),
-                    "idle_p90_ms": sorted(idle)[int(0.9 * len(idle))],
+                    "idle_p90_ms": percentile(idle, 90),
                     "step_ms": wall * 1e3 / (loop.steps.num_steps - steps),
                     "tokens_per_s": tokens / wall,
                 })
             return {k: statistics.median(f[k] for f in figures) for k in figures[0]}
         finally:
             await loop.stop()
-            executor.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                executor.wait(10)
+            servers.stop(executor, grace_s=10)
 
 
 async def generate(loop: EngineLoop, streams: int, max_tokens: int, tag: str) -> int:
@@ -99,8 +89,7 @@ def main() -> None:
     p.add_argument("--model", default="", help="HF dir; default: the bundled model")
     p.add_argument("--plan-channel", nargs="+", choices=("zmq", "shm"), default=["zmq", "shm"])
     args = p.parse_args()
-    # The loop here and the executor child sign and check Hellos with one secret.
-    os.environ.setdefault(internal_auth.ENV_SECRET, internal_auth.new_secret())
+    servers.ensure_secret()  # the loop here and the executor child sign Hellos with it
     from executor_svc.model_files import resolve_model
     from executor_svc.settings import Switches
     model_dir = str(resolve_model(args.model or None, Switches.from_env().cache_dir))

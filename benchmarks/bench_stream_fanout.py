@@ -1,20 +1,11 @@
-"""What streaming a step's tokens to the gateway costs the scheduler's event loop.
+"""What streaming a step's tokens to the gateway costs the scheduler's event loop
+(docs/benchmarks.md).
 
-Each step, the scheduler loop hands one event per running request to that request's
-stream on the gateway's SubmitMany call (``EngineLoop._dispatch`` into the stream's sink,
-scheduler_svc/streams.py); the call then writes one ``SubmitManyResponse`` with every
-stream's messages (``ManyCall.take``) through grpc.aio. That runs on the loop's thread,
-between a step's update and the next plan, so it is part of the loop's cycle: a device
-step shorter than the cycle waits on it.
-
-This benchmark times that part alone, with the scheduler's own code (``ManyCall`` on a
-stand-in loop) and a real gRPC client in another process reading the streams through the
-gateway's own multiplexer (gateway/routing/mux.py), as the relay does: N streams on one
-call on loopback, then per step one event into each stream's sink, and the time of the
-loop turn that writes them. ``--behind K`` puts K events into each sink per step instead,
-as when the streams fell K steps behind: a stream sends what it owes in one message.
-``--interval N`` streams as ``--stream-interval N`` does: a message waits for N tokens (the
-first and the end go at once).
+The scheduler's own SubmitMany code (``ManyCall`` on a stand-in loop) serves N streams on
+one call to a real gRPC client in another process that reads them through the gateway's
+multiplexer (gateway/routing/mux.py); per step, one event into each stream's sink and the
+loop turn that writes them, timed. ``--behind K``: K events a stream a step (streams that
+fell behind); ``--interval N``: as ``--stream-interval N``.
 
     .venv/bin/python -m benchmarks.bench_stream_fanout [--streams 64 256 1024] [--steps 300]
         [--behind 1] [--interval 1]

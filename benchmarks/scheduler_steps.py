@@ -1,7 +1,6 @@
 """The scheduler on bench_scheduler's workload, stepped without a model: the workload,
 a scheduler sized for it, and a Stepper that times one step's phases (schedule, building
-the plan, serializing it, applying the result). bench_scheduler prints their figures;
-scheduler_compare steps two schedulers side by side."""
+the plan, serializing it, applying the result), for bench_scheduler and bench_channel."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
-"""``python -m benchmarks.sim_validate``: the simulator against the real server.
+"""The simulator against the real server (docs/simulator.md).
 
-``python -m sim --profile FILE --validate-against-server`` runs this as a process (sim/ may
-import only the scheduler core; this needs the load generator and the wire).
+One ``continuum bench`` workload (Azure lengths x ``--length-scale``, Poisson arrivals, a
+long-prompt burst half way) at three fractions of the profile's predicted saturation rate
+(``--rates`` overrides), each run through a real ``continuum serve`` and through the
+simulator with the same requests, scheduler config and KV pool; per rate, measured against
+simulated throughput, TTFT, TPOT and preemptions, with the error. ``python -m sim --profile
+FILE --validate-against-server`` runs this as a process (sim/ imports only the core).
 
-One workload, built by ``continuum bench``'s own code (``bench_workload.build_workload``:
-Azure conversation lengths × ``--length-scale``, Poisson arrivals) at three rates up to
-saturation, each with a long-prompt burst (``burst`` prompts of ``long_len`` tokens that
-arrive together half way through). Each rate runs once through a real ``continuum serve``
-(started here on loopback ports, with its own internal secret; sent by ``bench_clients``,
-summarized by ``bench_report``) and once through the simulator with the fitted profile:
-the SAME requests (token ids, lengths, arrival times), the same scheduler config and the
-server's own KV pool size (read from its Stats). Per rate it prints measured vs simulated
-output throughput, TTFT p50/p99, TPOT p50/p99 and preemptions, with the error.
-
-The rates are fractions of the saturation rate the profile predicts (``saturation_rps``),
-so the same command fits any machine; ``--rates`` overrides them.
+    .venv/bin/python -m benchmarks.sim_validate --profile FILE [--rates 1,2,3] [--json F]
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""Continuum against llama.cpp's ``llama-server`` on one machine: same prompts, same
-streaming client, same lengths, at 1, 8, 32 and 64 concurrent streams (docs/benchmarks.md's table).
+"""Continuum against llama.cpp's ``llama-server`` on one machine (docs/benchmarks.md's table):
+the same token-id prompts, greedy, ``ignore_eos``, through the same OpenAI client, at 1, 8,
+32 and 64 concurrent streams, the two servers alternating; one markdown table and whether
+each ``TARGET_RATIO`` was met (``--json``: every figure). Serve llama-server the bundled
+GGUF and restart it before each run (its slots keep each prompt's KV). Ours is started here
+with ``make run``'s defaults unless ``--ours-url`` names a running one.
 
-Both servers are driven through their OpenAI-compatible ``/v1/completions`` with
-token-id prompts, greedy, ``ignore_eos`` and ``max_tokens`` new tokens
-(``continuum.bench_clients.OpenAIClient``; llama-server accepts token-id prompts and
-``ignore_eos``). Each concurrency runs on both servers one after the other, the order
-alternating, ``--num-prompts`` = ``--prompts-per-stream`` x streams requests in a closed
-loop. Prompts come from the bundled model's vocabulary: serve llama-server the same
-GGUF, or the token ids mean different text on the two sides.
-
-    # llama.cpp, built elsewhere (e.g. from the llama-cpp-python sdist's vendor/llama.cpp):
     gguf=$(python -c 'import executor_svc.model_files as m; print(m.bundled_gguf())')
     llama-server -m "$gguf" -np 64 --cont-batching -c 65536 --port 8080
     .venv/bin/python -m benchmarks.vs_llama_server --llama-url http://127.0.0.1:8080/v1
-
-Restart llama-server before each run: its slots keep each prompt's KV (``cache_prompt``),
-and the prompts are fixed by ``--seed``, so a second run against the same process measures
-its prefix cache. Ours is started here with ``make run``'s defaults (``continuum serve``
-on loopback, the bundled model) unless ``--ours-url`` points at a running one. Prints one
-markdown table and whether each ratio in ``TARGET_RATIO`` was met; ``--json`` writes every
-figure.
 """
 
 from __future__ import annotations
@@ -32,7 +20,8 @@ import pathlib
 import tempfile
 import time
 
-from continuum.bench import add_arguments, run_point, validate_args
+from benchmarks.bench_serve import parse_bench
+from continuum.bench import run_point
 from harness import servers
 
 # What we aim for: our output tok/s over llama-server's, at least, by streams.
@@ -40,15 +29,11 @@ TARGET_RATIO = {1: 1.0, 8: 2.0, 32: 3.0, 64: 3.0}
 
 
 def _point(base_url: str, streams: int, args: argparse.Namespace) -> dict:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    bench = p.parse_args([
+    bench = parse_bench(
         "--api", "openai", "--base-url", base_url, "--dataset", "fixed",
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--num-prompts", str(max(streams * args.prompts_per_stream, 2)),
-        "--max-concurrency", str(streams), "--seed", str(args.seed + streams),
-        "--no-progress"])
-    validate_args(bench)
+        "--max-concurrency", str(streams), "--seed", str(args.seed + streams))
     report, _ = asyncio.run(run_point(bench, float("inf"), 0))
     overall = report["overall"]
     if not overall["num_completed"]:

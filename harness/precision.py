@@ -2,8 +2,7 @@
 sequences in one prefill each (teacher forcing: the fp32 model's greedy continuations, so
 an early difference does not compound), and at every continuation position we compare the
 next-token distributions. Used by the bf16 tolerance tests (tests/executor/test_precision.py
-on the CPU, tests/executor/test_cuda.py on a GPU) and printed by
-``python -m benchmarks.bench_precision``."""
+on the CPU, tests/executor/test_cuda.py on a GPU)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The executor tests' prompts, which the bf16 tolerance (harness/precision.py and
-``benchmarks.bench_precision``) is stated over: plain text, tokenized by the caller."""
+"""The executor tests' prompts, which the bf16 tolerance (harness/precision.py) is stated
+over: plain text, tokenized by the caller."""
 
 PROMPTS = [
     "The history of the Roman Empire",

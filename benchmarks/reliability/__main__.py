@@ -1,18 +1,13 @@
-"""``make reliability [ARGS=--short|--long]``: every row, one summary table.
+"""``make reliability [ARGS=--short|--long]``: every row, one summary table (docs/reliability.md).
 
     .venv/bin/python -m benchmarks.reliability [--short | --long] [--only ROWS] [--json PATH]
 
-Rows: overload, burst, hostile, bad_specs, soak, chaos, schema_fuzz, openapi, fuzz (in that
-order: capacity is measured on a fresh server, whose admission has not yet seen a flood,
-and fuzzing's rogue ZeroMQ peers come last). ``--only schema_fuzz`` runs the schema fuzzer
-alone (every field of both APIs while normal streams run; ``--long``: 100 inputs a
-field); ``--only openapi`` the published OpenAPI documents (OpenAI's and the gateway's
-own) through schemathesis. The default form runs them on one ``continuum serve`` plus
-the chaos matrix's own replicas and gateways (about 10-15 minutes on a 2-core machine);
-``--short`` is the CI form's sizes with a single chaos row on the serve (about 2-3
-minutes); ``--long`` is bigger everywhere. The
-markdown table goes to stdout, every figure to ``--json``. Exit status 0 when every row
-met its target, 1 otherwise (the table says which).
+Rows, in this order (capacity on a fresh server; the rogue ZeroMQ peers last): overload,
+burst, hostile, bad_specs, soak, chaos, schema_fuzz, openapi, fuzz. The default form runs
+on one ``continuum serve`` plus the chaos matrix's own replicas and gateways; ``--short``
+is the CI form (one chaos row on the serve); ``--long`` is bigger everywhere. The markdown
+table goes to stdout, every figure to ``--json``; exit status 0 when every row met its
+target.
 """
 
 from __future__ import annotations

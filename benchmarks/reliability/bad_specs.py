@@ -1,19 +1,11 @@
 """Row: greedy streams while requests whose structured-output specs cannot be followed arrive.
 
-Sixteen normal clients stream greedy completions (gRPC, fixed prompts, back to back) for
-``seconds``, in four halves: quiet, bad, bad, quiet (a drift of the machine's load weighs
-on both sides alike). In the bad halves ``rate`` chat requests a second (Poisson, from a
-process of their own: hostile_load.Sender) carry a spec the grammar matcher rejects: a
-lark token range past the vocabulary, a special token the tokenizer lacks, a regex repeat
-past what the matcher builds, JSON nested past any parser's depth, a tool whose parameters
-are no schema. Every one is different (a number in it changes), so no verdict cache makes
-them free. What must hold:
-
-* every bad request is refused at the edge (400), none reaches a step: the executor's
-  failed steps, resyncs, recomputed tokens and dropped sequences do not move
-  (``Stats``), and no request ends by a row failure;
-* the normal streams' outputs are token for token those of the quiet halves;
-* their ITL p99 with the bad requests is within ``TARGET_RATIO`` of the quiet halves'.
+Sixteen normal clients stream greedy completions in four halves: quiet, bad, bad, quiet.
+In the bad halves ``rate`` chat requests/s (hostile_load.Sender's process), each one
+different, carry a spec the grammar matcher rejects. What must hold: every bad request is
+refused at the edge (400) and none reaches a step (Stats' failure counters do not move);
+the normal streams' outputs equal the quiet halves'; their ITL p99 is within
+``TARGET_RATIO`` of the quiet halves'.
 
     .venv/bin/python -m benchmarks.reliability --only bad_specs [--short | --long]
 """

@@ -1,23 +1,12 @@
-"""Row 4: the chaos matrix — process faults while streams run, every stream accounted for.
+"""Row 4: the chaos matrix: process faults while streams run, every stream accounted for
+(docs/reliability.md).
 
-Each row runs the same fixed set of gRPC streams (greedy and seeded, ``ignore_eos`` so
-every length is known) that a reference run without faults produced, injects one fault
-at a chosen moment, and sorts each stream into exactly one column:
-
-* ``identical``: finished, tokens equal to the reference;
-* ``duplicated``: finished, and the tokens are the reference with a stretch repeated
-  (a resumed stream that re-sent what the client already had);
-* ``diverged``: finished with other tokens (lost tokens or a wrong continuation);
-* ``lost``: no terminal answer before the client's deadline;
-* ``errored``: ended with an error status;
-* ``ended``: ended by the fault itself where the design says it must (the streams of a
-  killed gateway): expected, and not counted as an error.
-
-``recovery_s``: fault to the first token after it, worst stream. A SIGSTOPped
-scheduler is held for ``hang_s`` and then SIGCONTed: when its streams waited for the
-SIGCONT, recovery shows that wait (the hang was not detected). Layouts: ``run_serve``
-takes a ``continuum serve`` (CI); ``chaos_layouts.run_matrix`` starts replicas and
-gateways itself.
+Each row replays the fixed gRPC streams of a fault-free reference run, injects one fault,
+and sorts each stream into one column: ``identical``, ``duplicated`` (a stretch re-sent),
+``diverged``, ``lost`` (no terminal answer by the deadline), ``errored``, or ``ended`` (by
+the fault, where the design says it must). ``recovery_s``: fault to the first token after
+it, worst stream. ``run_serve`` takes a ``continuum serve`` (CI); ``chaos_layouts.run_matrix``
+starts replicas and gateways itself.
 """
 
 from __future__ import annotations

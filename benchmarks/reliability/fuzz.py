@@ -1,20 +1,12 @@
 """Row 3: hypothesis fuzzing of the client-facing entry points (HTTP and gRPC).
 
-Each target is a hypothesis property run for ``examples`` inputs. The property records
-the status every input got and fails only on what bad input must never cause: a 5xx (HTTP) or
-INTERNAL / UNKNOWN / UNAVAILABLE (gRPC) from a healthy server, no answer within the
-timeout (a hang), or a dead server. A failure stops the target's run and its input is
-printed as drawn (no shrinking here: a hang would cost the timeout per replay; the
-schema row, fuzz_schema.py, shrinks what it finds). After every target a normal
-request must still succeed.
-
-HTTP inputs go over a raw socket, so anything can be sent: JSON of random shape, bodies
-with up to three of the endpoint's fields (gateway/api/openai_schema.py) set to anything
-(integers past 2^64, float literals past a double, deep nesting, lone surrogates),
-random bytes, and random header values (charsets, request ids with non-ASCII bytes).
-gRPC: requests drawn from the ``GenerateRequest`` descriptor (proto_strategies.py), and
-random bytes and mutated serializations with no serializer. ``fuzz_zmq`` covers the
-ZeroMQ channel's two ends.
+Each target is a property run for ``examples`` inputs that fails only on what bad input
+must never cause: a 5xx (HTTP) or INTERNAL / UNKNOWN / UNAVAILABLE (gRPC), a hang, or a dead
+server; a failure's input is printed as drawn (fuzz_schema.py shrinks). After every target
+a normal request must still succeed. HTTP goes over a raw socket (JSON of any shape, the
+endpoint's fields set to anything, random bytes and headers); gRPC sends requests from the
+``GenerateRequest`` descriptor, random bytes and mutated serializations. fuzz_zmq.py
+covers the ZeroMQ channel's two ends.
 """
 
 from __future__ import annotations

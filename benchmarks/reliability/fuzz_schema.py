@@ -1,27 +1,13 @@
-"""Row ``schema_fuzz``: every field of both APIs, from their schemas, on a live server
-while normal streams run.
+"""Row ``schema_fuzz``: every field of both APIs, from their schemas, on a live server while
+steady_streams.py's greedy streams run (docs/reliability.md).
 
-Targets: ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize`` with bodies generated from gateway/api/openai_schema.py
-(body_strategies.py), and gRPC ``Generate`` with requests generated from the
-``GenerateRequest`` descriptor (proto_strategies.py), sent as bytes so that lone
-surrogates reach the wire. Each target is swept field by field: ``SIZES[size]`` inputs
-probe each field (each key of an endpoint's schema, each field path of the descriptor,
-and a few mixes), so even the CI size covers every field. Each field's property is
-seeded by its name: the same inputs every run, different ones per field. Inputs go one
-at a time, while steady_streams.py's greedy streams run in the background.
-
-Asserted per input: no 5xx / SSE ``server_error`` (HTTP), no INTERNAL / UNKNOWN /
-DATA_LOSS / UNIMPLEMENTED / UNAVAILABLE (gRPC), an answer within TIMEOUT_S (else it is
-``slow``), and a refusal of at most MAX_REFUSAL_BYTES (else it is an ``echo``: the
-answer grew with the input). After the run: every background stream equalled its reference, /health
-answers 200, a normal request succeeds and the three processes kept their pids.
-
-The first pass never stops at a failure (so ``server_errors`` counts all of them); then
-each distinct failure (up to MAX_SHRUNK per target) is searched again among inputs
-probing the same field, with shrinking, answers cached so replays cost nothing, within
-SHRINK_S, and the minimal input printed as its reproducer. Slow inputs are reported as
-drawn (a replay would cost the timeout).
+The OpenAI endpoints with bodies from gateway/api/openai_schema.py (body_strategies.py)
+and gRPC ``Generate`` from its descriptor (proto_strategies.py, sent as bytes), swept field
+by field, ``SIZES[size]`` inputs a field, seeded by its name. Asserted per input: no server
+error, an answer within TIMEOUT_S (else ``slow``), a refusal of at most MAX_REFUSAL_BYTES
+(else ``echo``); after the run, every background stream equalled its reference and the
+server is healthy with its pids. Each distinct failure (up to MAX_SHRUNK a target) is then
+shrunk within SHRINK_S and printed as its reproducer.
 """
 
 from __future__ import annotations

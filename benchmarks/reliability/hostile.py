@@ -1,34 +1,13 @@
-"""Row 5: a normal stream's inter-token latency with and without hostile-but-valid traffic.
+"""Row 5: a normal stream's inter-token latency with and without hostile-but-valid traffic
+(docs/reliability.md).
 
-One normal client streams greedy completions back to back (gRPC) for ``seconds``; its
-ITL p99 (gaps between consecutive token messages) is measured in four phases: alone
-(quiet), and while ``rate`` requests per second arrive (Poisson, a rotating mix, every
-one valid input) of each mix (the kinds and their twins: hostile_load.py):
-
-* ``costly``: requests whose cost is not in their tokens, each as large as the caps
-  allow: 16 stop strings of 256 bytes, a chat of 32 messages, 20 top logprobs, ``n`` 16
-  with ``max_tokens`` 1, a body near the body limit (a long ``user`` field), 128 stop
-  token ids with ``min_tokens`` 1, and a gRPC stream cancelled 10 ms after it started;
-* ``benign``: the costly mix's twins: the same prompt tokens, ``max_tokens`` and ``n``
-  (the same paid work) without what the caps bound;
-* ``heavy``: prompts as long as the KV pool holds (a plain one and a chat of as many
-  messages as fit), which pay for their cost in prompt tokens.
-
-Our target is the costly mix's ratio <= 1.2 "of its value without them". On a
-GPU the paid work of 20 small requests a second costs a decode step next to nothing;
-on two shared CPU cores it does not (every extra sequence in a step is compute), so
-the row with the target compares the costly mix with its benign twin: what the
-requests cost beyond their tokens. The ratio against quiet is printed beside it.
-
-``--per-kind`` runs, instead of the mixes, each costly kind alone at ``rate`` against
-its twin alone, in the order twin, kind, kind, twin (drift of the machine's load
-cancels), one row per kind: which kind's extra cost shows in the normal stream.
-
-Beside the ITLs every phase probes the two event loops that carry the normal stream's
-tokens: the gateway's (``GET /live`` round trips) and the scheduler's (``Stats``
-round trips); a kind that stalls a loop shows there, whatever the machine's load.
-The hostile requests come from a process of their own (hostile_load.Sender), so the
-normal client's loop, which stamps its tokens, does no hostile work.
+One normal client streams greedy completions back to back; its ITL p99 is measured alone
+and while ``rate`` requests/s of each mix arrive (hostile_load.py): ``costly`` (cost not in
+their tokens, as large as the caps allow), ``benign`` (their twins: the same paid work
+without what the caps bound) and ``heavy`` (prompts as long as the pool holds). The target
+row compares costly with benign (ratio <= 1.2). ``--per-kind`` runs each costly kind alone
+against its twin (twin, kind, kind, twin). Every phase also probes the gateway's and the
+scheduler's event loops; the hostile requests come from their own process.
 
     .venv/bin/python -m benchmarks.reliability --only hostile [--long] [--per-kind]
 """

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from benchmarks import bench_scheduler, scheduler_compare, scheduler_steps
+from benchmarks import bench_scheduler, scheduler_steps
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
@@ -35,16 +35,16 @@ def _is_git_checkout() -> bool:
 
 @pytest.mark.skipif(not _is_git_checkout(), reason="needs the git history")
 def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
-    other = scheduler_compare.load_revision("HEAD")
+    other = bench_scheduler.load_revision("HEAD")
     assert other.Scheduler.__module__.startswith("scheduler_svc_HEAD")
     assert other.Scheduler is not scheduler_steps.current_api().Scheduler
-    r = scheduler_compare.lockstep(16, 10, 0.85, other)
+    r = bench_scheduler.lockstep(16, 10, 0.85, other)
     # Both ran the mixed workload (the working tree may differ from HEAD, so their
     # plans need not be equal).
     for side in ("theirs", "ours"):
         assert r[side]["running"] >= 12 and r[side]["tokens_per_step"] >= 12
     assert r["ratio"] > 0
-    decode = scheduler_compare.lockstep(16, 10, 0.85, other, decode_only=True)
+    decode = bench_scheduler.lockstep(16, 10, 0.85, other, decode_only=True)
     for side in ("theirs", "ours"):  # every sequence decodes, every step
         assert decode[side]["running"] == 16 and decode[side]["tokens_per_step"] == 16
     assert decode["ratio"] > 0
@@ -52,7 +52,7 @@ def test_lockstep_runs_a_committed_revision_beside_the_working_tree():
 
 def test_an_unknown_revision_is_one_clear_error():
     with pytest.raises(SystemExit, match="--against no-such-rev: git archive failed"):
-        scheduler_compare.load_revision("no-such-rev")
+        bench_scheduler.load_revision("no-such-rev")
 
 
 def test_the_trace_mix_has_the_traces_lengths():
