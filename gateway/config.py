@@ -69,6 +69,8 @@ class GatewayConfig:
     http_header_timeout_s: float = knob(10.0, "seconds a request head may take to arrive "
                                               "once begun", flag="--http-header-timeout",
                                         above=0)
+    # 75 s, nginx's keepalive_timeout: past common proxies' 60 s idle timeout, so a proxy
+    # never reuses a connection we are closing.
     http_keepalive_timeout_s: float = knob(75.0, "seconds an idle keep-alive HTTP connection "
                                                  "stays open (longer than common proxies' "
                                                  "60 s)", flag="--http-keepalive-timeout",

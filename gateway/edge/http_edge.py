@@ -1,20 +1,13 @@
-"""The HTTP server's connection-level defences: no connection can be held hostage.
-Flags, defaults and answers: docs/usage.md, "Bad input and connection limits".
+"""The HTTP server's connection-level defences: no connection can be held hostage (flags,
+defaults and answers: docs/usage.md, "Bad input and connection limits").
 
-* A request head must complete within `header_timeout_s` of the connection's arrival or
-  of its first byte (data does not reset the clock, so a slowloris head is closed on
-  time); aiohttp has no such timer, so `_Handler` adds one.
-* Idle keep-alive connections close after `keepalive_s` (75 s: longer than common proxies'
-  60 s, so a proxy never reuses a connection we are closing).
-* A body must arrive within `body_timeout_s` (`read_body`, else 408); the rest is read for
-  `lingering_s` more so a client still sending sees the answer, not a reset.
-* At most `max_connections` open, and `clients.max_connections` per client address. A
-  newcomer past a cap closes the longest-idle connection under it (idle: answered, then
-  silent for `IDLE_BEFORE_REUSE_S`; one not yet asked is never closed, its request may
-  be on the wire); with none idle it is read and answered 429 / 503 with `Retry-After`,
-  never reset. At most `max_connections` such refused ones; past that the refusal is
-  written at once.
-* With TLS, each new connection re-reads changed certificate files (runtime/tls.py)."""
+aiohttp has no request-head timer, so `_Handler` adds one (data does not reset it: a
+slowloris head is closed on time). `read_body` bounds the body (408). `_Server` holds the
+connection caps: a newcomer past one closes the longest-idle connection under it (idle:
+answered, then silent for `IDLE_BEFORE_REUSE_S`; one not yet asked is never closed), or,
+with none idle, is read and answered 429 / 503 with `Retry-After`, never reset; past
+`max_connections` such refusals the answer is written at once. With TLS, each new
+connection re-reads changed certificate files (runtime/tls.py)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
-"""Watches every stream the relay serves, so that none waits forever on a peer.
+"""Watches every stream the relay serves, so that none waits forever on a peer that stopped
+without closing anything (a hung replica, a client that stopped reading). The relay marks
+progress with a few attribute writes per event; one task looks at every stream each TICK_S.
 
-A hung replica (SIGSTOP, a wedged loop) keeps its connection open, and a client that stops
-reading blocks our writes; neither closes anything. The relay marks progress with a few
-attribute writes per event; one task looks at every stream each ``TICK_S``:
-
-* A completion silent for ``progress_timeout_s`` has its replica probed (``Stats``). A
-  replica that misses ``PROBE_STRIKES`` probes in a row is stalled: its silent streams are
-  cut and continue elsewhere, as for a dead one. A replica that answers is only slow, and
-  its streams wait: that pause is docs/design.md §5's contract, so silence alone never
-  fails a stream (and the first event may wait in the queue as long as admission allows).
-* A stream whose consumer has been writing one response for ``write_stall_s`` belongs to
-  a client that stopped reading: its task is cancelled, which cancels upstream. Until
-  then the transport bounds what is held (gRPC's flow-control window; for SSE,
-  SSE_BUFFER_BYTES).
-
-``end_all`` is drain's last word: what still runs gets UNAVAILABLE, not a cut connection."""
+A completion silent for ``progress_timeout_s`` has its replica probed; after PROBE_STRIKES
+missed probes in a row its silent streams are cut and continue elsewhere. A replica that
+answers is only slow and its streams wait (docs/design.md §5: silence alone never fails a
+stream). A stream whose consumer has been writing one response for ``write_stall_s`` is
+cancelled (the transport bounds what it holds meanwhile). ``end_all`` is drain's last word:
+what still runs gets UNAVAILABLE, not a cut connection."""
 
 from __future__ import annotations
 
