@@ -1,10 +1,7 @@
 """`python -m gateway --model-dir DIR --scheduler HOST:PORT`: run one gateway.
 
-Startup failures a user can fix (port in use, no tokenizer.json, bad flag)
-end with one line on stderr and exit code 2, never a traceback. SIGTERM or
-SIGINT drains: health goes NOT_SERVING, new calls are refused, in-flight calls
-get the grace period, then the process exits 0.
-"""
+A startup failure a user can fix ends with one stderr line and exit 2; SIGTERM/SIGINT
+drains (health NOT_SERVING, new calls refused, grace period), then exits 0."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""One gateway, wired: the gRPC server, the OpenAI HTTP API and the probe listener
-in front of one relay to the scheduler replicas.
-
-`start_gateway` binds every port before building what talks to the replicas, so a port
-in use is one `BindError` line at startup; it builds the pieces both front ends share
-(replica set, metrics, relay, the admit step, per-client limits), hands them to the
-gRPC server (gateway/rpc/server.py) and the HTTP routes (gateway/api/http_api.py), and starts
-serving. `RunningGateway.stop` drains all of it in order.
-"""
+"""One gateway, wired: the gRPC server, the OpenAI HTTP API and the probe listener in front
+of one relay. Every port is bound before anything talks to a replica, so a port in use is
+one `BindError` line at startup."""
 
 from __future__ import annotations
 
@@ -41,12 +35,8 @@ class BindError(Exception):
 
 
 def _probe_bind(host: str, port: int) -> None:
-    """Raises BindError if (host, port) cannot be listened on.
-
-    Probing with a plain socket first gives a precise reason and keeps grpc's
-    own multi-line bind error off stderr. SO_REUSEADDR matches grpc, so sockets
-    left in TIME_WAIT by a previous run do not count as "in use".
-    """
+    """Raises BindError if (host, port) cannot be listened on: a plain socket gives a precise
+    reason where grpc prints a multi-line error. SO_REUSEADDR as grpc: TIME_WAIT is not use."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -70,8 +60,8 @@ def _bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTls | None) 
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = add_port(server, address, tls)
-    except RuntimeError as exc:  # lost a race for the port since the probe
-        raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port") from exc
+    except RuntimeError:  # lost a race for the port since the probe
+        bound = 0
     if bound == 0:
         raise BindError(f"cannot listen on {address}; is port {port} in use? pass --port")
     return bound
@@ -104,11 +94,8 @@ class RunningGateway:
     stopping: bool = False
 
     async def stop(self, grace_s: float) -> None:
-        """New calls are refused at once (UNAVAILABLE / 503); in-flight ones get grace_s
-        to finish. Whatever still runs then gets a terminal answer, not a cut
-        connection: gRPC streams end UNAVAILABLE with a message, SSE streams with an
-        `error` event and `[DONE]`; only a client that does not take even that within
-        END_S more is cut."""
+        """New calls are refused at once (UNAVAILABLE / 503); in-flight ones get grace_s,
+        then a terminal answer (UNAVAILABLE, or an SSE `error` and `[DONE]`) within END_S."""
         self.stopping = True  # the probe listener's /health answers 503 from here
         if self.relay is not None:  # first, so that health NOT_SERVING implies refusal
             self.relay.refuse_new(DRAINING)

@@ -15,15 +15,11 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message says which flag to change."""
 
 
-# The default body limit pays for the longest prompt the context holds: 32 bytes a
-# token covers English (~4 bytes a token), CJK in UTF-8 (~3 bytes a character) and
-# JSON's \u escapes (6 bytes a character) with room; every other field is capped
-# far below (tools 48 KiB, a guided spec 64 KiB: protos/limits.py). Never below
-# 1 MiB, nginx's default `client_max_body_size` (TGI's `--payload-limit` is 2 MB):
-# 1 MiB for an 8k context, 4 MiB for 128k. Each byte of a body costs the gateway
-# CPU under the GIL that every other stream's tokens wait on: at 20 bodies a second
-# near 4 MiB a normal stream's ITL p99 rose 4.2x over small twins on 2 cores, near
-# 1 MiB 1.16-1.33x (docs/reliability.md).
+# The default body limit pays for the longest prompt the context holds: 32 bytes a token
+# covers English, CJK in UTF-8 and JSON's \u escapes with room (other fields are capped
+# far below: protos/limits.py). At least 1 MiB, nginx's `client_max_body_size`. Body bytes
+# cost GIL time every stream waits on (docs/reliability.md, "Hostile row after the body
+# limit follows the context").
 BODY_BYTES_PER_TOKEN = 32
 MIN_DEFAULT_BODY_BYTES = 1 << 20
 
@@ -73,6 +69,8 @@ class GatewayConfig:
     http_header_timeout_s: float = knob(10.0, "seconds a request head may take to arrive "
                                               "once begun", flag="--http-header-timeout",
                                         above=0)
+    # 75 s, nginx's keepalive_timeout: past common proxies' 60 s idle timeout, so a proxy
+    # never reuses a connection we are closing.
     http_keepalive_timeout_s: float = knob(75.0, "seconds an idle keep-alive HTTP connection "
                                                  "stays open (longer than common proxies' "
                                                  "60 s)", flag="--http-keepalive-timeout",

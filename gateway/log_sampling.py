@@ -1,12 +1,7 @@
-"""One log line a second for an event that comes in crowds (overload refusals).
-
-A burst of a thousand requests refused as overload is one event for an operator, not
-a thousand: each line costs the gateway's intake a write under the GIL at the moment
-it is busiest (measured with py-spy during ``benchmarks.reliability --only burst``:
-about a tenth of the gateway's samples were the refusals' log lines). ``Sampled``
-logs the first occurrence at once and then at most one line per ``every_s``, carrying
-how many occurrences it stands for; the metrics still count every one.
-"""
+"""One log line a second for an event that comes in crowds (overload refusals): each line
+costs the gateway's intake a write under the GIL when it is busiest (py-spy during
+``benchmarks.reliability --only burst``: about a tenth of the gateway's samples). The first
+is logged at once, then one per ``every_s`` with the count it stands for; metrics count all."""
 
 from __future__ import annotations
 

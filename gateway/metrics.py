@@ -1,14 +1,9 @@
 """The gateway's `/metrics` (families: runtime/metric_names.py `GATEWAY`).
 
-Request metrics (latencies, tokens, outcomes) are measured here, where the client's
-experience is, as `continuum_gateway_*`. Engine gauges (running, waiting, KV usage,
-preemptions) come from each scheduler replica's latest `Stats`, labelled by replica
-address: several gateways in front of the same replicas report the same values, so
-aggregate them with `max by (replica)`, not `sum`.
-
-Every family carries `model_name`; request metrics also carry `priority`, the tier's
-name (`protos/tiers.py` NAMES: `premium`, `standard`, `best_effort`).
-"""
+Request metrics are measured here, where the client's experience is. Engine gauges come
+from each replica's latest `Stats`, labelled by replica: gateways sharing replicas report
+the same values, so aggregate with `max by (replica)`, not `sum`. Every family carries
+`model_name`; request metrics also `priority`, the tier's name."""
 
 from __future__ import annotations
 

@@ -1,32 +1,17 @@
 """Validation of client requests: the edge where bad input becomes a status code.
 
-Every check produces a `RequestError` whose message tells the caller what to
-change; nothing a client sends may surface as INTERNAL. Cheap field checks run
-before tokenization so that a malformed request costs nothing.
+Every check raises a `RequestError` whose message says what to change; nothing a client
+sends may surface as INTERNAL. Sampling values, stop strings and n are
+protos/sampling_checks.py's checks (shared with the scheduler; numbers in protos/limits.py).
 
-Sampling values, stop strings and n are checked by protos/sampling_checks.py (the
-scheduler and the OpenAI readers call the same checks, so a limit and its message
-exist once; the numbers are protos/limits.py's).
-
-Caps (a request may not cost more than it pays for), checked by length before
-any template is rendered or text tokenized. Where trusted servers have a limit
-we follow or tighten it: top_logprobs <= 20 as OpenAI; stop strings 16 x 256
-bytes (OpenAI allows 4 stop sequences, TGI's max_stop_sequences defaults to 4,
-vLLM has no cap); n <= 16 (OpenAI allows 128, but each completion here is a
-running sequence). Ours beyond them:
-
-* stop_token_ids: at most 128 (vLLM has none). The whole vocabulary as stop ids
-  with min_tokens > 0 bans every token the sampler may pick, and costs a
-  vocabulary-sized ban list per step: refused here with a message;
-* chat messages: at most 1,024 per request, their text bounded by the body
-  limit (`--max-body-bytes`: HTTP body and gRPC message alike);
-* prompt token ids: at most max_model_len (a longer prompt can never fit);
-* prompt text: at most max_model_len x the longest token in the vocabulary (in
-  characters) before tokenizing; any longer text is necessarily more tokens
-  than the context holds. Chat message text is bounded the same way before
-  the template is rendered;
-* request_id and tenant: 128 printable ASCII characters.
-"""
+Caps, checked by length before any template is rendered or text tokenized, following or
+tightening trusted servers: top_logprobs <= 20 (OpenAI); stop strings 16 x 256 bytes
+(OpenAI and TGI allow 4, vLLM has no cap); n <= 16 (OpenAI: 128, but each completion here is
+a running sequence). Ours beyond them: stop_token_ids <= 128 (the whole vocabulary with
+min_tokens > 0 would ban every token, at a vocabulary-sized list a step); 1,024 chat
+messages; prompt ids <= max_model_len; prompt and chat text <= max_model_len x the longest
+token's characters (longer text is necessarily too many tokens); request_id and tenant:
+128 printable ASCII characters."""
 
 from __future__ import annotations
 
@@ -66,12 +51,9 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        # Where HTTP has a more precise status than the gRPC code's (408 for a slow body).
-        self.http_status = http_status
-        # The offending field, for OpenAI-style errors ("temperature", "messages", ...).
-        self.param = param
-        # A machine-readable reason where OpenAI defines one ("context_length_exceeded").
-        self.error_code = error_code
+        self.http_status = http_status  # where HTTP is more precise (408 for a slow body)
+        self.param = param  # the offending field, for OpenAI-style errors
+        self.error_code = error_code  # OpenAI's word where it has one ("model_not_found")
 
 
 @dataclass(frozen=True)
@@ -121,14 +103,18 @@ def check_identifier(value: str, field: str, max_chars: int) -> None:
 
 def context_exceeded(max_model_len: int, however: str, reduce: str,
                      param: str) -> RequestError:
-    """The refusal of a request that cannot fit the context, in OpenAI's words and code
-    (tools detect context overflow by "maximum context length" and
-    ``context_length_exceeded``): ``however`` says what the request came to, ``reduce``
-    what to shorten."""
+    """A request that cannot fit the context, in OpenAI's words and code (tools detect
+    overflow by "maximum context length" and ``context_length_exceeded``)."""
     return RequestError(
         f"This model's maximum context length is {max_model_len} tokens. However, "
         f"{however}. Please reduce the length of {reduce}.",
         param=param, error_code="context_length_exceeded")
+
+
+def model_not_served(model, served_model: str) -> RequestError:
+    return RequestError(f"model {clip(model)} is not served here; this gateway serves "
+                        f"{served_model!r} (or leave model empty)", grpc.StatusCode.NOT_FOUND,
+                        param="model", error_code="model_not_found")
 
 
 def check_sampling(sampling: sampling_pb2.SamplingParams, tokenizer: Tokenizer) -> None:
@@ -166,7 +152,6 @@ def _chat_messages(chat: generation_pb2.ChatInput, tokenizer: Tokenizer) -> list
         raise RequestError(f"chat holds {len(chat.messages)} messages; at most "
                            f"{MAX_CHAT_MESSAGES}", param="messages")
     _check_prompt_chars("chat message text", tool_checks.chat_chars(chat), tokenizer)
-    # tools, calls and results (function calling)
     problem = tool_checks.chat_problem(chat, tokenizer.guided)
     if problem is not None:
         raise RequestError(problem, param="tools" if problem.startswith("tools") else "messages")
@@ -232,14 +217,7 @@ def _check_envelope(request: generation_pb2.GenerateRequest, served_model: str) 
     check_identifier(request.request_id, "request_id", MAX_REQUEST_ID_CHARS)
     check_identifier(request.tenant, "tenant", MAX_TENANT_CHARS)
     if request.model and request.model != served_model:
-        raise RequestError(
-            f"model {clip(request.model)} is not served here; this gateway serves "
-            f"{served_model!r} "
-            "(or leave model empty)",
-            grpc.StatusCode.NOT_FOUND,
-            param="model",
-            error_code="model_not_found",
-        )
+        raise model_not_served(request.model, served_model)
     if tiers.from_priority(request.priority) is None:
         raise RequestError(
             f"priority {request.priority} is not a known Priority value; use one of "

@@ -1,21 +1,12 @@
-"""Hypothesis strategies for OpenAI HTTP bodies, built from gateway/api/openai_schema.py.
+"""Hypothesis strategies for OpenAI HTTP bodies, built from gateway/api/openai_schema.py
+(docs/reliability.md, "Schema fuzzing", says what is drawn and why).
 
-Every field of an endpoint's schema is drawn four ways (``field``): valid-ish (a value
-of its shape, nested fields drawn the same way), wrong-typed (any other JSON value),
-extreme (past its range, 900 KB, a list past its cap, nested past the body's depth
-limit, number literals no double holds) and, for the whole body, oddly encoded (raw
-UTF-8 or all-escaped, a BOM, UTF-16, invalid UTF-8 inside a string, duplicate keys,
-trailing bytes) or padded to just under and over the body cap. Inputs are drawn per
-field (``field_names``, which the fuzzer sweeps so that every run covers every field):
-the endpoint's valid body with that field drawn any way and up to two more valid-ish
-(each input probes one field, the rest should pass); and two mixes: up to six fields
-of valid-ish values together, and for chat a coherent tool request (tools with odd
-parameter schemas and a tool_choice that names them, so the named and required paths
-compile those schemas).
-
-JSON text no ``json.dumps`` writes (``1e999``, ``NaN``, lone surrogates, nesting 100k
-deep) is spliced in where a string ``"\\x00RAW<k>\\x00"`` stands (``RAW``, ``splice``).
-"""
+Every field is drawn extreme, wrong-typed or valid-ish (``field``), in bodies now and then
+oddly encoded or padded around the body cap. Inputs are drawn per field (``field_names``,
+which the fuzzer sweeps): the valid body with that field drawn and up to two more
+valid-ish; plus mixes of up to six valid-ish fields and, for chat, coherent tool requests.
+JSON text no ``json.dumps`` writes (``1e999``, ``NaN``, lone surrogates, deep nesting) is
+spliced in where a string ``"\\x00RAW<k>\\x00"`` stands (``RAW``, ``splice``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Interesting values for the schema fuzzer (fuzz_schema.py), by what a value means.
-
-Both APIs draw from here: the gRPC strategies (proto_strategies.py) by protobuf type and
-the field's meaning, the HTTP ones (body_strategies.py) by the schema's shapes. Each
-kind mixes ordinary values (so most inputs get past the first check and reach the next)
-with the ones a server gets wrong: the edges of each integer width, NaN and infinities,
-huge and deep text, regexes and grammars that are cheap to write and costly to compile,
-token ranges past the vocabulary, and the model's own special tokens in user text.
-"""
+"""Interesting values for the schema fuzzer, by what a value means, for both APIs (the gRPC
+strategies by protobuf type and meaning, the HTTP ones by the schema's shapes). Each kind
+mixes ordinary values (so most inputs reach the next check) with the ones a server gets
+wrong: integer-width edges, NaN and infinities, huge and deep text, costly regexes and
+grammars, token ranges past the vocabulary, the model's special tokens in user text."""
 
 from __future__ import annotations
 

@@ -1,34 +1,15 @@
 """Row ``openapi``: the published OpenAPI documents, run against a live server with
-schemathesis.
+schemathesis (docs/reliability.md, "Published schemas": the documents, the case counts,
+how bodies are tamed and what is judged).
 
-Two documents. OpenAI's own (openai/openai-openapi's ``openapi.yaml``, read from
-``$CONTINUUM_OPENAI_OPENAPI``, else ``openai-openapi/openapi.yaml`` in the data directory,
-sim/data.py; never copied into the repository), restricted to the operations served
-here (``OPENAI_OPERATIONS``); and the gateway's own ``GET /openapi.json``
-(gateway/api/openapi_doc.py), every operation. For each operation schemathesis draws
-requests from the document, positive cases then negative ones, each property seeded by
-the document, operation and mode (the same cases every run). Bodies are tamed so that a
-good share reaches generation and each costs little: in 3 cases of 4 ``model`` is the
-served one (else the drawn name, which must get a 404 in the error shape) and a null
-prompt is sent as the default OpenAI's document gives it; the output is capped at
-MAX_TOKENS tokens (unset, 0 or null, chat would run to the context limit) and ``n`` at
-MAX_N; and about half of the bodies that leave ``stream`` unsaid ask for a stream (the
-documents' many optional keys make a drawn ``stream: true`` rare).
-
-Judged per case (``judge``):
-* a server error: a 5xx (schemathesis's ``not_a_server_error``), or no answer within
-  TIMEOUT_S;
-* a schema violation: a JSON answer invalid under the document's schema for its status
-  (``response_schema_conformance``); an error answer that is not the document's
-  ``ErrorResponse`` (OpenAI's documents no 4xx, yet its error object is the shape); a
-  stream whose events are not each a valid chunk (or error), ending in ``[DONE]``.
-  Streams are judged here: schemathesis reads a ``text/event-stream`` schema as each
-  event's own fields, where both documents mean its ``data``. OpenAI's document gives
-  ``/completions`` no stream schema; its chunks are held to the completion's, with the
-  ``finish_reason`` and ``usage`` that OpenAI's stream sends as null allowed null;
-* for the gateway's own document only, a status, content type or required header it
-  does not document (OpenAI's documents only 200 and 429).
-"""
+OpenAI's document is read from ``$CONTINUUM_OPENAI_OPENAPI``, else
+``openai-openapi/openapi.yaml`` in the data directory (sim/data.py), never copied here, and
+restricted to ``OPENAI_OPERATIONS``; the gateway's own ``/openapi.json`` runs whole. Each
+property is seeded by document, operation and mode, so every run draws the same cases.
+``judge`` counts a server error (a 5xx, or no answer within TIMEOUT_S) and a schema
+violation (streams judged event by event here: schemathesis reads an event-stream schema
+as each event's fields, where both documents mean its ``data``); for the gateway's own
+document, also an undocumented status, content type or required header."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""Hypothesis strategies for any protobuf message, built from its descriptor.
+"""Hypothesis strategies for any protobuf message, built from its descriptor
+(docs/reliability.md, "Schema fuzzing").
 
 Nothing here names a field of ``GenerateRequest``: the walk visits every field of every
-nested message (SamplingParams, the Guided oneof, ChatInput's messages, tools and tool
-calls, maps like logit_bias, repeated fields, enums) and draws by type: the edges of each
-integer width, NaN and infinities in floats, enum numbers the proto does not define,
-lists and maps from empty to far past the caps, and for strings, text by what the field
-means (``HINTS``; any other string field gets plain text, special tokens and 900 KB).
-A field added to the proto is drawn from the next run on.
-
-Requests are drawn per field path (``field_names``, which the fuzzer sweeps so that
-every run covers every field): a valid request with that path and up to two more set
-to drawn values (each probes a field or two, the rest must pass), and a whole message
-drawn field by field. Either way ``bound_lengths`` keeps a valid request short.
-Protobuf strings must be UTF-8, so lone surrogates go on the wire instead:
-``SURROGATE_MARK`` in a drawn string becomes a UTF-8-encoded surrogate in the bytes.
-"""
+nested message and draws by type, strings by what the field means (``HINTS``), so a field
+added to the proto is drawn from the next run on. Requests are drawn per field path
+(``field_names``): a valid request with that path and up to two more drawn, or a whole
+message field by field; ``bound_lengths`` keeps a valid request short. Protobuf strings
+must be UTF-8, so ``SURROGATE_MARK`` in a drawn string becomes a surrogate in the bytes."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The servers tests and benchmarks start, and what they read from their processes: the
 one place that starts ``continuum serve``, a replica or a gateway and waits for it.
 
-Two layouts: ``start_serve`` runs ``continuum serve`` whole (what a user runs; its
-supervisor restarts a dead or hung executor), and ``start_replica`` / ``start_gateway``
-start the three processes one by one, for what serve cannot express: two scheduler
-replicas behind one gateway, a second gateway on the same replica, a host swap pool.
-A ``Replica`` supervises its own executor the way serve does (restart it when it dies,
-kill it when the scheduler declares it lost while it lives), so executor faults recover
-the same way in both layouts.
-
-Every process inherits the internal secret (``ensure_secret``) and every Stats call
-sends it, so the harness works with the internal planes authenticated or not.
-"""
+``start_serve`` runs ``continuum serve`` whole (what a user runs); ``start_replica`` /
+``start_gateway`` start the processes one by one, for what serve cannot express (two
+replicas behind one gateway, two gateways on one replica, a host swap pool). A ``Replica``
+supervises its executor as serve does, so executor faults recover alike in both layouts.
+Every process inherits the internal secret (``ensure_secret``) and every Stats call sends it."""
 
 from __future__ import annotations
 

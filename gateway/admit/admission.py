@@ -1,22 +1,14 @@
 """The one admit step both front ends (gRPC Generate, OpenAI HTTP) run on a request.
 
-`Admission.admit(principal, build, api=...)` does, in this order and off the
-event loop (one `asyncio.to_thread` hop): `build()` (for HTTP: decode the JSON
-body and translate it with its dialect; for gRPC: the already-decoded
-protobuf), the key's rights (tenant, priority tier), and `validation.validate`
-(cheap caps, then chat template and tokenization). An inference gateway's tenant and
-tier headers (gateway/admit/routing_headers.py) fill what the request leaves unset before the
-key's rights are checked, so they grant nothing a body field could not. A refusal is logged once and
-counted once in `continuum_gateway_request_errors_total{code=...}`, whichever API it
-came from, then re-raised as the `RequestError` for the front end to map to its
-status (gRPC code, or HTTP status with an OpenAI error body). Anything else the step
-raises is the client's input too, reaching what no check foresaw: gateway/admit/parse_guard.py
-makes it a 400 as well, logged with its traceback and counted.
+`Admission.admit` runs, off the event loop in one `asyncio.to_thread` hop: `build()` (HTTP:
+decode and translate the body; gRPC: the decoded protobuf), routing headers
+(gateway/admit/routing_headers.py: they fill only what the request leaves unset, before the
+key's rights are checked), the key's rights, then `validation.validate`. A refusal is
+logged and counted once, whichever API, and re-raised for the front end to map; anything
+else raised is the client's input too (gateway/admit/parse_guard.py: a 400).
 
-Off the loop because a 4 MiB body takes ~0.1 s to parse and a long prompt
-milliseconds to render and tokenize; other streams keep flowing meanwhile
-(json's C parser holds the GIL while it runs, so the body limit bounds that).
-"""
+Off the loop because a 4 MiB body takes ~0.1 s to parse and a long prompt milliseconds
+to render and tokenize (json's C parser holds the GIL: the body limit bounds that)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,11 @@
-"""Optional API keys, shared by the gRPC and HTTP front ends.
+"""Optional API keys, shared by the gRPC and HTTP front ends (docs/usage.md, "API keys").
 
-Keys come from `--api-keys-file` (one `KEY`, `KEY:TENANT`,
-`KEY:TENANT:TIERS` or `KEY:TENANT:TIERS:GRANTS` per line, `#` comments) and the `CONTINUUM_API_KEYS`
-environment variable (the same entries, comma-separated, so tiers there are
-joined with `+`). With no keys configured, auth is off. With
-keys, every call must present one — gRPC metadata `authorization: Bearer KEY`,
-HTTP header `Authorization: Bearer KEY` — except health checks (gRPC health
-service, HTTP `/health` and `/live`). A key bound to a tenant accounts every
-request to that tenant; a request naming another tenant is refused.
-
-Tiers: TIERS is a `+`- or `,`-separated subset of `premium`, `standard`,
-`best_effort` (e.g. `sk-...:acme:premium+standard+best_effort`; an empty
-TENANT, `sk-...::premium,standard`, leaves the key unbound). A key without
-TIERS may use `standard` and `best_effort`: premium is granted, never assumed.
-A request for a tier its key lacks is refused with PERMISSION_DENIED / HTTP
-403 naming the tier — refused rather than downgraded, so a client never gets
-silently worse service than it asked for and can fix its key or its request.
-With auth off, every tier is open (the loopback development default).
-
-Grants: GRANTS lists rights beyond tiers, `+`- or `,`-separated; the one there is,
-`special_tokens`, lets the key's chats hold control tokens (special-token strings in
-messages and tools become the tokens themselves, not text: docs/security.md), e.g.
-`sk-...:acme:standard+best_effort:special_tokens`. Never assumed, not even with auth
-off: `--allow-special-tokens-in-content` is the server-wide switch.
-
-Presented keys are compared with every configured key in constant time (SHA-256
-digests through `hmac.compare_digest`, no early exit), so timing reveals
-neither which key nor how much of one matched.
-"""
+Entries `KEY[:TENANT[:TIERS[:GRANTS]]]` come from `--api-keys-file` (one a line, `#`
+comments) and `CONTINUUM_API_KEYS` (comma-separated). No keys: auth is off and every tier
+open. A key without TIERS gets standard and best_effort: premium is granted, never assumed;
+a request for a tier its key lacks is refused (403), not downgraded. The `special_tokens`
+grant is never assumed, not even with auth off. Keys are compared as SHA-256 digests in
+constant time with no early exit, so timing reveals neither which key nor how much matched."""
 
 from __future__ import annotations
 

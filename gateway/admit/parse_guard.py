@@ -1,20 +1,11 @@
 """The last resort of the edge: whatever parsing a request raises is the client's 400.
 
-Every check of client input should refuse it with a `RequestError` naming the field
-(gateway/validation.py and the modules it calls). This guard wraps the stage where
-client input is read (the JSON body, the OpenAI dialects, validation, the chat
-template, tokenization; `/tokenize` and `/detokenize` alike), so an input no check
-foresaw (a RecursionError, a UnicodeError, a ValueError from deep in a library) is
-still INVALID_ARGUMENT / 400 "could not parse the request", never a 500. Each is
-logged once with its traceback and counted in
-`continuum_gateway_request_parse_errors_total{api}`: a gap in the checks, to be closed there.
-
-A structured-output compile that found no free CPU or worker in time
-(gateway/structured/guided_check.py ``CompileBusy``) is overload instead: 429 / RESOURCE_EXHAUSTED.
-
-Only parsing is guarded: a failure while serving an admitted request is ours, and
-stays INTERNAL / 500 (gateway/rpc/server.py, gateway/api/http_api.py).
-"""
+Wraps where client input is read (JSON body, dialects, validation, chat template,
+tokenization, /tokenize), so an input no check foresaw is INVALID_ARGUMENT / 400 "could not
+parse the request", logged with its traceback and counted
+(`continuum_gateway_request_parse_errors_total{api}`): a gap to close in the checks. A
+compile with no free CPU in time (``CompileBusy``) is overload: 429 / RESOURCE_EXHAUSTED.
+A failure while serving an admitted request stays INTERNAL / 500."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
-"""What a Kubernetes inference gateway tells us in headers: the tenant and the tier.
+"""What a Kubernetes inference gateway (GIE, llm-d) tells us in headers: tenant and tier.
 
-The Gateway API Inference Extension (GIE) and llm-d's endpoint picker classify each
-request before it reaches a model server and forward the classification in headers
-(HTTP headers; gRPC metadata, which is the same thing on the wire):
-
-* ``x-llm-d-inference-fairness-id`` (GIE's older ``x-gateway-inference-fairness-id``):
-  the flow the request's fair share is kept for. It becomes the request's tenant when
-  the request itself names none, so our per-tenant fairness follows the gateway's.
-* ``x-llm-d-inference-objective`` (older ``x-gateway-inference-objective``): the name
-  of the InferenceObjective the request belongs to. A name in the objective table
-  (``--objective-tier NAME=TIER``; by default the criticality names of GIE's v1alpha2
-  API: critical -> premium, standard, sheddable -> best effort), or else a tier's own
-  name in any spelling protos/tiers.py reads, sets the priority tier when the request
-  itself sets none. Other names are ignored: the endpoint picker has already used them
-  for its own queueing.
-
-Neither header grants anything: the tenant and tier they give go through the same key
-checks as a tenant or priority in the body (gateway/admit/admission.py), so a key bound to a
-tenant still cannot act for another, and ``premium`` still needs a key that has it.
-"""
+``x-llm-d-inference-fairness-id`` (or GIE's older ``x-gateway-inference-fairness-id``)
+becomes the tenant, and ``x-llm-d-inference-objective`` (``x-gateway-inference-objective``)
+the tier when it names one (the objective table, else a tier's own name), each only where
+the request leaves it unset; other objective names are ignored. Neither grants anything:
+the same key checks apply as to the body's fields (docs/usage.md, "API keys")."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""The OpenAI-compatible HTTP API, served by the gateway process next to gRPC.
+"""The OpenAI-compatible HTTP API, served by the gateway process next to gRPC (routes:
+docs/usage.md, "OpenAI-compatible HTTP"). Errors are OpenAI's shapes (http_replies.py).
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON or SSE with `"stream":
-true`), `GET /v1/models`, `POST /tokenize` and `POST /detokenize`
-(gateway/api/http_tokenize.py), `GET /health` (readiness: 503 while draining or with no
-healthy scheduler replica), `GET /live` (liveness), `GET /metrics` (Prometheus) and
-`GET /openapi.json` (this API's OpenAPI document, gateway/api/openapi_doc.py). Every
-error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with a matching
-status; overload is 429 with `Retry-After`, draining 503.
-
-A streamed response's headers are sent only once the first token (or the upstream's
-refusal) is known, so admission failures are proper HTTP statuses; a failure after that
-arrives as an SSE `error` event followed by `[DONE]`. When the client disconnects, aiohttp
-cancels the handler and the relay's upstream call is cancelled with it, which frees the
-request's KV blocks.
-"""
+A streamed response's headers are sent only once the first token (or the refusal) is known,
+so admission failures are proper statuses; a failure after that is an SSE `error` event and
+`[DONE]`. A client that disconnects cancels the handler, and with it the upstream call."""
 
 from __future__ import annotations
 
@@ -22,7 +12,6 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
-import grpc
 import structlog
 from aiohttp import web
 
@@ -48,9 +37,8 @@ from gateway.edge import http_edge
 from gateway.edge.http_edge import HttpLimits, read_body
 from gateway.edge.probes import Probes
 from gateway.metrics import GatewayMetrics
-from gateway.routing.relay import END_S, Relay, RelayError, end_after_grace
+from gateway.routing.relay import DRAINING, END_S, Relay, RelayError, end_after_grace
 from gateway.routing.replicas import ReplicaSet
-from gateway.routing.upstream import ClientStatus
 from gateway.routing.watchdog import bound_send_buffer
 from gateway.text.tokenizer import Tokenizer
 from gateway.validation import (
@@ -82,7 +70,6 @@ class HttpApi:
                  model_name: str, keys: ApiKeys, metrics: GatewayMetrics, replicas: ReplicaSet,
                  limits: HttpLimits, tool_call_parser: str | None = None):
         self._relay = relay
-        # The chat dialect reads "auto" tool calls with the --tool-call-parser.
         self._chat = ChatDialect(parser=tool_call_parser) if tool_call_parser else ChatDialect()
         self._admission = admission
         self._tokenizer = tokenizer
@@ -100,10 +87,8 @@ class HttpApi:
         self._idle.set()
 
     async def drain(self, grace_s: float) -> None:
-        """Refuses new requests with 503 (the listener stays open, so clients get an
-        answer, not a refused connection) until in-flight ones finish or grace_s passes.
-        Streams still running then end with an SSE `error` event and `[DONE]` (the
-        relay raises UNAVAILABLE into them), so no accepted request sees a cut socket."""
+        """Refuses new requests with 503 (the listener stays open) until in-flight ones
+        finish or grace_s passes; streams still running then end with an SSE `error`."""
         self.draining = True
         await end_after_grace(self._relay, grace_s)
         with contextlib.suppress(TimeoutError):
@@ -169,7 +154,6 @@ class HttpApi:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        # Behind the API key like every route but the probes (the `_auth` middleware).
         return web.Response(body=self._openapi, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
@@ -185,8 +169,7 @@ class HttpApi:
         return await self._tool(request, http_tokenize.detokenize, "detokenize")
 
     async def _tool(self, request: web.Request, answer, api: str) -> web.Response:
-        """A body-in, JSON-out route: the body read bounded, decoded and answered off
-        the event loop (all of it client input: parse_guard's), refusals as OpenAI errors."""
+        """A body-in, JSON-out route, answered off the event loop inside the parse guard."""
         tokenizer = self._admission.tokenizer_for(request[_PRINCIPAL])  # generation's ids
 
         def run() -> dict:
@@ -211,9 +194,7 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         if self.draining:
-            return error_response(ClientStatus(
-                grpc.StatusCode.UNAVAILABLE,
-                "this gateway is shutting down; retry (another replica will serve it)"))
+            return error_response(DRAINING)
         clients = self.limits.clients
         client = clients.client_of(request.remote or "", request.headers.get("X-Forwarded-For"))
         try:
@@ -250,8 +231,7 @@ class HttpApi:
 
     async def _admit(self, request: web.Request,
                      dialect: Dialect) -> tuple[ValidatedRequest, ApiRequest]:
-        """Reads the body (bounded in time and size), then the shared admit step decodes,
-        translates and validates it off the event loop."""
+        """Reads the body (bounded in time and size), then runs the shared admit step."""
         try:
             raw = await read_body(request, self.limits)
             charset = request.charset  # LookupError-free: it is only a parsed header

@@ -1,9 +1,5 @@
-"""HTTP answers in OpenAI's shapes, shared by the gateway's HTTP routes.
-
-Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}` with the
-status the gRPC code maps to (gateway/api/openai_api.py `HTTP_STATUS`); overload is 429
-with `Retry-After` from the scheduler's retry hint.
-"""
+"""HTTP answers in OpenAI's error shape, with the status the gRPC code maps to
+(openai_api.py `HTTP_STATUS`); overload is 429 with `Retry-After` from the retry hint."""
 
 from __future__ import annotations
 

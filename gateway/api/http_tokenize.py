@@ -1,41 +1,20 @@
 """`POST /tokenize` and `POST /detokenize`, as vLLM's OpenAI server serves them.
 
-Tools (load generators, routers that count tokens, prompt builders) ask the server
-to tokenize with the model's own tokenizer and chat template, so their counts match
-what generation sees:
-
-* `/tokenize` takes `{"model", "prompt"}` or `{"model", "messages"}` (the chat is
-  rendered with the model's template and generation prompt, exactly as
-  `/v1/chat/completions` renders it) and answers `{"count", "max_model_len",
-  "tokens"}`, plus `"token_strs"` with `"return_token_strs": true`.
-* `/detokenize` takes `{"model", "tokens": [ids]}` and answers `{"prompt": text}`.
-
-Both go through the same parsing and caps as generation (the dialects in
-gateway/api/openai_api.py, `validation.prompt_token_ids`): the same input gets the same
-ids, or the same 400. Neither answers past the model's context (what no generation
-could take, so nothing a client needs), both refused with a 400
-`context_length_exceeded` that names the numbers:
-
-* `/tokenize`: text longer than max_model_len x the longest token's characters is
-  refused before it is tokenized (validation's rule for prompts); text that tokenizes
-  to more than max_model_len tokens after.
-* `/detokenize`: more than max_model_len ids.
-
-Pure functions here; gateway/api/http_api.py serves them off the event loop (one large
-tokenize does not stall the other streams), inside gateway/admit/parse_guard.py.
-"""
+`/tokenize` takes `{"model", "prompt"}` or `{"model", "messages"}` (rendered exactly as
+chat completions renders it) and answers `{"count", "max_model_len", "tokens"}`, plus
+`"token_strs"` with `"return_token_strs": true`; `/detokenize` takes `{"model", "tokens"}`
+and answers `{"prompt"}`. Both parse as generation does, so the same input gets the same
+ids or the same 400, and refuse past the context (`context_length_exceeded`). Pure
+functions; gateway/api/http_api.py runs them off the loop inside the parse guard."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
 from gateway.api import openai_fields as fields
 from gateway.api.openai_api import CHAT, COMPLETION
 from gateway.text.tokenizer import Tokenizer
-from gateway.validation import RequestError, context_exceeded, prompt_token_ids
-from protos.echo import clip
+from gateway.validation import context_exceeded, model_not_served, prompt_token_ids
 
 
 def tokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:
@@ -68,9 +47,7 @@ def _check_context(num_tokens: int, max_model_len: int, chat: bool) -> None:
 def _check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model not in (None, "", model_name):
-        raise RequestError(f"model {clip(model)} is not served here; this gateway serves "
-                           f"{model_name!r} (or leave model empty)", grpc.StatusCode.NOT_FOUND,
-                           param="model", error_code="model_not_found")
+        raise model_not_served(model, model_name)
 
 
 def detokenize(body: Any, model_name: str, tokenizer: Tokenizer) -> dict:

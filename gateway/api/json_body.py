@@ -1,24 +1,11 @@
 """Decoding an HTTP request body into JSON that is safe to hand to the dialects.
 
-The body is client input, so every way `json.loads` can fail or mislead is
-turned into a `RequestError` (400) that says what to fix:
-
-* the charset: JSON is UTF-8 (RFC 8259 §8.1); a `charset` parameter naming
-  anything else (or nothing Python knows) is refused instead of reaching
-  `bytes.decode` as a LookupError. Invalid UTF-8 is refused, not replaced.
-* nesting depth: json's C scanner recurses per `[`/`{`, so 100k brackets cost
-  a RecursionError deep in the parser. `check_depth` finds the depth first in
-  linear time with C-level string operations (strings removed by one regex,
-  then one `str.replace` pass per level), before anything is parsed.
-* NaN, Infinity and -Infinity, which Python's json accepts but JSON forbids.
-  A number literal too large for a double (`1e400`) parses as infinity, which
-  every numeric field reader refuses as out of its range, naming the field.
-* lone UTF-16 surrogates (`"\\ud800"`): valid JSON escapes, but not Unicode
-  text; protobuf and the tokenizer raise on them. The message names the path.
-
-Integers stay arbitrary-precision here (json caps them at 4,300 digits); each
-field's range is checked where it is read (`gateway/api/openai_fields.py`).
-"""
+Every way `json.loads` can fail or mislead is a `RequestError` (400) saying what to fix:
+a charset other than UTF-8 (RFC 8259 §8.1) or invalid UTF-8; nesting deeper than
+MAX_JSON_DEPTH, found in linear time before parsing (json's C scanner recurses per
+bracket); NaN and Infinity literals; lone UTF-16 surrogates, which protobuf and the
+tokenizer raise on. Integers stay arbitrary-precision here; each field's range is checked
+where it is read (`gateway/api/openai_fields.py`)."""
 
 from __future__ import annotations
 
@@ -55,12 +42,8 @@ def check_charset(charset: str | None) -> None:
 
 
 def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
-    """Raises RequestError if brackets outside strings nest deeper than `limit`.
-
-    Each `str.replace("[]", "")` pass removes every innermost pair, so it lowers
-    the maximum depth by exactly one; what is left after `limit` passes nests
-    deeper than `limit` (or is unbalanced, which the parser refuses anyway).
-    """
+    """Raises RequestError if brackets outside strings nest deeper than `limit`. Each
+    `replace("[]", "")` pass lowers the depth by exactly one."""
     if _at_most_openers(text, limit):
         return  # cannot nest deeper than it has openers (the common case)
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
@@ -77,12 +60,8 @@ def check_depth(text: str, limit: int = MAX_JSON_DEPTH) -> None:
 
 
 def _at_most_openers(text: str, limit: int) -> bool:
-    """Whether `text` holds at most `limit` `[` and `{` together.
-
-    `str.find` of one character is memchr (0.1 ms for 4 MiB here) where `str.count`
-    walks every character (1.5 ms for 4 MiB): the C calls of a body's decode hold the
-    GIL for their whole run, so every other stream on the gateway's event loop waits
-    for them. At most `limit + 1` finds, then the answer is known."""
+    """Whether `text` holds at most `limit` `[` and `{` together. `str.find` is memchr
+    (0.1 ms for 4 MiB) where `str.count` takes 1.5 ms of GIL every stream waits on."""
     found = 0
     for opener in "[{":
         at = text.find(opener)
@@ -120,12 +99,7 @@ def _check_surrogates(value: Any) -> None:
 
 def decode_json(raw: bytes, charset: str | None = None) -> Any:
     """The body's JSON value; RequestError (400) for anything that is not clean JSON.
-
-    Linear in len(raw), in few C passes: one UTF-8 decode, the parse, and memchr
-    scans for brackets and backslashes (the slower bracket and surrogate walks only
-    for bodies that hold many brackets or a backslash): ~4 ms of GIL for a 4 MiB body
-    whose bulk is one string, where three full passes more took ~12 ms. Call it off
-    the event loop for large bodies."""
+    Linear, in few C passes (~4 ms of GIL for 4 MiB); call it off the event loop."""
     check_charset(charset)
     try:
         text = raw.decode("utf-8")

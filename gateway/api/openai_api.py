@@ -1,19 +1,11 @@
 """The two OpenAI dialects (completions, chat): bodies to `GenerateRequest`s and back.
 
-Pure functions, no I/O. Each dialect is one object that owns everything that
-differs between `/v1/completions` and `/v1/chat/completions`: how its body
-becomes the protobuf the gRPC API takes, and the shapes of its chunks, final
-choices, logprobs and envelope. The HTTP front end never branches on which
-one it serves. Requests then go through the same `validation.validate` (via
-`gateway/admit/admission.py`), so both APIs accept and refuse exactly the same
-things; type errors and OpenAI-only rules (`stream_options` only with `stream`,
-`logprobs` <= 5 on completions) are checked here and in `gateway/api/openai_fields.py`.
-
-Extensions beyond OpenAI's fields, as in other open servers: every sampling number of
-protos/sampling_checks.py (`top_k`, `min_p`, `repetition_penalty`,
-`min_tokens`, ...), `ignore_eos`, `stop_token_ids`, and Continuum's `priority` (a tier
-name of protos/tiers.py) and `tenant`.
-"""
+Pure functions. Each dialect owns everything that differs between the two endpoints (the
+body's translation; the shapes of chunks, choices, logprobs, envelope), so the HTTP front
+never branches on which it serves. Both then go through the same `validation.validate`;
+OpenAI-only rules are checked here and in openai_fields.py. Extensions, as in other open
+servers: protos/sampling_checks.py's numbers (`top_k`, `min_p`, ...), `ignore_eos`,
+`stop_token_ids`, and Continuum's `priority` (a tier name) and `tenant`."""
 
 from __future__ import annotations
 
@@ -39,9 +31,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = limits.MAX_LOGPROBS  # OpenAI's top_logprobs limit
 MAX_TOKENS_RANGE = (checks.MAX_TOKENS.low, checks.MAX_TOKENS.high)
-# The logprob written for a token the sampler could not draw (-inf: a grammar or a bias
-# masked it). JSON has no infinity, and strict parsers refuse an answer holding Python's
-# -Infinity; vLLM's OpenAI server writes the same floor.
+# The logprob of a token the sampler could not draw (-inf: masked). JSON has no infinity;
+# vLLM's OpenAI server writes the same floor.
 MIN_LOGPROB = -9999.0
 
 
@@ -91,8 +82,7 @@ class Dialect(abc.ABC):
 
     @abc.abstractmethod
     def chunk_choice(self, index: int, text: str, first: bool, reason: str | None) -> dict:
-        """One streamed chunk's choice, its finish_reason included (``reason`` is the
-        response's, which tool calls turn into "tool_calls")."""
+        """One streamed chunk's choice; tool calls may turn ``reason`` into "tool_calls"."""
 
     def chunk_choices(self, index: int, text: str, first: bool, reason: str | None) -> list[dict]:
         """One response's streamed choices, each in a chunk of its own, in order."""
@@ -190,9 +180,8 @@ def _message_text(content: Any, index: int) -> str:
 
 
 class ChatDialect(Dialect):
-    """Chat; a request with tools gets its own instance, whose ``answers`` hold its
-    choices' tool-call parse state (gateway/tools/tool_answers.py). ``parser``: how "auto"
-    reads calls (the gateway's ``--tool-call-parser``)."""
+    """Chat; a request with tools gets its own instance holding its tool-call parse state
+    (``answers``). ``parser``: the ``--tool-call-parser``."""
 
     name = "chat"
     object_name = "chat.completion"
@@ -282,8 +271,7 @@ class ChatDialect(Dialect):
         merged = None
         if parts is not None:
             merged = {"content": [c for part in parts for c in part["content"]], "refusal": None}
-        # refusal: OpenAI's schema requires it in a message and its logprobs; this server
-        # never refuses in text, so it is always null.
+        # refusal: required by OpenAI's schema; this server never refuses in text.
         message = {"role": "assistant", "content": text, "refusal": None}
         if self.answers is not None:
             message, reason = self.answers.message(index, text, reason)
@@ -296,8 +284,7 @@ CHAT = ChatDialect()
 
 
 class Choices:
-    """Per-choice state of one response being relayed (streamed or collected): text so
-    far, whether a choice's first chunk was sent, logprob offsets, usage."""
+    """Per-choice state of one response being relayed: text so far, logprob offsets, usage."""
 
     def __init__(self, api: ApiRequest, tokenizer: Tokenizer):
         self.api = api

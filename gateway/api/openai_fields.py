@@ -1,11 +1,9 @@
 """Typed readers for OpenAI request fields, and the fields both dialects share.
 
-Every reader checks the JSON type, then the value's range before it is assigned, so no
-client value can make a protobuf assignment raise (ValueError past 2^32) or overflow to
-inf (a float32 holds about 3.4e38). The ranges of the sampling numbers, and their
-messages, are protos/sampling_checks.py's (``NUMBERS``: a parameter added there is read
-here with no change); caps on the whole request (stop strings, vocabulary, context) are
-checked once for both APIs, in `gateway/validation.py`.
+Every reader checks the JSON type, then the range before assigning, so no client value
+makes a protobuf assignment raise (past 2^32) or overflow a float32 to inf. The sampling
+numbers' ranges and messages are protos/sampling_checks.py's ``NUMBERS`` (a parameter added
+there is read here unchanged); whole-request caps are gateway/validation.py's.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from protos.limits import MAX_STOP_TOKEN_IDS
 UINT32_MAX = checks.UINT32_MAX
 # tools / tool_choice are the chat dialect's (gateway/tools/tool_calls.py); the legacy
 # functions / function_call are not taken.
-_UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction")
+UNSUPPORTED = ("suffix", "functions", "function_call", "audio", "modalities", "prediction")
 
 
 def bad(message: str, param: str | None = None) -> RequestError:
@@ -32,7 +30,7 @@ def bad(message: str, param: str | None = None) -> RequestError:
 
 
 def _typed(name: str, value: Any, integer: bool) -> int | float:
-    """``value`` if it is a number (an integer where ``integer``: one as an int)."""
+    """``value`` if it is a number (an integer where ``integer``, returned as an int)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not (_is_int(value) if integer else number):
         kind = "an integer" if integer else "a number"
@@ -65,8 +63,7 @@ def bounded(body: dict, bound: checks.Bound):
 
 
 def _of_type(body: dict, name: str, default: Any, kind: type, what: str) -> Any:
-    """``body[name]`` if it is a ``kind`` (``default`` when absent or null), else a 400
-    that says ``name`` must be ``what``."""
+    """``body[name]`` if it is a ``kind`` (``default`` when absent or null), else a 400."""
     value = body.get(name)
     if value is None:
         return default
@@ -95,8 +92,7 @@ def stop_strings(body: dict) -> list[str]:
 
 
 def _is_int(value: Any) -> bool:
-    """An integer as JSON has it: 3, or 3.0 (JSON has one number type; JSON Schema, and
-    so OpenAI's published schema, counts 3.0 an integer), never a bool."""
+    """3, or 3.0 (JSON Schema, and so OpenAI's schema, counts 3.0 an integer), never a bool."""
     if isinstance(value, float):
         return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
@@ -109,9 +105,8 @@ def looks_like_token_ids(value: Any) -> bool:
 
 def token_ids(value: list, name: str, max_len: int, vocab_size: int,
               context: bool = True) -> list[int]:
-    """A list of ints as token ids: length first (cheap), then each id's type and range.
-    ``context`` says the limit is the model's context (OpenAI's overflow wording and code);
-    otherwise it is a plain cap on the list."""
+    """A list of ints as token ids: length first (cheap), then each id's type and range;
+    ``context``: the limit is the model's context (OpenAI's overflow wording and code)."""
     if len(value) > max_len:
         if not context:
             raise bad(f"{name} holds {len(value)} token ids; at most {max_len}", name)
@@ -127,8 +122,7 @@ def token_ids(value: list, name: str, max_len: int, vocab_size: int,
 
 
 def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
-    """Continuum's ``priority``: a tier's name (any spelling protos/tiers.py reads) or
-    its number."""
+    """Continuum's ``priority``: a tier's name (as protos/tiers.py reads it) or number."""
     priority = body.get("priority")
     if priority is None:
         return
@@ -146,7 +140,7 @@ def _priority(body: dict, proto: generation_pb2.GenerateRequest) -> None:
 def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
            vocab_size: int) -> None:
     """Fields shared by completions and chat: model, sampling, stop, n, extensions."""
-    for name in _UNSUPPORTED:
+    for name in UNSUPPORTED:
         if body.get(name) not in (None, {}, []):
             raise bad(f"{name} is not supported by this server; remove it", name)
     proto.model = string(body, "model") or served_model
@@ -175,9 +169,8 @@ def common(body: dict, proto: generation_pb2.GenerateRequest, served_model: str,
 
 
 def logit_bias(body: dict, sampling, vocab_size: int) -> None:
-    """OpenAI's ``logit_bias``: an object from token ids (JSON keys, so strings of
-    digits) to numbers; its size is capped before any entry is read, and the rules of
-    protos/sampling_checks.py hold before anything is assigned."""
+    """OpenAI's ``logit_bias`` (token-id strings to numbers); its size is capped before
+    any entry is read, and checked whole before anything is assigned."""
     bias = body.get("logit_bias")
     if bias is None:
         return
@@ -201,10 +194,8 @@ _GUIDED_EXTENSIONS = ("guided_json", "guided_regex", "guided_choice", "guided_gr
 
 
 def guided(body: dict, sampling) -> None:
-    """Structured output: OpenAI's ``response_format`` (``text``, ``json_object``,
-    ``json_schema``) or one of vLLM's ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``, into ``sampling.guided``. Whether it
-    compiles is validation's (protos/guided.py)."""
+    """OpenAI's ``response_format`` or one of vLLM's ``guided_*`` into ``sampling.guided``;
+    whether it compiles is validation's."""
     given = [name for name in ("response_format", *_GUIDED_EXTENSIONS)
              if body.get(name) is not None]
     if len(given) > 1:

@@ -1,21 +1,10 @@
-"""The OpenAI-compatible HTTP API's request bodies as data: for each endpoint, every key
-the gateway reads, its JSON shape, the values and ranges it accepts, and nested shapes.
+"""The HTTP API's request bodies as data: for each endpoint, every key the gateway reads,
+its JSON shape and the values it accepts.
 
-This module enforces nothing: the readers (gateway/api/openai_api.py, openai_fields.py,
-tool_calls.py, http_tokenize.py) are the rules, and this says what they read, so that
-the reliability fuzzer (benchmarks/reliability/fuzz_schema.py) can generate bodies for
-every field without a hand list. tests/gateway/test_openai_schema.py reads the readers'
-source and fails when one reads a key that is not listed here: a new field is in the
-fuzzer from the change that adds it (docs/reliability.md, "Schema fuzzing").
-
-A ``Shape`` is a JSON value's type with what makes a value of it interesting: the
-accepted range of a number, the accepted words of an enumeration, an array's items, an
-object's keys, a map's values, the alternatives of a union, and for strings what the
-text means (``Text``), so the fuzzer knows to send a regex with a huge repeat count to a
-regex and a special token to a prompt. The gateway's OpenAPI document
-(gateway/api/openapi_doc.py) turns the same shapes into the JSON Schemas of its request
-bodies.
-"""
+This enforces nothing: the readers (openai_api.py, openai_fields.py, tool_calls.py,
+http_tokenize.py) are the rules. The reliability fuzzer generates bodies from it and
+/openapi.json is built from it; tests/gateway/test_openai_schema.py fails when a reader
+reads a key not listed here (docs/reliability.md, "Schema fuzzing")."""
 
 from __future__ import annotations
 
@@ -23,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from gateway.api.openai_api import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+from gateway.api.openai_fields import UNSUPPORTED as UNSUPPORTED_NAMES
 from gateway.validation import MAX_CHAT_MESSAGES
 from protos import limits, tiers
 from protos import sampling_checks as checks
@@ -47,13 +37,9 @@ class Text(enum.Enum):
 @dataclass(frozen=True)
 class Shape:
     """One JSON value's shape. ``kind``: "string", "integer", "number", "boolean",
-    "array", "object", "map" (string keys of ``keys``' shape to ``values``), "any_of"
-    (one of ``options``) or "any" (read, but any value is refused: a field this server
-    does not support). ``low``/``high``: a number's accepted range, inclusive (None:
-    unbounded, or bounded by the model, as token ids are by the vocabulary), its low end
-    excluded when ``low_open``. ``enum``: the only accepted values. ``max_items`` /
-    ``min_items``: an array's or map's cap and an array's least length; ``min_length``: a
-    string's. ``required``: the keys an object must hold."""
+    "array", "object", "map" (``keys`` to ``values``), "any_of" (``options``) or "any"
+    (read, but any value is refused). ``low``/``high``: inclusive (None: unbounded or the
+    model's), the low end open when ``low_open``."""
 
     kind: str
     low: float | None = None
@@ -148,10 +134,8 @@ COMMON = {
     "stream": BOOLEAN,
     "stream_options": obj(include_usage=BOOLEAN, continuous_usage_stats=BOOLEAN),
 }
-# Read only to be refused with a message that names them (a silent drop would answer
-# something else than was asked).
-UNSUPPORTED = {name: REFUSED for name in ("suffix", "functions", "function_call", "audio",
-                                          "modalities", "prediction")}
+# Read only to be refused by name (a silent drop would answer something else than asked).
+UNSUPPORTED = {name: REFUSED for name in UNSUPPORTED_NAMES}
 # OpenAI fields that are accepted and not read (they change nothing here).
 IGNORED = {"user": string()}
 

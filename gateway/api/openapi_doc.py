@@ -1,17 +1,10 @@
 """The gateway's own OpenAPI document, served at ``GET /openapi.json``.
 
-Request bodies are generated from gateway/api/openai_schema.py, the shapes of every key
-the readers read, so the document cannot drift from the readers: a key or an endpoint
-added there is described here. Responses are this module's JSON Schemas of what the
-handlers send, under OpenAI's field names, strict (``additionalProperties: false``: a
-key added to an answer and not here is a violation); every error is OpenAI's error
-object. A streamed answer's ``text/event-stream`` schema is that of each event's
-``data``, as OpenAI's own document writes it.
-
-harness/openapi_run.py runs schemathesis against the served document and
-against OpenAI's (docs/reliability.md, "Published schemas");
-tests/gateway/test_openapi_doc.py holds its paths to the app's routes.
-"""
+Request bodies come from gateway/api/openai_schema.py, so they cannot drift from the
+readers. Responses are this module's strict JSON Schemas (``additionalProperties: false``)
+of what the handlers send, under OpenAI's field names; a streamed answer's schema is each
+event's ``data``, as OpenAI's document writes it. harness/openapi_run.py runs schemathesis
+against it (docs/reliability.md, "Published schemas")."""
 
 from __future__ import annotations
 

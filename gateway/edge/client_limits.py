@@ -1,23 +1,14 @@
 """Per-client caps, so one client cannot take what the gateway holds for all of them.
 
-A *client* is the TCP peer's address, or, for a connection from a configured trusted
-proxy (``--trusted-proxies``, CIDRs), the address that proxy puts last in
-``X-Forwarded-For`` (gRPC: the ``x-forwarded-for`` metadata): the rightmost entry is
-the one the trusted proxy wrote itself; anything left of it the client could forge.
-Without that flag the header is ignored, so no client picks its own address.
+A client is the TCP peer's address or, from a `--trusted-proxies` peer, the last
+``X-Forwarded-For`` entry (the one that proxy wrote; anything left of it is forgeable).
+Without the flag the header is ignored. A trusted proxy's own connections are not counted.
 
-* Open HTTP connections per client address: ``max_connections`` (256 by default:
-  nginx's ``limit_conn`` is per address for the same reason; 256 is an eighth of the
-  gateway's 2,048 connections, so eight greedy clients cannot fill it alone). A client
-  at its cap that opens one more has its own longest-idle keep-alive connection closed
-  for it (gateway/edge/http_edge.py), so a client whose sockets sit idle is still
-  served; with none idle, the new one's request is answered 429 with ``Retry-After``.
-  A trusted proxy's connections carry many clients and are not counted.
-* Concurrent generation streams per client (HTTP and gRPC together):
-  ``max_streams`` (512 by default: room for a service multiplexing many users through
-  one address, while one runaway client cannot hold every slot the replicas' queues
-  hold). Over it: 429 / RESOURCE_EXHAUSTED with a retry hint, before any parsing.
-"""
+* Open HTTP connections per address: 256 (nginx's ``limit_conn`` is per address too; an
+  eighth of the gateway's 2,048, so eight greedy clients cannot fill it).
+* Generation streams per address, HTTP and gRPC together: 512 (room for a service
+  multiplexing many users, while one runaway client cannot hold every queue slot); past
+  it 429 / RESOURCE_EXHAUSTED with a retry hint, before any parsing."""
 
 from __future__ import annotations
 

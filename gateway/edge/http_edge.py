@@ -1,34 +1,13 @@
-"""The HTTP server's connection-level defences: connections cannot be held hostage.
+"""The HTTP server's connection-level defences: no connection can be held hostage (flags,
+defaults and answers: docs/usage.md, "Bad input and connection limits").
 
-* Request head: the first within `header_timeout_s` of the connection's arrival,
-  each later one within `header_timeout_s` of its first byte, else the connection
-  is closed (a slowloris head that trickles a byte a second is closed on time:
-  data does not reset the clock; a silent socket cannot hold a slot for long).
-  aiohttp has no such timer, so `_Handler` adds one per connection.
-* Idle keep-alive connections are closed
-  after `keepalive_s` by aiohttp's own keep-alive timer (75 s, nginx's
-  keepalive_timeout: longer than the 60 s idle timeout of common proxies, so a
-  proxy never reuses a connection we are closing).
-* Request body: `read_body` reads it within `body_timeout_s`; a lying
-  Content-Length or a body that trickles gets 408 at once, and the connection
-  is closed after at most `lingering_s` more (aiohttp keeps reading an unread
-  body that long so that a client still sending sees the answer instead of a
-  reset; nginx's lingering_timeout is 5 s).
-* Open connections: at most `max_connections`, and per client address at most
-  `clients.max_connections` (gateway/edge/client_limits.py). A newcomer past a cap
-  closes the connection idle longest under that cap, where idle means answered and then
-  silent for `IDLE_BEFORE_REUSE_S` (keep-alive); a connection that has not yet sent its
-  first request is never closed to make room (its request may be on the wire). With
-  none idle, the newcomer is still read and answered, 429 at the client's cap, 503 at
-  the gateway's, with `Retry-After` and the connection closed after the answer, so a
-  burst sees refusals it can retry, never resets. Such refused connections are bounded
-  too (`max_connections` more); past that a connection gets the refusal written at once.
-* Head sizes: aiohttp's parser limits (8,190-byte lines and fields, 128
-  headers) answer 400/431 themselves.
-* TLS (`start_http(tls=...)`): each connection, as it arrives and before its
-  handshake, has the certificate files looked at, so a replaced pair serves it
-  (runtime/tls.py); connections already open keep theirs.
-"""
+aiohttp has no request-head timer, so `_Handler` adds one (data does not reset it: a
+slowloris head is closed on time). `read_body` bounds the body (408). `_Server` holds the
+connection caps: a newcomer past one closes the longest-idle connection under it (idle:
+answered, then silent for `IDLE_BEFORE_REUSE_S`; one not yet asked is never closed), or,
+with none idle, is read and answered 429 / 503 with `Retry-After`, never reset; past
+`max_connections` such refusals the answer is written at once. With TLS, each new
+connection re-reads changed certificate files (runtime/tls.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web, web_protocol
 
+from gateway.api.openai_api import error_body
 from gateway.edge.client_limits import ClientLimits
 from gateway.validation import RequestError
 from runtime.tls import ReloadingSslContext
@@ -74,7 +54,7 @@ class Refusal:
 
     def raw(self) -> bytes:
         """The whole HTTP answer, for a connection refused before it is read."""
-        body = json.dumps(_error(self)).encode()
+        body = json.dumps(error_body(self.message, self.kind)).encode()
         return (f"HTTP/1.1 {self.status} {_REASONS[self.status]}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\nRetry-After: 1\r\n\r\n").encode() + body
@@ -82,10 +62,6 @@ class Refusal:
 
 _REASONS = {429: "Too Many Requests", 503: "Service Unavailable"}
 
-
-def _error(refusal: Refusal) -> dict:
-    return {"error": {"message": refusal.message, "type": refusal.kind, "param": None,
-                      "code": None}}
 
 
 @web.middleware
@@ -95,19 +71,17 @@ async def _answer_refused(request: web.Request, handler) -> web.StreamResponse:
     refusal = getattr(request.protocol, "refusal", None)
     if refusal is None:
         return await handler(request)
-    response = web.json_response(_error(refusal), status=refusal.status,
+    response = web.json_response(error_body(refusal.message, refusal.kind),
+                                 status=refusal.status,
                                  headers={"Retry-After": "1"})
     response.force_close()
     return response
 
 
 class _Handler(web_protocol.RequestHandler):
-    """aiohttp's per-connection protocol, closing the connection when a request head
-    is not complete within `head_timeout_s` (see the module docstring).
-
-    The parent waits on `_waiter` while no complete request has been parsed and
-    counts parsed requests in `_request_count` (aiohttp 3.14, pinned); a head is
-    complete when either moves."""
+    """aiohttp's per-connection protocol with a request-head deadline. The parent waits on
+    `_waiter` until a request is parsed and counts them in `_request_count` (aiohttp 3.14,
+    pinned); a head is complete when either moves."""
 
     __slots__ = ("_head_timeout_s", "_head_timer", "_head_count", "refusal")
 
@@ -224,9 +198,8 @@ class _Server(web.Server):
 
 
 async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
-    """The whole body within `body_timeout_s`; RequestError 408 otherwise.
-
-    Over `max_body_bytes` aiohttp raises its 413, which the error middleware shapes."""
+    """The whole body within `body_timeout_s`, else RequestError 408 (over
+    `max_body_bytes`, aiohttp's 413)."""
     try:
         return await asyncio.wait_for(request.read(), limits.body_timeout_s)
     except TimeoutError as exc:

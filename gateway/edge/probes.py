@@ -1,14 +1,9 @@
-"""Liveness and readiness answers, on the API port and on a probe listener of its own.
+"""Liveness and readiness, on the API port and on a `--probe-port` listener of their own.
 
-`/live` is the process: 200 while the event loop runs, whatever the crowd (a kubelet
-that restarts a gateway because clients filled its connections turns overload into an
-outage). `/health` is readiness: 503 while draining or with no healthy scheduler
-replica, so a load balancer sends no new work. Both are also routes of the API port,
-where they compete with clients for connections; `--probe-port` serves them alone on
-a listener of their own (the manifests' probes use it), with a small cap whose idle
-connections are closed first (gateway/edge/http_edge.py), so a client that holds that
-port's sockets open is evicted by the next probe.
-"""
+`/live`: 200 while the event loop runs, whatever the crowd (a kubelet that restarts an
+overloaded gateway turns overload into an outage). `/health`: 503 while draining or with no
+healthy replica. The probe listener's small cap closes idle connections first, so a client
+holding its sockets is evicted by the next probe."""
 
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """This gateway's requests to one replica, as streams of one SubmitMany call.
 
-A call per request would cost the scheduler's event loop a wake-up and a gRPC write per
-message, per request: at 256 streams more than the scheduling step itself
-(docs/benchmarks.md §4). SubmitMany carries every stream of this gateway to the replica
-on one call, each step's messages for all of them in one write.
-
-To the relay a request is a ``SchedulerStream``: ``read()`` returns its TokenEvents, the
-last with a finish reason, or a ``StreamEnd`` (gateway/routing/upstream.py) when it ended
-without one: the scheduler's status for it, the call's break (UNAVAILABLE when the
-scheduler went away) or its deadline (DEADLINE_EXCEEDED, kept here; a ``cancel`` goes
-upstream). ``cancel()`` aborts it upstream and has a pending ``read()`` raise
-CancelledError. One call (``_Link``) is opened lazily and replaced after it breaks, or,
-with ``max_call_age_s``, once it is that old (for a proxy between gateway and scheduler
-that cuts long calls): the old call takes no new stream and half-closes once its last
-ends, as a retiring replica's does.
-
-The call carries the internal secret in its own metadata (the channel's interceptors
-cover unary and server-streaming calls; an intercepted bidi call would turn writes into
-a request iterator).
-"""
+Why one call, and the stream and rotation contract: docs/grpc.md, "Inside: how a gateway
+calls a scheduler". To the relay a request is a ``SchedulerStream``: ``read()`` returns its
+TokenEvents, the last with a finish reason, or a ``StreamEnd`` (the scheduler's status, the
+call's break, or the deadline kept here); ``cancel()`` aborts it upstream and makes a
+pending ``read()`` raise CancelledError. The call carries the internal secret in its own
+metadata (an intercepted bidi call would turn writes into a request iterator)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """Runs a validated request on the scheduler replicas, whatever the client protocol.
 
-`Relay.generate` yields `GenerateResponse`s and raises `RelayError` with the
-status the client should get; the gRPC servicer and the HTTP API both consume
-it, so failover, `n`, timing and metrics behave the same on both.
-
-Consumers must close the generator when they stop early (`contextlib.aclosing`):
-closing it cancels the upstream streams, so the scheduler frees the request's KV
-blocks by its next step.
-"""
+`Relay.generate` yields `GenerateResponse`s and raises `RelayError` with the client's
+status; both front ends consume it, so failover, `n`, timing and metrics are the same on
+both. Consumers must close the generator when they stop early (`contextlib.aclosing`):
+that cancels upstream, so the scheduler frees the request's KV blocks by its next step."""
 
 from __future__ import annotations
 
@@ -75,9 +71,8 @@ DRAINING = ClientStatus(grpc.StatusCode.UNAVAILABLE,
 
 
 async def end_after_grace(relay: Relay, grace_s: float) -> None:
-    """Drain: refuses new streams with DRAINING at once, waits up to ``grace_s`` for
-    every stream to finish, then ends the rest with UNAVAILABLE and gives them END_S
-    to say so."""
+    """Drain: refuses new streams at once, waits up to ``grace_s``, then ends the rest
+    with UNAVAILABLE and gives them END_S to say so."""
     relay.refuse_new(DRAINING)
     finished = await relay.wait_idle(grace_s)
     relay.end_all(ClientStatus(
@@ -93,9 +88,8 @@ def finish_name(reason: int) -> str:
 
 
 def continuation(request: ValidatedRequest, output: OutputStream) -> scheduler_pb2.SubmitRequest:
-    """What to submit so generation resumes right after the tokens already
-    streamed: prompt + those tokens, the remaining max_tokens. Seeded sampling
-    is keyed by position, so the continuation draws what the lost replica would."""
+    """What to submit so generation resumes after the tokens already streamed (seeded
+    sampling is keyed by position, so it draws what the lost replica would)."""
     submit = request.to_submit()
     done = output.token_ids
     if done:
@@ -163,8 +157,6 @@ class Relay:
         self._tokenizer = tokenizer
         self._replicas = replicas
         self.metrics = metrics
-        # Every live stream, watched for a stalled replica or a client that stopped
-        # reading; drain ends what is left through it (see gateway/routing/watchdog.py).
         self.watchdog = watchdog or Watchdog(metrics.intervention)
 
     async def wait_idle(self, timeout_s: float) -> bool:
@@ -219,8 +211,7 @@ class Relay:
 
     async def _many(self, request, accepted, time_remaining, log, watch):
         """Runs the n completions side by side and interleaves their responses."""
-        # Bounded, so that a slow consumer holds the pumps back instead of their
-        # responses piling up here.
+        # Bounded: a slow consumer holds the pumps back.
         queue: asyncio.Queue = asyncio.Queue(maxsize=2 * request.n)
         done = object()
 
@@ -293,16 +284,14 @@ class Relay:
             except (_Ended, _Stalled) as exc:
                 failure = _replica_failure(exc, replica.address, len(output.token_ids), log)
             finally:
-                # Idempotent after a normal finish; essential on every early exit
-                # (client gone, deadline passed, stop string matched).
-                call.cancel()
+                call.cancel()  # idempotent after a finish; essential on every early exit
                 leg.call, leg.parked = None, False
         self._finished(request, index, output, timing, len(tried), log)
 
     async def _attempt(self, call, leg: Completion, output: OutputStream, index: int,
                        timing: _Timing) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The responses of one upstream stream, until the completion finishes. Raises
-        _Ended (with the stream's StreamEnd), _Stalled or RelayError (drain ended it)."""
+        """One upstream stream's responses until the completion finishes; raises _Ended,
+        _Stalled or RelayError (drain ended it)."""
         while True:
             try:
                 event = await call.read()

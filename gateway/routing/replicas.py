@@ -1,26 +1,13 @@
 """The scheduler replicas a gateway can submit to, and which one to pick.
 
-Every replica's Stats are polled in the background; a request goes to the
-healthy replica with the least load (queue first, then KV usage, then running
-sequences). The queue counts, beside the replica's own, the requests this gateway
-sent it since its last poll was sent: a burst inside one poll gap spreads over the
-replicas instead of all going to the one the last poll found idlest. A replica
-whose Stats fail, that has no executor, or that is draining is skipped while any
-other will do.
-
-Each replica's channel carries the per-deployment internal secret
-(``runtime/internal_auth.py``) on every call, SubmitMany, Abort and Stats alike,
-through a client interceptor: whoever makes a call on ``replica.stub`` need not
-know about it (the requests' SubmitMany call carries it in its own metadata).
-Given channel credentials, every channel is TLS (runtime/tls.py).
-
-An address ``dns:///NAME:PORT`` is a set, not one replica: NAME is resolved every
-REFRESH_S (all A/AAAA records, as a Kubernetes headless Service publishes one per
-pod), a new address joins once its first Stats poll has answered, and one that
-left is drained: no new request goes to it, and its channel closes once its
-in-flight calls end (RETIRE_GRACE_S at most). A failed lookup keeps the last set:
-a DNS blip must not empty the gateway.
-"""
+Stats are polled in the background; a request goes to the healthy replica with the least
+load (docs/operations.md, "Several scheduler replicas"), counting the requests sent since
+the last poll so a burst spreads. A replica whose Stats fail, without an executor, or
+draining is skipped while any other will do. Every call carries the internal secret
+(runtime/internal_auth.py) through a client interceptor; given credentials, every channel
+is TLS. ``dns:///NAME:PORT`` is a set, re-resolved every REFRESH_S: a new address joins
+after its first poll, one that left is drained (RETIRE_GRACE_S at most), and a failed
+lookup keeps the last set (a DNS blip must not empty the gateway)."""
 
 from __future__ import annotations
 
@@ -90,8 +77,7 @@ def split_dns(entry: str) -> tuple[str, int] | None:
 
 
 async def resolve(host: str, port: int) -> list[str]:
-    """Every address ``host`` has now, sorted; raises OSError (socket.gaierror) when
-    the lookup fails. The loop's getaddrinfo runs in its executor, off the loop."""
+    """Every address ``host`` has now, sorted; OSError when the lookup fails."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     found = set()
     for family, _, _, _, sockaddr in infos:
@@ -106,10 +92,8 @@ def _estimate(replica: Replica) -> tuple[float, float, float]:
 
 
 def auth_interceptors(secret: bytes | None) -> list[grpc.aio.ClientInterceptor] | None:
-    """Interceptors that send ``secret`` on every unary and server-streaming call.
-
-    One object per kind: grpc.aio files an interceptor under the first kind it
-    implements only."""
+    """Interceptors that send ``secret`` on every unary and server-streaming call (one
+    object per kind: grpc.aio files an interceptor under its first kind only)."""
     return None if secret is None else [_UnaryWithSecret(secret), _StreamWithSecret(secret)]
 
 
@@ -126,8 +110,7 @@ class Replica:
 
     def submit(self, request: scheduler_pb2.SubmitRequest,
                timeout: float | None) -> SchedulerStream:
-        """Starts ``request``: a stream on this gateway's call to the replica
-        (gateway/routing/mux.py)."""
+        """Starts ``request`` as a stream on this gateway's SubmitMany call to the replica."""
         return self.mux.submit(request, timeout)
 
 
@@ -137,15 +120,10 @@ class ReplicaSet:
                  resolver: Resolver | None = None, refresh_s: float | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None, max_call_age_s: float = 0.0) -> None:
-        """``addresses``: HOST:PORT replicas and ``dns:///NAME:PORT`` sets (split_dns).
-        ``secret``: the internal secret every call carries (None: none, the opt-out);
-        by default the environment's, which raises internal_auth.SecretError when
-        it is missing or unusable (``python -m gateway`` turns that into exit 2).
-        ``resolver``, ``refresh_s``: how and how often a dns:/// name is looked up
-        (default: ``resolve``, every REFRESH_S). ``credentials``: TLS to every replica
-        (None: plaintext), checking ``server_name`` in its certificate when given
-        (else the address's host). ``max_call_age_s``: a call to a replica that old takes
-        no new request (0: a call lives as long as it works; gateway/routing/mux.py)."""
+        """``addresses``: HOST:PORT and ``dns:///NAME:PORT``. ``secret``: None opts out;
+        by default the environment's (internal_auth.SecretError when missing or unusable).
+        ``credentials``: TLS (None: plaintext), checking ``server_name`` when given.
+        ``max_call_age_s``: rotate the SubmitMany call at that age (0: never)."""
         if isinstance(secret, _FromEnvironment):
             secret = internal_auth.load_secret()
         self._interceptors = auth_interceptors(secret)

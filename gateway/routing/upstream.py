@@ -15,20 +15,12 @@ REQUEST_FAILED_KEY = "request-failed"
 # The scheduler's trailer naming OpenAI's error code ("context_length_exceeded").
 ERROR_CODE_KEY = "error-code"
 
-# Fail fast while the scheduler is down (no wait_for_ready: the client gets
-# UNAVAILABLE at once), but reconnect within about a second once it is back:
-# gRPC's default backoff grows to two minutes, which would keep a gateway
-# started before its scheduler refusing work long after the scheduler is up.
-#
-# Keepalive: a scheduler that hangs (SIGSTOP, a wedged host) keeps its TCP
-# connection open, and without pings gRPC would wait on it forever. Every
-# KEEPALIVE_TIME_MS the channel pings, also while idle, and gives the connection
-# up when no ack comes within KEEPALIVE_TIMEOUT_MS: its calls fail UNAVAILABLE
-# and the relay continues them elsewhere. 10 s is grpc-go's floor for client
-# pings; the scheduler's server must permit pings this often
-# (KEEPALIVE_OPTIONS in scheduler_svc/__main__.py), or it answers GOAWAY
-# "too_many_pings". The relay's watchdog (gateway/routing/watchdog.py) notices a stalled
-# stream sooner; keepalive is the floor under it, and also covers idle channels.
+# Fail fast while the scheduler is down (no wait_for_ready), but reconnect within about a
+# second once it is back (gRPC's default backoff grows to two minutes). Keepalive pings,
+# also while idle, give up a hung scheduler's connection (its calls then continue
+# elsewhere); 10 s is grpc-go's floor for client pings, and the scheduler must permit it
+# (KEEPALIVE_OPTIONS in scheduler_svc/__main__.py) or it answers GOAWAY "too_many_pings".
+# The watchdog notices a stalled stream sooner; keepalive is the floor under it.
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
 CHANNEL_OPTIONS = (
@@ -102,8 +94,7 @@ def client_status(end: StreamEnd, address: str) -> ClientStatus:
         return ClientStatus(code, "the deadline passed before generation finished")
     if code == grpc.StatusCode.UNAVAILABLE:
         return ClientStatus(code, f"no scheduler replica reachable at {address} ({details})")
-    # CANCELLED (the scheduler shut down under us), UNIMPLEMENTED (not a
-    # scheduler at that address) and the rest: the replica cannot serve, retry.
+    # CANCELLED (it shut down), UNIMPLEMENTED (not a scheduler) and the rest: retry.
     return ClientStatus(
         grpc.StatusCode.UNAVAILABLE,
         f"the scheduler at {address} failed the request ({code.name}: {details})",

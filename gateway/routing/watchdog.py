@@ -1,33 +1,13 @@
-"""Watches every stream the relay serves, so that none waits forever on a peer.
+"""Watches every stream the relay serves, so that none waits forever on a peer that stopped
+without closing anything (a hung replica, a client that stopped reading). The relay marks
+progress with a few attribute writes per event; one task looks at every stream each TICK_S.
 
-Two peers can stop without closing anything. A scheduler replica that hangs
-(SIGSTOP, a wedged event loop) keeps its TCP connection open, so gRPC sees
-nothing until channel keepalive gives up (gateway/routing/upstream.py); a client that
-stops reading makes our writes block under flow control. The relay marks each
-stream's progress with a couple of attribute writes per event; one task looks
-at all of them every ``TICK_S``:
-
-* A completion that has heard nothing from its replica for
-  ``progress_timeout_s`` has that replica probed (one ``Stats`` call per
-  replica, ``PROBE_TIMEOUT_S``). A replica that misses ``PROBE_STRIKES`` probes in
-  a row (one slow answer on a loaded host is no hang) is stalled:
-  each of its silent streams is cancelled upstream and the relay continues it
-  on another replica, exactly as for a dead one (or ends it UNAVAILABLE when
-  none is left). A replica that answers is only slow — a long queue, an
-  executor restarting — and its streams keep waiting: that pause is the
-  contract of docs/design.md §5, so silence alone never fails a stream. (Probing
-  rather than a fixed deadline also means the first event may wait in the
-  queue for as long as admission allows, with no second bound to keep in sync.)
-* A stream whose consumer has been writing one response for longer than
-  ``write_stall_s`` belongs to a client that stopped reading. Its task is
-  cancelled — which closes the relay's generator, cancels upstream and frees
-  the request's KV — and the reason is logged. Until then the bytes held for it
-  are bounded by the transport: gRPC's per-stream flow-control window, and for
-  SSE aiohttp's write-buffer limit plus the socket's send buffer.
-
-``end_all`` is drain's last word: streams still running when the grace period
-is over get a terminal error (UNAVAILABLE) instead of a cut connection.
-"""
+A completion silent for ``progress_timeout_s`` has its replica probed; after PROBE_STRIKES
+missed probes in a row its silent streams are cut and continue elsewhere. A replica that
+answers is only slow and its streams wait (docs/design.md §5: silence alone never fails a
+stream). A stream whose consumer has been writing one response for ``write_stall_s`` is
+cancelled (the transport bounds what it holds meanwhile). ``end_all`` is drain's last word:
+what still runs gets UNAVAILABLE, not a cut connection."""
 
 from __future__ import annotations
 
@@ -55,19 +35,16 @@ PROGRESS_TIMEOUT_S = 5.0
 # A client that has not accepted one response for this long is gone in all but name.
 WRITE_STALL_S = 30.0
 
-# Bytes an SSE stream may hold for its client beyond what the client's TCP window
-# took: the kernel's send buffer for the socket plus the transport's buffer.
-# Tokens are small; 64 KiB carries thousands of them and sustains
-# 640 KiB/s at 100 ms RTT, far above any token rate.
+# Bytes an SSE stream may hold beyond the client's TCP window (kernel send buffer, and the
+# transport's): thousands of tokens, 640 KiB/s at 100 ms RTT, far above any token rate.
 SSE_BUFFER_BYTES = 64 * 1024
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _log = structlog.get_logger("gateway.watchdog")
 
 
 def bound_send_buffer(transport: asyncio.Transport | None) -> None:
-    """Caps what the kernel and the transport buffer for one SSE client, so a client
-    that stops reading blocks our writes (and meets WRITE_STALL_S) after
-    SSE_BUFFER_BYTES each, not after the kernel's autotuned megabytes."""
+    """Caps the kernel's and the transport's buffer for one SSE client at SSE_BUFFER_BYTES
+    each, so one that stops reading meets WRITE_STALL_S, not autotuned megabytes."""
     if transport is None:
         return
     transport.set_write_buffer_limits(high=SSE_BUFFER_BYTES)
@@ -143,9 +120,8 @@ class Watchdog:
         return True
 
     def end_all(self, status: ClientStatus) -> None:
-        """Ends every live stream (and any started later) with ``status``. A stream
-        waiting upstream is woken now; one whose consumer is writing ends when it
-        comes back for the next response."""
+        """Ends every live stream (and any started later) with ``status``; one whose
+        consumer is writing ends when it comes back for the next response."""
         self.ended = status
         for stream in list(self.streams):
             for completion in stream.completions:
@@ -209,8 +185,7 @@ class Watchdog:
 
     @staticmethod
     async def _answers(replica: Replica) -> bool:
-        """Whether the replica's process answers at all: any status but "no answer"
-        (an error status is still an answer: its event loop runs)."""
+        """Whether the replica's process answers at all (an error status is an answer)."""
         try:
             await replica.stub.Stats(scheduler_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -1,23 +1,13 @@
-"""A cap on the gRPC calls the gateway serves at once, answered so a client can act on it.
+"""A cap on the gRPC calls the gateway serves at once, answered so a client can act on it
+(docs/reliability.md, "Bounds no client can outlast").
 
-HTTP/2's ``max_concurrent_streams`` bounds the streams of one connection only: a client
-opening many connections could hold any number of Generate streams (each with its
-relay, detokenizer and upstream call). grpc's own ``maximum_concurrent_rpcs`` bounds
-them, but answers "Concurrent RPC limit exceeded!" with no hint of when to retry, and
-counts the health checks with the rest, so a full gateway would also fail its probes.
-This interceptor bounds two pools of its own instead:
-
-* every call but health (Generate, reflection): ``max_rpcs``
-  (``--grpc-max-concurrent-rpcs``; its default and why: gateway/config.py);
-* health checks and watches, which need no key: ``MAX_HEALTH_RPCS``, so probes still
-  pass while the first pool is full, and a flood of watches cannot fill the process.
-
-A call past its pool's cap ends RESOURCE_EXHAUSTED, naming the cap and its flag, with the
-retry pushback trailers (protos/pushback.py: ``grpc-retry-pushback-ms``, which gRPC's own
-retry policy honours, and ``retry-after-ms``); its request bytes are not parsed. The
-server is also given grpc's own cap at the sum of both pools, a backstop for anything that
-reaches no handler. One event loop runs every handler, so the counts need no lock.
-"""
+HTTP/2's ``max_concurrent_streams`` bounds one connection only, and grpc's own
+``maximum_concurrent_rpcs`` answers with no retry hint and counts health checks too, so a
+full gateway would fail its probes. So two pools: every call but health (``max_rpcs``,
+``--grpc-max-concurrent-rpcs``) and health (``MAX_HEALTH_RPCS``). A call past its pool's
+cap ends RESOURCE_EXHAUSTED naming the flag, with the retry pushback trailers, before its
+request is parsed; grpc's own cap at the sum is the backstop. One event loop runs every
+handler, so the counts need no lock."""
 
 from __future__ import annotations
 
@@ -33,7 +23,6 @@ from protos import pushback
 # Probes and load balancers open a handful of health calls each.
 MAX_HEALTH_RPCS = 256
 
-_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
 _MAKE = {
     "unary_unary": grpc.unary_unary_rpc_method_handler,
     "unary_stream": grpc.unary_stream_rpc_method_handler,
@@ -42,12 +31,19 @@ _MAKE = {
 }
 
 
+def _kind(handler) -> str:
+    return next(k for k in _MAKE if getattr(handler, k) is not None)
+
+
+def rebuild(handler, behavior) -> grpc.RpcMethodHandler:
+    """``handler`` with ``behavior`` in place of its own, same kind and serializers."""
+    return _MAKE[_kind(handler)](behavior, request_deserializer=handler.request_deserializer,
+                                 response_serializer=handler.response_serializer)
+
+
 class RpcLimit(grpc.aio.ServerInterceptor):
     """Counts the calls in flight per pool; refuses one past its pool's cap.
-
-    ``health_prefix``: the method prefix of the health service (its pool).
-    ``on_refuse``: called with the status name of each refused call but health
-    (the request error counter)."""
+    ``on_refuse``: called with the status name of each refused call but health."""
 
     def __init__(self, max_rpcs: int, health_prefix: str,
                  max_health_rpcs: int = MAX_HEALTH_RPCS,
@@ -67,14 +63,12 @@ class RpcLimit(grpc.aio.ServerInterceptor):
         if handler is None:  # UNIMPLEMENTED: grpc answers at once
             return None
         health = details.method.startswith(self._health_prefix)
-        kind = next(k for k in _KINDS if getattr(handler, k) is not None)
+        kind = _kind(handler)
         if self.active[health] >= self._caps[health]:  # before the request is parsed
             return _MAKE[kind](self._refusal(health))
         behavior = getattr(handler, kind)
-        counted = (self._counted_stream if inspect.isasyncgenfunction(behavior)
-                   else self._counted_call)(behavior, health)
-        return _MAKE[kind](counted, request_deserializer=handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
+        return rebuild(handler, (self._counted_stream if inspect.isasyncgenfunction(behavior)
+                                 else self._counted_call)(behavior, health))
 
     def _refusal(self, health: bool):
         async def refuse(request_or_iterator, context):

@@ -1,15 +1,8 @@
 """The client-facing gRPC server: `Generation.Generate`, health and reflection.
 
-Each Generate call is validated, submitted to the scheduler as one stream of the
-gateway's SubmitMany call to it, and relayed back event by event. The upstream
-stream is cancelled in a `finally` whenever the client's call ends early (client
-gone, deadline passed, stop string matched), so the scheduler frees the
-request's KV blocks by its next step.
-
-This module builds the gRPC server only (`build_server`, `add_services`,
-`mark_serving`); gateway/app.py binds it, and starts it beside the HTTP API and the
-probe listener.
-"""
+Each call is admitted, run by the relay and written back event by event; when the call
+ends early the relay's generator is closed, which cancels upstream so the scheduler frees
+the request's KV blocks by its next step. Built here, bound and started by gateway/app.py."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ from gateway.admit.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from gateway.config import GatewayConfig
 from gateway.edge.client_limits import RETRY_AFTER_MS, ClientLimits, grpc_peer_ip
 from gateway.routing.relay import Relay, RelayError
-from gateway.rpc.rpc_limit import RpcLimit
+from gateway.rpc.rpc_limit import RpcLimit, rebuild
 from gateway.validation import (
     RequestError,
     UndecodableRequest,
@@ -52,9 +45,8 @@ def _upstream_timeout(context: grpc.aio.ServicerContext) -> float | None:
 
 
 def _trailers(code: grpc.StatusCode, metadata: pushback.Metadata = ()) -> pushback.Metadata:
-    """What a call ended with ``code`` carries: a RESOURCE_EXHAUSTED or UNAVAILABLE (overload
-    upstream or in a structured-output compile, no replica, a drain) always has the retry
-    pushback trailers, with the scheduler's delay where it named one, else RETRY_AFTER_MS."""
+    """A RESOURCE_EXHAUSTED or UNAVAILABLE end always carries the retry pushback trailers:
+    the scheduler's delay where it named one, else RETRY_AFTER_MS."""
     return pushback.completed(code.name, metadata, RETRY_AFTER_MS)
 
 
@@ -101,10 +93,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         except Exception as exc:  # a bug of ours after admission: INTERNAL, not grpc's UNKNOWN
             _log.exception("unexpected error while serving", request_id=validated.request_id)
-            self._relay.metrics.error("INTERNAL")
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                "internal server error; the request id is in the server log")
-            raise AssertionError("unreachable") from exc
+            await self._internal(context, exc)
 
     async def _validate_or_abort(
         self, request: generation_pb2.GenerateRequest | UndecodableRequest, context
@@ -123,10 +112,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise AssertionError("unreachable") from exc
         except Exception as exc:  # a bug of ours: INTERNAL with a generic message, logged
             _log.exception("unexpected error", request_id=getattr(request, "request_id", "")[:128])
-            self._relay.metrics.error("INTERNAL")
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                "internal server error; the request id is in the server log")
-            raise AssertionError("unreachable") from exc
+            await self._internal(context, exc)
+
+    async def _internal(self, context, exc: Exception):
+        self._relay.metrics.error("INTERNAL")
+        await context.abort(grpc.StatusCode.INTERNAL,
+                            "internal server error; the request id is in the server log")
+        raise AssertionError("unreachable") from exc
 
 
 class _AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -144,29 +136,19 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request_or_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return rebuild(handler, deny)
 
 
 def _server_options(config: GatewayConfig, max_body_bytes: int) -> list[tuple[str, int]]:
-    """Channel arguments of the client-facing gRPC server (see GatewayConfig for the
-    references each default follows). Messages over `max_body_bytes` are
-    RESOURCE_EXHAUSTED before any of our code runs; streams past the per-connection
-    cap wait in the client (HTTP/2 flow control), they are not refused."""
+    """The client-facing server's channel arguments. Messages over `max_body_bytes` are
+    RESOURCE_EXHAUSTED before our code runs; streams past the per-connection cap wait
+    in the client (HTTP/2 flow control)."""
     options = [
-        # SO_REUSEPORT (grpc's default on Linux) would let a second gateway bind a
-        # port that is already in use and silently share its traffic.
+        # SO_REUSEPORT (grpc's Linux default) would let a second gateway share a bound port.
         ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_body_bytes),
         ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
-        # Dead peers are found by pinging every minute (grpc-go servers: 2 h), and a
-        # connection that does not answer within 20 s is closed with its streams.
+        # Find dead peers by a ping a minute (grpc-go servers: 2 h), 20 s to answer.
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 20_000),
     ]
@@ -189,10 +171,8 @@ def _generation_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
 
 def build_server(config: GatewayConfig, keys: ApiKeys, max_body_bytes: int
                  ) -> tuple[grpc.aio.Server, RpcLimit]:
-    """The client-facing gRPC server, neither bound nor serving yet, and its cap on calls
-    in flight (whose `on_refuse` the caller sets once metrics exist: the port is bound
-    before anything else is built). Interceptors run in order: the cap, then the key
-    check when API keys are configured."""
+    """The gRPC server, neither bound nor serving, and its cap on calls in flight (the
+    caller sets `on_refuse` once metrics exist). Interceptors: the cap, then API keys."""
     limit = RpcLimit(config.grpc_max_concurrent_rpcs, _OPEN_METHOD_PREFIX)
     server = grpc.aio.server(
         options=_server_options(config, max_body_bytes),

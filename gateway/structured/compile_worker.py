@@ -1,23 +1,16 @@
 """A child process that compiles structured-output specs while yielding the CPU to serving.
 
-Why a process of its own: a spec's compile is CPU work in llguidance (a regex repeat
-bomb costs ~30 ms before llguidance refuses it), and on a host the executor shares, a
-gateway thread doing it takes a core from the executor's threads mid-step. Measured
-with `python -m benchmarks.reliability --only bad_specs` (16 greedy streams, 20 regex
-bombs a second, 2 cores): compiled in gateway threads the streams' ITL p99 went from
-74 to 684 ms; in this process, 71 to 91 ms. Lowering a thread's priority does not do
-it: the kernel shares the CPU between sessions first (autogroup; every Continuum
-service runs in a session of its own), and a low-priority thread that holds the GIL
-stalls the event loop. So the child starts its own session (``Worker.start``) and
-lowers its share to the least (runtime/cpu_priority.py). A process can also be killed,
-so a compile that runs too long ends (gateway/structured/guided_check.py decides when) and a
-crash in the matcher costs a respawn, not the gateway.
+A compile is CPU work in llguidance (a regex repeat bomb costs ~30 ms before it is
+refused); in a gateway thread it takes a core from the executor mid-step, and lowering a
+thread's priority does not help (the kernel shares CPU between sessions first, and a
+low-priority thread holding the GIL stalls the event loop; figures: docs/reliability.md,
+"Bad specs after the compile workers"). So the child starts its own session and takes the
+least CPU share (runtime/cpu_priority.py); a process can also be killed past its budget,
+and a crash in the matcher costs a respawn, not the gateway.
 
-Protocol on the child's stdin / stdout: frames of a 4-byte little-endian length and a
-body. The first frame to the child is JSON ``{"tokenizer", "vocab_size", "eos"}``; the
-child answers ``{"ready": true}`` once llguidance's tokenizer is built. Each later
-frame is a serialized ``Guided``; the answer is JSON ``{"verdict": str | null}``.
-"""
+Protocol on stdin / stdout: frames of a 4-byte little-endian length and a body. First
+to the child JSON ``{"tokenizer", "vocab_size", "eos"}``, answered ``{"ready": true}``;
+then each frame is a serialized ``Guided``, answered JSON ``{"verdict": str | null}``."""
 
 from __future__ import annotations
 
@@ -79,10 +72,9 @@ class Worker:
 
     def ask(self, guided: bytes, deadline: float, cpu_budget_s: float
             ) -> tuple[str, str | None]:
-        """("verdict", message or None), or ("costly" | "late", None) when the compile
-        passed ``cpu_budget_s`` of CPU or ``deadline`` (the child is killed then).
-        Raises WorkerGone if a fresh child died with the spec in hand too: a child
-        that dies once may have been killed from outside (an OOM kill while idle)."""
+        """("verdict", message or None), or ("costly" | "late", None) past ``cpu_budget_s``
+        of CPU or ``deadline`` (the child is killed). WorkerGone if a fresh child died
+        with the spec too (one death may be from outside: an OOM kill while idle)."""
         for attempt in range(2):
             if not self.alive or attempt:
                 self.start()
@@ -180,8 +172,7 @@ def main() -> None:
         return
     config = json.loads(init)
     # Built at the gateway's own priority: a one-off (~2 s for a 262k-token vocabulary)
-    # that, at the least share of a busy host, took past START_TIMEOUT_S; the compiles
-    # after it are what must yield to serving.
+    # that took past START_TIMEOUT_S at the least share of a busy host.
     tokenizer = guided_spec.load_tokenizer(config["tokenizer"], config["vocab_size"],
                                            tuple(config["eos"]))
     cpu_priority.lower(cpu_priority.LOWEST)

@@ -1,26 +1,18 @@
 """Structured-output specs compiled against the served tokenizer before admission.
 
-A ``Guided`` spec (``response_format``, ``guided_*``, a tool's parameters, the grammar
-a forced ``tool_choice`` becomes) is compiled here as the executor will compile it:
-the same grammar, tokenizer and limits (protos/guided.py), and the matcher's first
-tokens walked (``probe``). A spec that would fail the executor's step is a 400 naming
-llguidance's reason instead; docs/architecture.md says where each side does it.
+A ``Guided`` spec (``response_format``, ``guided_*``, a tool's parameters, a forced
+``tool_choice``'s grammar) is compiled as the executor will (same grammar, tokenizer and
+limits: protos/guided.py) and its first tokens walked (``probe``), so a spec that would fail
+a step is a 400 naming llguidance's reason instead.
 
-* Compiles run in child processes that yield the CPU to serving
-  (gateway/structured/compile_worker.py says why and what it measured), COMPILE_WORKERS of them,
-  started on first use or in the background from startup (``warm``); each builds
-  llguidance's tokenizer (~0.3 s for 49k tokens) once.
-* Verdicts are kept in an LRU of VERDICT_CACHE specs keyed by a digest of the spec,
-  so a repeated schema costs one hash.
-* A compile past COMPILE_CPU_S of CPU is killed and the spec refused (a verdict, kept
-  like any other); llguidance's fuel limits bound what this probes to well under that.
-  One that has not finished COMPILE_TIMEOUT_S after the request arrived, for want of
-  CPU or of a free worker, is killed too, and the request refused as overload
-  (``CompileBusy``: 429 / RESOURCE_EXHAUSTED, not kept: the same spec may pass when the
-  host is less busy); a worker's own start does not count against it, and until one
-  has started a check waits for it. A worker that dies with a spec in hand refuses that spec and is
-  replaced. The admit step calls this off the event loop (gateway/admit/admission.py).
-"""
+* Compiles run in COMPILE_WORKERS child processes (compile_worker.py), started on first
+  use or from startup (``warm``).
+* Verdicts are kept in an LRU of VERDICT_CACHE specs keyed by digest.
+* Past COMPILE_CPU_S of CPU a compile is killed and the spec refused (a verdict, kept).
+  Unfinished COMPILE_TIMEOUT_S after the request arrived, for want of CPU or a worker, it
+  is killed too and the request refused as overload (``CompileBusy``: 429, not kept); a
+  worker's own start does not count. A worker that dies with a spec refuses it and is
+  replaced."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Chat template rendering, compatible with Hugging Face transformers.
 
-Chat templates ship inside model directories downloaded from the internet, so
-they are untrusted code: they run in jinja2's immutable sandbox. The environment
-mirrors transformers' (`trim_blocks`, `lstrip_blocks`, `loopcontrols`, the
-`raise_exception` and `strftime_now` globals, a `tojson` that does not escape
-HTML) so that a template renders here exactly as `apply_chat_template` renders it.
-
-Tools (function calling) are passed as `tools=`, as `apply_chat_template(tools=...)`
-does, to a template that reads a `tools` variable. One that does not (the bundled
-SmolLM2's) is given them the way Hermes / Qwen templates write them instead
-(gateway/tools/tool_fallback.py), so that the model still sees the tools, its own past
-calls and their results.
-"""
+Templates ship in downloaded model directories, so they are untrusted code: they run in
+jinja2's immutable sandbox, configured as transformers' environment so a template renders
+exactly as `apply_chat_template` does. A template that reads no `tools` variable is given
+tools the Hermes way instead (gateway/tools/tool_fallback.py)."""
 
 from __future__ import annotations
 
@@ -32,11 +24,7 @@ class ChatTemplateError(ValueError):
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """Accepts `{% generation %}...{% endgeneration %}` and renders its body unchanged.
-
-    transformers uses the tag to build assistant-token masks for training; serving
-    needs only the text, but templates that use the tag must still compile.
-    """
+    """Accepts transformers' `{% generation %}` tag (training masks) and renders its body."""
 
     tags = {"generation"}
 
@@ -66,12 +54,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 class ChatTemplate:
-    """A compiled chat template plus the special-token variables it may read.
-
-    `render(messages)` returns the prompt text with the assistant generation
-    prompt appended. The text already contains any special tokens the template
-    writes (BOS, role markers), so it must be encoded without adding them again.
-    """
+    """A compiled chat template plus the special-token variables it may read. `render`'s
+    text already holds the special tokens the template writes: encode it without adding."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, str]):
         env = ImmutableSandboxedEnvironment(
@@ -112,6 +96,5 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError) as exc:
-            # A template that indexes or concatenates what a conversation lacks
-            # fails with ordinary Python errors; they are the caller's input too.
+            # A template indexing what a conversation lacks: the caller's input too.
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from exc

@@ -1,35 +1,17 @@
 """Incremental detokenization of one output stream.
 
-Decoding token by token is wrong twice over: a multi-byte UTF-8 character can
-be split across tokens (byte-level BPE), and some decoders change a token's
-text depending on what precedes it (SentencePiece drops the leading space of
-the first token it decodes). The technique used by vLLM and TGI fixes both by
-decoding two overlapping windows of recent ids and emitting their difference:
+Token-by-token decoding splits multi-byte characters (byte-level BPE) and loses
+context-dependent text (SentencePiece's leading space). As vLLM and TGI do, decode two
+overlapping windows and emit their difference:
 
-    ids:   ... | prefix_offset ........ read_offset ........ len(ids)
-                 └─ prefix_text = decode(ids[prefix:read]) ┘
-                 └──────── new_text = decode(ids[prefix:]) ─────────┘
-    delta = new_text[len(prefix_text):]
+    prefix_text = decode(ids[prefix_offset:read_offset])
+    new_text = decode(ids[prefix_offset:]);  delta = new_text[len(prefix_text):]
 
-While `new_text` ends in U+FFFD the last character is (probably) incomplete,
-so nothing is emitted and the offsets stay put; the next token may complete it.
-`flush()` emits whatever is held back once the stream has ended, so the
-concatenated deltas always equal `decode(all ids)`.
-
-Linear in the output in every case. Holding back re-decodes the held ids on
-every token, so an unbounded hold costs O(hold^2); two things bound it:
-
-* skipped special tokens never enter the window (decode would drop them
-  anyway), so a run of them costs nothing;
-* after `MAX_HELD_TOKENS` held ids (a UTF-8 character is at most 4 bytes, so
-  a real one completes long before) the window moves to the last *settled*
-  held position: the longest held prefix whose text the later ids only
-  extend (every id after it is decoded already, and the text up to it did not
-  change, so a later id cannot complete a character that ends there). That
-  is what a run of invalid bytes (stray continuation bytes, lead bytes that
-  never complete) looks like, and it keeps the output exact. Each step then
-  decodes O(MAX_HELD_TOKENS + the previous emission) ids.
-"""
+While `new_text` ends in U+FFFD nothing is emitted; `flush()` emits what is held, so the
+deltas always join to `decode(all ids)`. Linear in the output: skipped special tokens never
+enter the window, and past `MAX_HELD_TOKENS` held ids (a real character completes long
+before) the window moves to the last settled position, one whose text later ids only
+extend (what a run of invalid bytes looks like), keeping the output exact."""
 
 from __future__ import annotations
 
@@ -43,11 +25,8 @@ MAX_HELD_TOKENS = 8
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas; one instance per stream.
-
-    Invariant: the text emitted so far equals `decode(ids[:read_offset])` with
-    the windowing above, `prefix_offset <= read_offset <= len(ids)`, and
-    `len(ids) - read_offset <= MAX_HELD_TOKENS` after every `add`.
-    """
+    Invariant: the text emitted equals `decode(ids[:read_offset])`, `prefix_offset <=
+    read_offset <= len(ids)`, and `len(ids) - read_offset <= MAX_HELD_TOKENS` after `add`."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
@@ -73,8 +52,7 @@ class IncrementalDetokenizer:
 
     @staticmethod
     def _held_back(prefix_text: str, new_text: str) -> bool:
-        # Either nothing visible yet or the tail may be half of a character:
-        # wait for more ids.
+        # Nothing visible yet, or the tail may be half a character: wait for more ids.
         return len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
 
     def _delta(self, final: bool) -> str:

@@ -1,9 +1,5 @@
-"""Turns one request's upstream TokenEvents into client GenerateResponses.
-
-This is the textual half of a stream, with no I/O: token ids go through the
-incremental detokenizer, then through the stop-string matcher, and usage is
-counted here. The servicer owns the RPCs and just forwards what this returns.
-"""
+"""Turns one request's upstream TokenEvents into client GenerateResponses: detokenizer,
+then stop strings, and usage; no I/O."""
 
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ _UNFINISHED = sampling_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class OutputStream:
-    """Per-request output state; `finished` turns true with the last response.
-
-    After a stop string matches, the remaining tokens of that event are dropped
-    and the caller must cancel the upstream call so the scheduler frees the
-    request. `completion_tokens` counts the tokens the client received.
-    """
+    """Per-request output state; `finished` turns true with the last response. After a
+    stop string matches, the event's remaining tokens are dropped and the caller must
+    cancel upstream."""
 
     def __init__(self, request: ValidatedRequest, tokenizer: Tokenizer):
         self._request_id = request.request_id

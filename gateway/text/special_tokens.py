@@ -1,38 +1,13 @@
-"""Client text is tokenized as text: a chat's control tokens come from its template only.
+"""Client text is tokenized as text: a chat's control tokens come from its template only
+(docs/security.md: why, what is covered, and what is not).
 
-`tokenizers` recognizes every special token's string anywhere in the text it encodes.
-A chat prompt is one rendered string, so a user turn (or a tool result, a call's
-arguments, a tool's description) holding ``<|im_end|>\\n<|im_start|>system`` would
-close its turn and open a system turn: role injection. OpenAI's tiktoken encodes such
-text in user content as plain text, and so do we (transformers calls it
-``split_special_tokens``).
-
-How (only when some client string holds a special token's string; otherwise the
-prompt is encoded as it always was, after one regex scan of the strings):
-
-1. every such occurrence in what the template is given is replaced by a sentinel,
-   ``<nonce>_<n>_`` (a per-request random hex nonce: printable ASCII that `tojson`,
-   `trim` and string concatenation leave alone, and that no client can predict);
-2. the template renders; each sentinel is put back as its original text, noting
-   where it lies in the prompt;
-3. the prompt is encoded as before, in one call, so every other token is exactly what
-   it would have been (added tokens are split out before normalization and
-   pre-tokenization, so text on either side of one never merges with it); a special
-   token lying on a client occurrence is replaced by the ids of its text, encoded
-   with special-token matching off (a second backend, built once on first use, with
-   ``encode_special_tokens`` set for good: encoding runs on worker threads, so no flag
-   is toggled on a shared instance).
-
-Boundary effect: the escaped text is tokenized on its own, so it never merges with its
-neighbours (``"hi <|im_end|>"`` gives ``" "``, ``"<"``, ... where ``split_special_tokens``
-gives ``" <"``): the same text, a tokenization a few ids longer at most. Not covered:
-a marker split across two client fields that a template concatenates with nothing
-between them (no known template does; roles and tool names are validated to plain
-characters). Only special added tokens (``special: true``, what
-``skip_special_tokens`` drops) are escaped, as ``split_special_tokens`` does; a
-non-special added token (a tokenizer's whitespace runs) is ordinary vocabulary.
-Completions prompts (``prompt``, no template) stay raw: see docs/security.md.
-"""
+Only when some client string holds a special token's string: each occurrence becomes a
+sentinel ``<nonce>_<n>_`` (a per-request random hex nonce, which `tojson`, `trim` and
+concatenation leave alone and no client can predict); the template renders; the sentinels
+are put back, noting where each lies; the prompt is encoded in one call as before, so every
+other id is unchanged; and a special token lying on client text is replaced by the ids of
+its text, encoded by a second backend with special-token matching off for good (encoding
+runs on worker threads: no flag is toggled on a shared instance)."""
 
 from __future__ import annotations
 
@@ -53,8 +28,8 @@ _SENTINEL = re.compile(rf"([0-9a-f]{{{2 * _NONCE_BYTES}}})_(\d+)_")
 
 
 def _strings(value: Any) -> list[str]:
-    """Every string in nested dicts (keys too) and lists, iteratively: call arguments
-    may nest as deep as the JSON parser allowed, deeper than Python recursion goes."""
+    """Every string in nested dicts (keys too) and lists, iteratively: arguments may nest
+    deeper than Python recursion goes."""
     found: list[str] = []
     stack = [value]
     while stack:
@@ -73,8 +48,8 @@ def _strings(value: Any) -> list[str]:
 
 
 def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
-    """A copy of nested dicts and lists with `change` applied to every string (keys
-    too), iteratively as `_strings`; dict order is kept."""
+    """A copy of nested dicts and lists with `change` applied to every string (keys too),
+    iteratively; dict order is kept."""
     if not isinstance(value, _Containers):
         return change(value) if isinstance(value, str) else value
     holder: list[Any] = [None]
@@ -142,8 +117,8 @@ class Masking:
 
 
 class SpecialTokenEscape:
-    """Finds the model's special-token strings in client text and encodes a rendered
-    chat so that only the template's become special tokens (module docstring)."""
+    """Finds special-token strings in client text and encodes a rendered chat so that only
+    the template's become special tokens."""
 
     def __init__(self, backend: tokenizers.Tokenizer):
         self._backend = backend
@@ -158,9 +133,8 @@ class SpecialTokenEscape:
         """Whether any string in `values` (messages, tools) holds a special token's text."""
         if self._pattern is None:
             return False
-        # One search over the strings joined (half the time of one search each). A match
-        # made across a join is a needless careful path, which masks nothing and
-        # encodes as the plain one; a match inside a string is never missed.
+        # One search over the strings joined (half the time of one each); a match across
+        # a join only takes the careful path needlessly, which encodes as the plain one.
         return self._pattern.search("\x00".join(_strings(values))) is not None
 
     def masking(self) -> Masking:
@@ -169,8 +143,7 @@ class SpecialTokenEscape:
 
     @functools.cached_property
     def _text_backend(self) -> tokenizers.Tokenizer:
-        # Built on first use: most deployments never meet such text. Two threads racing
-        # here each build one and one is kept; both are equivalent.
+        # Built on first use; two threads racing here build equivalent ones.
         backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
         backend.encode_special_tokens = True
         return backend

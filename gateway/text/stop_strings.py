@@ -1,10 +1,6 @@
-"""Stop-string matching over a stream of text deltas.
-
-A stop string may span deltas ("Hel" + "lo" for stop "Hello"), so text that
-could be the start of a stop string is held back until the next delta decides
-it. Matching works on decoded text (code points): the detokenizer never emits
-half a character, so a multi-byte stop string cannot be split mid-character.
-"""
+"""Stop-string matching over a stream of text deltas: text that could begin a stop string
+is held back until the next delta decides it. Matching is on decoded text, and the
+detokenizer never emits half a character."""
 
 from __future__ import annotations
 
@@ -37,17 +33,10 @@ def _failure(stop: str) -> list[int]:
 class StopStringMatcher:
     """Filters one stream's text; generation ends before the earliest stop string.
 
-    Invariant: the held-back text never contains a whole stop string, and it is
-    the longest suffix of the text seen so far that is a proper prefix of some
-    stop string.
-
-    Cost per delta is linear in the delta, whatever the stops: each stop keeps
-    a KMP state (how much of it the text ends with), advanced one character at
-    a time in amortized O(1), so the held-back length needs no search over
-    candidate lengths (which cost up to 16 x 255 `endswith` calls, ~1.5 ms, per
-    delta for adversarial stops). Finding a whole match is `str.find` over the
-    held text plus the delta (C speed, < 256 + len(delta) characters per stop).
-    """
+    Invariant: the held-back text never contains a whole stop string, and is the longest
+    suffix of the text so far that is a proper prefix of some stop string. Linear in the
+    delta whatever the stops: each stop keeps a KMP state (a search over candidate
+    lengths cost ~1.5 ms a delta for adversarial stops)."""
 
     def __init__(self, stop_strings: Sequence[str]):
         assert all(stop_strings), "empty stop strings are rejected at the edge"
@@ -81,10 +70,8 @@ class StopStringMatcher:
         return min(positions) if positions else None
 
     def _advance(self, delta: str) -> int:
-        """Feeds `delta` to every stop's KMP state; returns the longest partial match.
-
-        No stop matches whole here (`_earliest_match` found none), so each state
-        stays a proper prefix length."""
+        """Feeds `delta` to every stop's KMP state; returns the longest partial match
+        (no stop matches whole here, so each state stays a proper prefix length)."""
         longest = 0
         for index, stop in enumerate(self._stops):
             state = self._states[index]

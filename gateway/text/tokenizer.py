@@ -1,14 +1,7 @@
-"""The model's tokenizer, read from a Hugging Face-format model directory.
-
-Only the `tokenizers` library is used at serving time (transformers is a test
-dependency). The files it reads:
-
-* `tokenizer.json` — vocabulary, merges, normalizer, pre/post-processing. Required.
-* `tokenizer_config.json` — special-token strings and (often) `chat_template`.
-* `chat_template.jinja` — the chat template as a separate file (newer exports);
-  it wins over the one in `tokenizer_config.json`, as in transformers.
-* `config.json` — `vocab_size`, `max_position_embeddings`, `eos_token_id`.
-"""
+"""The model's tokenizer, read from a Hugging Face-format model directory with the
+`tokenizers` library only: `tokenizer.json` (required), `tokenizer_config.json` (special
+tokens, often `chat_template`), `chat_template.jinja` (wins over the config's, as in
+transformers) and `config.json` (`vocab_size`, `max_position_embeddings`, `eos_token_id`)."""
 
 from __future__ import annotations
 
@@ -111,16 +104,10 @@ def _model_info(
 
 
 class Tokenizer:
-    """Text ⇄ token ids for one model, plus its chat template and limits.
-
-    `encode(text)` tokenizes a raw prompt exactly as `tokenizer(text)` does in
-    transformers (the post-processor adds BOS if the model wants one).
-    `encode_chat(messages)` renders the chat template and encodes the result
-    *without* special tokens, since the template already wrote them; a special
-    token's string inside the messages or tools is encoded as text, so control
-    tokens come from the template only (gateway/text/special_tokens.py), unless this
-    is a `trusting_content()` copy.
-    """
+    """Text ⇄ token ids for one model, plus its chat template and limits. `encode` is
+    transformers' `tokenizer(text)`; `encode_chat` renders the template and encodes it
+    without adding special tokens, client special-token text as text (special_tokens.py)
+    unless this is a `trusting_content()` copy."""
 
     def __init__(
         self,
@@ -184,8 +171,7 @@ class Tokenizer:
 
     def trusting_content(self) -> Tokenizer:
         """A copy (sharing the backend) whose `encode_chat` lets special-token strings in
-        client text be the tokens themselves: the behaviour before escaping, for
-        deployments whose clients may write control tokens (docs/security.md)."""
+        client text be the tokens themselves (docs/security.md)."""
         trusting = copy.copy(self)
         trusting.trusts_content = True
         return trusting

@@ -1,25 +1,13 @@
 """Function calling, response side: a chat choice's text as OpenAI's ``tool_calls``.
 
-One ``ToolAnswers`` per request (its choices' parse state), made by the chat
-dialect when the request has tools and a tool_choice other than "none":
-
-* "auto": the text goes through the request's parser (gateway/tools/tool_parsers.py);
-  content outside the calls is kept (``null`` in a non-streamed message when it is
-  only whitespace). With ``parallel_tool_calls: false`` only the first call is kept.
-  A stream sends a Hermes call's name as soon as its block names it, then its
-  arguments as the model writes them; a call found only whole is sent whole.
-* a named function: the (grammar-constrained) text is that call's arguments; a
-  stream sends the call's index, id, type and name first, then each piece of the
-  arguments as it is generated.
-* "required": the text is a JSON list of calls, sent when it is complete.
-
-A stream sends each call as OpenAI does, in ``delta.tool_calls`` entries with the
-call's index (0, 1, ... within the choice): the first with ``id``, ``type`` and
-``function.name``, then ``function.arguments`` pieces ("required", and calls the
-parser finds only whole, send the arguments in the first entry). A choice that
-returned calls and stopped ends with ``finish_reason: "tool_calls"``; one cut by
-``max_tokens`` keeps ``"length"`` (its last call's arguments may be incomplete).
-"""
+One ``ToolAnswers`` per request with tools and a tool_choice other than "none" (what each
+choice does: docs/usage.md). "auto" parses with the request's parser, keeping content
+outside the calls (``null`` in a whole message when only whitespace), the first call only
+with ``parallel_tool_calls: false``; a named function's text is its arguments; "required"'s
+is a JSON list sent when complete. Streamed, each call is ``delta.tool_calls`` entries with
+its index: the first with ``id``, ``type`` and ``function.name``, then ``arguments`` pieces.
+A choice with calls that stopped ends ``"tool_calls"``; one cut by ``max_tokens`` keeps
+``"length"``."""
 
 from __future__ import annotations
 

@@ -1,23 +1,10 @@
 """Function calling, request side: OpenAI's ``tools``, ``tool_choice``,
 ``parallel_tool_calls`` and tool turns, into ``ChatInput`` and ``sampling.guided``.
 
-The tools travel in ``ChatInput.tools`` (so the gRPC API takes them too) and reach
-the chat template as HF's ``apply_chat_template(tools=...)`` passes them
-(gateway/text/chat_template.py; a template that takes none gets a Hermes-style system
-block instead). ``tool_choice`` decides the output:
-
-* ``"none"``: free text, not parsed (the tools are still shown to the model, as vLLM does);
-* ``"auto"`` (the default with tools): free text, parsed for calls by the
-  ``--tool-call-parser`` (gateway/tools/tool_parsers.py);
-* a named function: the output is constrained (llguidance, the existing guided
-  path) to a JSON object valid under that function's parameters schema: the call's
-  arguments, whatever the model;
-* ``"required"``: constrained to a JSON list of ``{"name", "arguments"}`` calls of
-  the tools (one at most with ``parallel_tool_calls: false``).
-
-gateway/tools/tool_checks.py checks what a ChatInput says about tools for both APIs (called
-by gateway/validation.py); the HTTP readers here check only JSON shapes.
-"""
+What each ``tool_choice`` does: docs/usage.md (its table). The tools travel in
+``ChatInput.tools``, so gRPC takes them too; a named function or "required" constrains the
+output through the guided path. The HTTP readers here check JSON shapes only; what a
+ChatInput says about tools is checked for both APIs in gateway/tools/tool_checks.py."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Function calling, the checks both APIs share: what a ``ChatInput`` says about tools
-(``tools``, assistant ``tool_calls``, ``tool`` turns), and how the chat template is given it.
-
-gateway/validation.py calls these for every chat request, gRPC or HTTP, so both
-refuse and render alike; the OpenAI body's shapes are read in gateway/tools/tool_calls.py.
-"""
+"""Function calling, the checks both APIs share (called by gateway/validation.py): what a
+``ChatInput`` says about tools, and how the chat template is given it."""
 
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
-"""Tools for a chat template that takes none: the Hermes convention, in plain turns.
+"""Tools for a chat template that takes none, in the Hermes convention (NousResearch Hermes,
+Qwen 2.5) that the default ``hermes`` parser reads. Such a template would drop them
+silently, as `apply_chat_template` does.
 
-A template that never reads `tools` (SmolLM2-Instruct's, many older ones) would
-drop them silently, as `apply_chat_template` does. Instead the turns it is given
-are rewritten into the form Hermes-style models (NousResearch Hermes, Qwen 2.5)
-are trained on, which the default ``hermes`` parser (gateway/tools/tool_parsers.py) reads:
-
-* a system block lists the tools' signatures as JSON inside ``<tools></tools>`` and
-  asks for each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-  it follows the conversation's own system message, or is the system message;
-* an assistant turn's ``tool_calls`` become such blocks after its text;
-* ``tool`` turns (results) become a user turn of ``<tool_response>`` blocks, one per
-  result, consecutive results in one turn (as Qwen's template renders them); a
-  result's own ``<tool_response>`` tags are escaped (``&lt;``), so it cannot close its
-  block. Control tokens in a result are text already (gateway/text/special_tokens.py).
-
-Roles other templates may refuse ("tool") never reach the template this way.
-"""
+A system block lists the signatures in ``<tools></tools>`` and asks for
+``<tool_call>{"name", "arguments"}</tool_call>`` (after the conversation's own system
+message, or as it); an assistant's ``tool_calls`` become such blocks after its text; ``tool``
+turns become one user turn of ``<tool_response>`` blocks per run of results (as Qwen's
+template renders them), so a "tool" role never reaches the template."""
 
 from __future__ import annotations
 
@@ -44,9 +35,8 @@ def _call_text(call: Mapping) -> str:
 
 
 def _escaped(result: str) -> str:
-    """A result's own ``<tool_response>`` tags, written as text the wrapper cannot be
-    mistaken for: a result that closes its block cannot open a second one (or a
-    ``<tool_call>`` outside it) in the model's eyes. What the tool said is kept."""
+    """A result's own ``<tool_response>`` tags escaped (``&lt;``), so a result cannot close
+    its block and open another (or a ``<tool_call>``) in the model's eyes."""
     return result.replace("<tool_response>", "&lt;tool_response&gt;").replace(
         "</tool_response>", "&lt;/tool_response&gt;")
 

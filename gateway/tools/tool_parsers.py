@@ -1,29 +1,17 @@
-"""Tool-call parsers: a model's free text to OpenAI tool calls (``tool_choice: "auto"``).
+"""Tool-call parsers: a model's free text to OpenAI tool calls (``tool_choice: "auto"``), a
+registry keyed by ``--tool-call-parser`` as vLLM's flag: ``hermes`` (the default:
+``<tool_call>`` blocks with the text around them kept as content, or a bare JSON call,
+which small models given the fallback prompt often write) and ``json`` / ``llama3_json``
+(the whole answer is one call or a list of them).
 
-A registry keyed by ``--tool-call-parser``, as vLLM's flag of that name:
-
-* ``hermes`` (the default): the Hermes / Qwen convention, any number of
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the text
-  around them kept as content; also an answer that is nothing but a bare JSON call
-  (``json`` below), since small models given the fallback prompt often drop the tags.
-* ``json`` (alias ``llama3_json``): the whole answer is one JSON call
-  ``{"name": ..., "arguments" | "parameters": {...}}`` or a list of them (Llama 3's
-  convention); anything else is content.
-
-A call counts only when its name is one of the request's tools and its arguments
-are a JSON object (or the JSON text of one); anything else stays content, so no
-text the model wrote is lost. Each parser is a stream: ``feed(text)`` answers what
-can be said so far, ``finish()`` the rest; a non-streamed answer is one feed and a
-finish, so both paths parse alike. Text that may still become a call (the start of
-``<tool_call>``, an answer opening with ``{``) is held back until it is decided.
-
-A stream made ``incremental`` (a streamed response) says instead what it found as
-``pieces`` in order: ``("call", Call)`` for a call found whole, and for a Hermes block
-that opens ``{"name": "<a tool>", "arguments": {`` a ``("name", name)`` at once, then
-``("arguments", text)`` pieces as they arrive; their concatenation is the arguments'
-JSON text as the model wrote it (all but the block's closing brace, which is held
-back until the tag shows it is not the arguments' own).
-"""
+A call counts only when it names one of the request's tools and its arguments are a JSON
+object (or its text); anything else stays content, so no text is lost. A parser is a
+stream: ``feed`` answers what can be said so far, ``finish`` the rest (a non-streamed answer
+is one feed and a finish, so both parse alike); text that may still become a call is held
+back. An ``incremental`` stream says what it found as ``pieces``: ``("call", Call)`` for a
+whole call, and for a Hermes block that opens ``{"name": "<a tool>", "arguments": {`` a
+``("name", name)`` at once, then ``("arguments", text)`` pieces whose concatenation is the
+arguments as written (the block's last ``}`` held until the tag shows it is not theirs)."""
 
 from __future__ import annotations
 
