@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
             sys.exit(config_main(args))
         if args.command == "capacity":
-            from continuum.capacity import main as capacity_main
+            from continuum.capacity.audit import main as capacity_main
 
             sys.exit(capacity_main(args))
         if args.command == "serve":
