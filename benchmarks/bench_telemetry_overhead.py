@@ -18,7 +18,7 @@ import pathlib
 import statistics
 import tempfile
 
-from continuum.bench import add_arguments, run_point
+from continuum.bench.run import add_arguments, run_point
 from harness import servers
 
 

@@ -162,7 +162,7 @@ def sim_row(profile: ExecutorProfile, config: SchedulerConfig, reqs: list[TraceR
 async def _send(client, specs, deadline_s: float):
     """Each spec at its arrival time (``run_workload``'s loop, with a deadline: a request
     still streaming at ``deadline_s`` is cancelled and counts as unfinished)."""
-    from continuum.bench_clients import Outcome
+    from continuum.bench.clients import Outcome
 
     started = time.perf_counter()
     clock = lambda: time.perf_counter() - started  # noqa: E731
@@ -184,8 +184,8 @@ async def _send(client, specs, deadline_s: float):
 
 def real_row(server, reqs: list[TraceRequest], served_per_s: float, deadline_s: float,
              log=print) -> dict:
-    from continuum.bench_clients import GrpcClient
-    from continuum.bench_workload import Spec
+    from continuum.bench.clients import GrpcClient
+    from continuum.bench.workload import Spec
 
     specs = [Spec(index=i, arrival_s=r.arrival_s, prompt_ids=list(r.prompt_ids),
                   max_tokens=r.num_output_tokens, tenant=r.tenant, tier=r.priority_tier)

@@ -3,12 +3,12 @@
 ``python -m sim --profile FILE --validate-against-server`` runs this as a process (sim/ may
 import only the scheduler core; this needs the load generator and the wire).
 
-One workload, built by ``continuum bench``'s own code (``bench_workload.build_workload``:
+One workload, built by ``continuum bench``'s own code (``bench.workload.build_workload``:
 Azure conversation lengths × ``--length-scale``, Poisson arrivals) at three rates up to
 saturation, each with a long-prompt burst (``burst`` prompts of ``long_len`` tokens that
 arrive together half way through). Each rate runs once through a real ``continuum serve``
-(started here on loopback ports, with its own internal secret; sent by ``bench_clients``,
-summarized by ``bench_report``) and once through the simulator with the fitted profile:
+(started here on loopback ports, with its own internal secret; sent by ``bench.clients``,
+summarized by ``bench.report``) and once through the simulator with the fitted profile:
 the SAME requests (token ids, lengths, arrival times), the same scheduler config and the
 server's own KV pool size (read from its Stats). Per rate it prints measured vs simulated
 output throughput, TTFT p50/p99, TPOT p50/p99 and preemptions, with the error.
@@ -68,8 +68,8 @@ QUICK = Workload(num_prompts=8, length_scale=0.03, max_input_len=64, max_output_
 
 def bench_specs(w: Workload, rate: float, seed: int):
     """``continuum bench --dataset azure`` requests at ``rate``, plus the burst."""
-    from continuum.bench import add_arguments, validate_args
-    from continuum.bench_workload import TOKEN_ID_RANGE, Spec, build_workload
+    from continuum.bench.run import add_arguments, validate_args
+    from continuum.bench.workload import TOKEN_ID_RANGE, Spec, build_workload
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -3,7 +3,7 @@ streaming client, same lengths, at 1, 8, 32 and 64 concurrent streams (docs/benc
 
 Both servers are driven through their OpenAI-compatible ``/v1/completions`` with
 token-id prompts, greedy, ``ignore_eos`` and ``max_tokens`` new tokens
-(``continuum.bench_clients.OpenAIClient``; llama-server accepts token-id prompts and
+(``continuum.bench.clients.OpenAIClient``; llama-server accepts token-id prompts and
 ``ignore_eos``). Each concurrency runs on both servers one after the other, the order
 alternating, ``--num-prompts`` = ``--prompts-per-stream`` x streams requests in a closed
 loop. Prompts come from the bundled model's vocabulary: serve llama-server the same
@@ -32,7 +32,7 @@ import pathlib
 import tempfile
 import time
 
-from continuum.bench import add_arguments, run_point, validate_args
+from continuum.bench.run import add_arguments, run_point, validate_args
 from harness import servers
 
 # What we aim for: our output tok/s over llama-server's, at least, by streams.
