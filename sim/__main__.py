@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--dollars-per-hour", type=float, default=report.DOLLARS_PER_HOUR,
                    help="the simulated hardware's price, for the $/1M out column "
-                        f"(default: the seed's ${report.DOLLARS_PER_HOUR}/h 4xA100 spot; "
+                        f"(default: ${report.DOLLARS_PER_HOUR}/h for a 4xA100 spot node; "
                         f"its target is under ${report.COST_TARGET} per 1M output tokens)")
     return p
 

@@ -17,7 +17,7 @@ Times are Unix seconds in double precision (not TIMESTAMPTZ) so both backends
 store and compare the same numbers; in PostgreSQL ``to_timestamp(completed_at)``
 reads them as timestamps.
 
-History: 1 is the seed's data model; 2 adds the fields docs/operations.md reports on (preemptions by
+History: 1 is the first data model; 2 adds the fields docs/operations.md reports on (preemptions by
 kind, scheduler version, cached blocks, preemptions per step), the per-minute
 iteration rollup that bounds the store's size, and a per-tenant index.
 """
