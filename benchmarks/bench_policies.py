@@ -19,10 +19,10 @@ import sys
 import tempfile
 import time
 
-from continuum.bench import add_arguments
-from continuum.bench_clients import GrpcClient, run_workload
-from continuum.bench_report import summarize_outcomes as summarize
-from continuum.bench_workload import build_workload
+from continuum.bench.clients import GrpcClient, run_workload
+from continuum.bench.report import summarize_outcomes as summarize
+from continuum.bench.run import add_arguments
+from continuum.bench.workload import build_workload
 from harness import servers
 from protos import tiers
 from scheduler_svc.core import policy as registry

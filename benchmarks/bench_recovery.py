@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from continuum.serve_config import ServeConfig
+from continuum.serve.config import ServeConfig
 from harness import servers
 from harness.streams import request
 from sim.metrics import percentile

@@ -22,8 +22,8 @@ import asyncio
 import math
 import sys
 
-from continuum.bench import add_arguments, run_point, validate_args
-from continuum.bench_workload import BenchError
+from continuum.bench.run import add_arguments, run_point, validate_args
+from continuum.bench.workload import BenchError
 
 
 def parse_bench(*flags: str) -> argparse.Namespace:

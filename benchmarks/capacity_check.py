@@ -1,12 +1,12 @@
 """``python -m benchmarks.capacity_check``: the capacity audit's verdict against the
 simulator's and a real run's, at the same load.
 
-Seed 002 says a passing plan "still needs trace replay and load testing". For a batching
-contract, each workload bound to it and this machine's fitted executor profile, three
-sources judge the same load:
+A passing capacity audit is a fluid screen and still needs trace replay and a load test.
+For a partitioned contract, each workload bound to it and this machine's fitted executor
+profile, three sources judge the same load:
 
 * **audit**: ``continuum capacity audit CONTRACT WORKLOAD --from-profile PROFILE``, called
-  in-process (``continuum.batching_profile.screen``): the fluid screen on the partitions
+  in-process (``continuum.capacity.profile.screen``): the fluid screen on the partitions
   the profile serves at the contract's iteration period.
 * **simulator**: Poisson arrivals of every class (fixed lengths per class, the class's
   tier) through ``sim.engine.Simulation`` with the profile as its cost model.
@@ -48,16 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from continuum import batching_profile
-from continuum.batching_audit import WITHIN
-from continuum.batching_contract import (
-    BatchingContract,
-    BatchingWorkload,
-    bind,
-    parse_contract,
-    parse_workload,
-)
-from continuum.contract import AuditError, load
+from continuum.capacity import profile as served_profile
+from continuum.capacity.audit import evaluate
+from continuum.capacity.contract import AuditError, Contract, Workload, read_plan
 from scheduler_svc.core import SchedulerConfig
 from sim.engine import BLOCK_SIZE, Simulation
 from sim.metrics import percentile, summarize
@@ -74,24 +67,24 @@ TOKEN_IDS = (1000, 20000)  # continuum bench's range: valid for any Llama vocabu
 @dataclasses.dataclass(frozen=True)
 class Plan:
     name: str
-    contract: BatchingContract
-    workload: BatchingWorkload
+    contract: Contract
+    workload: Workload
 
 
 def load_plan(contract_path: Path, workload_path: Path) -> Plan:
-    """Raises AuditError for a file that is not a batching contract / bound workload."""
-    k = parse_contract(load(contract_path), str(contract_path))
-    w = parse_workload(load(workload_path), str(workload_path))
-    bind(k, w)
+    """Raises AuditError for a file that is not a partitioned contract / bound workload."""
+    k, w = read_plan(contract_path, workload_path)
+    if k.model.name != "partitioned":
+        raise AuditError([f"{contract_path}: capacity_check screens a partitioned contract"])
     return Plan(workload_path.stem, k, w)
 
 
-def scheduler_config(k: BatchingContract, chunk: int) -> SchedulerConfig:
-    return SchedulerConfig(policy="chunked", max_num_seqs=k.max_active_sequences,
-                           chunk_size=chunk, max_num_batched_tokens=chunk + k.max_active_sequences)
+def scheduler_config(k: Contract, chunk: int) -> SchedulerConfig:
+    return SchedulerConfig(policy="chunked", max_num_seqs=k.max_num_seqs,
+                           chunk_size=chunk, max_num_batched_tokens=chunk + k.max_num_seqs)
 
 
-def arrivals(w: BatchingWorkload, duration_s: float, seed: int) -> list[TraceRequest]:
+def arrivals(w: Workload, duration_s: float, seed: int) -> list[TraceRequest]:
     """Poisson arrivals of each class at its rate, fixed lengths, random token ids (the
     same ids go to the simulator and the server, so prefix caching sees the same). A
     class that draws no arrival in a short run gets one at ``duration_s`` ÷ 2, so every
@@ -108,7 +101,7 @@ def arrivals(w: BatchingWorkload, duration_s: float, seed: int) -> list[TraceReq
             for r in merge(*streams)]
 
 
-def judge(k: BatchingContract, row: dict) -> str:
+def judge(k: Contract, row: dict) -> str:
     """WITHIN, or EXCEEDS with the bounds passed (what a client saw against the SLOs)."""
     over = [name for name, col, slo in (("queue", "queue p50 ms", k.slo_queue_ms),
                                         ("ttft", "TTFT p99 ms", k.slo_ttft_ms),
@@ -127,14 +120,15 @@ def _exceeds(over: list[str], shown: int = 3) -> str:
 def audit_row(profile: ExecutorProfile, plan: Plan, num_requests: int) -> tuple[dict, int]:
     """(the audit's row, the prefill chunk it capped to: the declared one when not one
     step fits the iteration, so the simulator and the server still run a sane config)."""
-    _, served, r = batching_profile.screen(profile, plan.contract, plan.workload.classes)
-    verdict = "WITHIN" if r.decision == WITHIN else _exceeds(list(r.violations))
+    measured, served = served_profile.screen(profile, plan.contract, plan.workload.classes)
+    r = evaluate(measured, plan.workload.classes)
+    verdict = "WITHIN" if r.ok else _exceeds(r.violated())
     nothing = served.decodes == 0 and served.prefill_tokens == 0  # no step fits T
     return {"source": "audit", "utilization %": math.inf if nothing else 100 * float(r.utilization),
             "queue p50 ms": float(r.queue_ms), "TTFT p99 ms": float(r.worst_ttft_ms),
             "TPOT p99 ms": float(r.tpot_ms), "requests": num_requests, "completed": "–",
             "refused": "–", "verdict": verdict}, (r.chunk_tokens
-                                                  or plan.contract.max_prefill_chunk_tokens)
+                                                  or plan.contract.chunk_size)
 
 
 class _Busy:
@@ -168,7 +162,7 @@ def sim_row(profile: ExecutorProfile, config: SchedulerConfig, reqs: list[TraceR
 async def _send(client, specs, deadline_s: float):
     """Each spec at its arrival time (``run_workload``'s loop, with a deadline: a request
     still streaming at ``deadline_s`` is cancelled and counts as unfinished)."""
-    from continuum.bench_clients import Outcome
+    from continuum.bench.clients import Outcome
 
     started = time.perf_counter()
     clock = lambda: time.perf_counter() - started  # noqa: E731
@@ -190,8 +184,8 @@ async def _send(client, specs, deadline_s: float):
 
 def real_row(server, reqs: list[TraceRequest], served_per_s: float, deadline_s: float,
              log=print) -> dict:
-    from continuum.bench_clients import GrpcClient
-    from continuum.bench_workload import Spec
+    from continuum.bench.clients import GrpcClient
+    from continuum.bench.workload import Spec
 
     specs = [Spec(index=i, arrival_s=r.arrival_s, prompt_ids=list(r.prompt_ids),
                   max_tokens=r.num_output_tokens, tenant=r.tenant, tier=r.priority_tier)
@@ -233,7 +227,7 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
     audits = [audit_row(profile, p, len(r)) for p, r in zip(plans, loads, strict=True)]
     chunk = audits[0][1]
     config = scheduler_config(k, chunk)
-    num_blocks = k.kv_capacity_bytes // (BLOCK_SIZE * profile.kv_bytes_per_token)
+    num_blocks = k.kv_memory_bytes // (BLOCK_SIZE * profile.kv_bytes_per_token)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="capacity-check-") as tmp:
         server = _start(k, config, tmp, log) if real else None
@@ -241,9 +235,8 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
             if server is not None:
                 num_blocks = server.stats().num_total_blocks
             for plan, reqs, (audit, _) in zip(plans, loads, audits, strict=True):
-                _, served, _ = batching_profile.screen(profile, plan.contract,
-                                                       plan.workload.classes)
-                per_s = sum(map(float, served.partitions(plan.contract.iteration_ms)))
+                _, served = served_profile.screen(profile, plan.contract, plan.workload.classes)
+                per_s = sum(map(float, served.partitions(plan.contract.model.iteration_ms)))
                 got = [audit, sim_row(profile, config, reqs, num_blocks)]
                 if server is not None:
                     started = time.perf_counter()
@@ -259,12 +252,12 @@ def check(profile: ExecutorProfile, plans: list[Plan], duration_s: float, real: 
     return rows
 
 
-def _start(k: BatchingContract, config: SchedulerConfig, tmp: str, log):
+def _start(k: Contract, config: SchedulerConfig, tmp: str, log):
     from benchmarks import sim_server
     from benchmarks.sim_validate import Workload
 
     started = time.perf_counter()
-    server = sim_server.start(Workload(kv_cache_bytes=k.kv_capacity_bytes), config, tmp)
+    server = sim_server.start(Workload(kv_cache_bytes=k.kv_memory_bytes), config, tmp)
     log(f"continuum serve ready ({time.perf_counter() - started:.0f} s): chunked, "
         f"{config.max_num_seqs} sequences, chunk {config.chunk_size}, budget "
         f"{config.max_num_batched_tokens} tokens/step")

@@ -63,7 +63,7 @@ def calibration(server: Serve, profile: ExecutorProfile, config: SchedulerConfig
       it): the value at which the simulator, given the same batch, matches its measured
       TTFT p50 (bisection; 0 when it is already as slow).
     """
-    from continuum.bench_workload import TOKEN_ID_RANGE, Spec
+    from continuum.bench.workload import TOKEN_ID_RANGE, Spec
 
     rng = random.Random(7)
 

@@ -94,8 +94,8 @@ def step_figures(steps: int, busy_s: float, seqs: int, prefill: int) -> dict:
 
 
 def measured(server: servers.Serve, specs) -> dict:
-    from continuum.bench_clients import GrpcClient, run_workload
-    from continuum.bench_report import summarize_outcomes
+    from continuum.bench.clients import GrpcClient, run_workload
+    from continuum.bench.report import summarize_outcomes
 
     before = server.stats().num_preemptions
 

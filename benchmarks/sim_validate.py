@@ -61,8 +61,8 @@ QUICK = Workload(num_prompts=8, length_scale=0.03, max_input_len=64, max_output_
 
 def bench_specs(w: Workload, rate: float, seed: int):
     """``continuum bench --dataset azure`` requests at ``rate``, plus the burst."""
-    from continuum.bench import add_arguments, validate_args
-    from continuum.bench_workload import TOKEN_ID_RANGE, Spec, build_workload
+    from continuum.bench.run import add_arguments, validate_args
+    from continuum.bench.workload import TOKEN_ID_RANGE, Spec, build_workload
 
     p = argparse.ArgumentParser()
     add_arguments(p)

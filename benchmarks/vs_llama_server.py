@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from benchmarks.bench_serve import parse_bench
-from continuum.bench import run_point
+from continuum.bench.run import run_point
 from harness import servers
 
 # What we aim for: our output tok/s over llama-server's, at least, by streams.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from continuum import serve_config
+from continuum.serve.config import add_flags
 
 DEFAULT_PORT = 50051
 
@@ -16,7 +16,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
                        description="Serve a model (default: the bundled SmolLM2-135M-Instruct): "
                                    "gRPC on 127.0.0.1:50051, OpenAI's HTTP API on :8000. "
                                    "Every flag of the three services, grouped by service.")
-    serve_config.add_flags(p)
+    add_flags(p)
     return p
 
 
@@ -51,8 +51,8 @@ def _generate_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from continuum.bench import __doc__ as doc
-    from continuum.bench import add_arguments
+    from continuum.bench.run import __doc__ as doc
+    from continuum.bench.run import add_arguments
 
     p = sub.add_parser("bench", help="load-test a running server (gRPC or OpenAI HTTP)",
                        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,7 +61,7 @@ def _bench_parser(sub) -> None:
 
 def _ops_parsers(sub) -> None:
     """``report`` and ``gate``: read the telemetry store / bench results (docs/operations.md)."""
-    from continuum import gate, report
+    from continuum.ops import gate, report
 
     for name, module, helptext in (
             ("report", report, "latency per tier and tenant over a telemetry window"),
@@ -72,7 +72,7 @@ def _ops_parsers(sub) -> None:
 
 
 def _config_parser(sub) -> None:
-    from continuum import config_cli
+    from continuum.ops import config_cli
 
     p = sub.add_parser("config", help="the scheduler's config: get, set live, history, rollback",
                        description=config_cli.__doc__,
@@ -98,23 +98,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
-            from continuum.bench import main as bench_main
+            from continuum.bench.run import main as bench_main
 
             sys.exit(bench_main(args))
         if args.command in ("report", "gate"):
-            from continuum import gate, report
+            from continuum.ops import gate, report
 
             sys.exit((report if args.command == "report" else gate).main(args))
         if args.command == "config":
-            from continuum.config_cli import main as config_main
+            from continuum.ops.config_cli import main as config_main
 
             sys.exit(config_main(args))
         if args.command == "capacity":
-            from continuum.capacity import main as capacity_main
+            from continuum.capacity.audit import main as capacity_main
 
             sys.exit(capacity_main(args))
         if args.command == "serve":
-            from continuum.supervisor import ServeError, Supervisor
+            from continuum.serve.supervisor import ServeError, Supervisor
 
             try:
                 sys.exit(Supervisor(args).run())

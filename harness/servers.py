@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from continuum.procs import free_port, spawn
+from continuum.serve.procs import free_port, spawn
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 

@@ -1,12 +1,12 @@
 """What the reliability rows and the tests send through the one client stream
-(continuum/bench_clients.py): a GenerateRequest or a completion body whose length is known
+(continuum/bench/clients.py): a GenerateRequest or a completion body whose length is known
 in advance, and a polite client that waits out each refusal."""
 
 from __future__ import annotations
 
 import asyncio
 
-from continuum.bench_clients import Outcome, grpc_stream
+from continuum.bench.clients import Outcome, grpc_stream
 from protos.continuum.v1 import generation_pb2 as gen
 
 

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     p.add_argument("--dollars-per-hour", type=float, default=report.DOLLARS_PER_HOUR,
                    help="the simulated hardware's price, for the $/1M out column "
-                        f"(default: the seed's ${report.DOLLARS_PER_HOUR}/h 4xA100 spot; "
+                        f"(default: ${report.DOLLARS_PER_HOUR}/h for a 4xA100 spot node; "
                         f"its target is under ${report.COST_TARGET} per 1M output tokens)")
     return p
 
@@ -166,12 +166,14 @@ def _contract(cost: StepCostModel, max_num_seqs: int) -> str:
                       for b in (1, 8, 32, 64, max_num_seqs))
     return "\n".join([
         f"max_num_seqs = {max_num_seqs}",
+        f"kv_bytes_per_token = {cost.model.kv_bytes_per_token}",
+        f"kv_memory_bytes = {hw.tp * cost.kv_pool_bytes_per_gpu}",
+        "[model]",
+        'name = "service-curve"',
         f"prefill_tokens_per_s = {chunk / cost.prefill_time(chunk):.0f}"
         f"  # a {chunk}-token chunk alone",
         f"decode_step_ms = [{table}]  # at zero context",
         f"kv_read_bytes_per_s = {hw.tp * hw.hbm_bytes_per_s * hw.decode_attn_bw_efficiency:.4g}",
-        f"kv_bytes_per_token = {cost.model.kv_bytes_per_token}",
-        f"kv_memory_bytes = {hw.tp * cost.kv_pool_bytes_per_gpu}",
     ])
 
 

@@ -119,7 +119,7 @@ def summarize(requests: Iterable[Timing], duration_s: float | None = None,
 
 def cost_per_million(output_tokens_per_s: float, dollars_per_hour: float) -> float:
     """Dollars per 1M output tokens at ``output_tokens_per_s`` on hardware rented at
-    ``dollars_per_hour`` (the seed's figure: $8.20/h spot 4xA100, target under $0.50);
+    ``dollars_per_hour`` (default: $8.20/h spot 4xA100, target under $0.50);
     NaN when nothing was produced."""
     if not output_tokens_per_s > 0:
         return float("nan")

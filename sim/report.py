@@ -15,7 +15,7 @@ from sim.metrics import cost_per_million, summarize
 from sim.workload import TraceRequest, merge, poisson_class, split_classes
 
 POLICIES = tuple(policy.POLICIES)  # the core's registry, in its order
-# The seed's price of the simulated hardware (a 4xA100 80GB spot node), and its target:
+# The price of the simulated hardware (a 4xA100 80GB spot node), and the cost target:
 # under $0.50 per 1M output tokens. `python -m sim --dollars-per-hour` changes the price.
 DOLLARS_PER_HOUR = 8.20
 COST_TARGET = 0.50

@@ -17,7 +17,7 @@ Times are Unix seconds in double precision (not TIMESTAMPTZ) so both backends
 store and compare the same numbers; in PostgreSQL ``to_timestamp(completed_at)``
 reads them as timestamps.
 
-Versions: 1 the seed's data model; 2 the fields docs/operations.md reports on, the
+Versions: 1 the first data model; 2 the fields docs/operations.md reports on, the
 per-minute iteration rollup and a per-tenant index.
 """
 

@@ -79,7 +79,7 @@ MAY_IMPORT = {
 # shares with the benchmarks from harness/.
 TESTS_OF_BENCHMARKS = ("tests/bench/", "tests/reliability/")
 # The service modules continuum/ may import besides MAY_IMPORT, and why. It starts the
-# services as processes (continuum/supervisor.py runs ``python -m gateway`` and friends); it
+# services as processes (continuum/serve/supervisor.py runs ``python -m gateway`` and friends); it
 # imports a service module only for a definition that must be the same on both sides.
 TOOL_IMPORTS = {
     "executor_svc.settings": "the executor's config, whose fields are `continuum serve`'s "

@@ -65,7 +65,7 @@ def test_the_schedulers_per_tier_fields_follow_the_tier_names():
 def test_every_surface_takes_every_spelling():
     """An API key's tiers, a body's priority, --objective-tier and `continuum report
     --tier` read tiers through protos/tiers.py; each keeps its old spelling."""
-    from continuum.report import parse_tier
+    from continuum.ops.report import parse_tier
     from gateway.admit.auth import ApiKeys
     from gateway.admit.routing_headers import objective_priority, parse_objective_tiers
     from gateway.api.openai_fields import _priority

@@ -20,7 +20,7 @@ import time
 import grpc
 
 from benchmarks.reliability.hostile_load import Kind, Sender
-from continuum.bench_clients import Outcome, grpc_stream
+from continuum.bench.clients import Outcome, grpc_stream
 from harness import servers
 from harness.streams import request
 from sim.metrics import itl_gaps, percentile

@@ -27,7 +27,7 @@ import time
 
 import aiohttp
 
-from continuum.bench_clients import http_stream
+from continuum.bench.clients import http_stream
 from harness import servers
 from sim.metrics import percentile
 

@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from continuum.bench_clients import Outcome
+from continuum.bench.clients import Outcome
 from harness import servers
 from harness.streams import grpc_stream_accepted, request
 

@@ -18,7 +18,7 @@ import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from continuum.bench_clients import SERVER_ERROR_CODES
+from continuum.bench.clients import SERVER_ERROR_CODES
 from gateway.api import openai_schema
 from harness import proto_strategies
 from harness.body_strategies import ANY_JSON, LENGTH_KEYS, SCALAR, splice

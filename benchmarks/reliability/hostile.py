@@ -32,7 +32,7 @@ from benchmarks.reliability.hostile_load import (
     costly_kinds,
     heavy_kinds,
 )
-from continuum.bench_clients import Outcome, grpc_stream
+from continuum.bench.clients import Outcome, grpc_stream
 from harness import servers
 from harness.streams import request
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc

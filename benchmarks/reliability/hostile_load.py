@@ -25,7 +25,7 @@ import time
 import aiohttp
 import grpc
 
-from continuum.bench_clients import grpc_stream, http_stream
+from continuum.bench.clients import grpc_stream, http_stream
 from harness.streams import request
 from protos.continuum.v1 import generation_pb2_grpc
 

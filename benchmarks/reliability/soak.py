@@ -19,7 +19,7 @@ import time
 
 import aiohttp
 
-from continuum.bench_clients import Outcome, grpc_stream, http_stream
+from continuum.bench.clients import Outcome, grpc_stream, http_stream
 from harness import servers
 from harness.streams import completion_body, request
 

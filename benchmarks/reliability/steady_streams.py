@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 
-from continuum.bench_clients import grpc_stream, http_stream
+from continuum.bench.clients import grpc_stream, http_stream
 from harness.streams import completion_body, request
 
 PROMPTS = ("Tell me about the sea.", "Count to ten.", "Name three colors.",

@@ -1,4 +1,4 @@
-"""continuum/bench_clients.py's OpenAI client against a real socket that misbehaves as
+"""continuum/bench/clients.py's OpenAI client against a real socket that misbehaves as
 llama-server's keep-alive handling does: a request whose connection fails before any
 response is sent again (at most RETRIES times), never one that got an answer."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from continuum.bench_clients import OpenAIClient, Outcome
-from continuum.bench_workload import Spec
+from continuum.bench.clients import OpenAIClient, Outcome
+from continuum.bench.workload import Spec
 
 _SSE = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (
     {"choices": [{"text": "a"}]}, {"choices": [{"text": "b", "finish_reason": "length"}]},

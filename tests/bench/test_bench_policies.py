@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from benchmarks import bench_policies
 from continuum.cli import build_parser
-from continuum.serve_config import Configs
+from continuum.serve.config import Configs
 from scheduler_svc.core.config import QUEUE_TIME_FIELDS, TPOT_TARGET_FIELDS
 
 

@@ -4,7 +4,7 @@ the stopped server refuses is ``Serve.why_stopped``: tests/integration/test_cras
 from __future__ import annotations
 
 from benchmarks.bench_recovery import restart_budget
-from continuum.restart_guard import RestartGuard
+from continuum.serve.restart_guard import RestartGuard
 from tests.continuum.test_restart_guard import serve_args
 
 

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from benchmarks import bench_serve
-from continuum.bench_workload import build_workload
+from continuum.bench.workload import build_workload
 
 
 def test_a_row_is_a_closed_loop_of_c_clients():

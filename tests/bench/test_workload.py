@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from continuum.bench import add_arguments, validate_args
-from continuum.bench_clients import Outcome
-from continuum.bench_report import summarize_outcomes
-from continuum.bench_workload import TOKEN_ID_RANGE, BenchError, build_workload
+from continuum.bench.clients import Outcome
+from continuum.bench.report import summarize_outcomes
+from continuum.bench.run import add_arguments, validate_args
+from continuum.bench.workload import TOKEN_ID_RANGE, BenchError, build_workload
 
 
 def args(*argv: str) -> argparse.Namespace:

@@ -65,9 +65,9 @@ def test_quick_check_prints_three_verdicts_and_audit_agrees_with_simulator_when_
 
 def test_workload_of_another_contract_is_refused(profile):
     res = _check("--profile", str(profile), "--no-real",
-                 "--workload", str(DOCS / "seed-workload.toml"))
+                 "--workload", str(DOCS / "illustrative-workload.toml"))
     assert res.returncode == 2
-    assert "belongs to another batching contract" in res.stderr
+    assert "written for contract 'illustrative-70b-partitioned'" in res.stderr
 
 
 def test_a_file_that_is_not_a_profile_is_refused(tmp_path):

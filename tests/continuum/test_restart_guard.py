@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from continuum.cli import build_parser
-from continuum.restart_guard import RestartGuard
-from continuum.supervisor import ServeError, Supervisor
+from continuum.serve.restart_guard import RestartGuard
+from continuum.serve.supervisor import ServeError, Supervisor
 
 
 def serve_args(*flags: str):

@@ -13,7 +13,7 @@ import typing
 import pytest
 
 from continuum.cli import build_parser
-from continuum.serve_config import SERVICES, Configs, ServeConfig, ServeConfigError
+from continuum.serve.config import SERVICES, Configs, ServeConfig, ServeConfigError
 from executor_svc import __main__ as executor_main
 from executor_svc.settings import ExecutorConfig
 from gateway import __main__ as gateway_main

@@ -4,7 +4,7 @@ each to the scheduler, which parses them as its own."""
 from __future__ import annotations
 
 from continuum.cli import build_parser
-from continuum.serve_config import Configs
+from continuum.serve.config import Configs
 from scheduler_svc.__main__ import parse_args as scheduler_args
 
 FLAGS = ["--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-topic", "kv@pod@m",

@@ -14,8 +14,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from continuum import supervisor
-from continuum.supervisor import ServeError, Supervisor
+from continuum.serve import supervisor
+from continuum.serve.supervisor import ServeError, Supervisor
 from gateway.config import GatewayConfig
 
 

@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from continuum.cli import build_parser
-from continuum.serve_config import Configs
+from continuum.serve.config import Configs
 from deploy import probe
 from executor_svc.settings import parse_bytes
 from gateway import __main__ as gateway_main
@@ -44,7 +44,7 @@ K8S = DEPLOY / "k8s"
 OVERLAYS = ("cpu", "gpu", "cpu-standby")
 KUBERNETES_VERSION = "1.31.0"  # the schemas the manifests are validated against
 SERVICES = ("scheduler_svc", "executor_svc", "gateway")  # each needs the internal secret
-# continuum/supervisor.py gives the executor this long to stop once the drain is done.
+# continuum/serve/supervisor.py gives the executor this long to stop once the drain is done.
 EXECUTOR_STOP_S = 10
 # The GIE CRDs: kubernetes-validate ships only the built-in kinds' schemas.
 CRDS = {"InferencePool", "InferenceObjective"}

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
 
 PROBE = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "probe.py"

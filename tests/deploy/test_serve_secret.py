@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from continuum.cli import build_parser
-from continuum.supervisor import ServeError, Supervisor, check_ipc_dir, internal_secret
+from continuum.serve.supervisor import ServeError, Supervisor, check_ipc_dir, internal_secret
 from runtime import internal_auth
 
 ENV, FILE, INSECURE = internal_auth.ENV_SECRET, internal_auth.ENV_SECRET_FILE, \

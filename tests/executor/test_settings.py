@@ -69,7 +69,7 @@ def test_the_weight_format_flag_wins_over_the_variable(capsys):
 
 def test_serve_passes_the_weight_format_to_its_executors(tmp_path):
     from continuum.cli import build_parser
-    from continuum.supervisor import Supervisor
+    from continuum.serve.supervisor import Supervisor
 
     parser, _ = build_parser()
     for flags, passed in (([], None), (["--weight-format", "fp32"], "fp32")):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from continuum.procs import free_port  # noqa: F401 (the tests take it from here)
+from continuum.serve.procs import free_port  # noqa: F401 (the tests take it from here)
 from gateway.app import start_gateway
 from gateway.config import GatewayConfig
 from protos.continuum.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc

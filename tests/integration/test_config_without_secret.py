@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from continuum import local_state
+from continuum.serve import local_state
 from runtime import internal_auth
 
 from .conftest import start_server

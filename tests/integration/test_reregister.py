@@ -16,7 +16,7 @@ import grpc
 import pytest
 import zmq
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 
 pytestmark = pytest.mark.integration
 

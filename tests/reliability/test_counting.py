@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.reliability import burst, overload
 from benchmarks.reliability.chaos import classify, duplicated
-from continuum.bench_clients import Outcome
+from continuum.bench.clients import Outcome
 from sim.metrics import percentile
 
 REF = [1, 2, 3, 4, 5, 6]

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from tests.tiers import spawns_processes
 
 START_TIMEOUT_S = 60

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from scheduler_svc import link as link_module

@@ -1,4 +1,4 @@
-"""The seed's operational guards: the prefill ceiling's alert and clamp, the
+"""The operational guards: the prefill ceiling's alert and clamp, the
 cap on concurrent swaps, and a request whose client vanished (killed, no cancel sent)
 ending in a real scheduler process."""
 

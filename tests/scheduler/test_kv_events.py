@@ -18,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from scheduler_svc.core import SchedulerConfig
 from scheduler_svc.core.kv_events import KVEventLog
 from scheduler_svc.kv_events import KVEventPublisher, endpoint_problem

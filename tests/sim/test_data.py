@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from continuum.bench import add_arguments
-from continuum.bench_workload import BenchError, build_workload
+from continuum.bench.run import add_arguments
+from continuum.bench.workload import BenchError, build_workload
 from sim.data import TraceError, data_dir, default_trace, read_trace
 from sim.workload import load_trace
 

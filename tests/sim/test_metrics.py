@@ -88,7 +88,7 @@ def test_tpot_is_the_mean_gap_after_the_first_token():
 def test_cost_per_million_output_tokens():
     from sim.metrics import cost_per_million
 
-    # The seed's node, $8.20/h, at 8,000 output tokens/s: $0.285 per 1M.
+    # The simulated 4xA100 spot node, $8.20/h, at 8,000 output tokens/s: $0.285 per 1M.
     assert abs(cost_per_million(8000.0, 8.20) - 8.20 / 3600 / 8000 * 1e6) < 1e-12
     assert round(cost_per_million(8000.0, 8.20), 3) == 0.285
     assert math.isnan(cost_per_million(0.0, 8.20))

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from continuum.procs import free_port
+from continuum.serve.procs import free_port
 from telemetry import TelemetryStore
 
 _PG_BIN_DIRS = sorted(pathlib.Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)

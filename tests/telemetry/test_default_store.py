@@ -12,8 +12,8 @@ import sys
 import grpc
 import pytest
 
-from continuum import local_state
-from continuum.serve_config import telemetry_dsn
+from continuum.serve import local_state
+from continuum.serve.config import telemetry_dsn
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc
 from tests.integration.conftest import start_server

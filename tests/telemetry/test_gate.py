@@ -1,7 +1,7 @@
 """``continuum gate``: pass, fail and usage errors over bench results and telemetry windows.
 
 The bench files are made by ``continuum bench``'s own summarizer
-(``bench_report.summarize_outcomes``) from synthetic outcomes, so they have exactly
+(``continuum.bench.report.summarize_outcomes``) from synthetic outcomes, so they have exactly
 the shape ``continuum bench --output`` writes.
 """
 
@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from continuum.bench_clients import Outcome
-from continuum.bench_report import summarize_outcomes
+from continuum.bench.clients import Outcome
+from continuum.bench.report import summarize_outcomes
 from telemetry import TelemetryWriter
 from tests.telemetry.test_report import run_cli
 from tests.telemetry.test_store import seq

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from continuum.cli import main as cli_main
-from continuum.report import ReportError, parse_time, parse_window
+from continuum.ops.report import ReportError, parse_time, parse_window
 from telemetry import TelemetryWriter
 from tests.telemetry.test_store import seq, step
 

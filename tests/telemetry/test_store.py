@@ -55,7 +55,7 @@ def test_every_record_type_reads_back_equal(store):
 
 
 def test_an_older_store_is_migrated_and_keeps_its_rows(store_target):
-    """A version-1 store (the seed's columns) opened by this server becomes version 2."""
+    """A version-1 store (the first schema's columns) opened by this server becomes version 2."""
     with TelemetryStore.open(store_target, target_version=1) as old:
         assert old.version == 1
         old.execute("INSERT INTO sequences (request_id, tenant, tier, model_version, "

@@ -1,17 +1,13 @@
-"""``continuum capacity audit --from-profile PROFILE``: a batching contract screened
+"""``continuum capacity audit --from-profile PROFILE``: a partitioned contract screened
 against what this machine's fitted executor profile says it serves.
 
-A declared contract says how many token/s the replica serves and how they split into
-prefill and decode. A fitted profile (``python -m benchmarks.fit_profile``, read by
+A fitted profile (``python -m benchmarks.fit_profile``, read by
 ``sim.profile.ExecutorProfile``) says how long a step with B decodes and a C-token
 prefill chunk takes here. At the contract's iteration period T and its declared
 prefill:decode split, the largest step that still fits in T gives what the machine
 serves: Rp = C ÷ T prompt tokens/s and Rd = B ÷ T decode tokens/s (each decode reads
 the workload's mean context). The audit then runs on those partitions instead of the
 declared ones; a declared budget over the served one is said in a note.
-
-This is still the fluid screen (``continuum.batching_audit``); ``benchmarks/
-capacity_check.py`` compares its verdict with the simulator and a real run.
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ import dataclasses
 import math
 from fractions import Fraction
 
-from continuum.batching_audit import Report, evaluate
-from continuum.batching_contract import BatchingClass, BatchingContract
+from continuum.capacity.contract import Contract, RequestClass
+from continuum.capacity.partitioned import exact
 from sim.profile import ExecutorProfile
 
 MAX_TOKENS_PER_STEP = 1 << 16
@@ -36,28 +32,28 @@ class Served:
     context: int  # mean KV tokens each decode reads
     step_ms: float  # the profile's time for that step
 
-    def partitions(self, iteration_ms: Fraction) -> tuple[Fraction, Fraction]:
-        per_s = 1000 / iteration_ms
+    def partitions(self, iteration_ms) -> tuple[Fraction, Fraction]:
+        per_s = 1000 / exact(iteration_ms)
         return self.prefill_tokens * per_s, self.decodes * per_s
 
 
-def _mean_context(classes: tuple[BatchingClass, ...]) -> int:
+def _mean_context(classes: tuple[RequestClass, ...]) -> int:
     """Mean context a decoding sequence holds: its prompt plus half its output, weighted
     by the time each class spends decoding (rate × output tokens)."""
-    weight = sum(c.rate_per_s * c.output_tokens for c in classes)
+    weight = sum(exact(c.rate_per_s) * c.output_tokens for c in classes)
     if not weight:
         return 0
-    total = sum(c.rate_per_s * c.output_tokens * (c.prompt_tokens + Fraction(c.output_tokens, 2))
-                for c in classes)
+    total = sum(exact(c.rate_per_s) * c.output_tokens
+                * (c.prompt_tokens + Fraction(c.output_tokens, 2)) for c in classes)
     return math.ceil(total / weight)
 
 
-def served(profile: ExecutorProfile, k: BatchingContract,
-           classes: tuple[BatchingClass, ...]) -> Served:
+def served(profile: ExecutorProfile, k: Contract, classes: tuple[RequestClass, ...]) -> Served:
     """The largest step at the declared prefill share that fits one iteration (bisection
     over tokens per step; the profile's step time grows with tokens)."""
-    share = k.prefill_partition_per_s / (k.prefill_partition_per_s + k.decode_partition_per_s)
-    context, period_s = _mean_context(classes), float(k.iteration_ms) / 1000
+    rp, rd = exact(k.model.prefill_partition_per_s), exact(k.model.decode_partition_per_s)
+    share = rp / (rp + rd)
+    context, period_s = _mean_context(classes), float(k.model.iteration_ms) / 1000
 
     def split(n: int) -> tuple[int, int]:
         prefill = math.floor(n * share)
@@ -79,30 +75,31 @@ def served(profile: ExecutorProfile, k: BatchingContract,
     return Served(decodes, prefill, context, step_s(lo) * 1000 if lo else 0.0)
 
 
-def screen(profile: ExecutorProfile, k: BatchingContract,
-           classes: tuple[BatchingClass, ...]) -> tuple[BatchingContract, Served, Report]:
-    """(the contract with the served partitions, what is served, the audit on them). A
-    period that not one step fits leaves partitions of ~0: every bound is over."""
+def screen(profile: ExecutorProfile, k: Contract,
+           classes: tuple[RequestClass, ...]) -> tuple[Contract, Served]:
+    """(the contract with the served partitions, what is served). A period that not one
+    step fits leaves partitions of ~0: every bound is over."""
     s = served(profile, k, classes)
-    prefill, decode = s.partitions(k.iteration_ms)
+    prefill, decode = s.partitions(k.model.iteration_ms)
     tiny = Fraction(1, 10**9)
-    measured = dataclasses.replace(k, prefill_partition_per_s=max(prefill, tiny),
-                                   decode_partition_per_s=max(decode, tiny),
-                                   token_budget_per_s=max(prefill + decode, 2 * tiny))
-    return measured, s, evaluate(measured, classes)
+    model = dataclasses.replace(k.model, prefill_partition_per_s=max(prefill, tiny),
+                                decode_partition_per_s=max(decode, tiny),
+                                token_budget_per_s=max(prefill + decode, 2 * tiny))
+    return dataclasses.replace(k, model=model), s
 
 
-def describe(profile: ExecutorProfile, declared: BatchingContract, s: Served,
-             measured: BatchingContract) -> list[str]:
+def describe(profile: ExecutorProfile, declared: Contract, s: Served,
+             measured: Contract) -> list[str]:
     """The key=value lines that say what the profile serves against what was declared."""
+    d, m = declared.model, measured.model
     lines = [f"profile={profile.describe()}",
              f"served_per_iteration=decodes:{s.decodes},prefill_tokens:{s.prefill_tokens},"
              f"context:{s.context},step_ms:{s.step_ms:.1f}",
-             f"declared_token_budget_per_s={float(declared.token_budget_per_s):.0f};"
-             f"served={float(measured.token_budget_per_s):.0f};"
-             f"prefill={float(measured.prefill_partition_per_s):.0f};"
-             f"decode={float(measured.decode_partition_per_s):.0f}"]
-    if declared.token_budget_per_s > measured.token_budget_per_s:
+             f"declared_token_budget_per_s={float(d.token_budget_per_s):.0f};"
+             f"served={float(m.token_budget_per_s):.0f};"
+             f"prefill={float(m.prefill_partition_per_s):.0f};"
+             f"decode={float(m.decode_partition_per_s):.0f}"]
+    if exact(d.token_budget_per_s) > exact(m.token_budget_per_s):
         lines.append("note=the contract declares more token/s than this machine serves at "
                      "its iteration period; the audit above uses what it serves")
     return lines

@@ -2,7 +2,7 @@
 
 It answers "why was tenant X slow at 14:05" in one call: ``continuum report
 --since 14:00 --until 14:10 --tenant X`` prints (from the store ``continuum serve``
-writes, found as serve finds it, continuum/local_state.py; ``--store`` names
+writes, found as serve finds it, continuum/serve/local_state.py; ``--store`` names
 another, and stderr says which was read), per tier and per
 tenant, p50/p99 of the three parts a request's latency splits into — queue wait
 (arrival to admission), prefill (admission to first token, TTFT minus queue
@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from continuum import local_state
+from continuum.serve import local_state
 from protos import tiers
 from sim.metrics import percentile
 from telemetry import SequenceRecord, StoreError, TelemetryStore
@@ -254,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
         with TelemetryStore.open(dsn, migrate=False) as store:
             report = build_report(store, since, until, args.tenant, tier)
             if args.plot:
-                from continuum.report_plot import plot
+                from continuum.ops.report_plot import plot
 
                 plot(store, since, until, args.tenant, tier, args.plot)
     except (ReportError, StoreError) as exc:

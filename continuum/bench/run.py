@@ -19,7 +19,7 @@ and per tier and tenant. ``--output`` writes JSON; ``--sweep-rates`` runs severa
 and ``--plot`` draws latency percentiles against offered load.
 
 This module is the command (flags, checks, the sweep); the requests are built in
-``bench_workload``, sent by ``bench_clients`` and summarized by ``bench_report``.
+``bench.workload``, sent by ``bench.clients`` and summarized by ``bench.report``.
 The trace is read by ``sim.data.read_trace``; its default path follows
 ``$CONTINUUM_DATA_DIR`` like every other tool's.
 """
@@ -34,8 +34,8 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from continuum.bench_report import format_report, plot_sweep, summarize_outcomes
-from continuum.bench_workload import BenchError, build_workload
+from continuum.bench.report import format_report, plot_sweep, summarize_outcomes
+from continuum.bench.workload import BenchError, build_workload
 from protos import tiers
 
 
@@ -138,7 +138,7 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 async def run_point(args: argparse.Namespace, rate: float, point: int = 0) -> tuple[dict, str]:
     """One load point at ``rate``: build the requests, send them, summarize; returns the
-    report (``bench_report.summarize_outcomes`` plus its ``config``) and its title.
+    report (``bench.report.summarize_outcomes`` plus its ``config``) and its title.
 
     ``point`` offsets the seed: each point of a sweep gets fresh prompts, since the
     same ids would hit the prefix cache. ``args`` must have passed ``validate_args``.
@@ -147,7 +147,7 @@ async def run_point(args: argparse.Namespace, rate: float, point: int = 0) -> tu
     specs = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + point}),
                            rate)
     # grpc and aiohttp load here, not when the CLI parses its flags
-    from continuum.bench_clients import GrpcClient, OpenAIClient, run_workload
+    from continuum.bench.clients import GrpcClient, OpenAIClient, run_workload
 
     client = (OpenAIClient(args.base_url, args.api_key) if args.api == "openai"
               else GrpcClient(args.addr, args.api_key))

@@ -12,7 +12,7 @@ A takeover budget of its own would only let a poisoned server run longer before 
 says so.
 
 ``--max-executor-restarts N`` (default 5) replacements within ``--restart-window-s S``
-(default 120; fields of continuum/serve_config.py's ServeConfig): the (N+1)-th death
+(default 120; fields of continuum/serve/config.py's ServeConfig): the (N+1)-th death
 within S seconds stops the whole server with a line that names both flags. ``N = 0``
 never replaces an executor: its first death stops the
 server (for an orchestrator that restarts the pod itself). A standby that keeps dying

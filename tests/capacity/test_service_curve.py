@@ -1,4 +1,5 @@
-"""``continuum capacity audit``: input validation and the decisions it reaches."""
+"""``continuum capacity audit`` with a service-curve contract: input validation and the
+decisions it reaches."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import pathlib
 
 import pytest
 
-from continuum.capacity import audit
-from continuum.capacity_model import decide, evaluate
+from continuum.capacity.audit import OVER, SHED, WITHIN, decide, evaluate
+from continuum.capacity.contract import AuditError, RequestClass, parse_contract, read_plan
 from continuum.cli import main as cli_main
-from continuum.contract import AuditError, RequestClass, parse_contract
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "capacity"
 
@@ -18,22 +18,23 @@ name = "c1"
 max_num_batched_tokens = 512
 max_num_seqs = 100
 chunk_size = 512
-prefill_tokens_per_s = 10000
-decode_step_ms = [[1, 10.0], [100, 20.0]]
-kv_read_bytes_per_s = 1e30
 kv_bytes_per_token = 1000
 kv_memory_bytes = 1000000000
 [slo]
 ttft_ms = 5000
 tpot_ms = 100
-queue_delay_ms = 4000
+queue_ms = 4000
+[model]
+name = "service-curve"
+prefill_tokens_per_s = 10000
+decode_step_ms = [[1, 10.0], [100, 20.0]]
+kv_read_bytes_per_s = 1e30
 """
 
 
-def one_class(rate: float, priority: int = 0, **kw) -> RequestClass:
-    fields = dict(name=f"c{priority}", priority=priority, rate_per_s=rate,
-                  prompt_tokens_mean=1000, prompt_tokens_p99=1000, output_tokens_mean=100,
-                  output_tokens_p99=100)
+def one_class(rate: float, tier: int = 0, **kw) -> RequestClass:
+    fields = dict(name=f"c{tier}", tier=tier, rate_per_s=rate, prompt_tokens=1000,
+                  prompt_tokens_p99=1000, output_tokens=100, output_tokens_p99=100)
     fields.update(kw)
     return RequestClass(**fields)
 
@@ -42,6 +43,11 @@ def contract():
     import tomllib
 
     return parse_contract(tomllib.loads(CONTRACT))
+
+
+def audit(contract_path, workload_path):
+    contract, workload = read_plan(contract_path, workload_path)
+    return contract, workload, decide(contract, workload.classes)
 
 
 def write(tmp_path, name: str, text: str) -> pathlib.Path:
@@ -58,7 +64,7 @@ def test_utilization_matches_the_hand_computed_fluid_model():
     assert ev.decode_utilization == pytest.approx(0.04)
     assert ev.utilization == pytest.approx(0.24)
     # Iteration time: t(N) ÷ (1 − 0.2), N solved by Little's law; a floor of 10 ms.
-    assert ev.iteration_ms >= 10 / 0.8
+    assert ev.tpot_ms >= 10 / 0.8
     assert ev.ok
 
 
@@ -67,28 +73,28 @@ def test_load_raises_every_estimate():
     assert high.utilization == pytest.approx(4 * low.utilization)
     assert high.classes[0].queue_ms > low.classes[0].queue_ms
     assert high.peak_kv_bytes > low.peak_kv_bytes
-    assert high.iteration_ms > low.iteration_ms
+    assert high.tpot_ms > low.tpot_ms
 
 
 def test_over_bound_names_the_bound_when_shedding_cannot_help():
     d = decide(contract(), [one_class(20.0)])  # 2.4 × the device: one class, nothing to shed
-    assert d.verdict == "OVER_DECLARED_BOUND"
+    assert d.verdict == OVER
     assert "utilization" in d.offered.violated()
 
 
 def test_kv_bound_alone():
     # Outputs of up to 200 k tokens: ≈ 7 sequences at once × 201 k tokens × 1 kB > 1 GB.
     d = decide(contract(), [one_class(4.0, output_tokens_p99=200_000)])
-    assert d.verdict == "OVER_DECLARED_BOUND"
+    assert d.verdict == OVER
     assert d.offered.violated() == ["kv_memory"]
 
 
 def test_background_is_shed_before_interactive_bounds_fail():
     classes = [one_class(2.0, 0), one_class(1.0, 1),
-               one_class(30.0, 2, best_effort=True, prompt_tokens_mean=2000,
+               one_class(30.0, 2, best_effort=True, prompt_tokens=2000,
                          prompt_tokens_p99=2000)]
     d = decide(contract(), classes)
-    assert d.verdict == "SHED_LOWEST_PRIORITY"
+    assert d.verdict == SHED
     assert d.kept == ["c0", "c1"]
     (name, admitted, offered), = d.shed
     assert name == "c2" and 0 < admitted < offered
@@ -98,9 +104,9 @@ def test_background_is_shed_before_interactive_bounds_fail():
 
 def test_example_files_within_bound_and_shed_background():
     c, _, within = audit(DOCS / "contract.toml", DOCS / "workload.toml")
-    assert within.verdict == "CAPACITY_WITHIN_DECLARED_BOUND"
+    assert within.verdict == WITHIN
     _, _, shed = audit(DOCS / "contract.toml", DOCS / "workload-with-background.toml")
-    assert shed.verdict == "SHED_LOWEST_PRIORITY"
+    assert shed.verdict == SHED
     assert shed.kept == ["interactive", "standard"]
     assert [s[0] for s in shed.shed] == ["background"]
     inter = next(x for x in shed.admitted.classes if x.name == "interactive")
@@ -120,6 +126,8 @@ def test_example_files_within_bound_and_shed_background():
      "prefill_tokens_per_s must be a number"),
     (("ttft_ms = 5000\n", ""), "missing 'ttft_ms'"),
     (("name = \"c1\"", "name = \"c1\"\nmax_utilization = 1.2"), "max_utilization must be < 1"),
+    (("name = \"service-curve\"", "name = \"fluid\""),
+     "model: name must be one of service-curve, partitioned, got 'fluid'"),
 ])
 def test_bad_contract_gets_one_actionable_line(tmp_path, edit, message):
     bad = write(tmp_path, "contract.toml", CONTRACT.replace(*edit))
@@ -132,21 +140,21 @@ WORKLOAD = """
 contract = "c1"
 [[classes]]
 name = "chat"
-priority = 0
+tier = 0
 rate_per_s = 1.0
-prompt_tokens_mean = 500
+prompt_tokens = 500
 prompt_tokens_p99 = 2000
-output_tokens_mean = 100
+output_tokens = 100
 output_tokens_p99 = 400
 """
 
 
 @pytest.mark.parametrize("edit, message", [
     (("prompt_tokens_p99 = 2000", "prompt_tokens_p99 = 300"),
-     "prompt_tokens_p99 (300) must be >= prompt_tokens_mean (500)"),
+     "prompt_tokens_p99 (300) must be >= prompt_tokens (500)"),
     (("rate_per_s = 1.0", "rate_per_s = -1.0"), "rate_per_s must be >= 0"),
     (("contract = \"c1\"", "contract = \"other\""), "written for contract 'other'"),
-    (("priority = 0", "priority = 0\ncancel_fraction = 1.5"), "cancel_fraction must be in [0, 1]"),
+    (("tier = 0", "tier = 0\ncancel_fraction = 1.5"), "cancel_fraction must be in [0, 1]"),
     (("name = \"chat\"", "name = \"chat\"\nrate = 2"), "unknown key 'rate'"),
     (("[[classes]]", "[classes]"), "needs at least one [[classes]] entry"),
 ])
@@ -171,7 +179,7 @@ def test_cli_exit_codes_and_problem_lines(tmp_path, capsys):
                   str(DOCS / "workload.toml")])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "claim=FLUID_SCREENING_MODEL_NOT_A_MEASUREMENT" in out
+    assert "claim=FLUID_CAPACITY_MODEL_NOT_A_MEASUREMENT" in out
     assert "decision=CAPACITY_WITHIN_DECLARED_BOUND" in out
 
     with pytest.raises(SystemExit) as done:

@@ -1,6 +1,6 @@
 """``continuum gate``: refuse a deploy whose latency regressed against the previous build.
 
-The seed's deploy gate, per tier: the candidate fails if its p99 TTFT is more
+The deploy gate, per tier: the candidate fails if its p99 TTFT is more
 than ``--ttft-p99-pct`` (20 %) or its p50 TPOT more than ``--tpot-p50-pct``
 (15 %) above the baseline's — overall and for every tier the baseline served
 (a tier the candidate no longer serves fails). Plus a fairness check on the
@@ -32,8 +32,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from continuum import local_state
-from continuum.report import ReportError, build_report, emit, json_safe, parse_window
+from continuum.ops.report import ReportError, build_report, emit, json_safe, parse_window
+from continuum.serve import local_state
 from telemetry import StoreError, TelemetryStore
 
 

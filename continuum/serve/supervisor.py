@@ -6,7 +6,7 @@ the gateway's readiness probe passes. A dead executor is restarted (the schedule
 its sequences by recompute); a dead scheduler or gateway stops the whole server with a
 clear message. SIGINT/SIGTERM stop all three cleanly.
 
-The crash-loop guard (continuum/restart_guard.py): more than
+The crash-loop guard (continuum/serve/restart_guard.py): more than
 ``--max-executor-restarts`` executor deaths within ``--restart-window-s`` stop the
 server with a line naming both flags. A standby takeover counts like a cold restart:
 the executor still died, and a loop of deaths is a crash loop whether or not a
@@ -24,7 +24,7 @@ The internal planes (scheduler gRPC, executor Hello) need a secret: the one in
 serve's own environment (``CONTINUUM_INTERNAL_SECRET[_FILE]``) if set, else a
 fresh one per run. Children get it through their environment, never on argv (argv is
 world-readable in ``ps``); a fresh one is also kept, mode 0600, for this user's
-``continuum config`` while serve runs (continuum/local_state.py). The executor's ipc
+``continuum config`` while serve runs (continuum/serve/local_state.py). The executor's ipc
 socket lives in a private directory (mode 0700) unless ``--ipc`` names another, which
 must not be writable by others.
 """
@@ -44,10 +44,10 @@ import time
 
 import grpc
 
-from continuum import local_state, serve_tls
-from continuum.procs import http_ready, port_is_free, spawn, stop_all
-from continuum.restart_guard import RestartGuard
-from continuum.serve_config import Configs, ServeConfigError, connect_host
+from continuum.serve import local_state, tls
+from continuum.serve.config import Configs, ServeConfigError, connect_host
+from continuum.serve.procs import http_ready, port_is_free, spawn, stop_all
+from continuum.serve.restart_guard import RestartGuard
 from protos.continuum.v1 import scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
 
@@ -142,7 +142,7 @@ class Supervisor:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise ServeError(str(exc)) from None
         self.gateway, self.scheduler = self.configs.gateway, self.configs.scheduler
-        if (tls_problem := serve_tls.problem(self.scheduler, self.gateway)) is not None:
+        if (tls_problem := tls.problem(self.scheduler, self.gateway)) is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise ServeError(tls_problem)
         self.secret, self.child_env = internal_secret(dict(os.environ))
@@ -213,7 +213,7 @@ class Supervisor:
 
     def _wait_ready(self, started: float) -> None:
         """Returns once the scheduler has an executor and the gateway answers."""
-        with serve_tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
+        with tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 dead = self._dead()
@@ -244,7 +244,7 @@ class Supervisor:
         readiness (/health) says it sees a healthy scheduler: "ready" means a request is
         served and a readiness probe passes, not that one still fails for a moment."""
         g = self.gateway
-        with serve_tls.gateway_probe(g) as ready:
+        with tls.gateway_probe(g) as ready:
             while not self._stop and not ready(0.5):
                 self._check_gateway_alive()
         if g.http_port <= 0 or g.tls_cert_file:
@@ -266,7 +266,7 @@ class Supervisor:
             raise ServeError("the gateway exited while starting (see its message above)")
 
     def _watch(self) -> int:
-        with serve_tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
+        with tls.scheduler_channel(self.gateway, self.gateway.scheduler_address) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
             while not self._stop:
                 time.sleep(0.5)

@@ -4,7 +4,7 @@ Talks to one scheduler replica's admin service (``continuum.v1.SchedulerAdmin``)
 with the deployment's internal secret from the environment, as gateways do
 (CONTINUUM_INTERNAL_SECRET or CONTINUUM_INTERNAL_SECRET_FILE), or, without one, the
 secret a ``continuum serve`` of the same user generated for that scheduler port
-(continuum/local_state.py: so it works against ``make run`` as is). A change is
+(continuum/serve/local_state.py: so it works against ``make run`` as is). A change is
 validated by the scheduler with the same rules as at start, applied between two
 steps, and recorded as a new version with its author and reason.
 
@@ -27,7 +27,7 @@ import sys
 
 import grpc
 
-from continuum import local_state
+from continuum.serve import local_state
 from protos.continuum.v1 import scheduler_pb2 as pb
 from protos.continuum.v1 import scheduler_pb2_grpc
 from runtime import internal_auth
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, stub) -> int:
 def _secret(scheduler: str) -> bytes | None:
     """The deployment's secret from the environment; without one, the secret a
     ``continuum serve`` of this user generated for the scheduler on that port
-    (continuum/local_state.py)."""
+    (continuum/serve/local_state.py)."""
     try:
         return internal_auth.load_secret()
     except internal_auth.SecretError:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import pathlib
 
-from continuum import local_state
+from continuum.serve import local_state
 from executor_svc.settings import ExecutorConfig
 from gateway.config import GatewayConfig
 from runtime import config_flags
@@ -33,7 +33,7 @@ class ServeConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """What ``continuum serve`` itself decides: how many executors, and when to give up
-    replacing them (the crash-loop guard, continuum/restart_guard.py)."""
+    replacing them (the crash-loop guard, continuum/serve/restart_guard.py)."""
 
     standby_executors: int | None = knob(
         None, "warm standby executors (loaded, idle) that take over on the next step when the "

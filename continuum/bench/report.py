@@ -16,7 +16,7 @@ from protos import tiers
 from sim.metrics import cost_per_million, summarize
 
 if TYPE_CHECKING:  # the clients load grpc and aiohttp, which a report does not need
-    from continuum.bench_clients import Outcome
+    from continuum.bench.clients import Outcome
 
 
 def summarize_outcomes(outcomes: Sequence[Outcome], duration_s: float,

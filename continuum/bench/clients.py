@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import grpc
 
-from continuum.bench_workload import Spec
+from continuum.bench.workload import Spec
 from protos import tiers
 from protos.continuum.v1 import generation_pb2 as gen
 from protos.continuum.v1 import generation_pb2_grpc, sampling_pb2
