@@ -115,7 +115,8 @@ async def serve(args: SchedulerProcessConfig, config: SchedulerConfig,
                 file_bytes: bytes = b"") -> None:
     """``config``: the startup config (``args.core`` under the config file's fields)."""
     private_ipc_dir(args.ipc)
-    loop = EngineLoop(config, args.ipc, secret=secret, plan_channel=args.plan_channel)
+    loop = EngineLoop(config, args.ipc, secret=secret, plan_channel=args.plan_channel,
+                      heartbeat_timeout_s=args.executor_heartbeat_timeout_s)
     loop.recorder = open_telemetry(args, config)
     kv_events = start_kv_events(args, loop)
     admin = ConfigAdmin(loop, config, args.core, source="command line" + (

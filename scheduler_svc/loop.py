@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from typing import Protocol
 
@@ -38,12 +37,9 @@ from scheduler_svc.telemetry import Recorder
 
 log = structlog.get_logger("scheduler.loop")
 
-# Idle: a heartbeat every HEARTBEAT_S; no answer within HEARTBEAT_TIMEOUT_S
+# Idle: a heartbeat every HEARTBEAT_S; no answer within --executor-heartbeat-timeout-s
 # means the executor is hung.
 HEARTBEAT_S = 1.0
-HEARTBEAT_TIMEOUT_S = 5.0
-# Tests shorten the heartbeat timeout with this (seconds).
-ENV_HEARTBEAT_TIMEOUT = "CONTINUUM_EXECUTOR_HEARTBEAT_TIMEOUT_S"
 _FROM_ENV = object()
 
 
@@ -94,7 +90,8 @@ class EngineLoop:
     """
 
     def __init__(self, config: SchedulerConfig, ipc_address: str,
-                 secret: bytes | None | object = _FROM_ENV, plan_channel: str = "auto") -> None:
+                 secret: bytes | None | object = _FROM_ENV, plan_channel: str = "auto",
+                 heartbeat_timeout_s: float = 5.0) -> None:
         """``secret``: what an executor's Hello must be signed with; by default the
         deployment's (internal_auth.load_secret: raises SecretError when none is set).
         ``plan_channel``: "auto" (the ring on a host with a core to spare for its reader),
@@ -105,8 +102,7 @@ class EngineLoop:
         self.link = ExecutorLink(ipc_address, self._on_hello, self._on_result,
                                  self._on_lost, secret=secret, on_fatal=self._die,
                                  plan_channel=plan_channel)
-        self.heartbeat_timeout_s = float(os.environ.get(ENV_HEARTBEAT_TIMEOUT)
-                                         or HEARTBEAT_TIMEOUT_S)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         # Resolved (with the reason) when a task the loop depends on died.
         self.fatal: asyncio.Future[str] | None = None
         self.streams = Streams()  # each request's call's stream

@@ -48,6 +48,10 @@ class SchedulerProcessConfig:
     kv_events_allow_remote: bool = knob(False, "allow binding the unauthenticated KV event "
                                                "ports off loopback (where a NetworkPolicy "
                                                "admits only routers)")
+    executor_heartbeat_timeout_s: float = knob(
+        5.0, "seconds an idle executor may leave a heartbeat unanswered before it is taken "
+             "for hung (its standby takes over; a busy one is held to its step's deadline)",
+        above=0)
     plan_channel: str = knob(
         "auto", "how plans reach the executor: shm (a shared-memory ring the executor reads "
                 "in place, ZeroMQ as the doorbell; plans stay on ZeroMQ where there is no "

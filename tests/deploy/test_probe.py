@@ -16,7 +16,6 @@ import time
 import pytest
 
 from continuum.serve.procs import free_port
-from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
 
 PROBE = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "probe.py"
 READY_S = 240
@@ -67,12 +66,13 @@ def test_without_a_scheduler_only_the_liveness_form_passes():
 def test_a_hung_executor_fails_its_probe(tmp_path, model_dir):
     ipc, port = f"ipc://{tmp_path}/private/executor.sock", free_port()
     address = ("--address", f"127.0.0.1:{port}")
-    env = {**os.environ, ENV_HEARTBEAT_TIMEOUT: "2", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
 
     def spawn(*args: str) -> subprocess.Popen:
         return spawn_module(env, *args)
 
-    scheduler = spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port))
+    scheduler = spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port),
+                      "--executor-heartbeat-timeout-s", "2")
     procs = [scheduler]
     try:
         wait_for_probe(("scheduler", *address), 0, READY_S)
@@ -114,7 +114,7 @@ def test_in_a_pod_with_a_standby_each_executor_probes_for_itself(tmp_path, model
     the hung one only, and passes again once its restart registers as the standby."""
     ipc, port = f"ipc://{tmp_path}/private/executor.sock", free_port()
     address = ("--address", f"127.0.0.1:{port}")
-    env = {**os.environ, ENV_HEARTBEAT_TIMEOUT: "2", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
     files = {name: str(tmp_path / f"{name}.incarnation") for name in ("a", "b")}
 
     def spawn(*args: str) -> subprocess.Popen:
@@ -128,7 +128,8 @@ def test_in_a_pod_with_a_standby_each_executor_probes_for_itself(tmp_path, model
     def own(name: str) -> tuple[str, ...]:
         return ("executor", *address, "--incarnation-file", files[name])
 
-    procs = [spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port))]
+    procs = [spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port),
+                   "--executor-heartbeat-timeout-s", "2")]
     try:
         wait_for_probe(("scheduler", *address), 0, READY_S)
         procs.append(executor("a"))

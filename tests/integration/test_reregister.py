@@ -21,7 +21,6 @@ from protos import wire
 from protos.continuum.v1 import executor_pb2 as pb
 from protos.continuum.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from runtime import internal_auth
-from scheduler_svc.loop import ENV_HEARTBEAT_TIMEOUT
 from tests.scheduler.submit_client import Stream, StreamFailed, submit
 
 pytestmark = pytest.mark.integration
@@ -29,7 +28,7 @@ READY_S = 240
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    env = {**os.environ, ENV_HEARTBEAT_TIMEOUT: "2", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
     return subprocess.Popen([sys.executable, "-m", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -48,7 +47,7 @@ def wait_for(predicate, what: str, timeout: float = READY_S):
 def replica(tmp_path, model_dir):
     ipc, port = f"ipc://{tmp_path}/replica.sock", free_port()
     procs = [spawn("scheduler_svc", "--ipc", ipc, "--scheduler-port", str(port),
-                   "--plan-channel", "shm"),
+                   "--plan-channel", "shm", "--executor-heartbeat-timeout-s", "2"),
              spawn("executor_svc", "--model", str(model_dir), "--ipc", ipc, "--device", "cpu",
                    "--kv-cache-bytes", "8MiB", "--warmup-tokens", "16", "--threads", "2")]
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -123,7 +122,8 @@ def test_a_drain_past_its_grace_period_ends_each_stream_with_unavailable(tmp_pat
     its stream ends with a status and a message, not a cut connection."""
     port = free_port()
     scheduler = spawn("scheduler_svc", "--ipc", f"ipc://{tmp_path}/s.sock",
-                      "--scheduler-port", str(port), "--grace-period", "0.5")
+                      "--scheduler-port", str(port), "--grace-period", "0.5",
+                      "--executor-heartbeat-timeout-s", "2")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
