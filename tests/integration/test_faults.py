@@ -40,7 +40,8 @@ def executor_pid(server) -> int:
                 cmd = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"executor_svc" in cmd and server.ipc.encode() in cmd:
+            # serve hands the executor its config, ipc address included, as one document
+            if b"executor_svc" in cmd and any(server.ipc.encode() in arg for arg in cmd):
                 return int(entry.name)
     raise AssertionError("no executor process found")
 
