@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from executor_svc.kv_cache import KVCache
+from executor_svc.lora import LoraBatch
 from executor_svc.model_config import ModelConfig
 from executor_svc.models import registry
 from executor_svc.models.base import LAYER_PREFIX, Architecture
@@ -225,7 +226,12 @@ class DecoderModel:
         backend: AttentionBackend,
         kv: KVCache,
         sample_rows: torch.Tensor,  # [S] int64, rows whose next-token logits are needed
+        lora: LoraBatch | None = None,  # the step's adapters per token; None: none active
     ) -> torch.Tensor:  # [S, V] float32
+        if lora is not None and self.tp is not None:
+            raise ValueError("LoRA adapters are not supported under tensor parallelism")
+        if lora is not None and not lora.groups:  # every row on the base model
+            lora = None
         # [T, H]; vocab-parallel: each rank looks up the ids in its slice, then all-reduce.
         x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)
         if self.embed_scale is not None:
@@ -233,11 +239,14 @@ class DecoderModel:
         x = x.t().contiguous()  # [H, T], hidden-major from here on
         ropes = [self._rope(positions, f) for f in self.inv_freqs]  # ([D, T], [D, T]) each
         prepared = backend.prepare(meta)
-        if not self._run_natively(x, *ropes[0], slot_mapping, backend, prepared, kv):
+        # The native decoder fuses each layer's projections with no place for a delta: a
+        # step with any LoRA row takes the per-op layers (the same values for base rows).
+        if lora is not None or not self._run_natively(x, *ropes[0], slot_mapping, backend,
+                                                      prepared, kv):
             ffn = None  # a layer's FFN output, added to x by the next layer's first norm
             for i, layer in enumerate(self.layers):
                 ffn = layer.forward(self, x, ffn, *ropes[layer.rope_index], i, slot_mapping,
-                                    backend, prepared, kv)
+                                    backend, prepared, kv, lora)
             if ffn is not None:
                 x += ffn
         # Only sampling rows need the LM head (~6 ms per row on 2 CPU cores).
@@ -319,22 +328,28 @@ class DecoderLayer:
             k.copy_(rms_norm(k, self.k_norm, eps, dim=1))
 
     def forward(self, model: DecoderModel, x, ffn, cos, sin, i, slot_mapping, backend, prepared,
-                kv):
+                kv, lora: LoraBatch | None = None):
         """Adds ``ffn`` (the previous layer's FFN output, or None) and this layer's attention
         output to x [H, T] in place; returns this layer's FFN output [H, T], not yet added
-        (the next norm fuses the add)."""
+        (the next norm fuses the add). ``lora``: adapter deltas join each projection's
+        output (fused q/k/v and gate/up by rows) before anything else reads it."""
         # Hq, Hkv and I are this rank's shares under tp; x stays whole [H, T] on every rank.
         hq, hkv, tp = model.num_heads, model.num_kv_heads, model.tp
         t = x.shape[1]
         h = model.add_norm(x, ffn, self.attn_norm)  # [H, T]
         qkv = project(self.wqkv, h)  # [(Hq + 2 Hkv) D, T]
+        if lora is not None:
+            lora.add(i, "qkv", h, qkv)
         if self.bqkv is not None or self.q_norm is not None:
             self.adjust_qkv(qkv, hq, hkv, model.config.rms_norm_eps)
         q, k, v = model.qkv_rows(qkv, cos, sin, hq, hkv)  # [T, Hq | Hkv, D]
         kv.write(i, k, v, slot_mapping)
         o = backend.forward(q, k, v, kv.key_cache(i), kv.value_cache(i), prepared, model.scale,
                             window=self.window)
-        attn = project(self.wo, o.reshape(t, -1).t())  # [H, T]; a partial sum under tp
+        o = o.reshape(t, -1).t()  # [Hq D, T]
+        attn = project(self.wo, o)  # [H, T]; a partial sum under tp
+        if lora is not None:
+            lora.add(i, "o", o, attn)
         if tp is not None:
             tp.all_reduce(attn)
         eps = model.config.rms_norm_eps
@@ -342,9 +357,13 @@ class DecoderLayer:
             attn = rms_norm(attn, self.post_attn_norm, eps, dim=0)
         h = model.add_norm(x, attn, self.ffn_norm)
         gate_up = project(self.w13, h)  # [2 I, T]: gate rows, then up rows
+        if lora is not None:
+            lora.add(i, "gate_up", h, gate_up)
         inter = gate_up.shape[0] // 2
         act = model.gated_act(gate_up[:inter], gate_up[inter:])  # [I, T]
         ffn = project(self.w2, act)  # [H, T]; a partial sum under tp
+        if lora is not None:
+            lora.add(i, "down", act, ffn)
         if tp is not None:
             tp.all_reduce(ffn)
         if self.post_ffn_norm is not None:
